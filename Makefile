@@ -1,0 +1,31 @@
+# Two commands: `make demo` and `make test`. Both set up .venv first (reused when present).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch 2.13.0+cpu lies on disk on these machines; elsewhere pip resolves the range in pyproject.
+TORCH_WHEELS := $(wildcard /opt/wheels)
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) "torch==2.13.0" || \
+		$(BIN)/python -m pip install -q "torch>=2.4,<=2.14.1"
+	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/rollstream train examples/tick.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not ray and not browser"
+
+clean:
+	rm -rf $(VENV) .cache runs

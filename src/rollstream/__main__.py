@@ -1,0 +1,3 @@
+from rollstream.cli import main
+
+raise SystemExit(main())

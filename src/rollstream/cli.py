@@ -1,0 +1,87 @@
+"""The ``rollstream`` command line.
+
+    rollstream train CONFIG.yaml [key=value ...]   run RL post-training (the main job)
+    rollstream bench NAME [--json OUT]             run a benchmark: prints a table, writes JSON
+    rollstream report RUN_DIR                      write a self-contained HTML report of a run
+
+Heavy modules are imported inside each command so that ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+BENCHES = {
+    "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
+    "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
+    "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
+    "vllm": "local engine vs a real vLLM server; weight-sync time",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rollstream",
+        description="Asynchronous RL post-training for LLMs, built around rollout infrastructure.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    t = sub.add_parser(
+        "train",
+        help="run RL post-training from a YAML config",
+        description="Run RL post-training. The run directory (runs/<name>) receives the resolved "
+        "config, metrics.jsonl, the ledger, checkpoints and summary.json.",
+    )
+    t.add_argument("config", type=Path, help="YAML config file (see examples/)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 rollout.mode=sync")
+
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark (prints a table, writes JSON)",
+        description="Benchmarks measure; they do not assert. Available:\n"
+        + "\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    b.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
+    b.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+
+    r = sub.add_parser(
+        "report",
+        help="write a self-contained HTML report of a run directory",
+        description="Write RUN_DIR/report.html with reward and throughput curves, the staleness "
+        "histogram, the rollout timeline, the resolved config and the ledger summary.",
+    )
+    r.add_argument("run_dir", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from rollstream.config import ConfigError
+
+    try:
+        if args.command == "train":
+            from rollstream.config import load_config
+            from rollstream.runtime.train import run_training
+
+            cfg = load_config(args.config, args.overrides)
+            run_training(cfg)
+        elif args.command == "bench":
+            mod = importlib.import_module(f"rollstream.bench.{args.name}")
+            mod.main(json_out=args.json_out, quick=args.quick)
+        elif args.command == "report":
+            from rollstream.monitor.report import write_report
+
+            print(write_report(args.run_dir))
+    except ConfigError as e:
+        print(f"rollstream: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""YAML + dotted ``key=value`` overrides -> a validated :class:`RunConfig`.
+
+Errors name the field path, the offending value and what is allowed; unknown keys get a
+"did you mean" when a known key is close.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rollstream.config.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message says where and why."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        apply_override(data, item)
+    return validate(data)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override in place (value parsed as YAML)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[_index(part, node, parts[: i + 1])]
+            continue
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = _default_container(parts[: i + 1])
+            node[part] = nxt
+        node = nxt
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(last, node, parts)] = value
+    else:
+        node[last] = value
+
+
+def _index(part: str, node: list, path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override path {'.'.join(path)}: {part!r} is not an index below {len(node)}")
+    return int(part)
+
+
+def _default_container(path: list[str]) -> Any:
+    """Materialise defaults for a path an override reaches into (e.g. tasks.sources.0.kind)."""
+    node: Any = RunConfig()
+    for part in path:
+        if isinstance(node, (list, tuple)):
+            node = node[int(part)] if part.isdigit() and int(part) < len(node) else None
+        else:
+            node = getattr(node, part, None)
+        if node is None:
+            return {}
+    if isinstance(node, BaseModel):
+        return {}
+    if isinstance(node, (list, tuple)):
+        return [x.model_dump() if isinstance(x, BaseModel) else x for x in node]
+    return {}
+
+
+def validate(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+
+
+def _format(err: ValidationError) -> str:
+    lines = [f"invalid config ({err.error_count()} problem{'s' if err.error_count() > 1 else ''}):"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key {loc!r}" + _did_you_mean(e["loc"])
+        else:
+            value = e.get("input")
+            shown = repr(value) if not isinstance(value, dict) else "{...}"
+            msg = f"{loc} = {shown}: {e['msg']}"
+            allowed = _allowed(e)
+            if allowed:
+                msg += f" (allowed: {allowed})"
+        lines.append("  - " + msg)
+    return "\n".join(lines)
+
+
+def _allowed(e: dict[str, Any]) -> str:
+    ctx = e.get("ctx") or {}
+    for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if k in ctx:
+            return f"{sym} {ctx[k]}"
+    return ""
+
+
+def _did_you_mean(loc: tuple) -> str:
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return ""
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        model = inner[0] if inner and isinstance(inner[0], type) else ann
+    if not hasattr(model, "model_fields"):
+        return ""
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    where = ".".join(str(x) for x in loc[:-1]) or "the top level"
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} (known keys under {where}: {', '.join(known)})"

@@ -1,0 +1,257 @@
+"""The config tree. Each component receives only its own section.
+
+Every field has a default and a docstring (the text under it). Models are frozen and forbid
+unknown keys; the loader turns validation errors into messages naming the field path, the
+value and what is allowed. Derived runtime values are returned by builders, never written
+back here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class TinyModelConfig(Section):
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture family written to config.json."""
+    hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention when < num_heads)."""
+    intermediate_size: int = Field(384, ge=8)
+    """MLP width."""
+    max_position: int = Field(512, ge=16)
+    """Maximum sequence length (prompt + response)."""
+    seed: int = 0
+    """Initialisation seed."""
+
+
+class WarmStartConfig(Section):
+    steps: int = Field(250, ge=0)
+    """Supervised steps on noisy demonstrations before RL (0 = none). Cached by content hash."""
+    lr: float = Field(3e-3, gt=0)
+    """Learning rate of the warm start."""
+    tokens_per_step: int = Field(4096, ge=64)
+    """Tokens per supervised step."""
+    noise: float = Field(0.15, ge=0, le=1)
+    """Probability that a demonstration step slips by one (keeps RL headroom)."""
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A Hugging Face causal-LM folder (Llama/Qwen2 family). When null, the tiny-model kit
+    builds one (``tiny``), warm-starts it on the run's tasks and caches it under cache_dir."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the model the kit builds when ``path`` is null."""
+    warm_start: WarmStartConfig = WarmStartConfig()
+    """Supervised warm start applied to a kit-built model."""
+    cache_dir: str = ".cache/rollstream"
+    """Where built models and warm starts are cached."""
+
+
+class SourceConfig(Section):
+    kind: Literal["tick", "digits", "math"] = "tick"
+    """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (digit-reversal
+    lists, long-tailed), ``math`` (small arithmetic, graded by math-verify)."""
+    weight: float = Field(1.0, gt=0)
+    """Share of training tasks drawn from this source."""
+    max_items: int = Field(32, ge=1)
+    """Upper bound on answer items (caps the long tail)."""
+    pareto_alpha: float = Field(1.1, gt=0)
+    """Shape of the Pareto distribution of the number of items (smaller = longer tail)."""
+
+
+class TasksConfig(Section):
+    sources: tuple[SourceConfig, ...] = (SourceConfig(),)
+    """Task sources mixed by weight."""
+    num_eval: int = Field(64, ge=0)
+    """Held-out prompts scored at the start and the end of a run."""
+    seed: int = 0
+    """Seed of task generation (train and eval streams are disjoint)."""
+
+
+class LocalEngineConfig(Section):
+    max_slots: int = Field(64, ge=1)
+    """Concurrent sequences (KV cache rows). Further requests queue, never crash."""
+    max_seq_len: int = Field(512, ge=8)
+    """KV cache length per slot (prompt + response)."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads of the engine thread (0 = leave as is)."""
+    device: str = "auto"
+    """``auto`` (cuda when present, else cpu), ``cpu`` or ``cuda``."""
+
+
+class VllmEngineConfig(Section):
+    urls: tuple[str, ...] = ()
+    """Attach to running servers instead of launching (e.g. http://127.0.0.1:8000)."""
+    num_servers: int = Field(1, ge=1)
+    """Servers to launch on 127.0.0.1 when urls is empty."""
+    max_model_len: int = Field(512, ge=16)
+    """vLLM --max-model-len (keep identical across runs to reuse the compile cache)."""
+    kv_cache_bytes: int = Field(268435456, ge=1 << 20)
+    """vLLM --kv-cache-memory-bytes."""
+    enforce_eager: bool = True
+    """Skip torch.compile (faster start on CPU)."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """How long to wait for /health."""
+    extra_args: tuple[str, ...] = ()
+    """Extra command-line arguments for the server."""
+
+
+class EngineConfig(Section):
+    kind: Literal["local", "vllm"] = "local"
+    """Which engine serves rollouts."""
+    num_engines: int = Field(1, ge=1)
+    """Engine replicas (local: in this process)."""
+    local: LocalEngineConfig = LocalEngineConfig()
+    """Settings of the embedded engine."""
+    vllm: VllmEngineConfig = VllmEngineConfig()
+    """Settings of the vLLM engine."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    """Rollout temperature (0 = greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k cut (0 = off)."""
+    max_new_tokens: int = Field(240, ge=1)
+    """Response length cap."""
+
+
+class RolloutConfig(Section):
+    mode: Literal["sync", "one_step", "async"] = "async"
+    """``sync``: generate a batch, train, repeat (on-policy). ``one_step``: rollout of step k+1
+    overlaps training of step k. ``async``: continuous rollout bounded by max_staleness."""
+    max_staleness: int = Field(2, ge=0)
+    """Largest (trainer step - oldest token version) a trained sample may have (async)."""
+    partial_rollout: bool = True
+    """On a weight update, interrupt in-flight samples and resume them on the new weights
+    (keeping their tokens) instead of letting them finish on the old ones."""
+    on_update: Literal["interrupt", "continue"] = "interrupt"
+    """With partial_rollout: ``interrupt`` (abort at a token boundary and resubmit prompt +
+    partial) or ``continue`` (keep the request, later tokens carry the new version)."""
+    group_size: int = Field(8, ge=1)
+    """Samples per task (the GRPO group)."""
+    max_concurrency: int = Field(64, ge=1)
+    """Samples in flight at once across engines."""
+    filter_zero_variance: bool = True
+    """Mark groups whose rewards are all equal FILTERED (no learning signal)."""
+
+
+class RewardConfig(Section):
+    name: str = "auto"
+    """Registered reward function; ``auto`` picks each source's own verifier."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-call timeout; a reward that hangs past it marks the sample FAILED."""
+    num_workers: int = Field(4, ge=1)
+    """Concurrent reward calls."""
+
+
+class ISCorrectionConfig(Section):
+    level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token or per sequence (geometric mean)."""
+    mode: Literal["none", "truncate", "mask"] = "truncate"
+    """Truncated IS (cap the weight) or masked IS (drop tokens whose weight leaves bounds)."""
+    cap: float = Field(2.0, gt=1)
+    """Upper bound (truncate) or upper mask threshold (mask)."""
+    lower: float = Field(0.5, gt=0, lt=1)
+    """Lower mask threshold (mask mode)."""
+
+
+class TrainConfig(Section):
+    steps: int = Field(60, ge=1)
+    """Optimizer steps (each publishes a new weight version)."""
+    groups_per_step: int = Field(16, ge=1)
+    """Groups (prompts) per trainer step."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator."""
+    loss: Literal["ppo_clip", "decoupled_ppo"] = "ppo_clip"
+    """Policy loss. ``decoupled_ppo`` clips against the proximal (pre-step) policy and weights
+    by behaviour/proximal importance ratios (AReaL)."""
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range."""
+    is_correction: ISCorrectionConfig = ISCorrectionConfig()
+    """Engine–trainer mismatch correction."""
+    max_token_age: int | None = Field(None, ge=0)
+    """Mask out tokens whose version is older than trainer step - this (None = off)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the initial (reference) policy (0 = no reference model)."""
+    lr: float = Field(2e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    updates_per_step: int = Field(2, ge=1)
+    """Passes over each step's batch (each pass is one optimizer update)."""
+    micro_batch_tokens: int = Field(8192, ge=16)
+    """Token budget of one micro-batch (gradient accumulation)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training precision."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads of the trainer (0 = leave as is)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save an HF checkpoint every N steps (0 = only at the end)."""
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)
+    """Score the held-out prompts every N steps (0 = only at the start and the end)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of evaluation."""
+
+
+class MonitorConfig(Section):
+    progress: bool = True
+    """Rich terminal progress."""
+    dashboard: bool = False
+    """Serve the live dashboard on 127.0.0.1."""
+    dashboard_port: int = Field(0, ge=0, le=65535)
+    """Dashboard port (0 = pick a free one)."""
+    prometheus_port: int | None = Field(None, ge=0, le=65535)
+    """Expose Prometheus metrics on this port (None = off)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files."""
+    report: bool = True
+    """Write the HTML report at the end of the run."""
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """Run name; the run directory is ``{run_root}/{name}``."""
+    run_root: str = "runs"
+    """Parent folder of run directories."""
+    seed: int = 0
+    """Global seed."""
+    max_wall_s: float | None = Field(None, gt=0)
+    """Stop training after this many seconds (None = run all steps)."""
+    model: ModelConfig = ModelConfig()
+    tasks: TasksConfig = TasksConfig()
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    monitor: MonitorConfig = MonitorConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> RunConfig:
+        if self.model.path is None and self.model.tiny.num_heads % self.model.tiny.num_kv_heads:
+            raise ValueError(
+                "model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads "
+                f"(got {self.model.tiny.num_heads} and {self.model.tiny.num_kv_heads})"
+            )
+        return self

@@ -1,0 +1,112 @@
+"""The engine contract: token in, token out, interruptible, versioned.
+
+Every engine (the embedded ``local`` engine, a real ``vllm`` server, the simulator's fake)
+implements :class:`Engine`. The rollout layer talks to engines only through it.
+
+Semantics every implementation honours (the contract tests in tests/engine check them):
+
+* ``generate`` takes prompt token ids and returns sampled token ids, the behaviour-policy
+  logprob of each, and the weight version that sampled each token. No text, no re-tokenizing.
+* ``interrupt(ids)`` (``None`` = every in-flight request) stops those requests at the next
+  token boundary; their ``generate`` calls return at once with ``finish_reason=ABORT`` and the
+  tokens produced so far. Resubmitting ``prompt + partial`` with ``max_new_tokens`` reduced by
+  ``len(partial)`` continues the sample; under greedy decoding the concatenated stream equals
+  the uninterrupted one.
+* ``load_weights(version, tensors)`` installs new weights between two forward passes: no
+  forward pass mixes versions; tokens sampled after it carry ``version``. In-flight requests
+  are continued in place (callers that want interrupt-and-resume call ``interrupt`` first).
+* Bad input (prompt longer than the context, invalid sampling params) fails that request
+  with ``finish_reason=ERROR`` and a message; the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # keep torch out of light imports
+    import torch
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # per-request seed; None = engine's generator
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token was sampled (it is included in token_ids)
+    LENGTH = "length"  # max_new_tokens or the context limit reached
+    ABORT = "abort"  # interrupted; token_ids holds the partial output
+    ERROR = "error"  # the request failed; see GenerateOutput.error
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerateOutput:
+    request_id: str
+    token_ids: list[int]  # [T]
+    logprobs: list[float]  # [T] logprob under the sampling distribution's logits (T=1)
+    versions: list[int]  # [T] weight version that sampled each token
+    finish_reason: FinishReason
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"request {self.request_id}: token_ids/logprobs/versions lengths "
+                f"{n}/{len(self.logprobs)}/{len(self.versions)} differ"
+            )
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineStats:
+    engine_id: str
+    version: int
+    num_running: int
+    num_waiting: int
+    capacity: int  # concurrent sequences the engine can hold
+    generated_tokens: int  # total since start
+    busy_s: float  # seconds spent in forward passes since start
+
+
+@runtime_checkable
+class Engine(Protocol):
+    engine_id: str
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    async def interrupt(self, request_ids: Sequence[str] | None = None) -> None: ...
+
+    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    async def close(self) -> None: ...

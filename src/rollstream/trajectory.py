@@ -1,0 +1,239 @@
+"""The trajectory data model: Task -> Group -> Sample -> Segment -> per-token fields.
+
+One source of truth for what flows from the data sources through the engines, the graders
+and the trainer (DESIGN.md, "Data model"). Everything here is plain Python (no torch), so the
+scheduler, the simulator and the config stay light.
+
+Invariants checked at construction:
+  * every per-token list of a Segment has ``len(token_ids)`` entries;
+  * ``policy`` segments carry a real policy version on every token (>= 0); ``env`` segments
+    (tokens the environment inserted: tool output, the next user turn) carry version -1 and a
+    zero loss mask, because nothing sampled them;
+  * ids are stable strings: ``task_uid`` (source + seed + index), ``group_id``
+    (``{task_uid}#g{k}``) and ``sample_uid`` (``{group_id}/{sample_idx}``).
+
+Lifecycle: a Sample moves PENDING -> RUNNING (-> INTERRUPTED -> RUNNING)* -> GENERATED ->
+GRADED and then reaches exactly one terminal status: TRAINED, FILTERED, DROPPED_STALE,
+FAILED or EVALUATED (held-out samples that are scored, never trained).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    INTERRUPTED = "interrupted"  # partial tokens kept, waiting to resume
+    GENERATED = "generated"  # engine done, reward not yet known
+    GRADED = "graded"  # reward known, waiting for the trainer
+    # terminal
+    TRAINED = "trained"
+    FILTERED = "filtered"  # e.g. a group with zero reward variance
+    DROPPED_STALE = "dropped_stale"  # would exceed max_staleness
+    FAILED = "failed"  # engine error, reward error, bad data: see Sample.failure
+    EVALUATED = "evaluated"  # held-out evaluation sample
+
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {
+        SampleStatus.TRAINED,
+        SampleStatus.FILTERED,
+        SampleStatus.DROPPED_STALE,
+        SampleStatus.FAILED,
+        SampleStatus.EVALUATED,
+    }
+)
+
+
+class SegmentKind(str, enum.Enum):
+    POLICY = "policy"  # sampled by the policy: trained on
+    ENV = "env"  # inserted by the environment / tools: never trained on
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Task:
+    """A prompt and what its reward needs."""
+
+    uid: str
+    source: str
+    prompt_ids: tuple[int, ...]
+    prompt_text: str
+    reference: str  # the answer the verifier checks against
+
+    def __post_init__(self) -> None:
+        if not self.uid:
+            raise ValueError("Task.uid must be a non-empty string")
+        if not self.prompt_ids:
+            raise ValueError(f"task {self.uid}: prompt_ids is empty")
+
+
+@dataclass(slots=True, kw_only=True)
+class Segment:
+    """A run of consecutive response tokens from one producer."""
+
+    kind: SegmentKind
+    token_ids: list[int]  # [T]
+    logprobs: list[float]  # [T] behaviour-policy logprob; 0.0 for env tokens
+    versions: list[int]  # [T] policy version that sampled the token; -1 for env tokens
+    loss_mask: list[bool]  # [T]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for name in ("logprobs", "versions", "loss_mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Segment.{name} has {len(getattr(self, name))} entries, token_ids has {n}"
+                )
+        if self.kind is SegmentKind.POLICY:
+            if any(v < 0 for v in self.versions):
+                raise ValueError("policy tokens need a policy version >= 0")
+        elif any(v != -1 for v in self.versions) or any(self.loss_mask):
+            raise ValueError("env tokens carry version -1 and loss_mask False")
+
+    @classmethod
+    def env(cls, token_ids: list[int]) -> Segment:
+        n = len(token_ids)
+        return cls(
+            kind=SegmentKind.ENV,
+            token_ids=list(token_ids),
+            logprobs=[0.0] * n,
+            versions=[-1] * n,
+            loss_mask=[False] * n,
+        )
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def group_id_of(task_uid: str, k: int = 0) -> str:
+    return f"{task_uid}#g{k}"
+
+
+@dataclass(slots=True, kw_only=True)
+class Sample:
+    """One trajectory of one task."""
+
+    task: Task
+    group_id: str
+    sample_idx: int
+    segments: list[Segment] = field(default_factory=list)
+    status: SampleStatus = SampleStatus.PENDING
+    reward: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" once generated
+    failure: str | None = None  # why it FAILED / was FILTERED / DROPPED_STALE
+    engine_id: str | None = None
+    num_interrupts: int = 0
+    trained_at_step: int | None = None
+    # timing on the injected clock (seconds)
+    t_dispatch_s: float | None = None
+    t_generated_s: float | None = None
+    t_graded_s: float | None = None
+
+    @property
+    def uid(self) -> str:
+        return f"{self.group_id}/{self.sample_idx}"
+
+    # --- concatenated per-token views (response only; the prompt is task.prompt_ids) ---
+    @property
+    def response_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [x for s in self.segments for x in s.logprobs]
+
+    @property
+    def versions(self) -> list[int]:
+        return [v for s in self.segments for v in s.versions]
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        return [m for s in self.segments for m in s.loss_mask]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+    def min_version(self) -> int | None:
+        """Oldest policy version among sampled tokens (None if nothing was sampled yet)."""
+        vs = [v for s in self.segments if s.kind is SegmentKind.POLICY for v in s.versions]
+        return min(vs) if vs else None
+
+    def staleness(self, trainer_step: int) -> int:
+        """Trainer step minus the oldest version of the sample's tokens (0 if none yet)."""
+        v = self.min_version()
+        return 0 if v is None else trainer_step - v
+
+    def append_policy_tokens(
+        self, token_ids: list[int], logprobs: list[float], versions: list[int]
+    ) -> None:
+        """Append engine output, merging into the last policy segment (token-exact TITO)."""
+        if not token_ids:
+            return
+        seg = Segment(
+            kind=SegmentKind.POLICY,
+            token_ids=list(token_ids),
+            logprobs=list(logprobs),
+            versions=list(versions),
+            loss_mask=[True] * len(token_ids),
+        )
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.kind is SegmentKind.POLICY:
+            last.token_ids.extend(seg.token_ids)
+            last.logprobs.extend(seg.logprobs)
+            last.versions.extend(seg.versions)
+            last.loss_mask.extend(seg.loss_mask)
+        else:
+            self.segments.append(seg)
+
+    def mark(self, status: SampleStatus, reason: str | None = None) -> None:
+        """Move to ``status``; a terminal status is final."""
+        if self.status.is_terminal():
+            raise AssertionError(
+                f"sample {self.uid} is already {self.status.value}; cannot become {status.value}"
+            )
+        self.status = status
+        if reason is not None:
+            self.failure = reason
+
+
+@dataclass(slots=True, kw_only=True)
+class Group:
+    """n samples of one task, graded together (the GRPO baseline)."""
+
+    group_id: str
+    task: Task
+    samples: list[Sample]
+
+    def __post_init__(self) -> None:
+        idx = [s.sample_idx for s in self.samples]
+        if idx != list(range(len(idx))):
+            raise ValueError(f"group {self.group_id}: sample_idx must be 0..n-1, got {idx}")
+        for s in self.samples:
+            if s.group_id != self.group_id or s.task is not self.task:
+                raise ValueError(f"group {self.group_id}: sample {s.uid} belongs elsewhere")
+
+    @classmethod
+    def new(cls, task: Task, size: int, k: int = 0) -> Group:
+        if size < 1:
+            raise ValueError(f"group size must be >= 1, got {size}")
+        gid = group_id_of(task.uid, k)
+        return cls(
+            group_id=gid,
+            task=task,
+            samples=[Sample(task=task, group_id=gid, sample_idx=i) for i in range(size)],
+        )
+
+    def is_graded(self) -> bool:
+        return all(
+            s.status is SampleStatus.GRADED or s.status.is_terminal() for s in self.samples
+        )
+
+    def rewards(self) -> list[float | None]:
+        return [s.reward for s in self.samples]
