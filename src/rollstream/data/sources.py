@@ -1,0 +1,341 @@
+"""Synthetic, verifiable task sources and the weighted mix that draws training tasks from them.
+
+A ``TaskSource`` makes tasks, verifies answers and writes noisy demonstrations for the warm
+start. Every task is a pure function of (tasks seed, source name, split, index), so a run can
+be resumed from a cursor and two processes agree on task ``uid``\\ s (``tick/train/123``).
+Train and eval are disjoint by construction: a prompt belongs to the eval split exactly when
+a CRC32 of its text falls in one bucket of ``_EVAL_BUCKETS``; each split redraws until the
+prompt lands on its own side.
+
+Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
+the previous item, the information the next token needs is close to it):
+
+* ``tick``    ``T517#07=`` -> ``517/07 518/06 ... 523/01``: count up, count the items left down.
+* ``digits``  ``D4317=`` -> ``4317 4314 4311 4308 4305 4302``: the last two digits count down
+  by 3, the first two are copied; the answer ends at the first item whose tail is below 3.
+  Shorter items and a smaller Pareto scale than ``tick``: a shorter median and a relatively
+  heavier tail (reference tokens p50/p99 at the default config: tick 34/223, digits 14/159).
+* ``math``    ``12+7*3=`` -> ``33``: + - * with the usual precedence, graded by math-verify.
+
+The number of items is ``min(max_items, int(scale * Pareto(alpha)))``, a long tail capped by
+``SourceConfig.max_items``. Verifiers return 1.0 only for the answer followed by the eos text
+(a properly ended response, decoded with special tokens kept), else 0.0.
+
+Simplifications: no natural-language tasks; math has no parentheses or division; the
+verifiers run without their own timeout (math-verify's is signal-based and breaks in
+threads), the grader pool owns timeouts.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from rollstream.config.schema import SourceConfig, TasksConfig
+from rollstream.trajectory import Task
+
+Split = Literal["train", "eval"]
+_SPLITS = ("train", "eval")
+_EVAL_BUCKETS = 8  # 1 in 8 prompts is held out for evaluation
+_TICK_SCALE = 3.0
+_DIGITS_SCALE = 2.0
+_DIGITS_STEP = 3
+_MATH_MAX_OPS = 4
+_MATH_MAX_OPERAND = 20
+_MATH_MAX_ANSWER_CHARS = 32
+
+
+class PromptTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the sources use."""
+
+    eos_token: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class TaskSource(Protocol):
+    """A family of verifiable tasks."""
+
+    name: str
+
+    def task(self, index: int, split: Split) -> Task:
+        """The ``index``-th task of ``split``; deterministic; train and eval prompts differ."""
+        ...
+
+    def score(self, task: Task, response_text: str) -> float:
+        """1.0 for the correct, eos-ended response (special tokens kept in the text), else 0.0."""
+        ...
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
+        """An answer for supervised warm start (no eos), wrong with a rate set by ``noise``."""
+        ...
+
+
+def split_of(prompt_text: str) -> Split:
+    """Which split a prompt belongs to (a pure function of the text)."""
+    return "eval" if zlib.crc32(prompt_text.encode()) % _EVAL_BUCKETS == 0 else "train"
+
+
+def pareto_items(rng: random.Random, alpha: float, scale: float, cap: int) -> int:
+    """A long-tailed item count in ``[1, cap]``."""
+    return max(1, min(cap, int(scale * rng.paretovariate(alpha))))
+
+
+@dataclass(slots=True, kw_only=True)
+class _Synthetic:
+    """Shared plumbing: seeded drawing, split rejection, tokenising, exact-match verifier."""
+
+    name: str
+    cfg: SourceConfig
+    tokenizer: PromptTokenizer
+    seed: int
+    eos_text: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer.eos_token:
+            raise ValueError(f"source {self.name!r}: the tokenizer has no eos_token")
+        self.eos_text = self.tokenizer.eos_token
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        """(prompt text, reference answer)."""
+        raise NotImplementedError
+
+    def task(self, index: int, split: Split) -> Task:
+        if split not in _SPLITS:
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if index < 0:
+            raise ValueError(f"task index must be >= 0, got {index}")
+        rng = random.Random(f"{self.seed}/{self.name}/{split}/{index}")
+        while True:
+            prompt, reference = self._draw(rng)
+            if split_of(prompt) == split:
+                break
+        return Task(
+            uid=f"{self.name}/{split}/{index}",
+            source=self.name,
+            prompt_ids=tuple(self.tokenizer.encode(prompt, add_special_tokens=False)),
+            prompt_text=prompt,
+            reference=reference,
+        )
+
+    def score(self, task: Task, response_text: str) -> float:
+        return 1.0 if response_text == task.reference + self.eos_text else 0.0
+
+    def _parse(self, pattern: re.Pattern[str], task: Task) -> re.Match[str]:
+        m = pattern.fullmatch(task.prompt_text)
+        if m is None:
+            raise ValueError(f"task {task.uid} is not a {self.name!r} prompt: {task.prompt_text!r}")
+        return m
+
+
+_TICK_PROMPT = re.compile(r"T(\d{3})#(\d{2})=")
+
+
+@dataclass(slots=True, kw_only=True)
+class TickSource(_Synthetic):
+    """Count up from a 3-digit number while counting the items left down to 01."""
+
+    def __post_init__(self) -> None:
+        _Synthetic.__post_init__(self)
+        if self.cfg.max_items > 99:
+            raise ValueError(
+                f"tick: max_items must be <= 99 (2-digit counter), got {self.cfg.max_items}"
+            )
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        n = pareto_items(rng, self.cfg.pareto_alpha, _TICK_SCALE, self.cfg.max_items)
+        # room for a demonstration that slips +1 on every step
+        start = rng.randint(100, 999 - 2 * self.cfg.max_items)
+        return f"T{start:03d}#{n:02d}=", _tick_items(start, n, rng=None, noise=0.0)
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
+        m = self._parse(_TICK_PROMPT, task)
+        return _tick_items(int(m[1]), int(m[2]), rng=rng, noise=noise)
+
+
+def _tick_items(start: int, n: int, *, rng: random.Random | None, noise: float) -> str:
+    items, x = [], start
+    for left in range(n, 0, -1):
+        items.append(f"{x:03d}/{left:02d}")
+        step = 1
+        if rng is not None and rng.random() < noise:
+            step += rng.choice((-1, 1))  # later items count on from the slipped value
+        x += step
+    return " ".join(items)
+
+
+@dataclass(slots=True, kw_only=True)
+class DigitsSource(_Synthetic):
+    """Count the tail of a fixed-width number down by 3; the head is copied unchanged."""
+
+    tail_width: int = field(init=False)
+    _prompt_re: re.Pattern[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        _Synthetic.__post_init__(self)
+        self.tail_width = max(2, len(str(_DIGITS_STEP * self.cfg.max_items - 1)))
+        self._prompt_re = re.compile(rf"D(\d{{2}})(\d{{{self.tail_width}}})=")
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        n = pareto_items(rng, self.cfg.pareto_alpha, _DIGITS_SCALE, self.cfg.max_items)
+        head = rng.randint(10, 99)
+        tail = _DIGITS_STEP * (n - 1) + rng.randrange(_DIGITS_STEP)
+        prompt = f"D{head:02d}{tail:0{self.tail_width}d}="
+        return prompt, self._items(head, tail, rng=None, noise=0.0)
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
+        m = self._parse(self._prompt_re, task)
+        return self._items(int(m[1]), int(m[2]), rng=rng, noise=noise)
+
+    def _items(self, head: int, tail: int, *, rng: random.Random | None, noise: float) -> str:
+        items = [f"{head:02d}{tail:0{self.tail_width}d}"]
+        while tail >= _DIGITS_STEP:  # the stop rule looks only at the previous item
+            step = _DIGITS_STEP
+            if rng is not None and rng.random() < noise:
+                step += rng.choice((-1, 1))
+            tail -= step if tail - step >= 0 else _DIGITS_STEP
+            items.append(f"{head:02d}{tail:0{self.tail_width}d}")
+        return " ".join(items)
+
+
+_MATH_PROMPT = re.compile(r"(\d+(?:[+*-]\d+)+)=")
+_OPERATOR_IN_ANSWER = re.compile(r"[+*/=]|\d\s*-")
+
+
+@dataclass(slots=True, kw_only=True)
+class MathSource(_Synthetic):
+    """Small integer arithmetic; the answer is judged by math-verify, the eos is still required."""
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        num_ops = pareto_items(
+            rng, self.cfg.pareto_alpha, 1.0, min(self.cfg.max_items, _MATH_MAX_OPS)
+        )
+        operands = [rng.randint(1, _MATH_MAX_OPERAND) for _ in range(num_ops + 1)]
+        ops = [rng.choice("+-*") for _ in range(num_ops)]
+        expr = str(operands[0]) + "".join(f"{o}{v}" for o, v in zip(ops, operands[1:], strict=True))
+        return f"{expr}=", str(_evaluate(operands, ops))
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
+        self._parse(_MATH_PROMPT, task)
+        if rng.random() < noise:
+            return str(int(task.reference) + rng.choice((-1, 1)))
+        return task.reference
+
+    def score(self, task: Task, response_text: str) -> float:
+        if not response_text.endswith(self.eos_text):
+            return 0.0
+        body = response_text[: -len(self.eos_text)]
+        # Restating the expression ("12+7*3") would verify as equal: only a final value counts.
+        if (
+            self.eos_text in body
+            or not body.strip()
+            or len(body) > _MATH_MAX_ANSWER_CHARS
+            or _OPERATOR_IN_ANSWER.search(body)
+        ):
+            return 0.0
+        from math_verify import parse, verify  # sympy is heavy: only graders pay for it
+
+        gold = parse(task.reference, parsing_timeout=None)
+        answer = parse(body, parsing_timeout=None)
+        return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
+    """+ - * with the usual precedence, without eval()."""
+    terms, signs, cur = [], [1], operands[0]
+    for op, v in zip(ops, operands[1:], strict=True):
+        if op == "*":
+            cur *= v
+        else:
+            terms.append(cur)
+            signs.append(1 if op == "+" else -1)
+            cur = v
+    terms.append(cur)
+    return sum(s * t for s, t in zip(signs, terms, strict=True))
+
+
+_KINDS: dict[str, type[_Synthetic]] = {
+    "tick": TickSource,
+    "digits": DigitsSource,
+    "math": MathSource,
+}
+
+
+def source_name(cfg: SourceConfig) -> str:
+    return cfg.name or cfg.kind
+
+
+def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> TaskSource:
+    """The source ``cfg.kind`` named ``cfg.name`` (default: the kind)."""
+    return _KINDS[cfg.kind](name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
+
+
+class TaskMix:
+    """Training tasks drawn from the sources by weight, held-out tasks round-robin.
+
+    Draw ``k`` picks a source with a generator seeded by (seed, k) and takes that source's next
+    train index, so the stream depends only on the config; ``state()`` is the whole cursor.
+    """
+
+    def __init__(self, cfg: TasksConfig, tokenizer: PromptTokenizer) -> None:
+        if not cfg.sources:
+            raise ValueError("tasks.sources is empty: configure at least one source")
+        names = [source_name(s) for s in cfg.sources]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(
+                f"tasks.sources: more than one source is named {dups}; give each a distinct `name`"
+            )
+        self._cfg = cfg
+        self._sources = {
+            n: build_source(s, tokenizer, cfg.seed) for n, s in zip(names, cfg.sources, strict=True)
+        }
+        self._names = names
+        self._weights = [s.weight for s in cfg.sources]
+        self._num_drawn = 0
+        self._next_index = dict.fromkeys(names, 0)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def source(self, name: str) -> TaskSource:
+        if name not in self._sources:
+            raise ValueError(f"unknown task source {name!r}; this mix has {self._names}")
+        return self._sources[name]
+
+    def next_task(self) -> Task:
+        rng = random.Random(f"{self._cfg.seed}/mix/{self._num_drawn}")
+        name = rng.choices(self._names, weights=self._weights)[0]
+        index = self._next_index[name]
+        self._num_drawn += 1
+        self._next_index[name] = index + 1
+        return self._sources[name].task(index, "train")
+
+    def eval_tasks(self) -> list[Task]:
+        n = len(self._names)
+        return [
+            self._sources[self._names[i % n]].task(i // n, "eval")
+            for i in range(self._cfg.num_eval)
+        ]
+
+    def score(self, task: Task, response_text: str) -> float:
+        """The verifier of the task's own source."""
+        return self.source(task.source).score(task, response_text)
+
+    def state(self) -> dict:
+        return {"num_drawn": self._num_drawn, "next_index": dict(self._next_index)}
+
+    def restore(self, state: dict) -> None:
+        next_index = state.get("next_index")
+        if not isinstance(next_index, dict) or set(next_index) != set(self._names):
+            raise ValueError(
+                f"task mix state names sources {sorted(next_index or {})}, "
+                f"this mix has {sorted(self._names)}"
+            )
+        self._num_drawn = int(state["num_drawn"])
+        self._next_index = {n: int(next_index[n]) for n in self._names}

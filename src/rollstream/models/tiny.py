@@ -1,0 +1,91 @@
+"""Build a tiny Qwen2 or Llama causal LM from ``TinyModelConfig`` and save it as a HF folder.
+
+The folder (config.json, model.safetensors, generation_config.json and the tokenizer files)
+is an ordinary Hugging Face checkpoint: everything else in rollstream loads it with
+``AutoModelForCausalLM`` / ``AutoTokenizer``, so a real Qwen2/Llama folder can take its place.
+
+Simplifications: fp32 weights, tied input/output embeddings, the stock HF initialisation under
+a fixed seed (the caller's torch RNG state is left untouched), no sliding window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from rollstream.config.schema import TinyModelConfig
+
+_ARCHS = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
+
+
+def init_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A freshly initialised model sized by ``cfg`` whose vocabulary is ``len(tokenizer)``."""
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(
+            f"model.tiny.hidden_size ({cfg.hidden_size}) must be a multiple of "
+            f"model.tiny.num_heads ({cfg.num_heads})"
+        )
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(
+            f"model.tiny.num_heads ({cfg.num_heads}) must be a multiple of "
+            f"model.tiny.num_kv_heads ({cfg.num_kv_heads})"
+        )
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer of a tiny model needs an eos_token and a pad_token")
+    config_cls, model_cls = _ARCHS[cfg.arch]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = model_cls(config).to(torch.float32)
+    gen = model.generation_config
+    gen.eos_token_id = tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.bos_token_id = None
+    return model
+
+
+def save_model_folder(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path
+) -> Path:
+    """Write ``model`` (safetensors) and ``tokenizer`` into ``out_dir`` and return it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, out_dir: Path
+) -> Path:
+    """Initialise a tiny model under ``cfg.seed`` and save it with ``tokenizer`` in ``out_dir``."""
+    return save_model_folder(init_tiny_model(cfg, tokenizer), tokenizer, Path(out_dir))
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,83 @@
+"""The kit tokenizer: character round trip, specials, chat template, HF folder loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollstream.models.tokenizer import (
+    ALPHABET,
+    EOS,
+    IM_END,
+    IM_START,
+    PAD,
+    UNK,
+    build_char_tokenizer,
+    save_char_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tok")
+    save_char_tokenizer(folder)
+    return folder
+
+
+def test_vocab_is_small_and_one_token_per_character() -> None:
+    tok = build_char_tokenizer()
+    assert len(tok) < 128
+    for ch in ALPHABET:
+        assert len(tok.encode(ch, add_special_tokens=False)) == 1, repr(ch)
+    assert len(set(tok.convert_tokens_to_ids(list(ALPHABET)))) == len(ALPHABET)
+
+
+def test_round_trip_keeps_every_character(saved: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(saved)
+    text = ALPHABET + "T517#07= 517/07 518/06\n12+7*3=(33)?:.,"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+
+
+def test_special_tokens_and_their_ids(saved: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(saved)
+    assert tok.eos_token == EOS and tok.pad_token == PAD
+    assert tok.eos_token_id != tok.pad_token_id
+    for special in (PAD, EOS, IM_START, IM_END):
+        assert tok.encode(special, add_special_tokens=False) == [tok.convert_tokens_to_ids(special)]
+    ids = tok.encode("33", add_special_tokens=False) + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=False) == "33" + EOS
+    assert tok.decode(ids, skip_special_tokens=True) == "33"
+
+
+def test_encoding_a_prompt_adds_no_special_tokens(saved: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(saved)
+    plain = tok.encode("T517#07=", add_special_tokens=False)
+    assert tok.encode("T517#07=") == plain
+    assert tok("T517#07=")["input_ids"] == plain
+    assert tok.bos_token_id is None
+    assert tok.eos_token_id not in plain
+
+
+def test_unknown_character_maps_to_unk() -> None:
+    tok = build_char_tokenizer()
+    assert tok.encode("a~b", add_special_tokens=False)[1] == tok.convert_tokens_to_ids(UNK)
+
+
+def test_chatml_template_with_generation_prompt(saved: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(saved)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    without = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert without + "<|im_start|>assistant\n" == text
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids(IM_START)
+    assert ids.count(tok.convert_tokens_to_ids(IM_END)) == 2

@@ -1,0 +1,151 @@
+"""prepare_model: validation of a given folder, the cached warm start, measurement helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rollstream.models.warmstart as ws
+from rollstream.config.schema import (
+    ModelConfig,
+    SourceConfig,
+    TasksConfig,
+    TinyModelConfig,
+    WarmStartConfig,
+)
+from rollstream.data.sources import TaskMix
+from rollstream.models.tiny import init_tiny_model
+from rollstream.models.tokenizer import EOS, build_char_tokenizer
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+)
+TASKS = TasksConfig(num_eval=4, sources=(SourceConfig(kind="tick", max_items=6),))
+
+
+def _cfg(cache: Path, steps: int = 3, **tiny) -> ModelConfig:
+    return ModelConfig(
+        tiny=TINY.model_copy(update=tiny),
+        warm_start=WarmStartConfig(steps=steps, tokens_per_step=256),
+        cache_dir=str(cache),
+    )
+
+
+def test_prepare_model_builds_once_then_returns_the_cache(tmp_path: Path, monkeypatch) -> None:
+    threads = torch.get_num_threads()
+    folder = ws.prepare_model(_cfg(tmp_path), TASKS)
+    assert folder.parent == tmp_path.resolve() and len(folder.name) == 16
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temporary folder left
+    report = json.loads((folder / "warmstart.json").read_text())
+    assert report["steps"] == 3 and report["num_eval_tasks"] == 4
+    assert 0.0 <= report["sampled_accuracy"] <= 1.0 and 0.0 <= report["greedy_accuracy"] <= 1.0
+    assert report["wall_s"] > 0 and report["num_train_tokens"] >= 3 * 256
+    assert AutoModelForCausalLM.from_pretrained(folder).config.hidden_size == 32
+    assert AutoTokenizer.from_pretrained(folder).eos_token == EOS
+    assert torch.get_num_threads() == threads
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a cached warm start was rebuilt")
+
+    monkeypatch.setattr(ws, "_build", no_rebuild)
+    assert ws.prepare_model(_cfg(tmp_path), TASKS) == folder
+
+
+def test_cache_key_covers_the_configs_that_shape_the_model(tmp_path: Path) -> None:
+    base = ws.cache_key(_cfg(tmp_path), TASKS)
+    assert base == ws.cache_key(_cfg(tmp_path / "elsewhere"), TASKS)  # the location is not content
+    assert base != ws.cache_key(_cfg(tmp_path, steps=4), TASKS)
+    assert base != ws.cache_key(_cfg(tmp_path, seed=1), TASKS)
+    assert base != ws.cache_key(_cfg(tmp_path), TASKS.model_copy(update={"seed": 1}))
+    two = TASKS.model_copy(update={"sources": (*TASKS.sources, SourceConfig(kind="digits"))})
+    assert base != ws.cache_key(_cfg(tmp_path), two)
+
+
+def test_a_given_model_path_is_validated(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match=r"'.*nope' does not exist"):
+        ws.prepare_model(ModelConfig(path=str(missing)), TASKS)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty' has no config.json"):
+        ws.prepare_model(ModelConfig(path=str(tmp_path / "empty")), TASKS)
+    (tmp_path / "no_tok").mkdir()
+    (tmp_path / "no_tok" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no_tok' has no tokenizer"):
+        ws.prepare_model(ModelConfig(path=str(tmp_path / "no_tok")), TASKS)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        ws.prepare_model(ModelConfig(path=str(tmp_path / "file")), TASKS)
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "config.json").write_text("{}")
+    (good / "tokenizer.json").write_text("{}")
+    cfg = ModelConfig(path=str(good), cache_dir=str(tmp_path / "cache"))
+    assert ws.prepare_model(cfg, TASKS) == good.resolve()
+    assert not (tmp_path / "cache").exists()  # nothing was built
+
+
+def test_collate_trains_on_response_tokens_only() -> None:
+    input_ids, labels = ws.collate([([5, 6, 7, 8, 1], 3), ([9, 10, 1], 2)], pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]]
+    assert labels.tolist() == [[-100, -100, -100, 8, 1], [-100, -100, 1, -100, -100]]
+
+
+def test_warm_start_learns_the_demonstrations() -> None:
+    tokenizer = build_char_tokenizer()
+    model = init_tiny_model(TINY, tokenizer)
+    first = ws.warm_start(
+        model,
+        TASKS,
+        WarmStartConfig(steps=1, tokens_per_step=256),
+        tokenizer,
+        max_position=TINY.max_position,
+    )
+    later = ws.warm_start(
+        model,
+        TASKS,
+        WarmStartConfig(steps=40, tokens_per_step=256),
+        tokenizer,
+        max_position=TINY.max_position,
+    )
+    assert first["final_loss"] > 3.5  # about ln(vocab) at initialisation
+    assert later["final_loss"] < 0.6 * first["final_loss"]
+
+
+def test_warm_start_rejects_demonstrations_longer_than_the_model(tmp_path: Path) -> None:
+    tokenizer = build_char_tokenizer()
+    short = TINY.model_copy(update={"max_position": 16})
+    model = init_tiny_model(short, tokenizer)
+    long_tasks = TasksConfig(sources=(SourceConfig(kind="tick", pareto_alpha=0.1),))
+    with pytest.raises(ValueError, match="max_position is 16"):
+        ws.warm_start(
+            model,
+            long_tasks,
+            WarmStartConfig(steps=1, tokens_per_step=256),
+            tokenizer,
+            max_position=16,
+        )
+
+
+def test_evaluate_accuracy_scores_properly_cut_responses(tmp_path: Path) -> None:
+    folder = ws.prepare_model(_cfg(tmp_path), TASKS)
+    mix = TaskMix(TASKS, build_char_tokenizer())
+    tasks = mix.eval_tasks()
+    seen: list[str] = []
+
+    def record(task, text: str) -> float:
+        seen.append(text)
+        return 1.0 if task.uid == tasks[0].uid else 0.0
+
+    assert ws.evaluate_accuracy(folder, tasks, 0.0, record, max_new_tokens=12) == 0.25
+    assert all(t.count(EOS) <= 1 and (t.endswith(EOS) or EOS not in t) for t in seen)
+    assert all(len(t.replace(EOS, "#")) <= 12 for t in seen)
+    greedy = list(seen)
+    seen.clear()
+    ws.evaluate_accuracy(folder, tasks, 0.0, record, max_new_tokens=12)
+    assert seen == greedy  # greedy is deterministic
+    with pytest.raises(ValueError, match="at least one task"):
+        ws.evaluate_accuracy(folder, [], 1.0, record)
