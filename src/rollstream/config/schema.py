@@ -61,8 +61,11 @@ class ModelConfig(Section):
 
 class SourceConfig(Section):
     kind: Literal["tick", "digits", "math"] = "tick"
-    """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (digit-reversal
-    lists, long-tailed), ``math`` (small arithmetic, graded by math-verify)."""
+    """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (count a
+    fixed-width number down by 3, long-tailed), ``math`` (small arithmetic, graded by
+    math-verify)."""
+    name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Source name used in task uids and metrics (null = the kind); unique within a mix."""
     weight: float = Field(1.0, gt=0)
     """Share of training tasks drawn from this source."""
     max_items: int = Field(32, ge=1)
@@ -89,6 +92,12 @@ class LocalEngineConfig(Section):
     """torch intra-op threads of the engine thread (0 = leave as is)."""
     device: str = "auto"
     """``auto`` (cuda when present, else cpu), ``cpu`` or ``cuda``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights, activations and KV cache precision (float32 matches a float32 trainer)."""
+    max_prefill_tokens: int = Field(2048, ge=1)
+    """Prompt tokens prefilled together in one step (at least one prompt is always admitted)."""
+    seed: int = 0
+    """Seed of the random streams given to requests that carry no seed of their own."""
 
 
 class VllmEngineConfig(Section):
@@ -211,6 +220,8 @@ class EvalConfig(Section):
     """Score the held-out prompts every N steps (0 = only at the start and the end)."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature of evaluation."""
+    samples_per_task: int = Field(4, ge=1)
+    """Samples per held-out prompt (the reward is their mean)."""
 
 
 class MonitorConfig(Section):
@@ -223,7 +234,14 @@ class MonitorConfig(Section):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
     """Expose Prometheus metrics on this port (None = off)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files."""
+    """Also write TensorBoard event files (under the run directory's ``tensorboard/``)."""
+    trackers: tuple[Literal["wandb", "mlflow"], ...] = ()
+    """External experiment trackers that also receive every recorded scalar (imported only
+    when listed; a missing package is a warning)."""
+    tracker_project: str = "rollstream"
+    """wandb project / MLflow experiment name used by ``trackers``."""
+    dashboard_poll_s: float = Field(2.0, gt=0)
+    """How often the dashboard page polls for new data."""
     report: bool = True
     """Write the HTML report at the end of the run."""
 

@@ -1,0 +1,219 @@
+"""Device side of the local engine: the KV cache, the per-row state, prefill and decode steps.
+
+All per-row state lives in preallocated device tensors indexed by cache row (live rows are
+``0..n-1``): the token history, the logprob of every sampled token, the row length, its
+length limit, its stop ids and its sampling parameters. A decode step is then a fixed number
+of tensor ops whatever the batch size: gather the last tokens, run the model, sample, write
+token and logprob back, and test every row for a stop token or the length limit at once.
+Sampled tokens stay on the device; the host reads a row's tokens once, when it finishes.
+A numpy mirror of the row lengths sizes the attention window without a device sync.
+
+Deliberately simplified: one sync per step (which rows finished), no overlap of host work
+with the next step's forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollstream.engine.local import model
+from rollstream.engine.local.model import KVCache, Rope
+from rollstream.engine.local.sampler import Sampler, SamplingRows
+from rollstream.engine.local.scheduler import Sequence
+from rollstream.engine.local.weights import ModelSpec, Weights
+
+
+@dataclass(slots=True, kw_only=True)
+class RowState:
+    """Per-row device tensors, indexed by cache row."""
+
+    tokens: torch.Tensor  # [rows, max_seq_len] int64: prompt + sampled ids
+    logprobs: torch.Tensor  # [rows, max_seq_len] float32: logprob of the token at that position
+    length: torch.Tensor  # [rows] int64: tokens held
+    limit: torch.Tensor  # [rows] int64: prompt + max_new_tokens
+    stop: torch.Tensor  # [rows, max_stops] int64, padded with -1
+    inv_temp: torch.Tensor  # [rows] float32 (1.0 for greedy)
+    top_p: torch.Tensor  # [rows] float32
+    top_k: torch.Tensor  # [rows] int64 (vocab size = off)
+    key: torch.Tensor  # [rows] int64 sampler seed key
+    greedy: torch.Tensor  # [rows] bool
+
+    def all(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.tokens,
+            self.logprobs,
+            self.length,
+            self.limit,
+            self.stop,
+            self.inv_temp,
+            self.top_p,
+            self.top_k,
+            self.key,
+            self.greedy,
+        )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: Weights,
+        *,
+        max_rows: int,
+        max_seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.spec, self.weights, self.device = spec, weights, device
+        self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.cache = KVCache.allocate(spec, max_rows, max_seq_len, device, dtype)
+        self.rope = Rope.build(spec, max_seq_len, device, dtype)
+        self.sampler = Sampler(spec.vocab_size, device)
+        i64, f32 = {"device": device, "dtype": torch.int64}, {"device": device}
+        self.rows = RowState(
+            tokens=torch.zeros(max_rows, max_seq_len, **i64),
+            logprobs=torch.zeros(max_rows, max_seq_len, **f32),
+            length=torch.zeros(max_rows, **i64),
+            limit=torch.zeros(max_rows, **i64),
+            stop=torch.full((max_rows, 1), -1, **i64),
+            inv_temp=torch.ones(max_rows, **f32),
+            top_p=torch.ones(max_rows, **f32),
+            top_k=torch.zeros(max_rows, **i64),
+            key=torch.zeros(max_rows, **i64),
+            greedy=torch.zeros(max_rows, dtype=torch.bool, device=device),
+        )
+        self.row_base = torch.arange(max_rows, **i64) * max_seq_len
+        self.length_host = np.zeros(max_rows, dtype=np.int64)
+        self.sampled_host = np.zeros(max_rows, dtype=bool)  # temperature > 0
+        self.truncated_host = np.zeros(max_rows, dtype=bool)  # top-p or top-k active
+        self.num_rows = 0
+
+    # ---- steps -------------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Start ``seqs`` in rows n..n+m-1, sample their first token; returns finished rows."""
+        lo, hi = self.num_rows, self.num_rows + len(seqs)
+        self._set_params(lo, seqs)
+        prompts = [s.request.prompt_ids for s in seqs]
+        lens = [len(p) for p in prompts]
+        rows = torch.repeat_interleave(torch.arange(lo, hi), torch.tensor(lens)).to(self.device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
+        self.rows.tokens[rows, pos] = flat
+        self.rows.length[lo:hi] = torch.tensor(lens, device=self.device)
+        self.length_host[lo:hi] = lens
+        logits = self._forward_rows(list(range(lo, hi)), lens, with_logits=True)
+        self.num_rows = hi
+        return self._sample_and_record(logits, lo, hi)
+
+    def recompute_cache(self, budget_tokens: int) -> None:
+        """Rebuild the KV cache of every live row with the current weights (after a weight
+        load), in chunks of about ``budget_tokens``; the next decode step continues as usual."""
+        chunk: list[int] = []
+        for row in range(self.num_rows):
+            chunk.append(row)
+            if int(self.length_host[chunk].sum()) >= budget_tokens or row == self.num_rows - 1:
+                self._forward_rows(
+                    chunk, [int(self.length_host[r]) - 1 for r in chunk], with_logits=False
+                )
+                chunk = []
+
+    def _forward_rows(self, rows: list[int], lens: list[int], *, with_logits: bool) -> torch.Tensor:
+        """Packed forward of the first ``lens[i]`` stored tokens of each row (writes the KV
+        cache); logits at each row's last token when asked."""
+        dev = self.device
+        counts = torch.tensor(lens)
+        row_of = torch.repeat_interleave(torch.tensor(rows), counts).to(dev)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        tokens = self.rows.tokens[row_of, pos]
+        last = (counts.cumsum(0) - 1).to(dev) if with_logits else None
+        return model.prefill(
+            self.spec, self.weights, self.cache, self.rope, tokens, row_of, pos, last
+        )
+
+    def decode(self) -> list[int]:
+        """One token for every live row; returns the rows that finished."""
+        n, r = self.num_rows, self.rows
+        pos = r.length[:n] - 1
+        inputs = r.tokens.view(-1).index_select(0, self.row_base[:n] + pos)
+        attn_len = int(self.length_host[:n].max())
+        logits = model.decode(self.spec, self.weights, self.cache, self.rope, inputs, pos, attn_len)
+        return self._sample_and_record(logits, 0, n)
+
+    def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
+        r = self.rows
+        pos = r.length[lo:hi]  # where the sampled tokens go (a view: used before the += 1)
+        sampling = SamplingRows(
+            inv_temp=r.inv_temp[lo:hi],
+            top_p=r.top_p[lo:hi],
+            top_k=r.top_k[lo:hi],
+            key=r.key[lo:hi],
+            greedy=r.greedy[lo:hi],
+            any_sampled=bool(self.sampled_host[lo:hi].any()),
+            any_greedy=not self.sampled_host[lo:hi].all(),
+            any_truncated=bool(self.truncated_host[lo:hi].any()),
+        )
+        tokens, logprobs = self.sampler(logits, sampling, pos)
+        flat = self.row_base[lo:hi] + pos
+        r.tokens.view(-1).index_copy_(0, flat, tokens)
+        r.logprobs.view(-1).index_copy_(0, flat, logprobs)
+        r.length[lo:hi] += 1
+        self.length_host[lo:hi] += 1
+        done = (r.length[lo:hi] >= r.limit[lo:hi]) | (tokens[:, None] == r.stop[lo:hi]).any(dim=-1)
+        return (done.nonzero()[:, 0] + lo).tolist()
+
+    # ---- rows --------------------------------------------------------------------------
+    def _set_params(self, lo: int, seqs: list[Sequence]) -> None:
+        hi, r, dev = lo + len(seqs), self.rows, self.device
+        params = [s.request.params for s in seqs]
+        width = max(len(p.stop_token_ids) for p in params)
+        if width > r.stop.shape[1]:
+            grown = torch.full((self.max_rows, width), -1, dtype=torch.int64, device=dev)
+            grown[:, : r.stop.shape[1]] = r.stop
+            r.stop = grown
+        stop = torch.full((len(seqs), r.stop.shape[1]), -1, dtype=torch.int64)
+        for i, p in enumerate(params):
+            stop[i, : len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids, dtype=torch.int64)
+        r.stop[lo:hi] = stop.to(dev)
+        r.limit[lo:hi] = torch.tensor([s.prompt_len + s.max_new_tokens for s in seqs]).to(dev)
+        temps = [p.temperature for p in params]
+        inv_temp = [min(1.0 / t, 1e30) if t > 0 else 1.0 for t in temps]  # finite in fp32
+        r.inv_temp[lo:hi] = torch.tensor(inv_temp).to(dev)
+        r.greedy[lo:hi] = torch.tensor([t == 0 for t in temps]).to(dev)
+        r.top_p[lo:hi] = torch.tensor([p.top_p for p in params]).to(dev)
+        vocab = self.spec.vocab_size
+        r.top_k[lo:hi] = torch.tensor([p.top_k or vocab for p in params]).to(dev)
+        r.key[lo:hi] = torch.tensor([s.seed_key for s in seqs]).to(dev)
+        self.sampled_host[lo:hi] = [t > 0 for t in temps]
+        self.truncated_host[lo:hi] = [p.top_p < 1 or 0 < p.top_k < vocab for p in params]
+
+    def read(self, rows: list[int], prompt_lens: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Sampled tokens and logprobs of ``rows`` (one device-to-host copy per row)."""
+        out = []
+        for row, start in zip(rows, prompt_lens, strict=True):
+            end = int(self.length_host[row])
+            out.append(
+                (
+                    self.rows.tokens[row, start:end].tolist(),
+                    self.rows.logprobs[row, start:end].tolist(),
+                )
+            )
+        return out
+
+    def num_generated(self, row: int, prompt_len: int) -> int:
+        return int(self.length_host[row]) - prompt_len
+
+    def release(self, num_released: int, src: list[int], dst: list[int]) -> None:
+        """Drop ``num_released`` rows; copy rows ``src`` into the holes ``dst`` first."""
+        if src:
+            s = torch.tensor(src, device=self.device)
+            d = torch.tensor(dst, device=self.device)
+            for t in self.rows.all():
+                t[d] = t[s]
+            upto = int(self.length_host[src].max())
+            self.cache.move_rows(s, d, upto)
+            for a in (self.length_host, self.sampled_host, self.truncated_host):
+                a[dst] = a[src]
+        self.num_rows -= num_released

@@ -1,0 +1,264 @@
+"""Reading a Hugging Face Llama/Qwen2 folder into the local engine's own weight layout.
+
+The local engine runs its own compact model code (``model.py``), not ``transformers``: a
+decode step of a tiny model is dominated by per-op overhead, so the engine stores fused
+tensors (q|k|v in one matrix, gate|up in one) and calls one matmul where HF calls three.
+Every Hugging Face parameter name (``model.layers.0.self_attn.q_proj.weight``, ...) maps to a
+*view* into that fused storage, so ``load_weights`` takes the trainer's ``state_dict()`` as is
+and copies each tensor into place; ``lm_head.weight`` may be absent when embeddings are tied.
+
+Deliberately simplified: Llama and Qwen2 only (SiLU MLP, RMSNorm, full attention); rope types
+``default`` and ``llama3``; no sliding window, no quantised checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; derived here
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class ModelSpec:
+    """The architecture facts the engine needs, read from config.json."""
+
+    arch: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # llama3 parameters, None for default rope
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tied_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def read_spec(folder: Path) -> ModelSpec:
+    """Parse ``folder/config.json``; ValueError for a missing folder or an unsupported model."""
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model folder {folder} has no config.json (is the path right?)")
+    cfg = json.loads(cfg_path.read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+    if arch is None:
+        raise ValueError(
+            f"{cfg_path}: architectures {archs} not supported by the local engine "
+            f"(supported: {sorted(SUPPORTED_ARCHS)})"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{cfg_path}: hidden_act {cfg['hidden_act']!r} unsupported (only silu)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{cfg_path}: sliding-window attention is not supported")
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"{cfg_path}: num_attention_heads {heads} not a multiple of {kv_heads}")
+    theta, scaling = _rope_params(cfg, cfg_path)
+    return ModelSpec(
+        arch=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias")),
+        o_bias=arch == "llama" and bool(cfg.get("attention_bias")),
+        mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias")),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _rope_params(cfg: dict, cfg_path: Path) -> tuple[float, dict | None]:
+    # transformers >= 5 writes rope_parameters; older folders have rope_theta + rope_scaling
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        return theta, params
+    raise ValueError(f"{cfg_path}: rope type {kind!r} unsupported (default, llama3)")
+
+
+@dataclass(slots=True, kw_only=True)
+class LayerWeights:
+    """One decoder layer; matrices are kept transposed (views) for ``addmm(b, x, w_t)``."""
+
+    qkv_t: torch.Tensor  # [hidden, q_size + 2 * kv_size]
+    qkv_b: torch.Tensor | None
+    o_t: torch.Tensor  # [q_size, hidden]
+    o_b: torch.Tensor | None
+    gate_up_t: torch.Tensor  # [hidden, 2 * intermediate]
+    gate_up_b: torch.Tensor | None
+    down_t: torch.Tensor  # [intermediate, hidden]
+    down_b: torch.Tensor | None
+    ln_attn: torch.Tensor  # [hidden] input_layernorm
+    ln_mlp: torch.Tensor  # [hidden] post_attention_layernorm
+
+
+@dataclass(slots=True, kw_only=True)
+class Weights:
+    """Fused parameter storage plus a view per Hugging Face parameter name."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head_t: torch.Tensor  # [hidden, vocab]; a view of embed when tied
+    hf_views: dict[str, torch.Tensor]  # HF name -> view into the tensors above
+    optional: frozenset[str]  # HF names a state dict may omit (tied lm_head)
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
+        h, inter = spec.hidden_size, spec.intermediate_size
+        embed = empty(spec.vocab_size, h)
+        lm_head = embed if spec.tied_embeddings else empty(spec.vocab_size, h)
+        views = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+        layers = []
+        for i in range(spec.num_layers):
+            qkv_rows = spec.q_size + 2 * spec.kv_size
+            fused = {
+                "qkv": empty(qkv_rows, h),
+                "qkv_b": empty(qkv_rows) if spec.qkv_bias else None,
+                "o": empty(h, spec.q_size),
+                "o_b": empty(h) if spec.o_bias else None,
+                "gate_up": empty(2 * inter, h),
+                "gate_up_b": empty(2 * inter) if spec.mlp_bias else None,
+                "down": empty(h, inter),
+                "down_b": empty(h) if spec.mlp_bias else None,
+                "ln_attn": empty(h),
+                "ln_mlp": empty(h),
+            }
+            views.update(_layer_views(f"model.layers.{i}.", fused, spec))
+            layers.append(
+                LayerWeights(
+                    qkv_t=fused["qkv"].t(),
+                    qkv_b=fused["qkv_b"],
+                    o_t=fused["o"].t(),
+                    o_b=fused["o_b"],
+                    gate_up_t=fused["gate_up"].t(),
+                    gate_up_b=fused["gate_up_b"],
+                    down_t=fused["down"].t(),
+                    down_b=fused["down_b"],
+                    ln_attn=fused["ln_attn"],
+                    ln_mlp=fused["ln_mlp"],
+                )
+            )
+        norm = empty(h)
+        views["model.norm.weight"] = norm
+        optional = frozenset({"lm_head.weight"} if spec.tied_embeddings else ())
+        return cls(
+            embed=embed,
+            layers=layers,
+            norm=norm,
+            lm_head_t=lm_head.t(),
+            hf_views=views,
+            optional=optional,
+        )
+
+    def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Validate a full HF-named state dict; returns the (name, tensor) pairs to copy."""
+        pairs, unknown = [], []
+        for name, t in tensors.items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            view = self.hf_views.get(name)
+            if view is None:
+                unknown.append(name)
+            elif tuple(t.shape) != tuple(view.shape):
+                raise ValueError(
+                    f"weight {name}: shape {tuple(t.shape)} != expected {tuple(view.shape)}"
+                )
+            else:
+                pairs.append((name, t))
+        if unknown:
+            raise ValueError(
+                f"unknown weight names (not a Llama/Qwen2 of this shape): {sorted(unknown)[:5]}"
+            )
+        missing = set(self.hf_views) - self.optional - {n for n, _ in pairs}
+        if missing:
+            raise ValueError(
+                f"weights missing from the update: {sorted(missing)[:5]} "
+                f"({len(missing)} in all); load_weights takes a full state dict"
+            )
+        return pairs
+
+    @torch.no_grad()
+    def copy_in(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in pairs:
+            self.hf_views[name].copy_(t)
+
+
+def _layer_views(
+    prefix: str, fused: dict[str, torch.Tensor | None], spec: ModelSpec
+) -> Iterator[tuple[str, torch.Tensor]]:
+    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    for kind, key in (("weight", "qkv"), ("bias", "qkv_b")):
+        if (t := fused[key]) is not None:
+            yield attn + f"q_proj.{kind}", t[:q]
+            yield attn + f"k_proj.{kind}", t[q : q + kv]
+            yield attn + f"v_proj.{kind}", t[q + kv :]
+    for kind, key in (("weight", "gate_up"), ("bias", "gate_up_b")):
+        if (t := fused[key]) is not None:
+            yield mlp + f"gate_proj.{kind}", t[:inter]
+            yield mlp + f"up_proj.{kind}", t[inter:]
+    plain = {
+        attn + "o_proj.weight": "o",
+        attn + "o_proj.bias": "o_b",
+        mlp + "down_proj.weight": "down",
+        mlp + "down_proj.bias": "down_b",
+        prefix + "input_layernorm.weight": "ln_attn",
+        prefix + "post_attention_layernorm.weight": "ln_mlp",
+    }
+    for name, key in plain.items():
+        if (t := fused[key]) is not None:
+            yield name, t
+
+
+def load_folder(
+    folder: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelSpec, Weights]:
+    """Read config.json and every ``*.safetensors`` shard of ``folder``."""
+    folder = Path(folder)
+    spec = read_spec(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors files")
+    weights = Weights.allocate(spec, device, dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name] = st.get_tensor(name)
+    weights.copy_in(weights.check(tensors))
+    return spec, weights

@@ -1,0 +1,318 @@
+"""Tests specific to the embedded local engine (the contract tests are in test_contract.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollstream.config.schema import EngineConfig, LocalEngineConfig
+from rollstream.engine import FinishReason, GenerateRequest, SamplingParams, build_engine
+from rollstream.engine.local import LocalEngine
+from rollstream.engine.local.sampler import Sampler, SamplingRows, seed_key
+from tests.engine.helpers import MAX_SEQ_LEN, make_tiny_model
+
+
+def _local(path, **kw) -> LocalEngine:
+    cfg = dict(max_slots=4, max_seq_len=MAX_SEQ_LEN, threads=1, device="cpu") | kw
+    return LocalEngine(path, LocalEngineConfig(**cfg))
+
+
+@pytest.fixture
+async def local_engine(tiny_model_dir):
+    engine = _local(tiny_model_dir)
+    yield engine
+    await engine.close()
+
+
+def _prompts(n: int, seed: int, vocab: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(3, 20))] for _ in range(n)]
+
+
+def _req(rid: str, prompt: list[int], **params) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=SamplingParams(**params))
+
+
+def _state_dict(path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+# ---- loading ---------------------------------------------------------------------------
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        build_engine(EngineConfig(), tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        build_engine(EngineConfig(), tmp_path / "empty")
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="not supported"):
+        build_engine(EngineConfig(), tmp_path)
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_llama_folder_matches_hf_generate_and_logprobs(tmp_path, tiny_llama_dir, rope):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_llama_dir
+    if rope == "llama3":
+        path = make_tiny_model(
+            tmp_path / "llama3",
+            arch="llama",
+            seed=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = _local(path)
+    try:
+        prompts = _prompts(3, seed=41)
+        outs = engine.generate_many(
+            [_req(f"r{i}", p, temperature=0.0, max_new_tokens=40) for i, p in enumerate(prompts)]
+        )
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                ref = hf.generate(
+                    torch.tensor([p]),
+                    do_sample=False,
+                    max_new_tokens=40,
+                    min_new_tokens=40,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(p) :]
+                logits = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1 : -1]
+            assert o.token_ids == ref.tolist()
+            hf_lp = logits.log_softmax(-1).gather(1, ref[:, None])[:, 0]
+            assert (torch.tensor(o.logprobs) - hf_lp).abs().max().item() < 1e-4
+    finally:
+        engine.shutdown()
+
+
+# ---- weights ---------------------------------------------------------------------------
+async def test_after_load_weights_tokens_are_exactly_the_new_policy(local_engine, tiny_model_dir):
+    """The KV cache of in-flight rows is recomputed on load, so the tokens after the switch
+    (and their logprobs) are what the new weights produce from the same prefix."""
+    e, prompt, max_new = local_engine, _prompts(1, seed=43)[0], 100
+    g = torch.Generator().manual_seed(5)
+    new = {
+        k: v + 0.3 * torch.randn(v.shape, generator=g)
+        for k, v in _state_dict(tiny_model_dir).items()
+    }
+    for attempt in range(5):  # the load must land mid-stream
+        task = asyncio.create_task(
+            e.generate(_req(f"m{attempt}", prompt, temperature=0.0, max_new_tokens=max_new))
+        )
+        start = e.stats().generated_tokens
+        while e.stats().generated_tokens < start + 3:
+            await asyncio.sleep(0.0005)
+        await e.load_weights(attempt + 1, new)
+        mixed = await task
+        k = mixed.versions.index(attempt + 1) if attempt + 1 in mixed.versions else max_new
+        if 0 < k < max_new:
+            break
+    assert 0 < k < max_new
+    cont = await e.generate(
+        _req("c", prompt + mixed.token_ids[:k], temperature=0.0, max_new_tokens=max_new - k)
+    )
+    assert mixed.token_ids[k:] == cont.token_ids
+    assert max(abs(a - b) for a, b in zip(mixed.logprobs[k:], cont.logprobs)) < 1e-5
+
+
+async def test_load_weights_validates_names_and_shapes(local_engine, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    e, sd = local_engine, _state_dict(tiny_model_dir)
+    with pytest.raises(ValueError, match="unknown"):
+        await e.load_weights(1, sd | {"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        await e.load_weights(1, sd | {"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="missing"):
+        await e.load_weights(1, {k: v for k, v in sd.items() if "layers.1.mlp" not in k})
+    assert e.stats().version == 0
+    # the trainer's state_dict (bf16 here) is accepted as is; the tied lm_head may be absent
+    hf_sd = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(torch.bfloat16).state_dict()
+    await e.load_weights(2, {k: v for k, v in hf_sd.items() if k != "lm_head.weight"})
+    out = await e.generate(_req("r", [1, 2, 3], temperature=0.0, max_new_tokens=4))
+    assert out.versions == [2] * 4
+
+
+# ---- sampling --------------------------------------------------------------------------
+def _sample_many(
+    logits: torch.Tensor, n: int, *, temp=1.0, top_p=1.0, top_k=0, one_seed: bool = False
+) -> torch.Tensor:
+    """n draws: n requests at a few positions, or (one_seed) one request at n positions."""
+    vocab = logits.shape[0]
+    keys = [seed_key(0)] * n if one_seed else [seed_key(i) for i in range(n)]
+    pos = torch.arange(n) if one_seed else torch.arange(n) % 7
+    rows = SamplingRows(
+        inv_temp=torch.full((n,), 1 / temp),
+        top_p=torch.full((n,), top_p),
+        top_k=torch.full((n,), top_k or vocab),
+        key=torch.tensor(keys),
+        greedy=torch.zeros(n, dtype=torch.bool),
+        any_sampled=True,
+        any_greedy=False,
+        any_truncated=top_p < 1 or top_k > 0,
+    )
+    tokens, logprobs = Sampler(vocab, torch.device("cpu"))(logits.expand(n, vocab), rows, pos)
+    expected_lp = (logits / temp).log_softmax(-1)[tokens]
+    assert torch.allclose(logprobs, expected_lp)  # logprob is taken before truncation
+    return torch.bincount(tokens, minlength=vocab).float() / n
+
+
+def test_sampler_draws_from_the_tempered_truncated_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 40_000
+    for temp, one_seed in ((1.0, False), (0.6, False), (1.0, True)):
+        freq = _sample_many(logits, n, temp=temp, one_seed=one_seed)
+        assert (freq - (logits / temp).softmax(-1)).abs().max() < 0.01
+    probs = logits.softmax(-1)  # top_p=0.6 keeps the smallest prefix with mass >= 0.6
+    keep = int((probs.cumsum(0) < 0.6).sum()) + 1
+    freq = _sample_many(logits, n, top_p=0.6)
+    assert freq[keep:].sum() == 0
+    assert (freq[:keep] - probs[:keep] / probs[:keep].sum()).abs().max() < 0.01
+    freq = _sample_many(logits, n, top_k=3, top_p=0.9)
+    top3 = logits[:3].softmax(-1)
+    keep = int((top3.cumsum(0) < 0.9).sum()) + 1
+    assert freq[keep:].sum() == 0
+    assert (freq[:keep] - top3[:keep] / top3[:keep].sum()).abs().max() < 0.01
+
+
+async def test_seeded_resume_continues_the_same_sampled_stream(local_engine):
+    e, prompt = local_engine, _prompts(1, seed=47)[0]
+    full = await e.generate(
+        _req("full", prompt, temperature=1.0, top_p=0.95, max_new_tokens=40, seed=9)
+    )
+    rest = await e.generate(
+        _req(
+            "rest",
+            prompt + full.token_ids[:15],
+            temperature=1.0,
+            top_p=0.95,
+            max_new_tokens=25,
+            seed=9,
+        )
+    )
+    assert full.token_ids[15:] == rest.token_ids
+
+
+async def test_mixed_seeded_batch_with_row_moves_equals_alone(local_engine):
+    """More requests than slots, varied params and lengths: rows finish out of order and the
+    survivors move between cache rows; every request still samples exactly as alone."""
+    e = local_engine
+    prompts = _prompts(10, seed=53)
+    params = [
+        dict(
+            temperature=[0.0, 0.7, 1.0, 1.3][i % 4],
+            top_p=[1.0, 0.9][i % 2],
+            top_k=[0, 20, 0][i % 3],
+            max_new_tokens=5 + 7 * ((i * 3) % 10),
+            seed=100 + i,
+        )
+        for i in range(10)
+    ]
+    alone = [
+        await e.generate(_req(f"a{i}", p, **kw)) for i, (p, kw) in enumerate(zip(prompts, params))
+    ]
+    together = await asyncio.gather(
+        *(e.generate(_req(f"b{i}", p, **kw)) for i, (p, kw) in enumerate(zip(prompts, params)))
+    )
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+async def test_unseeded_requests_draw_different_streams(local_engine):
+    outs = await asyncio.gather(
+        *(local_engine.generate(_req(f"r{i}", [5, 6, 7], max_new_tokens=20)) for i in range(2))
+    )
+    assert outs[0].token_ids != outs[1].token_ids
+
+
+# ---- lifecycle -------------------------------------------------------------------------
+async def test_cancelled_generate_frees_its_slot(local_engine):
+    e = local_engine
+    tasks = [
+        asyncio.create_task(e.generate(_req(f"r{i}", [1, 2], max_new_tokens=120))) for i in range(4)
+    ]
+    while e.stats().num_running < 4:
+        await asyncio.sleep(0.0005)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    out = await e.generate(_req("next", [1, 2], max_new_tokens=5))
+    assert out.finish_reason is FinishReason.LENGTH
+    assert e.stats().num_running == 0
+
+
+async def test_edges_of_the_context(local_engine):
+    e = local_engine
+    one = await e.generate(_req("one", [3] * (MAX_SEQ_LEN - 1), temperature=0.0, max_new_tokens=9))
+    assert one.finish_reason is FinishReason.LENGTH and len(one.token_ids) == 1
+    full = await e.generate(_req("full", [3] * MAX_SEQ_LEN, max_new_tokens=1))
+    assert full.finish_reason is FinishReason.ERROR
+    empty = await e.generate(_req("empty", [], max_new_tokens=1))
+    assert empty.finish_reason is FinishReason.ERROR and "empty" in empty.error
+
+
+async def test_duplicate_request_id_in_flight_is_an_error(local_engine):
+    first, second = await asyncio.gather(
+        local_engine.generate(_req("same", [1, 2, 3], max_new_tokens=60)),
+        local_engine.generate(_req("same", [1, 2, 3], max_new_tokens=60)),
+    )
+    assert first.finish_reason is FinishReason.LENGTH
+    assert second.finish_reason is FinishReason.ERROR and "duplicate" in second.error
+
+
+async def test_version_stats_and_close(tiny_model_dir):
+    e = LocalEngine(
+        tiny_model_dir,
+        LocalEngineConfig(max_slots=2, max_seq_len=64, threads=1, device="cpu"),
+        engine_id="e7",
+        version=5,
+    )
+    pending = [
+        asyncio.create_task(e.generate(_req(f"r{i}", [1, 2], max_new_tokens=60))) for i in range(3)
+    ]
+    out = await e.generate(_req("v", [4, 5], temperature=0.0, max_new_tokens=3))
+    assert out.versions == [5, 5, 5]
+    stats = e.stats()
+    assert (stats.engine_id, stats.version, stats.capacity) == ("e7", 5, 2)
+    assert stats.busy_s > 0 and stats.generated_tokens >= 3
+    await e.close()
+    outs = await asyncio.gather(*pending)  # whatever was still in flight comes back
+    assert all(o.finish_reason in (FinishReason.LENGTH, FinishReason.ABORT) for o in outs)
+    with pytest.raises(RuntimeError, match="closed"):
+        await e.generate(_req("late", [1], max_new_tokens=1))
+
+
+def test_bfloat16_engine_serves(tiny_model_dir):
+    engine = _local(tiny_model_dir, dtype="bfloat16")
+    try:
+        outs = engine.generate_many(
+            [_req(f"r{i}", [1, 2, 3 + i], max_new_tokens=8) for i in range(3)]
+        )
+        assert all(len(o.token_ids) == 8 and o.finish_reason is FinishReason.LENGTH for o in outs)
+    finally:
+        engine.shutdown()
+
+
+def test_bad_device_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="device"):
+        _local(tiny_model_dir, device="tpu")
