@@ -1,0 +1,176 @@
+"""The single-process trainer on a random tiny Qwen2 (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollstream.config.schema import ISCorrectionConfig, TrainConfig
+from rollstream.train.trainer import Trainer
+from tests.train.conftest import make_group
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    """Independent reference: one unpadded forward, full logits, float32 log_softmax."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[len(prompt) + t - 1, tok].item() for t, tok in enumerate(response)]
+
+
+def groups_on_policy(trainer: Trainer, rewards: list[float], version: int = 0):
+    """Two groups whose behaviour logprobs are the trainer's own (no mismatch)."""
+    groups = [
+        make_group("g0", [1, 2, 3], [[4, 5, 6, 7], [8, 9, 10]], rewards=rewards[:2]),
+        make_group("g1", [11, 12], [[13, 14], [15, 16, 17, 18, 19]], rewards=rewards[2:]),
+    ]
+    samples = [s for g in groups for s in g.samples]
+    for s, lp in zip(samples, trainer.logprobs(samples)):
+        s.segments[0].logprobs[:] = lp
+        s.segments[0].versions[:] = [version] * len(lp)
+    return groups, samples
+
+
+def test_logprobs_equal_an_independent_forward(tiny_model_path: Path) -> None:
+    # a small budget forces several padded micro-batches of mixed lengths
+    trainer = Trainer(TrainConfig(micro_batch_tokens=16), tiny_model_path)
+    g = make_group("g", [1, 2, 3], [[4, 5], [6, 7, 8, 9, 10], [11]])
+    h = make_group("h", [20], [[21, 22, 23]])
+    samples = g.samples + h.samples
+    got = trainer.logprobs(samples)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for s, lp in zip(samples, got):
+        want = hf_logprobs(ref, list(s.task.prompt_ids), s.response_ids)
+        assert len(lp) == len(want)
+        assert max(abs(a - b) for a, b in zip(lp, want)) < 1e-5
+
+
+def test_step_raises_logprob_of_positive_advantage(tiny_model_path: Path) -> None:
+    cfg = TrainConfig(lr=1e-2, updates_per_step=2, micro_batch_tokens=16)
+    trainer = Trainer(cfg, tiny_model_path)
+    groups, samples = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
+    before = [sum(lp) for lp in trainer.logprobs(samples)]
+    metrics = trainer.step(groups, step=0)
+    after = [sum(lp) for lp in trainer.logprobs(samples)]
+    assert after[0] > before[0] and after[3] > before[3]  # positive advantage
+    assert after[1] < before[1] and after[2] < before[2]  # negative advantage
+    assert metrics["num_samples"] == 4 and metrics["num_tokens"] == 14
+    assert metrics["mismatch"] < 1e-5 and metrics["is_weight_mean"] == pytest.approx(1.0)
+    assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_step_lowers_the_surrogate_loss(tiny_model_path: Path) -> None:
+    cfg = TrainConfig(lr=5e-3, updates_per_step=1, clip_eps=0.9)
+    trainer = Trainer(cfg, tiny_model_path)
+    groups, _ = groups_on_policy(trainer, [1.0, 0.0, 0.3, 0.9])
+    first = trainer.step(groups, step=0)["loss"]
+    second = trainer.step(groups, step=1)["loss"]  # same behaviour logprobs, updated policy
+    assert second < first
+
+
+def test_skips_unrewarded_and_masks_env_and_old_tokens(tiny_model_path: Path) -> None:
+    cfg = TrainConfig(max_token_age=1, updates_per_step=1)
+    trainer = Trainer(cfg, tiny_model_path)
+    g = make_group("g", [1, 2], [[3, 4, 5], [6, 7], [8]], rewards=[1.0, 0.0, None],
+                   versions=[[5, 6, 7], [7, 7], [7]], env_tail=2)
+    metrics = trainer.step([g], step=7)
+    # sample 2 has no reward; env tokens never train; version 5 < 7 - 1 is too old
+    assert metrics["num_samples"] == 2
+    assert metrics["num_tokens"] == 4
+    assert metrics["age_masked_frac"] == pytest.approx(1 / 5)
+
+
+def test_nothing_trainable_does_not_update(tiny_model_path: Path) -> None:
+    trainer = Trainer(TrainConfig(), tiny_model_path)
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    g = make_group("g", [1, 2], [[3, 4]], rewards=[None])
+    metrics = trainer.step([g], step=0)
+    assert metrics["num_samples"] == 0
+    assert all(torch.equal(before[k], v) for k, v in trainer.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TrainConfig(loss="decoupled_ppo", is_correction=ISCorrectionConfig(mode="mask")),
+        TrainConfig(is_correction=ISCorrectionConfig(level="sequence", mode="mask", lower=0.9)),
+        TrainConfig(advantage="rloo", kl_coef=0.1, updates_per_step=2, lr=1e-2),
+    ],
+    ids=["decoupled", "seq-mask", "rloo-kl"],
+)
+def test_variants_run_and_report(tiny_model_path: Path, cfg: TrainConfig) -> None:
+    trainer = Trainer(cfg, tiny_model_path)
+    groups, samples = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
+    samples[1].segments[0].logprobs[0] -= 3.0  # a mismatch: w = e^3 on that token
+    metrics = trainer.step(groups, step=0)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["mismatch"] > 0
+    if cfg.is_correction.mode == "mask":
+        # w = e^3 (token) or e^(3/3) (geometric mean of 3 tokens, sequence) is above cap 2
+        dropped = 1 if cfg.is_correction.level == "token" else 3
+        assert metrics["is_masked_frac"] == pytest.approx(dropped / 14)
+    if cfg.kl_coef > 0:
+        assert metrics["kl"] > 0  # the second update has moved away from the reference
+
+
+def test_dr_grpo_needs_the_length_budget(tiny_model_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_response_tokens"):
+        Trainer(TrainConfig(advantage="dr_grpo"), tiny_model_path)
+    cfg = TrainConfig(advantage="dr_grpo", updates_per_step=1)
+    trainer = Trainer(cfg, tiny_model_path, max_response_tokens=32)
+    groups, _ = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
+    metrics = trainer.step(groups, step=0)
+    # first update on-policy: loss = -sum(A * tokens) / (num_samples * 32) = -(4*0.5-3*0.5+...) 
+    want = -(4 * 0.5 - 3 * 0.5 - 2 * 0.5 + 5 * 0.5) / (4 * 32)
+    assert metrics["loss"] == pytest.approx(want, abs=1e-6)
+
+
+def test_state_dict_is_live_and_hf_named(tiny_model_path: Path) -> None:
+    trainer = Trainer(TrainConfig(), tiny_model_path)
+    sd = trainer.state_dict()
+    params = dict(trainer.model.named_parameters())
+    assert "model.embed_tokens.weight" in sd
+    name = "model.embed_tokens.weight"
+    assert sd[name].data_ptr() == params[name].data_ptr()
+    assert not any(v.requires_grad for v in sd.values())
+
+
+def test_checkpoint_round_trip(tiny_model_path: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_path, src)
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), src)
+    groups, _ = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
+    trainer.step(groups, step=0)
+    out = trainer.save_checkpoint(tmp_path / "ckpt")
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+        source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        original = source(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(got, original)  # the step changed the weights
+
+
+def test_bf16_runs_close_to_fp32(tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # record; keep the global as is
+    fp32 = Trainer(TrainConfig(), tiny_model_path)
+    bf16 = Trainer(TrainConfig(dtype="bfloat16", threads=1), tiny_model_path)
+    assert calls == [1]  # threads > 0 binds the calling thread
+    groups, samples = groups_on_policy(fp32, [1.0, 0.0, 0.0, 1.0])
+    a, b = fp32.logprobs(samples), bf16.logprobs(samples)
+    assert max(abs(x - y) for la, lb in zip(a, b) for x, y in zip(la, lb)) < 0.1
+    metrics = bf16.step(groups, step=0)
+    assert all(math.isfinite(v) for v in metrics.values()) and metrics["grad_norm"] > 0
+    assert next(bf16.model.parameters()).dtype == torch.float32  # fp32 master weights
