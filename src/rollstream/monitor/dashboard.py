@@ -1,0 +1,164 @@
+"""The live dashboard: a FastAPI app served by uvicorn on 127.0.0.1 in a background thread.
+
+Routes (all JSON unless noted):
+
+    GET /                  the page (HTML; polls api/poll and redraws)
+    GET /api/poll          metric lines and spans after the given cursors, plus state, ledger
+                           summary, config and summary.json: ?metrics_since=N&spans_since=M
+    GET /api/state         Metrics.latest() (or the run directory's equivalent)
+    GET /api/metrics       metric lines: ?since=N -> {"lines", "next"}
+    GET /api/timeline      timeline spans: ?since=N -> {"spans", "next"}
+    GET /api/ledger        ledger summary (counts per status / source, reasons, staleness)
+    GET /api/config        {"text": config.yaml or null}
+    GET /api/summary       summary.json or null
+    GET /metrics           Prometheus text (when serving a live Metrics registry)
+
+With a `Metrics` registry the data is the registry's in-memory view (updated as the run
+goes); with ``metrics=None`` the dashboard follows the run directory's files instead, so a
+finished run or one written by another process can be browsed too.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from rollstream.config.schema import MonitorConfig
+from rollstream.monitor.metrics import Metrics
+from rollstream.monitor.page import payload, render_page
+from rollstream.monitor.runlog import RunDirReader, RunLog, read_config_text, read_summary
+
+
+class Dashboard:
+    """Serves the live dashboard of a run. ``start()`` returns its URL; ``stop()`` ends it."""
+
+    def __init__(self, metrics: Metrics | None, run_dir: Path | None, cfg: MonitorConfig) -> None:
+        if metrics is None and run_dir is None:
+            raise ValueError("Dashboard needs a Metrics registry or a run directory")
+        self.metrics = metrics
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.cfg = cfg
+        self._reader = RunDirReader(self.run_dir) if metrics is None and self.run_dir else None
+        self.name = self.run_dir.name if self.run_dir is not None else "run"
+        self.url: str | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    def _log(self) -> RunLog:
+        if self.metrics is not None:
+            return self.metrics.view()
+        assert self._reader is not None
+        return self._reader.refresh()
+
+    def _state(self) -> dict[str, Any]:
+        return self.metrics.latest() if self.metrics is not None else self._log().state()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="rollstream dashboard", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        page = render_page(title=f"rollstream · {self.name}", boot={
+            "mode": "live", "api": "", "poll_ms": int(self.cfg.dashboard_poll_s * 1000)})
+
+        @app.get("/", response_class=HTMLResponse)
+        def index() -> HTMLResponse:
+            return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+        @app.get("/favicon.ico")
+        def favicon() -> Response:
+            return Response(status_code=204)
+
+        @app.get("/api/poll")
+        def poll(metrics_since: int = Query(0, ge=0),
+                 spans_since: int = Query(0, ge=0)) -> JSONResponse:
+            data = payload(self._log(), self.run_dir, name=self.name,
+                           metrics_since=metrics_since, spans_since=spans_since)
+            if self.metrics is not None:
+                data["state"] = self.metrics.latest()
+            return JSONResponse(data)
+
+        @app.get("/api/state")
+        def state() -> JSONResponse:
+            return JSONResponse(self._state())
+
+        @app.get("/api/metrics")
+        def metrics_lines(since: int = Query(0, ge=0)) -> JSONResponse:
+            lines, nxt = self._log().records(since)
+            return JSONResponse({"lines": lines, "next": nxt})
+
+        @app.get("/api/timeline")
+        def timeline(since: int = Query(0, ge=0)) -> JSONResponse:
+            spans, nxt = self._log().spans(since)
+            return JSONResponse({"spans": spans, "next": nxt})
+
+        @app.get("/api/ledger")
+        def ledger() -> JSONResponse:
+            return JSONResponse(self._log().ledger_summary())
+
+        @app.get("/api/config")
+        def config() -> JSONResponse:
+            return JSONResponse({"text": read_config_text(self.run_dir)})
+
+        @app.get("/api/summary")
+        def summary() -> JSONResponse:
+            return JSONResponse(read_summary(self.run_dir))
+
+        @app.get("/metrics")
+        def prometheus() -> Response:
+            if self.metrics is None:
+                return Response("no live registry\n", status_code=404, media_type="text/plain")
+            return Response(self.metrics.prom.text(),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        return app
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Serve on 127.0.0.1:cfg.dashboard_port (0 = a free port); returns the URL."""
+        if self._server is not None:
+            assert self.url is not None
+            return self.url
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.cfg.dashboard_port))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=2)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                  name="rollstream-dashboard", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                sock.close()
+                raise RuntimeError(f"dashboard did not start on 127.0.0.1:{port}")
+            time.sleep(0.02)
+        self._server, self._thread, self._sock = server, thread, sock
+        self.url = f"http://127.0.0.1:{port}/"
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving and join the server thread."""
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        assert self._thread is not None
+        self._thread.join(timeout=10)
+        self._sock.close()
+        self._server = self._thread = None
+        self.url = None
+
+    def __enter__(self) -> Dashboard:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

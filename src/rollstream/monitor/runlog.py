@@ -1,0 +1,263 @@
+"""The in-memory view of a run that the dashboard and the report draw from.
+
+`RunLog` holds metric lines, timeline spans and a running ledger summary behind a lock: the
+metrics registry appends to it while a run goes (the dashboard reads it from another
+thread), and `RunDirReader` fills one from a run directory's files, following them
+incrementally (only new complete lines are parsed, a torn last line waits for its newline).
+Non-finite floats become ``null`` here, because browsers' JSON.parse rejects NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollstream.monitor.histogram import Hist
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json")
+
+
+def finite(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become None (recursively in lists and dicts)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+@dataclass(slots=True, kw_only=True)
+class LedgerSummary:
+    """Counts over ledger lines: per status, per source and status, failure reasons."""
+
+    num_samples: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    by_source: dict[str, Counter[str]] = field(default_factory=dict)
+    reasons: dict[str, Counter[str]] = field(default_factory=dict)  # status -> reason -> n
+    staleness: Counter[int] = field(default_factory=Counter)  # trained: step - min_version
+    reward_sum: dict[str, float] = field(default_factory=dict)  # source -> sum of rewards
+    reward_n: Counter[str] = field(default_factory=Counter)
+    num_tokens: int = 0
+    num_interrupts: int = 0
+
+    def add(self, entry: Mapping[str, Any]) -> None:
+        status = str(entry.get("status"))
+        source = str(entry.get("source") or "-")
+        self.num_samples += 1
+        self.by_status[status] += 1
+        self.by_source.setdefault(source, Counter())[status] += 1
+        if status not in ("trained", "evaluated"):
+            reason = str(entry.get("reason") or "(none)")
+            self.reasons.setdefault(status, Counter())[reason] += 1
+        step, version = entry.get("trained_at_step"), entry.get("min_version")
+        if status == "trained" and isinstance(step, int) and isinstance(version, int):
+            self.staleness[step - version] += 1
+        reward = entry.get("reward")
+        if isinstance(reward, (int, float)) and math.isfinite(reward):
+            self.reward_sum[source] = self.reward_sum.get(source, 0.0) + float(reward)
+            self.reward_n[source] += 1
+        if isinstance(n := entry.get("num_tokens"), int):
+            self.num_tokens += n
+        if isinstance(n := entry.get("num_interrupts"), int):
+            self.num_interrupts += n
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "num_interrupts": self.num_interrupts,
+            "by_status": dict(self.by_status),
+            "by_source": {
+                src: {
+                    "by_status": dict(c),
+                    "reward_mean": (self.reward_sum[src] / self.reward_n[src]
+                                    if self.reward_n[src] else None),
+                }
+                for src, c in sorted(self.by_source.items())
+            },
+            "reasons": {s: dict(c.most_common()) for s, c in sorted(self.reasons.items())},
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+        }
+
+
+class RunLog:
+    """Thread-safe, append-only copy of a run's metrics, spans and ledger summary."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[dict[str, Any]] = []
+        self._spans: list[dict[str, Any]] = []
+        self._ledger = LedgerSummary()
+        self._latest: dict[str, dict[str, Any]] = {}  # kind -> merged latest values
+        self._hists: dict[str, Hist] = {}  # name -> total over the run
+        self.num_bad_lines = 0
+
+    def add_record(self, record: Mapping[str, Any]) -> None:
+        rec = finite(dict(record))
+        with self._lock:
+            self._records.append(rec)
+            kind = str(rec.get("kind"))
+            if kind == "hist":
+                self._add_hist(rec)
+            else:
+                self._latest.setdefault(kind, {}).update(rec)
+
+    def _add_hist(self, rec: dict[str, Any]) -> None:
+        name, edges, counts = rec.get("name"), rec.get("edges"), rec.get("counts")
+        if not isinstance(name, str) or not isinstance(edges, list) or not isinstance(counts, list):
+            return
+        total = self._hists.get(name)
+        if total is None or list(total.edges) != edges:
+            total = self._hists[name] = Hist(edges=tuple(edges))
+        if len(counts) == len(total.counts):
+            total.merge(counts, int(rec.get("count") or 0), float(rec.get("sum") or 0.0))
+            if rec.get("min") is not None:
+                total.lo = min(total.lo, rec["min"])
+            if rec.get("max") is not None:
+                total.hi = max(total.hi, rec["max"])
+
+    def add_span(self, span: Mapping[str, Any]) -> None:
+        clean = finite(dict(span))
+        with self._lock:
+            self._spans.append(clean)
+
+    def add_ledger(self, entry: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._ledger.add(entry)
+
+    def state(self) -> dict[str, Any]:
+        """Latest values per kind, the furthest step, run-wide histograms, ledger counts."""
+        with self._lock:
+            steps = [v["step"] for v in self._latest.values() if isinstance(v.get("step"), int)]
+            return {
+                "step": max(steps, default=None),
+                "kinds": {k: dict(v) for k, v in self._latest.items()},
+                "hist": {n: finite(h.to_json()) for n, h in self._hists.items()},
+                "num_metric_lines": len(self._records),
+                "num_spans": len(self._spans),
+                "ledger": {"num_samples": self._ledger.num_samples,
+                           "by_status": dict(self._ledger.by_status)},
+            }
+
+    def records(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Metric lines from index `since` on, and the next cursor."""
+        with self._lock:
+            return self._records[since:], len(self._records)
+
+    def spans(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Timeline spans from index `since` on, and the next cursor."""
+        with self._lock:
+            return self._spans[since:], len(self._spans)
+
+    def ledger_summary(self) -> dict[str, Any]:
+        with self._lock:
+            return self._ledger.to_json()
+
+    def ledger_counts(self) -> dict[tuple[str, str], int]:
+        """(status, source) -> number of ledger lines."""
+        with self._lock:
+            return {(status, src): n for src, c in self._ledger.by_source.items()
+                    for status, n in c.items()}
+
+
+class JsonlTail:
+    """Reads a JSONL file incrementally: each call returns the newly completed lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self.num_bad = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1  # a torn last line waits for its newline
+        self._offset += end
+        out = []
+        for line in chunk[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                self.num_bad += 1
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+            else:
+                self.num_bad += 1
+        return out
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """`run_dir` as a Path, or ValueError saying why it is not a run directory."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ValueError(f"{run_dir} is not a run directory (no such directory)")
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir} is not a run directory (it is a file)")
+    if not any((run_dir / name).is_file() for name in RUN_FILES):
+        raise ValueError(f"{run_dir} is not a run directory: it holds none of "
+                         f"{', '.join(RUN_FILES)}")
+    return run_dir
+
+
+STREAMS = ("metrics", "timeline", "ledger")
+
+
+class RunDirReader:
+    """A RunLog that follows a run directory's files; `refresh()` reads what is new.
+
+    ``check=False`` accepts a directory that holds no run files yet (a run starting).
+    """
+
+    def __init__(self, run_dir: Path, *, check: bool = True) -> None:
+        self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
+        self.log = RunLog()
+        self._tails = {name: JsonlTail(self.run_dir / f"{name}.jsonl") for name in STREAMS}
+        self._lock = threading.Lock()  # one reader at a time per tail
+
+    def refresh(self, streams: tuple[str, ...] = STREAMS) -> RunLog:
+        """Read the new complete lines of `streams` into the log; returns the log."""
+        with self._lock:
+            if "metrics" in streams:
+                for rec in self._tails["metrics"].read_new():
+                    self.log.add_record(rec)
+            if "timeline" in streams:
+                for span in self._tails["timeline"].read_new():
+                    self.log.add_span(span)
+            if "ledger" in streams:
+                for entry in self._tails["ledger"].read_new():
+                    self.log.add_ledger(entry)
+            self.log.num_bad_lines = sum(t.num_bad for t in self._tails.values())
+        return self.log
+
+
+def read_config_text(run_dir: Path | None) -> str | None:
+    """config.yaml as text, or None."""
+    path = run_dir / "config.yaml" if run_dir is not None else None
+    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None
+
+
+def read_summary(run_dir: Path | None) -> dict[str, Any] | None:
+    """summary.json (non-finite floats as None), or None when absent or not yet complete."""
+    path = run_dir / "summary.json" if run_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None  # being written; the next poll will see it whole
+    return finite(data) if isinstance(data, dict) else None

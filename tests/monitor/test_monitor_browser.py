@@ -1,0 +1,108 @@
+"""Headless Chromium renders the live dashboard and the report: data drawn, no console errors.
+
+Needs Debian's chromium (``apt-get install -y chromium``; .ci/run installs it). Set
+ROLLSTREAM_SCREENSHOT_DIR to keep the screenshot for a look.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rollstream.config.schema import MonitorConfig
+from rollstream.monitor.dashboard import Dashboard
+from rollstream.monitor.metrics import Metrics
+from rollstream.monitor.report import write_report
+from tests.monitor.synth import synth_run
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed "
+                       "(apt-get install -y chromium)"),
+]
+
+
+def chromium(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={profile}", "--window-size=1400,1000",
+            "--virtual-time-budget=5000", "--enable-logging=stderr", "--v=0", *extra, url]
+    return subprocess.run(args, capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "HOME": str(profile)})
+
+
+def console_messages(stderr: str) -> list[str]:
+    """Every page console message (the page logs none itself) and uncaught exception."""
+    return [x for x in stderr.splitlines() if ":CONSOLE" in x or "Uncaught" in x]
+
+
+def assert_drawn(dom: str) -> None:
+    dom = re.sub(r"<script\b.*?</script>", "", dom, flags=re.S)  # only what the script drew
+    bars = re.findall(r'<rect class="span-bar" ([^>]*)>', dom)
+    assert len(bars) > 300, "timeline bars missing"
+    assert all('data-uid="s' in b and "data-version=" in b for b in bars)
+    assert any('data-outcome="interrupted"' in b for b in bars)
+    assert 'class="interrupt-mark"' in dom
+    rows = {re.search(r'data-engine="(\w+)" data-slot="(\d+)"', b).groups() for b in bars}
+    assert len(rows) == 16  # 2 engines x 8 slots
+    assert len(set(re.findall(r'data-version="(\d+)"', dom))) > 10, "colour by version"
+    assert re.search(r'data-chart="reward".*?data-series="train reward_mean"', dom, re.S)
+    assert re.search(r'data-chart="reward".*?data-series="eval reward"', dom, re.S)
+    assert re.search(r'data-chart="throughput".*?data-series="generated tokens/s"', dom, re.S)
+    assert len(re.findall(r'class="hist-bar"', dom)) >= 2
+    assert re.search(r'data-tile="trained samples"><div class="k">[^<]*</div>'
+                     r'<div class="v">[1-9]', dom)
+    assert "dropped_stale" in dom and "reward timeout" in dom  # ledger table
+    assert "max_staleness" in dom  # resolved config
+
+
+def test_live_dashboard_renders_in_chromium(tmp_path: Path) -> None:
+    run_dir = tmp_path / "browser-run"
+    metrics = synth_run(run_dir, num_steps=30, close=False)
+    dash = Dashboard(metrics, run_dir, MonitorConfig(progress=False, dashboard_poll_s=0.5))
+    url = dash.start()
+    try:
+        res = chromium(url, tmp_path / "profile", "--dump-dom")
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert console_messages(res.stderr) == []
+        assert 'class="badge live"' in res.stdout, "the page did not poll the live server"
+        assert_drawn(res.stdout)
+
+        shot = tmp_path / "dashboard.png"
+        res = chromium(url, tmp_path / "profile", f"--screenshot={shot}")
+        assert res.returncode == 0 and console_messages(res.stderr) == []
+        assert shot.stat().st_size > 30_000  # a blank page compresses to a few KB
+        if keep := os.environ.get("ROLLSTREAM_SCREENSHOT_DIR"):
+            shutil.copy(shot, Path(keep) / "dashboard.png")
+    finally:
+        dash.stop()
+        metrics.close()
+
+
+def test_report_renders_offline_in_chromium(tmp_path: Path) -> None:
+    run_dir = tmp_path / "report-run"
+    synth_run(run_dir, num_steps=30)
+    report = write_report(run_dir)
+    res = chromium(report.as_uri(), tmp_path / "profile", "--dump-dom")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert console_messages(res.stderr) == []
+    assert "report ·" in res.stdout
+    assert_drawn(res.stdout)
+
+
+def test_dashboard_before_any_data(tmp_path: Path) -> None:
+    metrics = Metrics(None, MonitorConfig(progress=False))
+    with Dashboard(metrics, None, MonitorConfig(dashboard_poll_s=0.5)) as dash:
+        assert dash.url is not None
+        res = chromium(dash.url, tmp_path / "profile", "--dump-dom")
+    metrics.close()
+    assert res.returncode == 0 and console_messages(res.stderr) == []
+    assert 'class="badge live"' in res.stdout
+    assert "no data yet" in res.stdout and "no rollout spans yet" in res.stdout
