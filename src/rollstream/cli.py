@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             from rollstream.monitor.report import write_report
 
             print(write_report(args.run_dir))
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2
     return 0

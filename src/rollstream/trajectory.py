@@ -14,7 +14,8 @@ Invariants checked at construction:
 
 Lifecycle: a Sample moves PENDING -> RUNNING (-> INTERRUPTED -> RUNNING)* -> GENERATED ->
 GRADED and then reaches exactly one terminal status: TRAINED, FILTERED, DROPPED_STALE,
-FAILED or EVALUATED (held-out samples that are scored, never trained).
+FAILED, EVALUATED (held-out samples that are scored, never trained) or ABORTED (the run
+stopped before the sample could be used).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class SampleStatus(str, enum.Enum):
     DROPPED_STALE = "dropped_stale"  # would exceed max_staleness
     FAILED = "failed"  # engine error, reward error, bad data: see Sample.failure
     EVALUATED = "evaluated"  # held-out evaluation sample
+    ABORTED = "aborted"  # the run stopped before the sample could be used
 
     def is_terminal(self) -> bool:
         return self in _TERMINAL
@@ -47,6 +49,7 @@ _TERMINAL = frozenset(
         SampleStatus.DROPPED_STALE,
         SampleStatus.FAILED,
         SampleStatus.EVALUATED,
+        SampleStatus.ABORTED,
     }
 )
 

@@ -1,0 +1,90 @@
+"""The ledger: every sample reaches exactly one terminal status, recorded once.
+
+Append-only JSONL (``ledger.jsonl`` in the run directory), flushed per line, so a crash at
+any moment leaves a readable file and a resume knows what is done. The in-memory index
+enforces exactly-once: recording a sample uid twice is a bug and raises.
+
+Also tracks the non-terminal life of samples (``open``/``close``) so that, at the end of a
+run, :meth:`unfinished` names every dispatched sample that never reached a terminal status.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import IO
+
+from rollstream.trajectory import Sample, SampleStatus
+
+
+class Ledger:
+    def __init__(self, path: Path | None = None) -> None:
+        self._path = path
+        self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
+        self._terminal: dict[str, SampleStatus] = {}
+        self._open: dict[str, Sample] = {}
+        self.counts: Counter[str] = Counter()
+
+    def open(self, sample: Sample) -> None:
+        """A sample was dispatched; it must reach :meth:`record` before the run ends."""
+        if sample.uid in self._terminal or sample.uid in self._open:
+            raise AssertionError(f"sample {sample.uid} dispatched twice")
+        self._open[sample.uid] = sample
+
+    def record(self, sample: Sample, status: SampleStatus, reason: str | None = None,
+               t_s: float | None = None) -> None:
+        """Give ``sample`` its terminal ``status`` (exactly once) and append it to the file."""
+        assert status.is_terminal(), f"{status} is not terminal"
+        if sample.uid in self._terminal:
+            raise AssertionError(
+                f"sample {sample.uid} already recorded as {self._terminal[sample.uid].value}; "
+                f"cannot record it again as {status.value}"
+            )
+        sample.mark(status, reason)
+        self._terminal[sample.uid] = status
+        self._open.pop(sample.uid, None)
+        self.counts[status.value] += 1
+        if self._fh is not None:
+            versions = [v for v in sample.versions if v >= 0]
+            entry = {
+                "sample_uid": sample.uid,
+                "task_uid": sample.task.uid,
+                "source": sample.task.source,
+                "status": status.value,
+                "reason": sample.failure,
+                "reward": sample.reward,
+                "num_tokens": sample.num_response_tokens,
+                "min_version": min(versions) if versions else None,
+                "max_version": max(versions) if versions else None,
+                "num_interrupts": sample.num_interrupts,
+                "trained_at_step": sample.trained_at_step,
+                "t_s": t_s,
+            }
+            self._fh.write(json.dumps(entry) + "\n")
+
+    def status_of(self, uid: str) -> SampleStatus | None:
+        return self._terminal.get(uid)
+
+    def unfinished(self) -> list[Sample]:
+        return list(self._open.values())
+
+    @property
+    def num_recorded(self) -> int:
+        return len(self._terminal)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_ledger(path: Path) -> list[dict]:
+    """Read a ledger file; a torn last line (crash mid-write) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

@@ -1,0 +1,72 @@
+"""Admission control: a staleness capacity in the spirit of AReaL.
+
+Counted in groups. With ``G`` groups per trainer step, staleness bound ``k`` and the engines
+serving weight version ``v``, a new group may start only while
+
+    live_or_trained_groups < (v + k + 1) * G
+
+where groups that were filtered, failed or dropped are retired and stop counting. Groups are
+admitted in order, and each step consumes ``G``, so a group admitted under ``v`` is trained by
+step ``v + k`` at the latest unless something overtakes it; what does overtake it is caught by
+the buffer's hard check and becomes DROPPED_STALE, never trained.
+
+``k = 0`` is exactly synchronous, on-policy RL: one batch is generated under ``v`` (filtered
+groups are replaced under ``v`` too), then nothing starts until ``v + 1`` is served. ``k = 1``
+is one-step off-policy: the capacity grows by one batch per served version, so the rollout of
+step s+1 runs while step s trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class StalenessCapacity:
+    def __init__(self, *, groups_per_step: int, max_staleness: int,
+                 total_groups: int | None = None) -> None:
+        if groups_per_step < 1 or max_staleness < 0:
+            raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.total_groups = total_groups  # the run needs no more than this many trained groups
+        self.num_admitted = 0
+        self.num_retired = 0
+        self._version = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def limit(self) -> int:
+        limit = (self._version + self.max_staleness + 1) * self.groups_per_step
+        return limit if self.total_groups is None else min(limit, self.total_groups)
+
+    @property
+    def num_counted(self) -> int:
+        return self.num_admitted - self.num_retired
+
+    def room(self) -> int:
+        """Groups that may be admitted now."""
+        return max(self.limit - self.num_counted, 0)
+
+    def admit(self, n: int = 1) -> None:
+        assert n <= self.room(), "admitted past the staleness capacity"
+        self.num_admitted += n
+
+    def retire(self, n: int = 1) -> None:
+        """Groups that will never be trained (filtered, failed, dropped) free their place."""
+        self.num_retired += n
+        self._notify()
+
+    def set_version(self, version: int) -> None:
+        """The engines now serve ``version``."""
+        assert version >= self._version
+        self._version = version
+        self._notify()
+
+    async def wait_for_room(self) -> int:
+        while (n := self.room()) == 0:
+            self._changed.clear()
+            await self._changed.wait()
+        return n
+
+    def _notify(self) -> None:
+        self._changed.set()
