@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 
 class Section(BaseModel):
@@ -60,10 +60,14 @@ class ModelConfig(Section):
 
 
 class SourceConfig(Section):
-    kind: Literal["tick", "digits", "math"] = "tick"
+    kind: Literal["tick", "digits", "math", "jsonl"] = "tick"
     """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (count a
     fixed-width number down by 3, long-tailed), ``math`` (small arithmetic, graded by
-    math-verify)."""
+    math-verify), ``jsonl`` (a dataset file: one ``{"prompt", "answer"}`` object per line)."""
+    path: str | None = None
+    """The dataset file of a ``jsonl`` source."""
+    verifier: Literal["exact_match", "math"] = "exact_match"
+    """How a ``jsonl`` source grades a response against its answer."""
     name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Source name used in task uids and metrics (null = the kind); unique within a mix."""
     weight: float = Field(1.0, gt=0)
@@ -90,6 +94,9 @@ class LocalEngineConfig(Section):
     """KV cache length per slot (prompt + response)."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads of the engine thread (0 = leave as is)."""
+    cpu_affinity: tuple[NonNegativeInt, ...] = ()
+    """CPU cores the engine's step thread is pinned to (Linux ``sched_setaffinity`` of that
+    thread only; empty = leave as is)."""
     device: str = "auto"
     """``auto`` (cuda when present, else cpu), ``cpu`` or ``cuda``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -211,6 +218,9 @@ class TrainConfig(Section):
     """Training precision."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads of the trainer (0 = leave as is)."""
+    cpu_affinity: tuple[NonNegativeInt, ...] = ()
+    """CPU cores the trainer's calling thread is pinned to (Linux ``sched_setaffinity`` of
+    that thread only; empty = leave as is)."""
     checkpoint_every: int = Field(0, ge=0)
     """Save an HF checkpoint every N steps (0 = only at the end)."""
 

@@ -63,6 +63,21 @@ class Ledger:
             }
             self._fh.write(json.dumps(entry) + "\n")
 
+    def record_rejected(self, task_uid: str, source: str, reason: str) -> None:
+        """A dataset row that could not become a task: written as a failed task, once."""
+        uid = f"{task_uid}#row"
+        if uid in self._terminal:
+            raise AssertionError(f"row {task_uid} already recorded")
+        self._terminal[uid] = SampleStatus.FAILED
+        self.counts["rejected_rows"] += 1
+        if self._fh is not None:
+            self._fh.write(json.dumps({
+                "sample_uid": uid, "task_uid": task_uid, "source": source, "status": "failed",
+                "reason": f"bad dataset row: {reason}", "reward": None, "num_tokens": 0,
+                "min_version": None, "max_version": None, "num_interrupts": 0,
+                "trained_at_step": None, "t_s": 0.0,
+            }) + "\n")
+
     def status_of(self, uid: str) -> SampleStatus | None:
         return self._terminal.get(uid)
 

@@ -271,6 +271,10 @@ def source_name(cfg: SourceConfig) -> str:
 
 def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> TaskSource:
     """The source ``cfg.kind`` named ``cfg.name`` (default: the kind)."""
+    if cfg.kind == "jsonl":
+        from rollstream.data.jsonl import JsonlSource
+
+        return JsonlSource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
     return _KINDS[cfg.kind](name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
 
 
@@ -317,11 +321,17 @@ class TaskMix:
         return self._sources[name].task(index, "train")
 
     def eval_tasks(self) -> list[Task]:
+        """Held-out tasks, round-robin over sources; a small dataset yields each row once."""
         n = len(self._names)
-        return [
+        tasks = [
             self._sources[self._names[i % n]].task(i // n, "eval")
             for i in range(self._cfg.num_eval)
         ]
+        return list({t.uid: t for t in tasks}.values())
+
+    def rejected(self) -> list[tuple[str, str, str]]:
+        """(task uid, source, reason) of every dataset row a source could not use."""
+        return [r for src in self._sources.values() for r in getattr(src, "rejected", [])]
 
     def score(self, task: Task, response_text: str) -> float:
         """The verifier of the task's own source."""

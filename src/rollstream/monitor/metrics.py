@@ -41,7 +41,7 @@ from rollstream.monitor.runlog import RunDirReader, RunLog, finite
 from rollstream.monitor.trackers import Tracker, build_trackers
 
 OUTCOMES = ("done", "interrupted", "failed")
-LEDGER_STATUSES = ("trained", "filtered", "dropped_stale", "failed", "evaluated")
+LEDGER_STATUSES = ("trained", "filtered", "dropped_stale", "failed", "evaluated", "aborted")
 
 
 def _open_append(path: Path) -> IO[str]:

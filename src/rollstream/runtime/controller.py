@@ -131,8 +131,9 @@ class Controller:
             n = await self.capacity.wait_for_room()
             await self.dispatcher.gate.wait()
             self.capacity.admit(n)
-            for _ in range(n):
-                group = Group.new(self.tasks.next_task(), self.cfg.group_size)
+            for i in range(self.capacity.num_admitted - n, self.capacity.num_admitted):
+                # k = admission index: a task drawn again (a dataset epoch) gets a new group id
+                group = Group.new(self.tasks.next_task(), self.cfg.group_size, k=i)
                 self.live[group.group_id] = group
                 self._tg.create_task(self._group_life(group), name=f"group {group.group_id}")
 

@@ -59,6 +59,9 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     metrics = Metrics(run_dir, cfg.monitor)
     clock = WallClock()
     ledger = Ledger(run_dir / "ledger.jsonl")
+    for task_uid, source, reason in mix.rejected():
+        print(f"warning: skipped task {task_uid}: {reason}", flush=True)
+        ledger.record_rejected(task_uid, source, reason)
     engines = [
         build_engine(cfg.engine, model_path, engine_id=f"{cfg.engine.kind}-{i}", version=0)
         for i in range(cfg.engine.num_engines)

@@ -1,0 +1,94 @@
+"""End to end: `rollstream train` on a tiny model, real engine, real trainer, real graders.
+
+The short run must raise the held-out reward; the bad-input run must report a malformed
+dataset row and a reward that returns a non-number with their task ids and still finish."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollstream.config import load_config
+from rollstream.data.ledger import read_ledger
+from rollstream.reward import register_reward
+from rollstream.runtime.train import run_training
+
+TINY = [
+    "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=192",
+    "model.tiny.max_position=128", "model.warm_start.steps=200", "model.warm_start.lr=5e-3",
+    "model.warm_start.tokens_per_step=2048", "tasks.sources=[{kind: tick, max_items: 6}]",
+    "tasks.num_eval=32", "engine.local.max_slots=64", "engine.local.max_seq_len=128",
+    "sampling.max_new_tokens=64", "rollout.group_size=8", "train.groups_per_step=8",
+    "train.lr=3e-4", "eval.samples_per_task=4", "monitor.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.slow
+def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
+    cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
+                             "name=e2e", "train.steps=20", "rollout.mode=async",
+                             "rollout.max_staleness=2", "monitor.report=true"])
+    summary = run_training(cfg)
+    assert summary["reward_final"] > summary["reward_initial"] + 0.1, summary
+    run = tmp_path / "e2e"
+    for f in ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json",
+              "report.html", "checkpoint/config.json"):
+        assert (run / f).exists(), f
+    rows = read_ledger(run / "ledger.jsonl")
+    trained = [r for r in rows if r["status"] == "trained"]
+    assert len(trained) == summary["trained_samples"] > 0
+    assert all(r["trained_at_step"] - r["min_version"] <= 2 for r in trained)
+    assert not summary["unfinished_samples"]
+
+
+@register_reward("flaky_tick")
+def _flaky(task, text: str):
+    """Correct answers score 1, except that every task whose index ends in 3 returns a string."""
+    if task.uid.endswith("3"):
+        return "not a number"
+    return 1.0 if text == task.reference + "<|endoftext|>" else 0.0
+
+
+@pytest.mark.slow
+def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, cache_dir):
+    data = tmp_path / "data.jsonl"
+    rows = [json.dumps({"id": f"r{i}", "prompt": f"T{100 + i}#0{1 + i % 5}=",
+                        "answer": " ".join(f"{100 + i + j}/0{1 + i % 5 - j}"
+                                           for j in range(1 + i % 5))}) for i in range(40)]
+    rows.insert(5, "{not json")
+    rows.insert(9, json.dumps({"id": "noprompt", "answer": "1"}))
+    data.write_text("\n".join(rows) + "\n")
+    cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
+                             "name=bad", "train.steps=2", "reward.name=flaky_tick",
+                             f"tasks.sources=[{{kind: tick, max_items: 6}}, "
+                             f"{{kind: jsonl, path: '{data}', name: ds}}]",
+                             "monitor.report=false"])
+    summary = run_training(cfg)
+    assert summary["steps"] == 2
+    ledger = read_ledger(tmp_path / "bad" / "ledger.jsonl")
+    bad_rows = {r["task_uid"]: r["reason"] for r in ledger if r["sample_uid"].endswith("#row")}
+    assert set(bad_rows) == {"ds/line6", "ds/noprompt"}
+    assert "not JSON" in bad_rows["ds/line6"] and "prompt" in bad_rows["ds/noprompt"]
+    failed = [r for r in ledger if r["status"] == "failed" and not r["sample_uid"].endswith("#row")]
+    assert failed and all(r["task_uid"].endswith("3") for r in failed)
+    assert all("expected a finite number" in r["reason"] for r in failed)
+    assert any(r["status"] == "trained" for r in ledger)
+
+
+def test_cli_reports_config_errors_with_the_field(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "rollstream", "train", "examples/tick.yaml", "rollout.mode=fast",
+         "train.lrr=1"], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+    )
+    assert out.returncode == 2
+    assert "rollout.mode" in out.stderr and "'sync', 'one_step' or 'async'" in out.stderr
+    assert "did you mean 'lr'" in out.stderr
