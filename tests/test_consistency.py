@@ -34,9 +34,9 @@ def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path):
     async def main():
         engine = build_engine(EngineConfig(local={"max_slots": 8, "max_seq_len": 128}), model)
         ledger = Ledger()
-        graders = GraderPool(RewardConfig(), lambda task: lambda t, text: float(len(text) % 2))
+        graders = GraderPool(RewardConfig(), lambda task: lambda t, text: float(int(text.split()[0]) % 2))
         disp = Dispatcher(engines=[engine], params=SamplingParams(max_new_tokens=24),
-                          graders=graders, decode=lambda ids: "x" * len(ids), ledger=ledger,
+                          graders=graders, decode=lambda ids: " ".join(map(str, ids)), ledger=ledger,
                           clock=WallClock())
         trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), model)
         applied = []
