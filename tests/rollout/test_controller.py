@@ -115,3 +115,15 @@ def test_partial_rollout_interrupts_and_keeps_versions(tmp_path):
     resumed = [r for r in rows if r["num_interrupts"] > 0 and r["status"] == "trained"]
     assert resumed, "some trained samples were interrupted and resumed"
     assert any(r["max_version"] > r["min_version"] for r in resumed)
+
+
+def test_a_dying_loop_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
+    def boom(self, groups, step):
+        if step == 2:
+            raise RuntimeError("trainer exploded at step 2")
+        return {"loss": 0.0}
+
+    monkeypatch.setattr(CountingTrainer, "step", boom)
+    with pytest.raises(BaseExceptionGroup) as info:
+        run_controller(tmp_path, mode="async", k=2, partial=True, on_update="interrupt", seed=5)
+    assert "trainer exploded at step 2" in str(info.value.exceptions)
