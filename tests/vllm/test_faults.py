@@ -1,0 +1,115 @@
+"""Faults of the vLLM engine: clear errors at start, and a server killed mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollstream.config.schema import EngineConfig, VllmEngineConfig
+from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
+from rollstream.engine.vllm import build_vllm_engine
+from rollstream.engine.vllm.server import VllmServer, VllmServerError, free_port
+from tests.vllm import shared
+
+pytestmark = pytest.mark.vllm
+
+
+def _req(rid: str, prompt: list[int], **params) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=SamplingParams(**params))
+
+
+def test_port_taken_is_a_clear_error(tmp_path, vllm_model_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(VllmServerError, match=f"port {port} .* already in use"):
+            build_vllm_engine(EngineConfig(kind="vllm"), vllm_model_path, port=port,
+                              log_dir=tmp_path)
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        build_vllm_engine(EngineConfig(kind="vllm"), tmp_path / "nope")
+
+
+async def test_bad_model_folder_reports_the_server_log(tmp_path):
+    """The folder passes our checks but vLLM cannot load it: the server exits early and the
+    error quotes its last log lines."""
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(
+        {"architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model",
+         "vocab_size": 8, "hidden_size": 32, "num_attention_heads": 1}))
+    save_file({"w": torch.zeros(2)}, str(bad / "model.safetensors"))
+    server = VllmServer(cfg=VllmEngineConfig(), model_path=bad, log_path=tmp_path / "log.txt")
+    server.start()
+    with pytest.raises(VllmServerError, match="exited with code") as err:
+        await server.wait_ready(timeout_s=240)
+    assert "Last log lines" in str(err.value) and "no_such_model" in str(err.value)
+    assert server.proc is None  # stopped: nothing left running
+
+
+async def test_health_timeout_is_a_clear_error():
+    server = VllmServer(cfg=VllmEngineConfig(), attach_url=f"http://127.0.0.1:{free_port()}")
+    server.start()
+    with pytest.raises(VllmServerError, match="did not answer /health within 1 s"):
+        await server.wait_ready(timeout_s=1.0)
+
+
+def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm_engine):
+    e = vllm_engine
+    g = torch.Generator().manual_seed(5)
+    weights = {k: v + 0.3 * torch.randn(v.shape, generator=g)
+               for k, v in shared.original_weights(shared.model_path()).items()}
+    await e.load_weights(7, weights)
+    greedy = dict(temperature=0.0, max_new_tokens=32)
+    reference = await e.generate(_req("ref", [1, 2, 3], **greedy))
+    old_pgid, restarts = e.server.proc.pid, e.num_restarts
+
+    for attempt in range(3):
+        tasks = [asyncio.create_task(e.generate(_req(f"k{attempt}-{i}", [1, 2, 3 + i],
+                                                     max_new_tokens=3000))) for i in range(4)]
+        while e.stats().num_running < 4 and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.001)  # every stream has delivered tokens
+        if not any(t.done() for t in tasks):
+            break
+        await asyncio.gather(*tasks)  # delivered in one burst at the end: try again
+    else:
+        pytest.skip("vLLM's API server was starved on every attempt (machine overloaded)")
+    os.kill(e.server.proc.pid, signal.SIGKILL)  # the API server; its children are orphaned
+    outs = await asyncio.gather(*tasks)
+    cut = [o for o in outs if o.finish_reason is not FinishReason.LENGTH]
+    assert cut and any(o.token_ids for o in cut), "the kill should land while requests run"
+    assert all(o.finish_reason is FinishReason.ABORT and "died" in o.error for o in cut), \
+        [(o.finish_reason, o.error) for o in cut]
+    assert all(o.versions == [7] * len(o.token_ids) for o in outs)
+    print(f"killed mid-run: {len(cut)}/4 requests cut, "
+          f"{sum(len(o.token_ids) for o in cut)} partial tokens returned")
+
+    out = await asyncio.wait_for(e.generate(_req("after", [1, 2, 3], **greedy)), 300)
+    if out.finish_reason is FinishReason.ABORT:  # sent before the death was noticed
+        out = await asyncio.wait_for(e.generate(_req("after2", [1, 2, 3], **greedy)), 300)
+    assert out.finish_reason is FinishReason.LENGTH, out.error
+    assert e.num_restarts == restarts + 1 and e.stats().version == 7
+    assert out.token_ids == reference.token_ids and out.versions == [7] * 32  # weights restored
+    assert _group_gone(old_pgid), "the killed server's EngineCore/worker were left behind"
