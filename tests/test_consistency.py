@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from rollstream.config import EngineConfig, RewardConfig, TrainConfig
@@ -27,7 +28,8 @@ def _tasks(n: int) -> list[Task]:
                  prompt_text="", reference="") for i in range(n)]
 
 
-def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path, temperature):
     torch.manual_seed(0)
     model = make_tiny_model(tmp_path / "m")
 
@@ -35,10 +37,11 @@ def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path):
         engine = build_engine(EngineConfig(local={"max_slots": 8, "max_seq_len": 128}), model)
         ledger = Ledger()
         graders = GraderPool(RewardConfig(), lambda task: lambda t, text: float(int(text.split()[0]) % 2))
-        disp = Dispatcher(engines=[engine], params=SamplingParams(max_new_tokens=24),
+        disp = Dispatcher(engines=[engine], params=SamplingParams(max_new_tokens=24, temperature=temperature),
                           graders=graders, decode=lambda ids: " ".join(map(str, ids)), ledger=ledger,
                           clock=WallClock())
-        trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), model)
+        trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), model,
+                          temperature=temperature)
         applied = []
         sync = WeightSync(disp, "interrupt", lambda v, s: applied.append(v))
         sync_task = asyncio.create_task(sync.run())

@@ -69,7 +69,7 @@ class GenerateRequest:
 class GenerateOutput:
     request_id: str
     token_ids: list[int]  # [T]
-    logprobs: list[float]  # [T] logprob under the sampling distribution's logits (T=1)
+    logprobs: list[float]  # [T] log_softmax(logits / temperature) of the token, before top-k/p
     versions: list[int]  # [T] weight version that sampled each token
     finish_reason: FinishReason
     error: str | None = None

@@ -85,7 +85,8 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         engines=engines, params=params, graders=graders, ledger=ledger, clock=clock,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), span=metrics.span,
     )
-    trainer = Trainer(cfg.train, model_path, max_response_tokens=cfg.sampling.max_new_tokens)
+    trainer = Trainer(cfg.train, model_path, max_response_tokens=cfg.sampling.max_new_tokens,
+                      temperature=cfg.sampling.temperature or 1.0)
     progress = Progress(cfg.monitor, cfg.train.steps)
     dashboard = None
     if cfg.monitor.dashboard:

@@ -26,15 +26,17 @@ backward under ``torch.autocast(bfloat16)`` (mixed precision keeps small updates
 rounded away). Logprobs are always a float32 ``log_softmax`` of the raw logits, the quantity
 an inference engine reports, so ``logprobs()`` is comparable with engine logprobs.
 
-Threads: ``threads > 0`` calls ``torch.set_num_threads`` at the start of every public compute
-method, because the intra-op setting is per calling thread and callers may move the trainer
-onto a worker thread.
+Threads: ``threads > 0`` calls ``torch.set_num_threads`` (and a non-empty ``cpu_affinity``
+pins the thread with ``os.sched_setaffinity``) at the start of every public compute method,
+because both settings are per calling thread and callers may move the trainer onto a worker
+thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -106,9 +108,15 @@ class Trainer:
         *,
         device: str = "cpu",
         max_response_tokens: int | None = None,
+        temperature: float = 1.0,
     ) -> None:
         """``max_response_tokens``: the rollout's response budget (``sampling.max_new_tokens``),
-        the Dr.GRPO constant normaliser; required when ``cfg.advantage == "dr_grpo"``."""
+        the Dr.GRPO constant normaliser; required when ``cfg.advantage == "dr_grpo"``.
+        ``temperature``: the rollout's sampling temperature; logprobs are taken of
+        ``logits / temperature``, the distribution the engines sampled from and report."""
+        if not temperature > 0:
+            raise ValueError(f"the trainer needs a sampling temperature > 0, got {temperature}")
+        self.temperature = float(temperature)
         if cfg.advantage == "dr_grpo" and max_response_tokens is None:
             raise ValueError(
                 "train.advantage=dr_grpo normalises by the response length budget: pass "
@@ -118,7 +126,7 @@ class Trainer:
         self.model_path = Path(model_path)
         self.device = torch.device(device)
         self.max_response_tokens = max_response_tokens
-        self._bind_threads()
+        self._bind_threads(pin=False)  # the constructing thread is not the compute thread
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model.to(self.device).train()
         self.reference = None
@@ -187,7 +195,9 @@ class Trainer:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _bind_threads(self) -> None:
+    def _bind_threads(self, *, pin: bool = True) -> None:
+        if pin and self.cfg.cpu_affinity:  # on Linux this pins the calling thread only
+            os.sched_setaffinity(0, self.cfg.cpu_affinity)
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
 
@@ -209,7 +219,8 @@ class Trainer:
                 logits_to_keep=mb.logits_to_keep,
                 use_cache=False,
             )
-        return gather_logprobs(out.logits, mb)
+        logits = out.logits if self.temperature == 1.0 else out.logits / self.temperature
+        return gather_logprobs(logits, mb)
 
     def _trainable(self, groups: Sequence[Group]) -> tuple[list[Sample], list[float]]:
         samples: list[Sample] = []
