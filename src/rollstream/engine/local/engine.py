@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -124,6 +125,7 @@ class LocalEngine:
             max_rows=cfg.max_slots, prefill_budget_tokens=cfg.max_prefill_tokens
         )
         self._threads = cfg.threads
+        self._cpu_affinity = cfg.cpu_affinity
         self._version = version
         self._seeds = torch.Generator().manual_seed(cfg.seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -241,6 +243,8 @@ class LocalEngine:
     # ---- engine thread -------------------------------------------------------------------
     def _main(self) -> None:
         try:
+            if self._cpu_affinity:  # on Linux this pins the calling (engine) thread only
+                os.sched_setaffinity(0, self._cpu_affinity)
             if self._threads > 0:
                 torch.set_num_threads(self._threads)
             with torch.inference_mode():

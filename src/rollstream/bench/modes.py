@@ -1,0 +1,529 @@
+"""Benchmark: the controller's modes on the long-tail tick task, one process, one run each.
+
+    rollstream bench modes [--json OUT] [--quick]
+
+Configs, run one after another from the same warm-started weights (examples/tick.yaml's model
+and task; the cached warm start) and trained on the same number of samples (``steps`` x 16
+groups x 8): ``sync`` (staleness 0: partial rollout on/off is the same schedule there, so it
+runs once), ``one_step`` and ``async`` with k = 1, 2, 4, each with partial rollout on
+(interrupt and resume) and off (drain before the swap). ``one_step`` is staleness 1, the same
+controller settings as ``async k=1``: the two differ only by run-to-run noise, which is what
+their difference measures.
+
+The headline pair (``sync`` and ``async_k2_partial``, examples/tick.yaml's own rollout
+settings) runs first and again last, A B ... B A, so a drift in the machine's load hits both
+alike; each keeps its faster run, and its final reward is the mean of both runs.
+
+Placement: the engine thread is pinned to core 0 and the trainer thread to core 1 (one torch
+thread each); the event loop and reward threads float. Before the runs the bench measures
+the engine's **saturated** tokens/s on its core (the same engine config kept full with
+``max_slots`` requests of the tick length mix, refilled as they finish; the better of a 20 s
+and a 10 s window) and a contention probe: trainer steps on a fixed batch alone and while the
+engine is saturated, with each thread's run / run-queue / blocked share from ``/proc`` (a
+thread that always has work and is blocked is waiting for the GIL).
+
+Per config (from ``run_training``'s summary, the run dir's ledger and metrics): wall and
+training time, trained tokens/s (response tokens of TRAINED samples / training wall time),
+generated tokens/s (response tokens of every training-phase sample, eval excluded),
+**engine utilization** (generated tokens/s / saturated tokens/s), trainer busy share (trainer
+compute / training wall time), final held-out reward with its standard error over eval
+prompts, ledger counts and interrupts.
+
+Bench setting that differs from examples/tick.yaml: ``train.micro_batch_tokens=1024`` for
+every config. With the 8192 default a 128-sample long-tail batch packs into two micro-batches
+padded to their longest row (about 2x the real tokens), which makes the trainer 2-2.5x slower
+and every mode trainer-bound (docs/benchmarks.md).
+
+A benchmark measures; it does not assert. The machine is shared: the JSON records the load
+average, and only ratios within one run mean much.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.config import RunConfig, load_config
+
+TICK_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick.yaml"
+TRAIN_MICRO_BATCH_TOKENS = 1024  # see the module docstring
+HEADLINE_ASYNC = "async_k2_partial"  # examples/tick.yaml's own rollout settings
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Sizes:
+    steps: int
+    num_eval: int
+    samples_per_task: int
+    saturate_s: float
+    probe_steps: int
+
+
+FULL = Sizes(steps=16, num_eval=128, samples_per_task=4, saturate_s=20.0, probe_steps=3)
+QUICK = Sizes(steps=2, num_eval=8, samples_per_task=1, saturate_s=2.0, probe_steps=1)
+
+
+def mode_configs() -> list[tuple[str, list[str]]]:
+    """(label, rollout overrides) of every benchmarked config."""
+    out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true"])]
+    for partial in (True, False):
+        tag = "partial" if partial else "drain"
+        out.append((f"one_step_{tag}", ["rollout.mode=one_step", f"rollout.partial_rollout={partial}"]))
+        for k in (1, 2, 4):
+            out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
+                                              f"rollout.partial_rollout={partial}"]))
+    return out
+
+
+def run_order(quick: bool) -> list[str]:
+    """Labels in run order. The headline pair runs first and again last (A B ... B A), so a
+    drift in the machine's load hits both alike; each keeps its faster run (quick: once)."""
+    labels = [label for label, _ in mode_configs()]
+    if quick:
+        return labels
+    middle = [x for x in labels if x not in ("sync", HEADLINE_ASYNC)]
+    return ["sync", HEADLINE_ASYNC, *middle, HEADLINE_ASYNC, "sync"]
+
+
+def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The faster run's measurements; the final reward averaged over the runs (more eval
+    samples, so a smaller standard error); every run kept under ``repeats``."""
+    best = dict(min(runs, key=lambda r: r["train_wall_s"]))
+    if len(runs) > 1:
+        best["reward_final"] = statistics.fmean(r["reward_final"] for r in runs)
+        best["reward_final_se"] = math.sqrt(sum(r["reward_final_se"] ** 2 for r in runs)) / len(runs)
+        best["repeats"] = [{k: r[k] for k in ("train_wall_s", "trained_tok_s", "gen_tok_s",
+                                               "reward_final", "reward_final_se", "runq_share")}
+                           for r in runs]
+    return best
+
+
+# ---- per-thread CPU accounting (/proc/self/task/*/schedstat) ----------------------------
+ROLES = {"rollstream-local": "engine", "trainer": "trainer", "MainThread": "loop",
+         "rollstream-reward": "reward"}
+
+
+def _role(name: str) -> str:
+    return next((r for prefix, r in ROLES.items() if name.startswith(prefix)), "other")
+
+
+def _schedstat(tid: int) -> tuple[float, float] | None:
+    try:
+        run_ns, wait_ns, _ = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+    except (OSError, ValueError):  # the thread ended, or no schedstat on this system
+        return None
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+class ThreadMeter:
+    """Seconds each thread role spent running on a CPU and runnable-but-waiting for one.
+
+    ``sleep`` = wall - run - runq: blocked (idle, or waiting for the GIL). Polled, so a thread
+    that lives less than ``period_s`` is missed (reward threads: microseconds of work)."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s = period_s
+        self.totals: dict[str, list[float]] = {}
+        self._last: dict[int, tuple[str, float, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-meter", daemon=True)
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> ThreadMeter:
+        self._poll()
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        self.wall_s = time.perf_counter() - self._t0
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._poll()
+
+    def _poll(self) -> None:
+        for t in threading.enumerate():
+            if t.native_id is None or t.name == "bench-meter":
+                continue
+            now = _schedstat(t.native_id)
+            if now is None:
+                continue
+            role, run0, wait0 = self._last.get(t.native_id, (_role(t.name), *now))
+            if now[0] < run0:  # a new thread reusing an ended thread's id
+                role, run0, wait0 = _role(t.name), *now
+            acc = self.totals.setdefault(role, [0.0, 0.0])
+            acc[0] += now[0] - run0
+            acc[1] += now[1] - wait0
+            self._last[t.native_id] = (role, *now)
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        wall = max(self.wall_s, 1e-9)
+        return {role: {"run": run / wall, "runq": wait / wall}
+                for role, (run, wait) in sorted(self.totals.items()) if run / wall >= 0.005}
+
+    def runq_share(self, roles: Sequence[str]) -> float:
+        """Of the time ``roles`` were runnable, the share spent waiting for a CPU (other
+        processes on the machine, or each other on one core)."""
+        run = sum(self.totals.get(r, (0.0, 0.0))[0] for r in roles)
+        wait = sum(self.totals.get(r, (0.0, 0.0))[1] for r in roles)
+        return wait / (run + wait) if run + wait > 0 else 0.0
+
+    def sleep_share(self, role: str) -> float:
+        """Blocked share of one thread of ``role`` that always had work: its GIL wait."""
+        run, wait = self.totals.get(role, (0.0, 0.0))
+        return max(0.0, 1.0 - (run + wait) / max(self.wall_s, 1e-9))
+
+
+# ---- the engine's saturated rate and the contention probe -------------------------------
+def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size: int,
+              until: cf.Future | None = None) -> tuple[float, list[tuple[Any, list[Any]]]]:
+    """Keep ``max_slots`` requests of tick prompts in the engine for ``seconds`` (or until
+    ``until`` is done); returns (tokens/s, completed groups as (task, outputs))."""
+    from rollstream.engine.protocol import GenerateRequest
+
+    ids = itertools.count()
+    tasks = (t for t in iter(mix.next_task, None) for _ in range(group_size))
+    live: dict[cf.Future, Any] = {}
+    outputs: dict[str, list[Any]] = {}
+    groups: list[tuple[Any, list[Any]]] = []
+
+    def submit() -> None:
+        task = next(tasks)
+        fut = engine.submit(GenerateRequest(request_id=f"sat-{next(ids)}",
+                                            prompt_ids=list(task.prompt_ids), params=params))
+        live[fut] = task
+
+    for _ in range(engine.stats().capacity):
+        submit()
+    tokens0, t0 = engine.stats().generated_tokens, time.perf_counter()
+    while time.perf_counter() - t0 < seconds and not (until is not None and until.done()):
+        done, _ = cf.wait(list(live), timeout=0.5, return_when=cf.FIRST_COMPLETED)
+        for fut in done:
+            task = live.pop(fut)
+            outs = outputs.setdefault(task.uid, [])
+            outs.append(fut.result())
+            if len(outs) == group_size:
+                groups.append((task, outs))
+            submit()
+    rate = (engine.stats().generated_tokens - tokens0) / (time.perf_counter() - t0)
+    cf.wait(list(live))  # leave the engine empty for whoever comes next
+    return rate, groups
+
+
+def _batch(groups: list[tuple[Any, list[Any]]], mix: Any, tokenizer: Any, n: int) -> list[Any]:
+    """``n`` graded groups, those with reward variance first (what the trainer receives)."""
+    from rollstream.trajectory import Group, SampleStatus
+
+    graded = []
+    for task, outs in groups:
+        group = Group.new(task, len(outs))
+        for s, o in zip(group.samples, outs, strict=True):
+            s.append_policy_tokens(o.token_ids, o.logprobs, o.versions)
+            s.reward = mix.score(task, tokenizer.decode(o.token_ids, skip_special_tokens=False))
+            s.status = SampleStatus.GRADED
+        graded.append(group)
+    graded.sort(key=lambda g: len({s.reward for s in g.samples}) == 1)
+    return graded[:n]
+
+
+def probe(cfg: RunConfig, folder: Path, sizes: Sizes) -> dict[str, Any]:
+    """Saturated engine tokens/s on its core, then trainer steps alone and next to it."""
+    from transformers import AutoTokenizer
+
+    from rollstream.data.sources import TaskMix
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import SamplingParams
+    from rollstream.train.trainer import Trainer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    mix = TaskMix(cfg.tasks, tokenizer)
+    params = SamplingParams(temperature=cfg.sampling.temperature,
+                            max_new_tokens=cfg.sampling.max_new_tokens,
+                            stop_token_ids=(tokenizer.eos_token_id,))
+    engine = LocalEngine(folder, cfg.engine.local)
+    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+    g = cfg.rollout.group_size
+    try:
+        _saturate(engine, mix, params, min(3.0, sizes.saturate_s), group_size=g)  # warm-up
+        with ThreadMeter() as alone:
+            sat, groups = _saturate(engine, mix, params, sizes.saturate_s, group_size=g)
+        batch = _batch(groups, mix, tokenizer, cfg.train.groups_per_step)
+        trainer = Trainer(cfg.train, folder, max_response_tokens=cfg.sampling.max_new_tokens,
+                          temperature=cfg.sampling.temperature or 1.0)
+
+        def steps(n: int) -> list[float]:
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                trainer.step(batch, i)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        pool.submit(steps, 1).result()  # warm-up
+        solo = pool.submit(steps, sizes.probe_steps).result()
+        with ThreadMeter() as both:
+            fut = pool.submit(steps, sizes.probe_steps)
+            shared, _ = _saturate(engine, mix, params, math.inf, group_size=g, until=fut)
+        together = fut.result()
+        after, _ = _saturate(engine, mix, params, sizes.saturate_s / 2, group_size=g)
+    finally:
+        pool.shutdown()
+        engine.shutdown()
+    return {
+        "saturated_tok_s": max(sat, after),  # best of two windows: the machine is shared
+        "saturated_tok_s_windows": [sat, after],
+        "saturate_s": sizes.saturate_s,
+        "batch_response_tokens": sum(s.num_response_tokens for gr in batch for s in gr.samples),
+        "trainer_step_s_alone": statistics.median(solo),
+        "trainer_step_s_with_engine": statistics.median(together),
+        "engine_tok_s_with_trainer": shared,
+        "threads_engine_alone": alone.shares(),
+        "threads_engine_and_trainer": both.shares(),
+        "runq_share_engine_and_trainer": both.runq_share(("engine", "trainer")),
+        "gil_wait_share_engine": both.sleep_share("engine"),
+        "gil_wait_share_trainer": both.sleep_share("trainer"),
+    }
+
+
+# ---- one training run -------------------------------------------------------------------
+def run_config(cfg: RunConfig) -> dict[str, Any]:
+    from rollstream.data.ledger import read_ledger
+    from rollstream.runtime.train import run_training
+
+    with ThreadMeter() as meter:
+        summary = run_training(cfg)
+    run_dir = Path(cfg.run_root) / cfg.name
+    ledger = read_ledger(run_dir / "ledger.jsonl")
+    trained_tokens = sum(r["num_tokens"] for r in ledger if r["status"] == "trained")
+    generated = sum(r["num_tokens"] for r in ledger if not _is_eval(r))
+    steps = [r for r in _metrics(run_dir) if r.get("kind") == "train"]
+    wall = summary["train_wall_s"]
+    counts = Counter(r["status"] for r in ledger)
+    return {
+        "wall_s": summary["wall_s"],
+        "train_wall_s": wall,
+        "steps": summary["steps"],
+        "trained_samples": summary["trained_samples"],
+        "trained_tokens": trained_tokens,
+        "trained_tok_s": trained_tokens / wall,
+        "trained_samples_per_s": summary["trained_samples"] / wall,
+        "generated_tokens": generated,
+        "gen_tok_s": generated / wall,
+        "trainer_busy": sum(s["train_s"] for s in steps) / wall,
+        "trainer_step_s": statistics.fmean(s["step_s"] for s in steps) if steps else math.nan,
+        "wait_s_mean": statistics.fmean(s["wait_s"] for s in steps) if steps else math.nan,
+        "staleness_mean": statistics.fmean(s["staleness_mean"] for s in steps) if steps else 0.0,
+        "reward_initial": summary["reward_initial"],
+        "reward_final": summary["reward_final"],
+        "reward_final_se": _reward_se(ledger, round_index=1),
+        "dropped_stale": counts["dropped_stale"],
+        "filtered": counts["filtered"],
+        "aborted": counts["aborted"],
+        "failed": counts["failed"],
+        "interrupts": summary["interrupts"],
+        "threads": meter.shares(),
+        "runq_share": meter.runq_share(("engine", "trainer")),
+        "load_after": os.getloadavg()[0],
+    }
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _is_eval(row: dict[str, Any]) -> bool:
+    return "/eval/" in row["task_uid"]  # held-out task uids: {source}/eval/{index}
+
+
+def _reward_se(ledger: list[dict[str, Any]], *, round_index: int) -> float:
+    """Standard error of the eval reward over prompts (samples of one prompt are correlated,
+    so the prompt is the unit)."""
+    tag = f"#g{1000 + round_index}/"  # runtime.evaluate's group ids
+    by_task: dict[str, list[float]] = {}
+    for r in ledger:
+        if _is_eval(r) and tag in r["sample_uid"]:
+            by_task.setdefault(r["task_uid"], []).append(float(r["reward"] or 0.0))
+    means = [statistics.fmean(v) for v in by_task.values()]
+    return statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else math.nan
+
+
+# ---- main -------------------------------------------------------------------------------
+def cores() -> tuple[int, int]:
+    """(engine core, trainer core): 0 and 1 when both are ours, else the two lowest we have."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
+
+
+def bench_overrides(folder: Path, run_root: Path) -> list[str]:
+    """What every benchmarked rollstream run shares: the model folder, one pinned torch thread
+    for the engine and one for the trainer, the trainer's micro-batch budget, no UI."""
+    engine_core, train_core = cores()
+    return [
+        f"model.path={folder}", f"run_root={run_root}", "max_wall_s=null",
+        "engine.local.threads=1", f"engine.local.cpu_affinity=[{engine_core}]",
+        "train.threads=1", f"train.cpu_affinity=[{train_core}]",
+        f"train.micro_batch_tokens={TRAIN_MICRO_BATCH_TOKENS}",
+        "monitor.progress=false", "monitor.report=false", "monitor.dashboard=false",
+    ]
+
+
+def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | None = None,
+         overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Run every config; ``overrides`` (key=value) apply to all of them (tests pass a tiny
+    model there)."""
+    import torch
+
+    from rollstream.models.warmstart import prepare_model
+
+    # One torch thread here (a warm start that is not cached yet runs on it): two OpenMP
+    # threads on a shared 2-core machine slow down many times when one core is busy.
+    torch.set_num_threads(1)
+
+    sizes = QUICK if quick else FULL
+    base = load_config(TICK_YAML, list(overrides))
+    folder = prepare_model(base.model, base.tasks)  # before any override that moves its hash
+    run_root = Path(run_root) if run_root is not None else Path(tempfile.mkdtemp(prefix="bench-modes-"))
+    common = [
+        *overrides, *bench_overrides(folder, run_root), f"train.steps={sizes.steps}",
+        f"tasks.num_eval={sizes.num_eval}", f"eval.samples_per_task={sizes.samples_per_task}",
+    ]
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    cfg0 = load_config(TICK_YAML, common)
+    print(f"bench modes: probing the engine's saturated rate ({sizes.saturate_s:.0f} s) ...",
+          flush=True)
+    probed = probe(cfg0, folder, sizes)
+    modes = dict(mode_configs())
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for i, label in enumerate(run_order(quick)):
+        print(f"bench modes: {label} ...", flush=True)
+        cfg = load_config(TICK_YAML, [*common, *modes[label], f"name={label}-{i}"])
+        runs.setdefault(label, []).append(
+            {"max_staleness": _k(cfg), "partial_rollout": cfg.rollout.partial_rollout,
+             **run_config(cfg)})
+    rows = {label: merge_repeats(runs[label]) for label in modes}
+    for row in rows.values():
+        row["engine_utilization"] = row["gen_tok_s"] / probed["saturated_tok_s"]
+    result = _summarise(rows, probed, quick=quick, sizes=sizes, cfg=cfg0,
+                        load_before=load_before,
+                        bench_wall_s=time.perf_counter() - t0, run_root=run_root)
+    _print_tables(result)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _k(cfg: RunConfig) -> int:
+    from rollstream.runtime.controller import staleness_settings
+
+    return staleness_settings(cfg.rollout)[0]
+
+
+def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick: bool,
+               sizes: Sizes, cfg: RunConfig, load_before: tuple[float, float, float], bench_wall_s: float,
+               run_root: Path) -> dict[str, Any]:
+    sync, head = rows["sync"], rows[HEADLINE_ASYNC]
+    diff = head["reward_final"] - sync["reward_final"]
+    noise = 2 * math.hypot(sync["reward_final_se"], head["reward_final_se"])
+    # If generation cost nothing and overlapped fully, a step would last one trainer step.
+    ceiling = (sync["train_wall_s"] / sync["steps"]) / sync["trainer_step_s"]
+    ratio = head["trained_tok_s"] / sync["trained_tok_s"]
+    util = head["engine_utilization"]
+    return {
+        "benchmark": "modes",
+        "quick": quick,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "load_before": list(load_before),
+                    "load_after": list(os.getloadavg()), "bench_wall_s": bench_wall_s},
+        "settings": {
+            "engine_core": cfg.engine.local.cpu_affinity[0],
+            "trainer_core": cfg.train.cpu_affinity[0], "steps": sizes.steps,
+            "groups_per_step": cfg.train.groups_per_step, "group_size": cfg.rollout.group_size,
+            "trained_samples_per_config": sizes.steps * cfg.train.groups_per_step
+            * cfg.rollout.group_size,
+            "max_new_tokens": cfg.sampling.max_new_tokens, "max_slots": cfg.engine.local.max_slots,
+            "micro_batch_tokens": cfg.train.micro_batch_tokens,
+            "updates_per_step": cfg.train.updates_per_step, "num_eval": sizes.num_eval,
+            "eval_samples_per_task": sizes.samples_per_task, "model": str(cfg.model.path),
+            "run_root": str(run_root),
+        },
+        "probe": probed,
+        "rows": rows,
+        "async_config": HEADLINE_ASYNC,
+        "async_partial_vs_sync_throughput": ratio,
+        "async_partial_vs_sync_samples_per_s": head["trained_samples_per_s"]
+        / sync["trained_samples_per_s"],
+        "async_ceiling_vs_sync": ceiling,
+        "engine_utilization_async": util,
+        "engine_utilization_sync": sync["engine_utilization"],
+        "reward_sync": sync["reward_final"],
+        "reward_async": head["reward_final"],
+        "reward_initial": sync["reward_initial"],
+        "reward_async_minus_sync": diff,
+        "reward_noise_2se": noise,
+        "targets": {
+            "async_partial_vs_sync_throughput_ge_2": ratio >= 2.0,
+            "engine_utilization_async_ge_0.85": util >= 0.85,
+            "reward_async_within_noise_of_sync": abs(diff) <= noise,
+        },
+    }
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    p = result["probe"]
+    t = Table(title="engine saturation and contention (engine core "
+              f"{result['settings']['engine_core']}, trainer core "
+              f"{result['settings']['trainer_core']})")
+    for col in ("saturated tok/s", "with trainer tok/s", "trainer step alone s",
+                "trainer step with engine s", "GIL wait engine / trainer", "runq"):
+        t.add_column(col, justify="right")
+    t.add_row(f"{p['saturated_tok_s']:,.0f}", f"{p['engine_tok_s_with_trainer']:,.0f}",
+              f"{p['trainer_step_s_alone']:.2f}", f"{p['trainer_step_s_with_engine']:.2f}",
+              f"{p['gil_wait_share_engine']:.2f} / {p['gil_wait_share_trainer']:.2f}",
+              f"{p['runq_share_engine_and_trainer']:.2f}")
+    console.print(t)
+    load = result["machine"]["load_before"][0]
+    t = Table(title=f"rollstream modes on tick ({result['settings']['trained_samples_per_config']}"
+              f" trained samples each; load {load:.1f}{', quick' if result['quick'] else ''})")
+    cols = ("config", "train s", "trained tok/s", "gen tok/s", "engine util", "trainer busy",
+            "runq", "reward", "dropped", "filtered", "aborted", "interrupts")
+    for col in cols:
+        t.add_column(col, justify="right")
+    for label, r in result["rows"].items():
+        t.add_row(label, f"{r['train_wall_s']:.1f}", f"{r['trained_tok_s']:,.0f}",
+                  f"{r['gen_tok_s']:,.0f}", f"{r['engine_utilization']:.2f}",
+                  f"{r['trainer_busy']:.2f}", f"{r['runq_share']:.2f}",
+                  f"{r['reward_final']:.3f}±{r['reward_final_se']:.3f}",
+                  str(r["dropped_stale"]), str(r["filtered"]), str(r["aborted"]),
+                  str(r["interrupts"]))
+    console.print(t)
+    console.print(
+        f"{result['async_config']} vs sync: trained tok/s x"
+        f"{result['async_partial_vs_sync_throughput']:.2f} (ceiling if generation were free: "
+        f"x{result['async_ceiling_vs_sync']:.2f}); engine utilization "
+        f"{result['engine_utilization_async']:.2f}; reward {result['reward_async']:.3f} vs "
+        f"{result['reward_sync']:.3f} (2 s.e. {result['reward_noise_2se']:.3f})"
+    )

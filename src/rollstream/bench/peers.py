@@ -1,0 +1,218 @@
+"""Benchmark: rollstream async vs TRL's ``GRPOTrainer`` on the same model, task and batch shape.
+
+    rollstream bench peers [--json OUT] [--quick]
+
+Both sides train the cached warm-started tiny model of examples/tick.yaml (CPU, fp32) on tick
+prompts for the same number of steps; a step is 16 prompts x 8 samples (128 samples), up to
+240 new tokens at temperature 1.0, group-normalised advantages, clipped token-mean objective
+(eps 0.2), no KL, AdamW lr 2e-4 (constant), grad clip 1.0, two optimizer updates per
+generated batch. The reward is the tick verifier (``TaskMix.score``) on the completion text
+decoded with special tokens kept, so a properly ended answer scores 1 on both sides.
+
+* rollstream: examples/tick.yaml's rollout (``async``, max_staleness 2, partial rollout), the
+  engine thread pinned to core 0 and the trainer thread to core 1 with one torch thread each,
+  and the bench setting of ``rollstream bench modes`` (``train.micro_batch_tokens=1024``).
+* TRL (optional dependency of this benchmark only: ``pip install trl``; tested with 1.16.0):
+  its default generation (Hugging Face ``generate`` on the whole 128-sample batch), one
+  process with two torch threads (both cores), ``num_generations=8``, 16 x 8 micro-batches
+  x 8 accumulation steps = one update per 128 samples, ``num_iterations=2`` (two updates per
+  generated batch, like ``updates_per_step: 2``), ``loss_type="dapo"`` (token mean over the
+  batch), ``beta=0``, ``scale_rewards="group"``, ``lr_scheduler_type="constant"``. Set away
+  from TRL's defaults: ``bf16=False`` (its default turns bf16 on), ``gradient_checkpointing=
+  False`` (its default recomputes activations: slower, and no memory to save here),
+  ``shuffle_dataset=False`` (both sides see the task stream in order), ``report_to="none"``,
+  ``save_strategy="no"``, ``disable_tqdm=True``. TRL's completions reach reward functions
+  decoded with ``skip_special_tokens=True``, which drops the eos the verifier checks, so the
+  reward function decodes the ``completion_ids`` it also receives (they keep the first eos).
+
+Samples/s = samples trained / training wall time (rollstream: the controller's run; TRL:
+``trainer.train()``), model loading and evaluation excluded on both sides. A benchmark
+measures; it does not assert. If TRL cannot run, the JSON says why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rollstream.bench.modes import TICK_YAML, bench_overrides, run_config
+from rollstream.config import RunConfig, load_config
+
+TRL_THREADS = 1  # 2 OpenMP threads ran HF generate 10-30x slower on this shared 2-core VM
+
+
+def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
+                   overrides: Sequence[str]) -> dict[str, Any]:
+    settings = [*bench_overrides(folder, run_root), "name=peers-rollstream",
+                f"train.steps={steps}", "tasks.num_eval=16", "eval.samples_per_task=1"]
+    cfg = load_config(TICK_YAML, [*overrides, *settings])
+    row = run_config(cfg)
+    metrics = [json.loads(x) for x in (Path(cfg.run_root) / cfg.name / "metrics.jsonl")
+               .read_text().splitlines() if x.strip()]
+    rewards = [m["reward_mean"] for m in metrics if m.get("kind") == "train"]
+    return {
+        "config": f"{cfg.rollout.mode} k={cfg.rollout.max_staleness} "
+                  f"partial={cfg.rollout.partial_rollout}",
+        "steps": row["steps"],
+        "trained_samples": row["trained_samples"],
+        "train_wall_s": row["train_wall_s"],
+        "samples_per_s": row["trained_samples_per_s"],
+        "gen_tok_s": row["gen_tok_s"],
+        "trained_tok_s": row["trained_tok_s"],
+        "train_reward_first": rewards[0] if rewards else None,
+        "train_reward_last": rewards[-1] if rewards else None,
+        "load_after": os.getloadavg()[0],
+        "overrides": settings,  # on top of examples/tick.yaml
+    }
+
+
+def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer for ``steps`` generated batches; raises ImportError without TRL."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+
+    with warnings.catch_warnings():  # TRL warns about the vLLM version it does not use here
+        warnings.simplefilter("ignore", UserWarning)
+        import trl
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+    from rollstream.data.sources import TaskMix
+
+    torch.set_num_threads(TRL_THREADS)
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    mix = TaskMix(base.tasks, tokenizer)
+    g, n = base.rollout.group_size, base.train.groups_per_step
+    tasks = [mix.next_task() for _ in range(steps * n)]
+    data = Dataset.from_dict({"prompt": [t.prompt_text for t in tasks],
+                              "task_index": list(range(len(tasks)))})
+    batches: list[tuple[int, float]] = []  # (generated tokens, mean reward) per reward call
+
+    def tick_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                    task_index: list[int], **_: Any) -> list[float]:
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
+        scores = [mix.score(tasks[i], text) for i, text in zip(task_index, texts, strict=True)]
+        batches.append((sum(map(len, completion_ids)), statistics.fmean(scores)))
+        return scores
+
+    micro = math.gcd(16, g * n)  # 16-sample micro-batches for the 128-sample step
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, seed=base.seed, data_seed=base.seed,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=g * n // micro,
+        num_generations=g, max_completion_length=base.sampling.max_new_tokens,
+        temperature=base.sampling.temperature, top_p=1.0, top_k=0,
+        num_iterations=base.train.updates_per_step, max_steps=steps * base.train.updates_per_step,
+        learning_rate=base.train.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=base.train.weight_decay, max_grad_norm=base.train.grad_clip,
+        beta=0.0, epsilon=base.train.clip_eps, loss_type="dapo", scale_rewards="group",
+        shuffle_dataset=False, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    log_rows: list[dict[str, float]] = []
+
+    class KeepLogs(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
+                   **kw: Any) -> None:
+            log_rows.append(dict(logs or {}))
+
+    trainer = GRPOTrainer(model=model, reward_funcs=tick_reward, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[KeepLogs()])
+    trainer.remove_callback(PrinterCallback)  # no log dict printed per step
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    samples = len(batches) * g * n
+    return {
+        "trl_version": trl.__version__,
+        "torch_threads": TRL_THREADS,
+        "steps": len(batches),
+        "optimizer_updates": trainer.state.global_step,
+        "trained_samples": samples,
+        "train_wall_s": wall,
+        "samples_per_s": samples / wall,
+        "gen_tok_s": sum(b[0] for b in batches) / wall,
+        "train_reward_first": batches[0][1] if batches else None,
+        "train_reward_last": batches[-1][1] if batches else None,
+        "step_time_s_logged": [x["step_time"] for x in log_rows if "step_time" in x],
+        "load_after": os.getloadavg()[0],
+    }
+
+
+def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | None = None,
+         overrides: Sequence[str] = ()) -> dict[str, Any]:
+    import torch
+
+    from rollstream.models.warmstart import prepare_model
+
+    # One torch thread here (a warm start that is not cached yet runs on it): two OpenMP
+    # threads on a shared 2-core machine slow down many times when one core is busy.
+    torch.set_num_threads(1)
+
+    steps = 2 if quick else 10
+    base = load_config(TICK_YAML, list(overrides))
+    folder = prepare_model(base.model, base.tasks)
+    run_root = Path(run_root) if run_root is not None else Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    load_before = os.getloadavg()
+    print(f"bench peers: rollstream, {steps} steps ...", flush=True)
+    ours = run_rollstream(base, folder, steps, run_root, overrides)
+    print(f"bench peers: TRL GRPOTrainer, {steps} steps ...", flush=True)
+    try:
+        theirs = run_trl(base, folder, steps, run_root / "trl")
+    except ImportError as e:
+        theirs = {"error": f"TRL is not installed ({e}); `pip install trl` (tested: 1.16.0)"}
+    except Exception as e:  # fault boundary: the report says why TRL did not run
+        theirs = {"error": f"TRL failed: {type(e).__name__}: {e}"}
+    ratio = (ours["samples_per_s"] / theirs["samples_per_s"]) if "samples_per_s" in theirs else None
+    result = {
+        "benchmark": "peers",
+        "quick": quick,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "load_before": list(load_before),
+                    "load_after": list(os.getloadavg())},
+        "steps": steps,
+        "samples_per_step": base.train.groups_per_step * base.rollout.group_size,
+        "model": str(folder),
+        "rollstream": ours,
+        "trl": theirs,
+        "samples_per_s_vs_trl": ratio,
+        "target_ge_3x": None if ratio is None else ratio >= 3.0,
+    }
+    _print_table(result)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    t = Table(title=f"rollstream vs TRL GRPOTrainer on tick ({result['steps']} steps x "
+              f"{result['samples_per_step']} samples; load {result['machine']['load_before'][0]:.1f}"
+              f"{', quick' if result['quick'] else ''})")
+    for col in ("system", "train s", "samples/s", "gen tok/s", "train reward first -> last"):
+        t.add_column(col, justify="right")
+    for name, r in (("rollstream", result["rollstream"]), ("TRL", result["trl"])):
+        if "error" in r:
+            t.add_row(name, "-", "-", "-", r["error"])
+            continue
+        t.add_row(name, f"{r['train_wall_s']:.1f}", f"{r['samples_per_s']:.1f}",
+                  f"{r['gen_tok_s']:,.0f}",
+                  f"{r['train_reward_first']:.3f} -> {r['train_reward_last']:.3f}")
+    console.print(t)
+    if result["samples_per_s_vs_trl"] is not None:
+        console.print(f"samples/s vs TRL: x{result['samples_per_s_vs_trl']:.2f}")

@@ -1,0 +1,44 @@
+"""Smoke test of ``rollstream bench modes --quick`` on a tiny model: it runs every config and
+writes the documented keys (it measures nothing)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from rollstream.bench.modes import HEADLINE_ASYNC, main, mode_configs
+
+TINY = [
+    "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64", "model.tiny.max_position=96",
+    "model.warm_start.steps=3", "model.warm_start.tokens_per_step=256",
+    "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=8",
+    "engine.local.max_slots=16", "engine.local.max_seq_len=96", "sampling.max_new_tokens=24",
+    "rollout.group_size=4", "train.groups_per_step=2", "train.updates_per_step=1",
+    "rollout.filter_zero_variance=false",
+]
+
+
+def test_bench_modes_quick_writes_json(tmp_path):
+    out = tmp_path / "modes.json"
+    result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
+                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result))
+    for key in ("async_partial_vs_sync_throughput", "engine_utilization_async", "reward_sync",
+                "reward_async", "async_ceiling_vs_sync", "reward_noise_2se"):
+        assert key in written and not isinstance(written[key], str), key
+    assert written["async_config"] == HEADLINE_ASYNC
+    assert set(written["rows"]) == {label for label, _ in mode_configs()}
+    samples = {r["trained_samples"] for r in written["rows"].values()}
+    assert samples == {2 * 2 * 4}, samples  # steps x groups x group size, every config
+    for label, row in written["rows"].items():
+        assert row["trained_tok_s"] > 0 and row["gen_tok_s"] >= row["trained_tok_s"], label
+        assert 0 <= row["reward_final"] <= 1, label
+        for key in ("dropped_stale", "filtered", "aborted", "interrupts"):
+            assert row[key] >= 0, (label, key)
+    assert written["rows"]["sync"]["max_staleness"] == 0
+    assert written["rows"]["async_k4_drain"]["max_staleness"] == 4
+    assert not written["rows"]["async_k4_drain"]["partial_rollout"]
+    assert written["probe"]["saturated_tok_s"] > 0
+    assert math.isfinite(written["engine_utilization_async"])

@@ -1,0 +1,25 @@
+"""Smoke test of ``rollstream bench peers --quick`` on a tiny model (needs the optional TRL)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bench.test_modes import TINY
+
+pytest.importorskip("trl")
+
+
+def test_bench_peers_quick_runs_both_sides(tmp_path):
+    from rollstream.bench.peers import main
+
+    out = tmp_path / "peers.json"
+    result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
+                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+    written = json.loads(out.read_text())
+    assert "error" not in written["trl"], written["trl"]
+    assert written["samples_per_s_vs_trl"] == result["samples_per_s_vs_trl"] > 0
+    for side in ("rollstream", "trl"):
+        assert written[side]["trained_samples"] == 2 * 2 * 4  # steps x groups x group size
+        assert written[side]["samples_per_s"] > 0
