@@ -26,7 +26,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     for key in ("async_partial_vs_sync_throughput", "engine_utilization_async", "reward_sync",
-                "reward_async", "async_ceiling_vs_sync", "reward_noise_2se"):
+                "reward_async", "async_ceiling_vs_sync", "reward_noise_2se", "reward_noise"):
         assert key in written and not isinstance(written[key], str), key
     assert written["async_config"] == HEADLINE_ASYNC
     assert set(written["rows"]) == {label for label, _ in mode_configs()}
