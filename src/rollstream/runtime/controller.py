@@ -114,6 +114,9 @@ class Controller:
     async def run(self) -> ControllerResult:
         result = ControllerResult(steps_done=0, trained_samples=0)
         self._t_run = time.perf_counter()
+        # rollout rates count only this run's generation (not an evaluation before it)
+        busy = sum(e.stats().busy_s for e in self.dispatcher.engines)
+        self._last_rollout = (self._t_run, self.dispatcher.stats.generated_tokens, busy)
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
             sync = tg.create_task(self.sync.run(), name="sync")

@@ -115,8 +115,10 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
             on_step=progress.update, max_wall_s=cfg.max_wall_s,
         )
         t_train = time.perf_counter()
+        tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
         result = await controller.run()
         train_wall_s = time.perf_counter() - t_train
+        train_tokens = dispatcher.stats.generated_tokens - tokens_before
         final = await run_eval(1, result.steps_done)
         ckpt = trainer.save_checkpoint(run_dir / "checkpoint")
     finally:
@@ -140,8 +142,8 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         "train_wall_s": train_wall_s,
         "steps": result.steps_done,
         "trained_samples": result.trained_samples,
-        "generated_tokens": dispatcher.stats.generated_tokens,
-        "gen_tok_s": dispatcher.stats.generated_tokens / max(train_wall_s, 1e-9),
+        "generated_tokens": train_tokens,
+        "gen_tok_s": train_tokens / max(train_wall_s, 1e-9),
         "interrupts": dispatcher.stats.num_interrupts,
         "ledger": dict(ledger.counts),
         "unfinished_samples": [s.uid for s in unfinished],
