@@ -55,7 +55,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from rollstream.config import RunConfig, load_config
 
@@ -82,7 +82,8 @@ def mode_configs() -> list[tuple[str, list[str]]]:
     out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true"])]
     for partial in (True, False):
         tag = "partial" if partial else "drain"
-        out.append((f"one_step_{tag}", ["rollout.mode=one_step", f"rollout.partial_rollout={partial}"]))
+        out.append((f"one_step_{tag}",
+                    ["rollout.mode=one_step", f"rollout.partial_rollout={partial}"]))
         for k in (1, 2, 4):
             out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
                                               f"rollout.partial_rollout={partial}"]))
@@ -105,7 +106,8 @@ def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     best = dict(min(runs, key=lambda r: r["train_wall_s"]))
     if len(runs) > 1:
         best["reward_final"] = statistics.fmean(r["reward_final"] for r in runs)
-        best["reward_final_se"] = math.sqrt(sum(r["reward_final_se"] ** 2 for r in runs)) / len(runs)
+        se2 = sum(r["reward_final_se"] ** 2 for r in runs)
+        best["reward_final_se"] = math.sqrt(se2) / len(runs)
         best["repeats"] = [{k: r[k] for k in ("train_wall_s", "trained_tok_s", "gen_tok_s",
                                                "reward_final", "reward_final_se", "runq_share")}
                            for r in runs]
@@ -143,7 +145,7 @@ class ThreadMeter:
         self._thread = threading.Thread(target=self._loop, name="bench-meter", daemon=True)
         self._t0 = time.perf_counter()
 
-    def __enter__(self) -> ThreadMeter:
+    def __enter__(self) -> Self:
         self._poll()
         self._t0 = time.perf_counter()
         self._thread.start()
@@ -401,7 +403,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     sizes = QUICK if quick else FULL
     base = load_config(TICK_YAML, list(overrides))
     folder = prepare_model(base.model, base.tasks)  # before any override that moves its hash
-    run_root = Path(run_root) if run_root is not None else Path(tempfile.mkdtemp(prefix="bench-modes-"))
+    run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-modes-"))
     common = [
         *overrides, *bench_overrides(folder, run_root), f"train.steps={sizes.steps}",
         f"tasks.num_eval={sizes.num_eval}", f"eval.samples_per_task={sizes.samples_per_task}",
@@ -439,7 +441,8 @@ def _k(cfg: RunConfig) -> int:
 
 
 def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick: bool,
-               sizes: Sizes, cfg: RunConfig, load_before: tuple[float, float, float], bench_wall_s: float,
+               sizes: Sizes, cfg: RunConfig, load_before: tuple[float, float, float],
+               bench_wall_s: float,
                run_root: Path) -> dict[str, Any]:
     sync, head = rows["sync"], rows[HEADLINE_ASYNC]
     diff = head["reward_final"] - sync["reward_final"]
@@ -542,5 +545,6 @@ def _print_tables(result: dict[str, Any]) -> None:
         f"x{result['async_ceiling_vs_sync']:.2f}); engine utilization "
         f"{result['engine_utilization_async']:.2f}; reward {result['reward_async']:.3f} vs "
         f"{result['reward_sync']:.3f} (noise {result['reward_noise']:.3f}: 2 eval s.e. "
-        f"{result['reward_noise_2se']:.3f}, 2 run-to-run s.d. {2 * result['reward_run_to_run_sd']:.3f})"
+        f"{result['reward_noise_2se']:.3f}, "
+        f"2 run-to-run s.d. {2 * result['reward_run_to_run_sd']:.3f})"
     )

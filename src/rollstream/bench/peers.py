@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     steps = 2 if quick else 10
     base = load_config(TICK_YAML, list(overrides))
     folder = prepare_model(base.model, base.tasks)
-    run_root = Path(run_root) if run_root is not None else Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-peers-"))
     load_before = os.getloadavg()
     print(f"bench peers: rollstream, {steps} steps ...", flush=True)
     ours = run_rollstream(base, folder, steps, run_root, overrides)
@@ -173,7 +174,8 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         theirs = run_trl(base, folder, steps, run_root / "trl")
     except ImportError as e:
         theirs = {"error": f"TRL is not installed ({e}); `pip install trl` (tested: 1.16.0)"}
-    except Exception as e:  # fault boundary: the report says why TRL did not run
+    except Exception as e:  # noqa: BLE001 - fault boundary: the JSON says why TRL did not run
+        traceback.print_exc()
         theirs = {"error": f"TRL failed: {type(e).__name__}: {e}"}
     ratio = (ours["samples_per_s"] / theirs["samples_per_s"]) if "samples_per_s" in theirs else None
     result = {
@@ -201,8 +203,9 @@ def _print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 120)
+    load = result["machine"]["load_before"][0]
     t = Table(title=f"rollstream vs TRL GRPOTrainer on tick ({result['steps']} steps x "
-              f"{result['samples_per_step']} samples; load {result['machine']['load_before'][0]:.1f}"
+              f"{result['samples_per_step']} samples; load {load:.1f}"
               f"{', quick' if result['quick'] else ''})")
     for col in ("system", "train s", "samples/s", "gen tok/s", "train reward first -> last"):
         t.add_column(col, justify="right")
