@@ -131,7 +131,9 @@ async def test_after_load_weights_tokens_are_exactly_the_new_policy(local_engine
         _req("c", prompt + mixed.token_ids[:k], temperature=0.0, max_new_tokens=max_new - k)
     )
     assert mixed.token_ids[k:] == cont.token_ids
-    assert max(abs(a - b) for a, b in zip(mixed.logprobs[k:], cont.logprobs)) < 1e-5
+    # fp32 rounding: the recomputed cache and a fresh prefill batch the same math differently,
+    # and the perturbed weights give large logits (CI saw 1.6e-5), hence 1e-4 as elsewhere
+    assert max(abs(a - b) for a, b in zip(mixed.logprobs[k:], cont.logprobs)) < 1e-4
 
 
 async def test_load_weights_validates_names_and_shapes(local_engine, tiny_model_dir):
