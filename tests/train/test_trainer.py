@@ -174,3 +174,51 @@ def test_bf16_runs_close_to_fp32(tiny_model_path: Path, monkeypatch: pytest.Monk
     metrics = bf16.step(groups, step=0)
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["grad_norm"] > 0
     assert next(bf16.model.parameters()).dtype == torch.float32  # fp32 master weights
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo"])
+def test_first_update_equals_a_separate_proximal_pass(tiny_model_path: Path, loss: str) -> None:
+    """The step takes its proximal logprobs from the first update's own forward and divides
+    the gradients by the normaliser afterwards; that must be the textbook update: a no-grad
+    proximal pass, targets, then (summed loss / kept tokens).backward(), clip, AdamW."""
+    from rollstream.train.advantages import compute_advantages
+    from rollstream.train.losses import anchor_fn, build_targets, normaliser, policy_loss
+
+    is_cfg = ISCorrectionConfig(mode="mask", cap=1.3, lower=0.8)  # drops some tokens
+    cfg = TrainConfig(lr=1e-2, loss=loss, is_correction=is_cfg, micro_batch_tokens=16,
+                      updates_per_step=1, grad_clip=1e6)  # no clipping: it would hide a scale
+    trainer = Trainer(cfg, tiny_model_path)
+    groups, samples = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
+    g = torch.Generator().manual_seed(3)
+    for s in samples:  # a behaviour policy off by up to 0.5 nats per token
+        seg = s.segments[0]
+        seg.logprobs[:] = [x + 1.0 * (torch.rand(1, generator=g).item() - 0.5) for x in seg.logprobs]
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    advantages = [a for gr in groups for a in compute_advantages([s.reward for s in gr.samples], "grpo")]
+    losses, kept = [], 0
+    for s, adv in zip(samples, advantages):
+        ids = torch.tensor([list(s.task.prompt_ids) + s.response_ids])
+        p = len(s.task.prompt_ids)
+        logits = ref(input_ids=ids).logits[0, p - 1 : -1].float()
+        logp = logits.log_softmax(-1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0][None]
+        targets, _ = build_targets(
+            anchor_fn(loss), logp_behav=torch.tensor([s.logprobs]), logp_prox=logp.detach(),
+            advantages=torch.tensor([adv]), base_mask=torch.ones_like(logp, dtype=torch.bool),
+            is_cfg=is_cfg, logp_ref=None,
+        )
+        loss_sum, st = policy_loss(logp, targets, clip_eps=cfg.clip_eps)
+        losses.append(loss_sum)
+        kept += st.num_tokens
+    assert 0 < kept < sum(s.num_response_tokens for s in samples)  # masked IS dropped some
+    norm = normaliser("grpo", num_tokens=kept, num_samples=len(samples), max_response_tokens=None)
+    (sum(losses) / norm).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
+
+    metrics = trainer.step(groups, step=0)
+    assert metrics["num_tokens"] == kept
+    # the clipped gradients the optimizer stepped with (AdamW's first step is ~lr * sign(g),
+    # which would turn rounding-level differences of near-zero gradients into lr-sized ones)
+    want = dict(ref.named_parameters())
+    for name, param in trainer.model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name].grad, rtol=1e-4, atol=1e-6)

@@ -5,11 +5,18 @@ One ``step`` (the unit that produces weight version ``step + 1``):
 1. advantages per group from ``sample.reward`` (samples without a reward or without response
    tokens are skipped);
 2. pack samples into micro-batches by ``micro_batch_tokens``;
-3. one no-grad pass for the proximal logprobs (and the reference logprobs when
-   ``kl_coef > 0``); from them the token masks (loss mask, ``max_token_age``, masked IS) and
-   IS weights, fixed for the whole step (see ``losses``);
-4. ``updates_per_step`` optimizer updates, each accumulating gradients over all micro-batches
+3. ``updates_per_step`` optimizer updates, each accumulating gradients over all micro-batches
    (loss = summed token losses / one step-wide normaliser), then grad clip and AdamW.
+
+The proximal logprobs (the policy before the step's first update) come from the first
+update's own forward pass, detached: before that update's optimizer step its parameters *are*
+the proximal policy, so a separate no-grad pass would compute the same numbers (one of the
+``1 + 3 * updates_per_step`` passes saved). From them (and the reference logprobs when
+``kl_coef > 0``) come the token masks (loss mask, ``max_token_age``, masked IS) and IS weights,
+fixed for the whole step (see ``losses``). The step-wide normaliser needs every micro-batch's
+kept-token count, known only after the first update's last micro-batch, so that update
+back-propagates the summed loss and divides the accumulated gradients by the normaliser
+before clipping: gradients are linear in the loss, so this is the same update.
 
 Metrics of ``step`` (token means are over trained tokens unless said otherwise): ``loss``
 (mean over updates), ``clip_frac``, ``kl`` (k3 to the reference; 0 without one), ``grad_norm``
@@ -162,17 +169,12 @@ class Trainer:
         t0 = time.perf_counter()
         samples, advantages = self._trainable(groups)
         sums = _Sums()
-        prepared = self._prepare(samples, advantages, step, sums) if samples else []
-        num_tokens = int(sums.values.get("num_tokens", 0))
-        norm = normaliser(
-            self.cfg.advantage,
-            num_tokens=num_tokens,
-            num_samples=len(samples),
-            max_response_tokens=self.max_response_tokens,
-        )
-        for _ in range(self.cfg.updates_per_step if num_tokens else 0):
-            self._update(prepared, norm, sums)
-        return self._metrics(sums, num_tokens, len(samples), time.perf_counter() - t0)
+        if samples:
+            batches = self._micro_batches(samples)
+            prepared = self._first_update(batches, advantages, step, sums)
+            for _ in range(self.cfg.updates_per_step - 1):
+                self._update(prepared, sums)
+        return self._metrics(sums, len(samples), time.perf_counter() - t0)
 
     def state_dict(self) -> dict[str, Tensor]:
         """HF-named parameters and buffers for weight sync (tied weights under both names).
@@ -236,60 +238,99 @@ class Trainer:
                     advantages.append(a)
         return samples, advantages
 
-    @torch.no_grad()
-    def _prepare(
-        self, samples: list[Sample], advantages: list[float], step: int, sums: _Sums
+    def _first_update(
+        self,
+        batches: list[tuple[list[int], MicroBatch]],
+        advantages: list[float],
+        step: int,
+        sums: _Sums,
     ) -> list[_Prepared]:
-        """Proximal (and reference) logprobs once, then the step-fixed targets and stats."""
-        prepared = []
-        for idx, mb in self._micro_batches(samples):
-            logp_prox = self._forward(self.model, mb)
-            logp_ref = None if self.reference is None else self._forward(self.reference, mb)
-            base = mb.loss_mask & token_age_mask(mb.versions, step, self.cfg.max_token_age)
-            adv = torch.tensor([advantages[i] for i in idx], device=self.device)
-            targets, corr = build_targets(
-                self._anchor,
-                logp_behav=mb.logp_behav,
-                logp_prox=logp_prox,
-                advantages=adv,
-                base_mask=base,
-                is_cfg=self.cfg.is_correction,
-                logp_ref=logp_ref,
+        """The step's first optimizer update; its forward passes give the proximal logprobs,
+        hence the step-fixed targets of every micro-batch (module docstring)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        prepared, loss_sum = [], 0.0
+        for idx, mb in batches:
+            logp = self._forward(self.model, mb)
+            targets = self._targets(mb, logp.detach(), [advantages[i] for i in idx], step, sums)
+            loss, st = policy_loss(
+                logp, targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef
             )
-            diff = torch.where(base, mb.logp_behav - logp_prox, 0.0)
-            kept = targets.mask
-            sums.add(
-                num_tokens=int(kept.sum()),
-                base_tokens=int(base.sum()),
-                age_masked=int((mb.loss_mask & ~base).sum()),
-                loss_mask_tokens=int(mb.loss_mask.sum()),
-                is_masked=int((base & ~kept).sum()),
-                is_weight=float(corr.weight[kept].sum()),
-                mismatch_kl=float(diff.sum()),
-                mismatch_abs=float(diff.abs().sum()),
-                entropy=float(-logp_prox[kept].sum()),
-            )
+            if st.num_tokens:  # a micro-batch whose tokens are all masked has no graph
+                loss.backward()
+            loss_sum += st.loss_sum
+            sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
             prepared.append(_Prepared(mb=mb, targets=targets))
+        num_tokens = int(sums.values.get("num_tokens", 0))
+        self.norm = normaliser(
+            self.cfg.advantage,
+            num_tokens=num_tokens,
+            num_samples=int(sums.values.get("num_samples", 0)),
+            max_response_tokens=self.max_response_tokens,
+        )
+        if num_tokens:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.norm)
+            self._optimizer_step(sums, loss_sum / self.norm)
         return prepared
 
-    def _update(self, prepared: list[_Prepared], norm: float, sums: _Sums) -> None:
-        """One optimizer update: accumulate over all micro-batches, clip, step."""
+    @torch.no_grad()
+    def _targets(
+        self, mb: MicroBatch, logp_prox: Tensor, advantages: list[float], step: int, sums: _Sums
+    ) -> LossTargets:
+        """Step-fixed loss targets of one micro-batch from its proximal logprobs, and the
+        mismatch / masking statistics."""
+        logp_ref = None if self.reference is None else self._forward(self.reference, mb)
+        base = mb.loss_mask & token_age_mask(mb.versions, step, self.cfg.max_token_age)
+        targets, corr = build_targets(
+            self._anchor,
+            logp_behav=mb.logp_behav,
+            logp_prox=logp_prox,
+            advantages=torch.tensor(advantages, device=self.device),
+            base_mask=base,
+            is_cfg=self.cfg.is_correction,
+            logp_ref=logp_ref,
+        )
+        diff = torch.where(base, mb.logp_behav - logp_prox, 0.0)
+        kept = targets.mask
+        sums.add(
+            num_samples=len(advantages),
+            num_tokens=int(kept.sum()),
+            base_tokens=int(base.sum()),
+            age_masked=int((mb.loss_mask & ~base).sum()),
+            loss_mask_tokens=int(mb.loss_mask.sum()),
+            is_masked=int((base & ~kept).sum()),
+            is_weight=float(corr.weight[kept].sum()),
+            mismatch_kl=float(diff.sum()),
+            mismatch_abs=float(diff.abs().sum()),
+            entropy=float(-logp_prox[kept].sum()),
+        )
+        return targets
+
+    def _update(self, prepared: list[_Prepared], sums: _Sums) -> None:
+        """A later optimizer update: accumulate over all micro-batches, clip, step."""
+        if not sums.values.get("num_tokens"):
+            return
         self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
         for p in prepared:
             logp = self._forward(self.model, p.mb)
             loss, st = policy_loss(
                 logp, p.targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef
             )
-            (loss / norm).backward()
-            sums.add(loss=st.loss_sum / norm, clipped=st.num_clipped, kl=st.kl_sum,
-                     update_tokens=st.num_tokens)
+            if st.num_tokens:
+                (loss / self.norm).backward()
+            loss_sum += st.loss_sum
+            sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
+        self._optimizer_step(sums, loss_sum / self.norm)
+
+    def _optimizer_step(self, sums: _Sums, loss: float) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
-        sums.add(grad_norm=float(grad_norm), num_updates=1)
+        sums.add(loss=loss, grad_norm=float(grad_norm), num_updates=1)
 
-    def _metrics(
-        self, sums: _Sums, num_tokens: int, num_samples: int, step_s: float
-    ) -> dict[str, float]:
+    def _metrics(self, sums: _Sums, num_samples: int, step_s: float) -> dict[str, float]:
+        num_tokens = int(sums.values.get("num_tokens", 0))
         return {
             "loss": sums.ratio("loss", "num_updates"),
             "clip_frac": sums.ratio("clipped", "update_tokens"),
