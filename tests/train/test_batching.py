@@ -7,17 +7,20 @@ import itertools
 import pytest
 import torch
 
-from rollstream.train.batching import collate, gather_logprobs, pack_micro_batches
+from rollstream.train.batching import PAD_ID, collate, gather_logprobs, pack_micro_batches, pack_rows
 from tests.train.conftest import make_group
 
 
-def check_packing(lengths: list[int], budget: int) -> list[list[int]]:
+def check_packing(lengths: list[int], budget: int) -> list[list[list[int]]]:
     packs = pack_micro_batches(lengths, budget)
-    flat = sorted(i for p in packs for i in p)
+    flat = sorted(i for rows in packs for row in rows for i in row)
     assert flat == list(range(len(lengths)))  # never dropped, never duplicated
-    for p in packs:
-        padded = len(p) * max(lengths[i] for i in p)
-        assert padded <= budget or len(p) == 1  # only a lone over-long row may exceed
+    longest = max((n for n in lengths if n <= budget), default=0)
+    for rows in packs:
+        width = max(sum(lengths[i] for i in row) for row in rows)  # collate's row width
+        if len(rows) == 1 and len(rows[0]) == 1 and lengths[rows[0][0]] > budget:
+            continue  # only a lone over-long sample may exceed the budget
+        assert width <= longest and len(rows) * width <= budget
     assert pack_micro_batches(lengths, budget) == packs  # deterministic
     return packs
 
@@ -30,10 +33,14 @@ def test_packing_exhaustive_small_cases() -> None:
 
 
 def test_packing_hand_case() -> None:
-    # sorted longest first: 6 (idx 1), 4 (idx 3), 3 (idx 0), 3 (idx 2), 1 (idx 4)
-    assert check_packing([3, 6, 3, 4, 1], 12) == [[1, 3], [0, 2, 4]]
-    assert check_packing([3, 6, 3, 4, 1], 6) == [[1], [3], [0, 2], [4]]
-    assert check_packing([2, 2, 2], 100) == [[0, 1, 2]]
+    # longest first: 6 (idx 1), 4 (idx 3), 3 (idx 0), 3 (idx 2), 1 (idx 4); rows of width 6,
+    # first fit: [1], [3, 4], [0, 2]; then as many rows per micro-batch as budget // 6
+    assert check_packing([3, 6, 3, 4, 1], 12) == [[[1], [3, 4]], [[0, 2]]]
+    assert check_packing([3, 6, 3, 4, 1], 18) == [[[1], [3, 4], [0, 2]]]
+    assert check_packing([3, 6, 3, 4, 1], 6) == [[[1]], [[3, 4]], [[0, 2]]]
+    assert check_packing([2, 2, 2], 100) == [[[0], [1], [2]]]
+    assert check_packing([9, 2, 2], 4) == [[[0]], [[1], [2]]]  # 9 > budget: alone
+    assert pack_rows([4, 3, 2, 1, 2], 6) == [[0, 2], [1, 3, 4]]
     with pytest.raises(ValueError, match="budget_tokens"):
         pack_micro_batches([1], 0)
 
@@ -41,22 +48,42 @@ def test_packing_hand_case() -> None:
 def test_collate_layout() -> None:
     g1 = make_group("a", [5, 6, 7], [[10, 11]], logprobs=[[-0.1, -0.2]], versions=[[3, 4]])
     g2 = make_group("b", [8], [[12, 13, 14]], env_tail=1)
-    samples = [g1.samples[0], g2.samples[0]]
+    g3 = make_group("c", [9, 9], [[15, 16, 17, 18]])
+    samples = [g3.samples[0], g1.samples[0], g2.samples[0]]  # widths 6, 5, 5
     mb = collate(samples)
-    assert mb.input_ids.tolist() == [[5, 6, 7, 10, 11], [8, 12, 13, 14, 7]]
-    assert mb.attention_mask.tolist() == [[1] * 5, [1] * 5]
-    assert mb.targets.tolist() == [[10, 11, 0, 0], [12, 13, 14, 7]]
-    assert mb.response_mask.tolist() == [[True, True, False, False], [True] * 4]
-    assert mb.loss_mask.tolist() == [[True, True, False, False], [True, True, True, False]]
-    assert mb.versions.tolist() == [[3, 4, -1, -1], [0, 0, 0, -1]]
-    assert mb.logp_behav[0, :2].tolist() == pytest.approx([-0.1, -0.2])
-    # logits for response token t of row b come from input position P_b + t - 1
-    positions = mb.logits_to_keep[mb.logit_index]
+    # width 6: row 0 holds c; a (5) and b (5) get a row each, with one padding token
+    assert mb.input_ids.tolist() == [[9, 9, 15, 16, 17, 18], [5, 6, 7, 10, 11, PAD_ID],
+                                     [8, 12, 13, 14, 7, PAD_ID]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 0],
+                                        [0, 1, 2, 3, 4, 0]]
+    assert mb.targets.tolist() == [[15, 16, 17, 18], [10, 11, 0, 0], [12, 13, 14, 7]]
+    assert mb.response_mask.tolist() == [[True] * 4, [True, True, False, False], [True] * 4]
+    assert mb.loss_mask.tolist() == [[True] * 4, [True, True, False, False],
+                                     [True, True, True, False]]
+    assert mb.versions.tolist() == [[0] * 4, [3, 4, -1, -1], [0, 0, 0, -1]]
+    assert mb.logp_behav[1, :2].tolist() == pytest.approx([-0.1, -0.2])
+    check_predicting_positions(mb, samples)
+
+
+def test_collate_shares_rows() -> None:
+    long = make_group("l", [1, 2], [[3, 4, 5, 6, 7, 8]])  # 8 tokens
+    short = make_group("s", [9], [[10, 11], [12, 13, 14]])  # 3 and 4 tokens
+    samples = [long.samples[0], *short.samples]
+    mb = collate(samples)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 9, 12, 13, 14, PAD_ID]]
+    assert mb.position_ids.tolist() == [list(range(8)), [0, 1, 2, 0, 1, 2, 3, 0]]
+    check_predicting_positions(mb, samples)
+
+
+def check_predicting_positions(mb, samples) -> None:
+    """Response token t of a sample is predicted at its row offset + P + t - 1 (same row)."""
+    num_kept = len(mb.logits_to_keep)
     for b, s in enumerate(samples):
-        p = len(s.task.prompt_ids)
-        for j in range(s.num_response_tokens):
-            assert positions[b, j] == p + j - 1
-            assert mb.input_ids[b, positions[b, j] + 1] == mb.targets[b, j]
+        rows, cols = mb.logit_index[b] // num_kept, mb.logits_to_keep[mb.logit_index[b] % num_kept]
+        for t in range(s.num_response_tokens):
+            r, c = int(rows[t]), int(cols[t])
+            assert mb.input_ids[r, c + 1] == mb.targets[b, t] == s.response_ids[t]
+            assert mb.position_ids[r, c + 1] == len(s.task.prompt_ids) + t
 
 
 def test_gather_logprobs_reads_the_predicting_position() -> None:

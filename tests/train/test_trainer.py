@@ -51,6 +51,25 @@ def test_logprobs_equal_an_independent_forward(tiny_model_path: Path) -> None:
         assert max(abs(a - b) for a, b in zip(lp, want)) < 1e-5
 
 
+@pytest.mark.parametrize("budget", [24, 4096])
+def test_samples_sharing_a_row_do_not_see_each_other(tiny_model_path: Path, budget: int) -> None:
+    """Packed rows (several samples back to back, position ids restarting) give each sample
+    the logprobs of a forward of that sample alone: the attention is block-diagonal."""
+    from rollstream.train.batching import collate
+
+    trainer = Trainer(TrainConfig(micro_batch_tokens=budget), tiny_model_path)
+    g = make_group("g", [1, 2, 3], [[4, 5, 6, 7, 8, 9, 10, 11], [6, 7], [8, 9, 10]])
+    h = make_group("h", [20, 21], [[21, 22], [23]])
+    samples = g.samples + h.samples
+    if budget == 4096:  # everything in one micro-batch: rows of 11 hold 5+5, 4+3
+        assert collate(samples).input_ids.shape[0] == 3
+    got = trainer.logprobs(samples)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for s, lp in zip(samples, got):
+        want = hf_logprobs(ref, list(s.task.prompt_ids), s.response_ids)
+        assert max(abs(a - b) for a, b in zip(lp, want)) < 1e-5
+
+
 def test_step_raises_logprob_of_positive_advantage(tiny_model_path: Path) -> None:
     cfg = TrainConfig(lr=1e-2, updates_per_step=2, micro_batch_tokens=16)
     trainer = Trainer(cfg, tiny_model_path)

@@ -211,7 +211,8 @@ class TrainConfig(Section):
     updates_per_step: int = Field(2, ge=1)
     """Passes over each step's batch (each pass is one optimizer update)."""
     micro_batch_tokens: int = Field(8192, ge=16)
-    """Token budget of one micro-batch (gradient accumulation)."""
+    """Tokens computed per micro-batch (rows x row width; short samples share rows, so
+    padding stays small whatever the budget); micro-batches accumulate gradients."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -1,15 +1,25 @@
 """Micro-batches: packing samples by a token budget and laying them out as tensors.
 
-Packing (:func:`pack_micro_batches`) is deterministic: rows are sorted by length (longest
-first, ties by input order) and filled greedily while ``rows * longest_row`` (the padded
-prompt+response tokens of the micro-batch) stays within the budget. A row longer than the
-budget on its own gets a micro-batch of its own (a row is never split). Every index appears in
-exactly one micro-batch.
+Padding-free rows. A micro-batch is ``R`` rows of width ``W`` = its longest sample
+(prompt + response); several shorter samples share a row back to back, each with its own
+position ids starting at 0, and the row's unused tail is one more segment of ``PAD_ID`` tokens
+(positions from 0 again). With ``attention_mask=None`` and such position ids, transformers
+builds a block-diagonal causal mask (its packed-sequence path), so a token attends only to
+its own sample, exactly as in an unpadded forward of that sample alone.
 
-Layout (:class:`MicroBatch`): row ``b`` is ``prompt + response``, right-padded. Response token
-``t`` (0-based) sits at input position ``P_b + t`` and its logprob is read from the logits at
-position ``P_b + t - 1``. Only the logits span covering all response positions of the
-micro-batch is computed (``logits_to_keep``), which saves the ``[B, prompt, vocab]`` part.
+Packing (:func:`pack_micro_batches`) is deterministic: samples are sorted by length (longest
+first, ties by input order) and placed first-fit into rows as wide as the longest sample
+(:func:`pack_rows`), so short samples fill the tails of the rows of long ones; consecutive
+rows then form micro-batches of ``R * W <= budget`` tokens computed. A sample longer than the
+budget gets a micro-batch of its own (a sample is never split). Every index appears in
+exactly one row of one micro-batch.
+
+Layout (:class:`MicroBatch`): the per-token loss tensors are ``[B, T]`` per *sample* (B
+samples, T = longest response). Response token ``t`` of a sample placed at row ``r``, offset
+``o`` with a ``P``-token prompt sits at position ``o + P + t`` and its logprob is read from the
+logits at ``o + P + t - 1``. Only the logits columns that predict some response token are
+computed (``logits_to_keep``, shared by all rows); ``logit_index`` indexes the flattened
+``[R * K]`` kept logits.
 """
 
 from __future__ import annotations
@@ -22,33 +32,52 @@ from torch import Tensor
 
 from rollstream.trajectory import Sample
 
-PAD_ID = 0  # any id works: padded positions are masked out of attention and of the loss
+PAD_ID = 0  # any id works: padding is its own segment, outside every sample's attention
 
 
-def pack_micro_batches(lengths: Sequence[int], budget_tokens: int) -> list[list[int]]:
-    """Indices into ``lengths`` grouped so that ``len(group) * max(length) <= budget_tokens``."""
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """First-fit of ``lengths`` (in the given order) into rows of ``width`` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > width:
+            raise ValueError(f"pack_rows: length {n} exceeds the row width {width}")
+        r = next((r for r, f in enumerate(free) if f >= n), None)
+        if r is None:
+            rows.append([i])
+            free.append(width - n)
+        else:
+            rows[r].append(i)
+            free[r] -= n
+    return rows
+
+
+def pack_micro_batches(lengths: Sequence[int], budget_tokens: int) -> list[list[list[int]]]:
+    """Micro-batches as rows of indices into ``lengths``: first-fit decreasing into rows as
+    wide as the longest sample, then consecutive rows while ``rows * width`` stays within
+    ``budget_tokens`` (a sample longer than the budget gets a micro-batch of its own)."""
     if budget_tokens < 1:
         raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        current = batches[-1] if batches else None
-        # sorted longest first, so the first row of a batch is its widest
-        if current and (len(current) + 1) * lengths[current[0]] <= budget_tokens:
-            current.append(i)
-        else:
-            batches.append([i])
+    alone = [i for i in order if lengths[i] > budget_tokens]
+    rest = [i for i in order if lengths[i] <= budget_tokens]
+    batches: list[list[list[int]]] = [[[i]] for i in alone]
+    if rest:
+        width = lengths[rest[0]]
+        rows = [[rest[j] for j in row] for row in pack_rows([lengths[i] for i in rest], width)]
+        per_batch = max(1, budget_tokens // width)
+        batches += [rows[k : k + per_batch] for k in range(0, len(rows), per_batch)]
     return batches
 
 
 @dataclass(slots=True, kw_only=True)
 class MicroBatch:
-    """Right-padded tensors of a few samples (B rows, L input positions, T response tokens)."""
+    """Packed rows of a few samples (R rows, W positions; B samples, T response tokens)."""
 
-    input_ids: Tensor  # [B, L] long: prompt + response, PAD_ID after the row's end
-    attention_mask: Tensor  # [B, L] long
-    logits_to_keep: Tensor  # [K] long: input positions whose logits are computed
-    logit_index: Tensor  # [B, T] long: index into the kept logits predicting token t
+    input_ids: Tensor  # [R, W] long: samples back to back, PAD_ID in the row's tail
+    position_ids: Tensor  # [R, W] long: from 0 at every sample (and at the padding tail)
+    logits_to_keep: Tensor  # [K] long: positions whose logits are computed (every row)
+    logit_index: Tensor  # [B, T] long: index into the [R * K] kept logits predicting token t
     targets: Tensor  # [B, T] long: response token ids (PAD_ID at padding)
     response_mask: Tensor  # [B, T] bool: a real response token
     loss_mask: Tensor  # [B, T] bool: the sample's loss mask (False at padding)
@@ -59,31 +88,56 @@ class MicroBatch:
         return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def collate(samples: Sequence[Sample]) -> MicroBatch:
-    """Lay out samples (each with at least one response token) as one micro-batch."""
+def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None) -> MicroBatch:
+    """Lay out samples (each with at least one response token) as one micro-batch.
+
+    ``rows``: indices into ``samples`` per row (every sample exactly once); by default rows as
+    wide as the longest sample, filled first-fit in the given order (:func:`pack_rows`).
+    """
     prompts = [list(s.task.prompt_ids) for s in samples]
     responses = [s.response_ids for s in samples]
     if any(not r for r in responses):
         raise ValueError("collate: every sample needs at least one response token")
-    num_rows = len(samples)
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    if rows is None:
+        rows = pack_rows(lengths, max(lengths))
+    if sorted(b for row in rows for b in row) != list(range(len(samples))):
+        raise ValueError("collate: rows must hold every sample exactly once")
+    width = max(sum(lengths[b] for b in row) for row in rows)
     num_resp = max(len(r) for r in responses)
-    start = min(len(p) for p in prompts) - 1  # first logits position needed
-    end = max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1  # exclusive
 
-    input_ids = torch.full((num_rows, width), PAD_ID, dtype=torch.long)
-    attention_mask = torch.zeros((num_rows, width), dtype=torch.long)
-    logit_index = torch.zeros((num_rows, num_resp), dtype=torch.long)
-    targets = torch.full((num_rows, num_resp), PAD_ID, dtype=torch.long)
-    response_mask = torch.zeros((num_rows, num_resp), dtype=torch.bool)
-    loss_mask = torch.zeros((num_rows, num_resp), dtype=torch.bool)
-    logp_behav = torch.zeros((num_rows, num_resp), dtype=torch.float32)
-    versions = torch.full((num_rows, num_resp), -1, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    where: list[tuple[int, int]] = [(0, 0)] * len(samples)  # (row, offset) of each sample
+    for r, members in enumerate(rows):
+        offset = 0
+        for b in members:
+            n = lengths[b]
+            input_ids[r, offset : offset + n] = torch.tensor(prompts[b] + responses[b])
+            position_ids[r, offset : offset + n] = torch.arange(n)
+            where[b] = (r, offset)
+            offset += n
+        position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
+    # logits columns predicting a response token, in some row: o + P - 1 ... o + P + n_r - 2
+    needed = torch.zeros(width, dtype=torch.bool)
+    for b, (r, offset) in enumerate(where):
+        first = offset + len(prompts[b]) - 1
+        needed[first : first + len(responses[b])] = True
+    keep = needed.nonzero()[:, 0]
+    column = torch.full((width,), -1, dtype=torch.long)
+    column[keep] = torch.arange(len(keep))
+
+    logit_index = torch.zeros((len(samples), num_resp), dtype=torch.long)
+    targets = torch.full((len(samples), num_resp), PAD_ID, dtype=torch.long)
+    response_mask = torch.zeros((len(samples), num_resp), dtype=torch.bool)
+    loss_mask = torch.zeros((len(samples), num_resp), dtype=torch.bool)
+    logp_behav = torch.zeros((len(samples), num_resp), dtype=torch.float32)
+    versions = torch.full((len(samples), num_resp), -1, dtype=torch.long)
     for b, (sample, prompt, response) in enumerate(zip(samples, prompts, responses)):
-        n_p, n_r = len(prompt), len(response)
-        input_ids[b, : n_p + n_r] = torch.tensor(prompt + response)
-        attention_mask[b, : n_p + n_r] = 1
-        logit_index[b, :n_r] = torch.arange(n_p - 1 - start, n_p - 1 - start + n_r)
+        r, offset = where[b]
+        n_r = len(response)
+        first = offset + len(prompt) - 1
+        logit_index[b, :n_r] = r * len(keep) + column[first : first + n_r]
         targets[b, :n_r] = torch.tensor(response)
         response_mask[b, :n_r] = True
         loss_mask[b, :n_r] = torch.tensor(sample.loss_mask)
@@ -91,8 +145,8 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         versions[b, :n_r] = torch.tensor(sample.versions)
     return MicroBatch(
         input_ids=input_ids,
-        attention_mask=attention_mask,
-        logits_to_keep=torch.arange(start, end),
+        position_ids=position_ids,
+        logits_to_keep=keep,
         logit_index=logit_index,
         targets=targets,
         response_mask=response_mask,
@@ -103,13 +157,12 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
 
 
 def gather_logprobs(kept_logits: Tensor, mb: MicroBatch) -> Tensor:
-    """``[B, T]`` float32 logprobs of the response tokens from ``[B, K, V]`` kept logits.
+    """``[B, T]`` float32 logprobs of the response tokens from ``[R, K, V]`` kept logits.
 
-    float32 ``log_softmax`` of the raw logits (temperature 1), as an engine reports them;
-    0 at padding.
+    float32 ``log_softmax`` of the logits as given (the caller applies the temperature), as
+    an engine reports them; 0 at padding.
     """
-    rows = torch.arange(kept_logits.shape[0], device=kept_logits.device)[:, None]
-    picked = kept_logits[rows, mb.logit_index]  # [B, T, V]
+    picked = kept_logits.reshape(-1, kept_logits.shape[-1])[mb.logit_index]  # [B, T, V]
     logp = torch.log_softmax(picked.float(), dim=-1)
     logp = logp.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
     return torch.where(mb.response_mask, logp, 0.0)

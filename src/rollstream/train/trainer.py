@@ -210,14 +210,21 @@ class Trainer:
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[tuple[list[int], MicroBatch]]:
         lengths = [len(s.task.prompt_ids) + s.num_response_tokens for s in samples]
-        packs = pack_micro_batches(lengths, self.cfg.micro_batch_tokens)
-        return [(p, collate([samples[i] for i in p]).to(self.device)) for p in packs]
+        out = []
+        for rows in pack_micro_batches(lengths, self.cfg.micro_batch_tokens):
+            idx = [i for row in rows for i in row]
+            local, k = [], 0
+            for row in rows:
+                local.append(list(range(k, k + len(row))))
+                k += len(row)
+            out.append((idx, collate([samples[i] for i in idx], local).to(self.device)))
+        return out
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
         with self._autocast():
             out = model(
                 input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,  # packed rows: no attention mask (batching)
                 logits_to_keep=mb.logits_to_keep,
                 use_cache=False,
             )
