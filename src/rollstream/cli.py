@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     b.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    b.add_argument("--config", type=Path, default=None,
+                   help="base YAML of `modes` (default examples/tick.yaml; "
+                   "examples/tick_long.yaml is the long-tail shape)")
 
     r = sub.add_parser(
         "report",
@@ -72,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             run_training(cfg)
         elif args.command == "bench":
             mod = importlib.import_module(f"rollstream.bench.{args.name}")
-            mod.main(json_out=args.json_out, quick=args.quick)
+            extra = {}
+            if args.config is not None:
+                if args.name != "modes":
+                    raise ValueError(f"bench {args.name}: --config is an option of `modes` only")
+                extra["config"] = args.config
+            mod.main(json_out=args.json_out, quick=args.quick, **extra)
         elif args.command == "report":
             from rollstream.monitor.report import write_report
 

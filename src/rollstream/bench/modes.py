@@ -29,10 +29,10 @@ generated tokens/s (response tokens of every training-phase sample, eval exclude
 compute / training wall time), final held-out reward with its standard error over eval
 prompts, ledger counts and interrupts.
 
-Bench setting that differs from examples/tick.yaml: ``train.micro_batch_tokens=1024`` for
-every config. With the 8192 default a 128-sample long-tail batch packs into two micro-batches
-padded to their longest row (about 2x the real tokens), which makes the trainer 2-2.5x slower
-and every mode trainer-bound (docs/benchmarks.md).
+``--config`` picks the base YAML (default examples/tick.yaml, the demo's shape, where a
+synchronous step spends ~30% of its time generating); examples/tick_long.yaml is the
+long-tail shape of the published workloads (rollout most of the step). The JSON's
+``rollout_share_sync`` says which regime a run measured.
 
 A benchmark measures; it does not assert. The machine is shared: the JSON records the load
 average, and only ratios within one run mean much.
@@ -60,7 +60,6 @@ from typing import Any, Self
 from rollstream.config import RunConfig, load_config
 
 TICK_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick.yaml"
-TRAIN_MICRO_BATCH_TOKENS = 1024  # see the module docstring
 HEADLINE_ASYNC = "async_k2_partial"  # examples/tick.yaml's own rollout settings
 
 
@@ -377,21 +376,20 @@ def cores() -> tuple[int, int]:
 
 def bench_overrides(folder: Path, run_root: Path) -> list[str]:
     """What every benchmarked rollstream run shares: the model folder, one pinned torch thread
-    for the engine and one for the trainer, the trainer's micro-batch budget, no UI."""
+    for the engine and one for the trainer, no UI."""
     engine_core, train_core = cores()
     return [
         f"model.path={folder}", f"run_root={run_root}", "max_wall_s=null",
         "engine.local.threads=1", f"engine.local.cpu_affinity=[{engine_core}]",
         "train.threads=1", f"train.cpu_affinity=[{train_core}]",
-        f"train.micro_batch_tokens={TRAIN_MICRO_BATCH_TOKENS}",
         "monitor.progress=false", "monitor.report=false", "monitor.dashboard=false",
     ]
 
 
 def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | None = None,
-         overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Run every config; ``overrides`` (key=value) apply to all of them (tests pass a tiny
-    model there)."""
+         overrides: Sequence[str] = (), config: Path = TICK_YAML) -> dict[str, Any]:
+    """Run every config on top of ``config``'s model, task and training settings;
+    ``overrides`` (key=value) apply to all of them (tests pass a tiny model there)."""
     import torch
 
     from rollstream.models.warmstart import prepare_model
@@ -401,7 +399,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     torch.set_num_threads(1)
 
     sizes = QUICK if quick else FULL
-    base = load_config(TICK_YAML, list(overrides))
+    base = load_config(config, list(overrides))
     folder = prepare_model(base.model, base.tasks)  # before any override that moves its hash
     run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-modes-"))
     common = [
@@ -410,7 +408,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     ]
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    cfg0 = load_config(TICK_YAML, common)
+    cfg0 = load_config(config, common)
     print(f"bench modes: probing the engine's saturated rate ({sizes.saturate_s:.0f} s) ...",
           flush=True)
     probed = probe(cfg0, folder, sizes)
@@ -418,7 +416,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, label in enumerate(run_order(quick)):
         print(f"bench modes: {label} ...", flush=True)
-        cfg = load_config(TICK_YAML, [*common, *modes[label], f"name={label}-{i}"])
+        cfg = load_config(config, [*common, *modes[label], f"name={label}-{i}"])
         runs.setdefault(label, []).append(
             {"max_staleness": _k(cfg), "partial_rollout": cfg.rollout.partial_rollout,
              **run_config(cfg)})
@@ -427,7 +425,8 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         row["engine_utilization"] = row["gen_tok_s"] / probed["saturated_tok_s"]
     result = _summarise(rows, probed, quick=quick, sizes=sizes, cfg=cfg0,
                         load_before=load_before,
-                        bench_wall_s=time.perf_counter() - t0, run_root=run_root)
+                        bench_wall_s=time.perf_counter() - t0, run_root=run_root,
+                        config_path=Path(config))
     _print_tables(result)
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
@@ -442,8 +441,7 @@ def _k(cfg: RunConfig) -> int:
 
 def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick: bool,
                sizes: Sizes, cfg: RunConfig, load_before: tuple[float, float, float],
-               bench_wall_s: float,
-               run_root: Path) -> dict[str, Any]:
+               bench_wall_s: float, run_root: Path, config_path: Path) -> dict[str, Any]:
     sync, head = rows["sync"], rows[HEADLINE_ASYNC]
     diff = head["reward_final"] - sync["reward_final"]
     noise_eval = 2 * math.hypot(sync["reward_final_se"], head["reward_final_se"])
@@ -479,6 +477,9 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "async_partial_vs_sync_samples_per_s": head["trained_samples_per_s"]
         / sync["trained_samples_per_s"],
         "async_ceiling_vs_sync": ceiling,
+        # share of a synchronous step spent waiting for rollouts (published: 0.63-0.87)
+        "rollout_share_sync": 1.0 - sync["trainer_busy"],
+        "config": str(config_path),
         "engine_utilization_async": util,
         "engine_utilization_sync": sync["engine_utilization"],
         "reward_sync": sync["reward_final"],
@@ -525,7 +526,8 @@ def _print_tables(result: dict[str, Any]) -> None:
               f"{p['runq_share_engine_and_trainer']:.2f}")
     console.print(t)
     load = result["machine"]["load_before"][0]
-    t = Table(title=f"rollstream modes on tick ({result['settings']['trained_samples_per_config']}"
+    t = Table(title=f"rollstream modes on {Path(result['config']).name} "
+              f"({result['settings']['trained_samples_per_config']}"
               f" trained samples each; load {load:.1f}{', quick' if result['quick'] else ''})")
     cols = ("config", "train s", "trained tok/s", "gen tok/s", "engine util", "trainer busy",
             "runq", "reward", "dropped", "filtered", "aborted", "interrupts")
@@ -542,7 +544,8 @@ def _print_tables(result: dict[str, Any]) -> None:
     console.print(
         f"{result['async_config']} vs sync: trained tok/s x"
         f"{result['async_partial_vs_sync_throughput']:.2f} (ceiling if generation were free: "
-        f"x{result['async_ceiling_vs_sync']:.2f}); engine utilization "
+        f"x{result['async_ceiling_vs_sync']:.2f}; sync rollout share "
+        f"{result['rollout_share_sync']:.2f}); engine utilization "
         f"{result['engine_utilization_async']:.2f}; reward {result['reward_async']:.3f} vs "
         f"{result['reward_sync']:.3f} (noise {result['reward_noise']:.3f}: 2 eval s.e. "
         f"{result['reward_noise_2se']:.3f}, "

@@ -109,9 +109,9 @@ class LocalEngineConfig(Section):
 
 class VllmEngineConfig(Section):
     urls: tuple[str, ...] = ()
-    """Attach to running servers instead of launching (e.g. http://127.0.0.1:8000)."""
-    num_servers: int = Field(1, ge=1)
-    """Servers to launch on 127.0.0.1 when urls is empty."""
+    """Attach to running servers instead of launching (e.g. http://127.0.0.1:8000); engine
+    ``i`` of ``engine.num_engines`` uses ``urls[i]``. Empty: each engine launches its own
+    server on 127.0.0.1."""
     max_model_len: int = Field(512, ge=16)
     """vLLM --max-model-len (keep identical across runs to reuse the compile cache)."""
     kv_cache_bytes: int = Field(268435456, ge=1 << 20)

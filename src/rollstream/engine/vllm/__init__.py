@@ -5,8 +5,7 @@ set, engine ``<kind>-<i>`` attaches to ``urls[i]`` (the servers must serve ``mod
 and run with ``VLLM_SERVER_DEV_MODE=1``, ``--enable-scale-out`` and this package's
 ``--worker-extension-cls``); otherwise each engine launches its own server on a free port
 of 127.0.0.1, logging to ``.cache/vllm/logs/<engine_id>-<pid>.log``. The factory builds
-``engine.num_engines`` of them; ``engine.vllm.num_servers`` is not read here (one server per
-engine).
+``engine.num_engines`` of them: one server per engine.
 
 Importing this package does not import vLLM or torch: the server is a separate process.
 """
