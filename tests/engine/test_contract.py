@@ -105,12 +105,14 @@ def _stream_len(engine) -> int:
 
 
 def _require_mid_stream(engine, landed: bool, what: str) -> None:
-    """A server engine on an overloaded machine can deliver a whole stream in one burst before
-    an interrupt or a load reaches it; then the test says so and skips (tests/vllm retries the
-    same checks with longer streams). The embedded engine has no such excuse: it must land."""
+    """vLLM 0.32 on these 2-core CPU machines stalls its API server while the engine generates
+    (even on a quiet machine: a 6000-token stream sent its first token at once, then nothing
+    for ~4 s until the end; docs/vllm.md), so an interrupt or a load sent mid-stream can reach
+    it only after the stream is done. Then the test says so and skips. The embedded engine has
+    no such excuse: it must land."""
     if not landed and engine.kind != "local":
-        pytest.skip(f"{engine.kind}: the {what} could not land mid-stream (stream delivered in "
-                    "one burst; machine overloaded)")
+        pytest.skip(f"{engine.kind}: the {what} reached the server only after the stream ended "
+                    "(its API server stalls during generation on this CPU machine)")
     assert landed, f"the {what} should land mid-stream"
 
 
@@ -125,7 +127,7 @@ async def test_interrupt_then_resume_continues_greedy_stream(engine):
                 e, f"part{attempt}", prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new)
             )
         )
-        await _wait_for_tokens(e, start + 3)
+        await _wait_for_tokens(e, start + 1)  # running
         await e.interrupt([f"part{attempt}"])
         part = await task
         if part.finish_reason is FinishReason.ABORT:
@@ -182,7 +184,7 @@ async def test_load_weights_mid_stream_tags_versions(engine):
         new_weights = _perturbed_weights(engine.model_path, seed=1)
         start = e.stats().generated_tokens
         task = asyncio.create_task(_gen(e, f"mixed{attempt}", prompt, params))
-        await _wait_for_tokens(e, start + 3)
+        await _wait_for_tokens(e, start + 1)  # running
         await e.load_weights(version, new_weights)
         assert e.stats().version == version
         mixed = await task

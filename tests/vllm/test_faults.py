@@ -95,7 +95,8 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
             break
         await asyncio.gather(*tasks)  # delivered in one burst at the end: try again
     else:
-        pytest.skip("vLLM's API server was starved on every attempt (machine overloaded)")
+        pytest.skip("vLLM's API server stalled during generation on every attempt (streams "
+                    "delivered in one burst at their end; a CPU-machine behaviour, docs/vllm.md)")
     os.kill(e.server.proc.pid, signal.SIGKILL)  # the API server; its children are orphaned
     outs = await asyncio.gather(*tasks)
     cut = [o for o in outs if o.finish_reason is not FinishReason.LENGTH]

@@ -32,12 +32,14 @@ async def _received(engine, task: asyncio.Task, at_least: int) -> None:
         await asyncio.sleep(0.001)
 
 
-# Mid-stream tests use streams of thousands of tokens (seconds of work) and retry: on a
-# saturated shared 2-core machine vLLM's API server was seen starved for seconds while the
-# engine generated, delivering a whole stream in one burst at its end and answering an abort
-# or a pause only after it. After 3 such attempts the test is skipped with that reason (the
-# same paths are also covered by test_faults and the contract tests).
-OVERLOADED = "vLLM's API server was starved on every attempt (machine overloaded)"
+# Mid-stream tests use streams of thousands of tokens (seconds of work) and retry: vLLM 0.32's
+# API server on these 2-core CPU machines stalls while the engine generates (seen on a quiet
+# machine too: first token at once, then nothing until the stream's end; docs/vllm.md), so an
+# abort or a pause may reach the engine only after the stream is done. After 3 such attempts
+# the test is skipped with that reason (the same paths are also covered by test_faults and
+# the contract tests).
+STALLED = ("vLLM's API server stalled during generation on every attempt (the abort or "
+              "load arrived after the stream ended; a CPU-machine behaviour, docs/vllm.md)")
 
 
 def _perturbed(seed: int) -> dict[str, torch.Tensor]:
@@ -94,7 +96,7 @@ async def test_interrupt_returns_partial_tokens(vllm_engine):
             break
         assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 4000
     else:
-        pytest.skip(OVERLOADED)
+        pytest.skip(STALLED)
     assert out.finish_reason is FinishReason.ABORT and out.error is None
     assert 0 < len(out.token_ids) < 4000
     assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
@@ -147,6 +149,6 @@ async def test_versions_across_two_reloads_mid_stream(vllm_engine):
             break
         assert sorted(out.versions) == out.versions  # late, but never out of order
     else:
-        pytest.skip(OVERLOADED)
+        pytest.skip(STALLED)
     assert out.versions == [0] * a + [1] * b + [2] * (n - a - b)
     assert out.token_ids[:a] == reference.token_ids[:a]  # the old weights up to the boundary
