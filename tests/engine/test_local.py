@@ -136,6 +136,52 @@ async def test_after_load_weights_tokens_are_exactly_the_new_policy(local_engine
     assert max(abs(a - b) for a, b in zip(mixed.logprobs[k:], cont.logprobs)) < 1e-4
 
 
+async def _load_mid_stream(e, prompt, max_new, version, weights):
+    """A greedy stream with ``load_weights(version, weights)`` landing mid-stream; returns
+    (output, index of the first token of the new version)."""
+    for attempt in range(5):
+        task = asyncio.create_task(
+            e.generate(_req(f"m{version}-{attempt}", prompt, temperature=0.0, max_new_tokens=max_new))
+        )
+        start = e.stats().generated_tokens
+        while e.stats().generated_tokens < start + 3:
+            await asyncio.sleep(0.0005)
+        await e.load_weights(version, weights)
+        out = await task
+        k = out.versions.index(version) if version in out.versions else max_new
+        if 0 < k < max_new:
+            return out, k
+        version += 100  # the stream won the race: try again under a fresh version
+    raise AssertionError("the load never landed mid-stream")
+
+
+async def test_kv_on_load_keep_skips_the_recompute(tiny_model_dir):
+    """``kv_on_load: keep``: no cache recompute; the cache stays valid (same weights reloaded
+    mid-stream change nothing), and with new weights the later tokens differ from a fresh
+    forward of the new weights over the same prefix (they attend over old keys/values)."""
+    e = _local(tiny_model_dir, kv_on_load="keep")
+    calls = []
+    e._runner.recompute_cache = lambda *a: calls.append(a)  # noqa: SLF001 - observe only
+    try:
+        prompt, max_new = _prompts(1, seed=47)[0], 100
+        ref = await e.generate(_req("ref", prompt, temperature=0.0, max_new_tokens=max_new))
+        same, k = await _load_mid_stream(e, prompt, max_new, 1, _state_dict(tiny_model_dir))
+        assert same.token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(same.logprobs, ref.logprobs)) < 1e-4
+        g = torch.Generator().manual_seed(5)
+        new = {k2: v + 0.3 * torch.randn(v.shape, generator=g)
+               for k2, v in _state_dict(tiny_model_dir).items()}
+        mixed, k = await _load_mid_stream(e, prompt, max_new, 1000, new)
+        fresh = await e.generate(
+            _req("fresh", prompt + mixed.token_ids[:k], temperature=0.0, max_new_tokens=max_new - k)
+        )
+        assert mixed.token_ids[k:] != fresh.token_ids or max(
+            abs(a - b) for a, b in zip(mixed.logprobs[k:], fresh.logprobs)) > 1e-3
+        assert calls == []
+    finally:
+        await e.close()
+
+
 async def test_load_weights_validates_names_and_shapes(local_engine, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -101,6 +101,11 @@ class LocalEngineConfig(Section):
     """``auto`` (cuda when present, else cpu), ``cpu`` or ``cuda``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights, activations and KV cache precision (float32 matches a float32 trainer)."""
+    kv_on_load: Literal["recompute", "keep"] = "recompute"
+    """After a weight load, in-flight rows ``recompute`` their KV cache with the new weights
+    (tokens after the load are exactly the new policy's) or ``keep`` the old cache (no
+    recompute; later tokens attend over keys/values of older weights, as in vLLM and
+    PipelineRL; the trainer's importance weights see the difference as mismatch)."""
     max_prefill_tokens: int = Field(2048, ge=1)
     """Prompt tokens prefilled together in one step (at least one prompt is always admitted)."""
     seed: int = 0

@@ -16,8 +16,8 @@ a weight load never lands inside a forward pass. After a weight load the KV cach
 in-flight row is recomputed with the new weights (one packed prefill), so the tokens after the
 load, and their logprobs, are exactly what the new version produces from that prefix: the
 version tag of a token then names the one policy that sampled it, which is what the trainer's
-importance ratios assume. (vLLM keeps the old cache instead; that mixes versions inside the
-attention of later tokens.) Each step prefills the newly admitted
+importance ratios assume. With ``kv_on_load: keep`` the cache stays as it is (as vLLM and
+PipelineRL do): no recompute, but later tokens attend over keys/values of older weights. Each step prefills the newly admitted
 prompts together (packed, one forward pass) and then decodes every live row, so requests join
 and leave the batch every step and nobody waits for the longest. torch releases the GIL in
 its ops, so the caller's event loop keeps running while the engine computes.
@@ -125,6 +125,7 @@ class LocalEngine:
             max_rows=cfg.max_slots, prefill_budget_tokens=cfg.max_prefill_tokens
         )
         self._threads = cfg.threads
+        self._recompute_on_load = cfg.kv_on_load == "recompute"
         self._cpu_affinity = cfg.cpu_affinity
         self._version = version
         self._seeds = torch.Generator().manual_seed(cfg.seed)
@@ -288,7 +289,8 @@ class LocalEngine:
                 t0 = time.perf_counter()
                 self._weights.copy_in(pairs)
                 self._version = version
-                self._runner.recompute_cache(self._scheduler.prefill_budget_tokens)
+                if self._recompute_on_load:
+                    self._runner.recompute_cache(self._scheduler.prefill_budget_tokens)
                 self._busy_s += time.perf_counter() - t0
                 for row, seq in enumerate(self._scheduler.running):
                     seq.mark_version(self._runner.num_generated(row, seq.prompt_len), version)
