@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             run_training(cfg)
         elif args.command == "bench":
-            mod = importlib.import_module(f"rollstream.bench.{args.name}")
             extra = {}
             if args.config is not None:
                 if args.name != "modes":
                     raise ValueError(f"bench {args.name}: --config is an option of `modes` only")
                 extra["config"] = args.config
+            mod = importlib.import_module(f"rollstream.bench.{args.name}")
             mod.main(json_out=args.json_out, quick=args.quick, **extra)
         elif args.command == "report":
             from rollstream.monitor.report import write_report

@@ -42,3 +42,12 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert not written["rows"]["async_k4_drain"]["partial_rollout"]
     assert written["probe"]["saturated_tok_s"] > 0
     assert math.isfinite(written["engine_utilization_async"])
+    assert 0 <= written["rollout_share_sync"] <= 1
+    assert written["config"].endswith("examples/tick.yaml")
+
+
+def test_bench_config_is_an_option_of_modes_only(capsys):
+    from rollstream.cli import main as cli
+
+    assert cli(["bench", "engine", "--config", "examples/tick_long.yaml"]) == 2
+    assert "--config is an option of `modes` only" in capsys.readouterr().err
