@@ -156,23 +156,33 @@ def decode(
     rope: Rope,
     tokens: torch.Tensor,
     pos: torch.Tensor,
-    attn_len: int,
+    chunks: list[tuple[int, int, int]],
 ) -> torch.Tensor:
-    """One token per live row: rows 0..n-1 of the cache; tokens, pos: [n]. Returns [n, vocab]."""
+    """One token per live row: rows 0..n-1 of the cache; tokens, pos: [n]. Returns [n, vocab].
+
+    ``chunks``: (first row, end row, attention length) covering rows 0..n-1 in order; each
+    chunk attends over its own longest row only, so one long row does not make every row
+    pay for its length."""
     n, kvh, d, h = tokens.shape[0], spec.num_kv_heads, spec.head_dim, spec.num_heads
     group, scale = h // kvh, 1.0 / math.sqrt(d)
     write = (cache.base[:n] + pos[:, None, None]).view(-1)
     cos, sin = rope.tables(pos)
-    visible = torch.arange(attn_len, device=pos.device) <= pos.repeat_interleave(kvh)[:, None]
+    longest = max(length for _, _, length in chunks)
+    visible = torch.arange(longest, device=pos.device) <= pos.repeat_interleave(kvh)[:, None]
     bias = torch.where(visible, 0.0, -math.inf).to(cos.dtype)[:, None]  # [n * kvh, 1, L]
-    window = cache.kv[:, :, : n * kvh, :attn_len]  # [layers, 2, n * kvh, L, d] view
+    window = cache.kv[:, :, : n * kvh, :longest]  # [layers, 2, n * kvh, L, d] view
     keys_t = window[:, 0].transpose(-1, -2).unbind(0)  # per layer [n * kvh, d, L]
     values = window[:, 1].unbind(0)  # per layer [n * kvh, L, d]
+    spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in chunks]
 
     def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
         q = qkv[:, :h].reshape(n * kvh, group, d)  # q heads grouped by their kv head
-        s = torch.baddbmm(bias, q, keys_t[i], alpha=scale)
-        return torch.bmm(s.softmax(dim=-1), values[i]).view(n, -1)
+        out = []
+        for a, b, length in spans:
+            s = torch.baddbmm(bias[a:b, :, :length], q[a:b], keys_t[i][a:b, :, :length],
+                              alpha=scale)
+            out.append(torch.bmm(s.softmax(dim=-1), values[i][a:b, :length]))
+        return (out[0] if len(out) == 1 else torch.cat(out)).view(n, -1)
 
     x = _layers(spec, w, cache, F.embedding(tokens, w.embed), cos, sin, write, attend)
     return _logits(spec, w, x)

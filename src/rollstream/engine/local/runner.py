@@ -138,8 +138,8 @@ class ModelRunner:
         n, r = self.num_rows, self.rows
         pos = r.length[:n] - 1
         inputs = r.tokens.view(-1).index_select(0, self.row_base[:n] + pos)
-        attn_len = int(self.length_host[:n].max())
-        logits = model.decode(self.spec, self.weights, self.cache, self.rope, inputs, pos, attn_len)
+        chunks = attention_chunks(self.length_host[:n])
+        logits = model.decode(self.spec, self.weights, self.cache, self.rope, inputs, pos, chunks)
         return self._sample_and_record(logits, 0, n)
 
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
@@ -217,3 +217,18 @@ class ModelRunner:
             for a in (self.length_host, self.sampled_host, self.truncated_host):
                 a[dst] = a[src]
         self.num_rows -= num_released
+
+
+CHUNK_ROWS = 8  # rows per attention chunk of a decode step (a few bmm calls per layer)
+
+
+def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first row, end row, attention length) per chunk of consecutive rows: one chunk when
+    splitting would save under a quarter of the attention work, else chunks of CHUNK_ROWS rows,
+    each attending over its own longest row (a long-tail batch pays for its long rows only)."""
+    n = len(lengths)
+    longest = int(lengths.max())
+    chunks = [(lo, min(lo + CHUNK_ROWS, n), int(lengths[lo : lo + CHUNK_ROWS].max()))
+              for lo in range(0, n, CHUNK_ROWS)]
+    work = sum((hi - lo) * length for lo, hi, length in chunks)
+    return chunks if work < 0.75 * n * longest else [(0, n, longest)]
