@@ -286,6 +286,45 @@ async def test_mixed_seeded_batch_with_row_moves_equals_alone(local_engine):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+async def test_long_tail_batch_in_attention_chunks_equals_alone(tiny_model_dir):
+    """Decode attention runs per chunk of rows over each chunk's longest row; a batch with a
+    few long rows among many short ones (chunking on) gives what each request gives alone."""
+    import numpy as np
+
+    from rollstream.engine.local.runner import attention_chunks
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(96) for _ in range(60 if i < 3 else 3)] for i in range(24)]
+    lengths = np.array([len(p) for p in prompts])
+    assert len(attention_chunks(lengths)) > 1  # the chunked path is the one under test
+    e = _local(tiny_model_dir, max_slots=32)
+    try:
+        batched = await asyncio.gather(*(
+            e.generate(_req(f"b{i}", p, temperature=0.0, max_new_tokens=12))
+            for i, p in enumerate(prompts)))
+        for i, p in enumerate(prompts):
+            alone = await e.generate(_req(f"a{i}", p, temperature=0.0, max_new_tokens=12))
+            assert batched[i].token_ids == alone.token_ids
+            assert max(abs(a - b) for a, b in zip(batched[i].logprobs, alone.logprobs)) < 1e-4
+    finally:
+        await e.close()
+
+
+def test_attention_chunks_cover_the_rows_with_their_own_longest():
+    import numpy as np
+
+    from rollstream.engine.local.runner import CHUNK_ROWS, attention_chunks
+
+    assert attention_chunks(np.array([5] * 20)) == [(0, 20, 5)]  # nothing to save: one chunk
+    lengths = np.array([3] * 30)
+    lengths[2] = 90
+    chunks = attention_chunks(lengths)
+    assert [(lo, hi) for lo, hi, _ in chunks] == [
+        (lo, min(lo + CHUNK_ROWS, 30)) for lo in range(0, 30, CHUNK_ROWS)]
+    assert [length for _, _, length in chunks] == [
+        int(lengths[lo:hi].max()) for lo, hi, _ in chunks]
+
+
 async def test_unseeded_requests_draw_different_streams(local_engine):
     outs = await asyncio.gather(
         *(local_engine.generate(_req(f"r{i}", [5, 6, 7], max_new_tokens=20)) for i in range(2))
