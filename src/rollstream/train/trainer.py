@@ -171,9 +171,9 @@ class Trainer:
         sums = _Sums()
         if samples:
             batches = self._micro_batches(samples)
-            prepared = self._first_update(batches, advantages, step, sums)
+            prepared, norm = self._first_update(batches, advantages, step, sums)
             for _ in range(self.cfg.updates_per_step - 1):
-                self._update(prepared, sums)
+                self._update(prepared, norm, sums)
         return self._metrics(sums, len(samples), time.perf_counter() - t0)
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -251,9 +251,10 @@ class Trainer:
         advantages: list[float],
         step: int,
         sums: _Sums,
-    ) -> list[_Prepared]:
+    ) -> tuple[list[_Prepared], float]:
         """The step's first optimizer update; its forward passes give the proximal logprobs,
-        hence the step-fixed targets of every micro-batch (module docstring)."""
+        hence the step-fixed targets of every micro-batch (module docstring). Returns them
+        and the step's loss normaliser."""
         self.optimizer.zero_grad(set_to_none=True)
         prepared, loss_sum = [], 0.0
         for idx, mb in batches:
@@ -262,13 +263,13 @@ class Trainer:
             loss, st = policy_loss(
                 logp, targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef
             )
-            if st.num_tokens:  # a micro-batch whose tokens are all masked has no graph
+            if st.num_tokens:  # all tokens masked: a zero loss, nothing to back-propagate
                 loss.backward()
             loss_sum += st.loss_sum
             sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
             prepared.append(_Prepared(mb=mb, targets=targets))
         num_tokens = int(sums.values.get("num_tokens", 0))
-        self.norm = normaliser(
+        norm = normaliser(
             self.cfg.advantage,
             num_tokens=num_tokens,
             num_samples=int(sums.values.get("num_samples", 0)),
@@ -277,9 +278,9 @@ class Trainer:
         if num_tokens:
             for p in self.model.parameters():
                 if p.grad is not None:
-                    p.grad.div_(self.norm)
-            self._optimizer_step(sums, loss_sum / self.norm)
-        return prepared
+                    p.grad.div_(norm)
+            self._optimizer_step(sums, loss_sum / norm)
+        return prepared, norm
 
     @torch.no_grad()
     def _targets(
@@ -314,7 +315,7 @@ class Trainer:
         )
         return targets
 
-    def _update(self, prepared: list[_Prepared], sums: _Sums) -> None:
+    def _update(self, prepared: list[_Prepared], norm: float, sums: _Sums) -> None:
         """A later optimizer update: accumulate over all micro-batches, clip, step."""
         if not sums.values.get("num_tokens"):
             return
@@ -326,10 +327,10 @@ class Trainer:
                 logp, p.targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef
             )
             if st.num_tokens:
-                (loss / self.norm).backward()
+                (loss / norm).backward()
             loss_sum += st.loss_sum
             sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
-        self._optimizer_step(sums, loss_sum / self.norm)
+        self._optimizer_step(sums, loss_sum / norm)
 
     def _optimizer_step(self, sums: _Sums, loss: float) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
