@@ -17,9 +17,10 @@ in-flight row is recomputed with the new weights (one packed prefill), so the to
 load, and their logprobs, are exactly what the new version produces from that prefix: the
 version tag of a token then names the one policy that sampled it, which is what the trainer's
 importance ratios assume. With ``kv_on_load: keep`` the cache stays as it is (as vLLM and
-PipelineRL do): no recompute, but later tokens attend over keys/values of older weights. Each step prefills the newly admitted
-prompts together (packed, one forward pass) and then decodes every live row, so requests join
-and leave the batch every step and nobody waits for the longest. torch releases the GIL in
+PipelineRL do): no recompute, but later tokens attend over keys/values of older weights.
+Each step prefills the newly admitted prompts together (packed, one forward pass) and then
+decodes every live row (attention in chunks of rows, each over its own longest row), so
+requests join and leave the batch every step and nobody waits for the longest. torch releases the GIL in
 its ops, so the caller's event loop keeps running while the engine computes.
 
 Deliberately simplified: one engine = one thread = one device; weights arrive as a full HF
