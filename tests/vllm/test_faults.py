@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +68,30 @@ async def test_health_timeout_is_a_clear_error():
         await server.wait_ready(timeout_s=1.0)
 
 
+def _maps_of_all() -> str:
+    text = []
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text.append(Path(maps).read_text())
+    return "\n".join(text)
+
+
+def _mapped(path: str) -> bool:
+    return path in _maps_of_all()
+
+
+def _segments_of(pgid: int) -> list[str]:
+    """The psm_* segments the processes of group ``pgid`` map now."""
+    found = set()
+    for proc_dir in glob.glob("/proc/[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            stat = Path(f"{proc_dir}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+                maps = Path(f"{proc_dir}/maps").read_text()
+                found.update(p for p in glob.glob("/dev/shm/psm_*") if p in maps)
+    return sorted(found)
+
+
 def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -85,6 +112,7 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
     greedy = dict(temperature=0.0, max_new_tokens=32)
     reference = await e.generate(_req("ref", [1, 2, 3], **greedy))
     old_pgid, restarts = e.server.proc.pid, e.num_restarts
+    shm_before = set(glob.glob("/dev/shm/psm_*")) - set(_segments_of(old_pgid))
 
     for attempt in range(3):
         tasks = [asyncio.create_task(e.generate(_req(f"k{attempt}-{i}", [1, 2, 3 + i],
@@ -114,3 +142,6 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
     assert e.num_restarts == restarts + 1 and e.stats().version == 7
     assert out.token_ids == reference.token_ids and out.versions == [7] * 32  # weights restored
     assert _group_gone(old_pgid), "the killed server's EngineCore/worker were left behind"
+    # its shared-memory ring buffers (160+ MB each) were unlinked, not left in /dev/shm
+    leaked = [p for p in set(glob.glob("/dev/shm/psm_*")) - shm_before if not _mapped(p)]
+    assert not leaked, f"segments of the killed server left behind: {leaked}"

@@ -183,7 +183,8 @@ class VllmServer:
             _LIVE.discard(self)
         if proc is not None:
             _kill_group(proc, grace_s)
-            _remove_orphaned_segments(set(glob.glob(_SHM_PATTERN)) - self._shm_before)
+            _remove_orphaned_segments(set(glob.glob(_SHM_PATTERN)) - self._shm_before,
+                                      dead_group=proc.pid)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -226,23 +227,33 @@ def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
         proc.wait(timeout=5.0)
 
 
-def _remove_orphaned_segments(candidates: set[str]) -> None:
+def _remove_orphaned_segments(candidates: set[str], *, dead_group: int) -> None:
     """Unlink shared-memory segments created while our server ran that no process maps any
     more. vLLM's EngineCore unlinks its ring buffers (``/dev/shm/psm_*``, 160-250 MB each,
-    sparse) only on a clean exit; after a crash or a SIGKILL they would stay forever."""
+    sparse) only on a clean exit; after a crash or a SIGKILL they would stay forever.
+    Processes of ``dead_group`` (the server's process group, just killed) do not count: a
+    child still being torn down may map the segment for a moment more."""
     if not candidates:
         return
     in_use: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
+    for proc_dir in glob.glob("/proc/[0-9]*"):
         try:
-            with open(maps) as f:
+            if _process_group(proc_dir) == dead_group:
+                continue
+            with open(f"{proc_dir}/maps") as f:
                 text = f.read()
-        except OSError:  # the process exited meanwhile, or is not ours to read
+        except (OSError, ValueError):  # exited meanwhile, or not ours to read
             continue
         in_use.update(c for c in candidates if c in text)
     for path in candidates - in_use:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _process_group(proc_dir: str) -> int:
+    with open(f"{proc_dir}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2 :].split()[2])  # fields after "(comm)": state ppid pgrp
 
 
 @atexit.register
