@@ -310,6 +310,39 @@ async def test_long_tail_batch_in_attention_chunks_equals_alone(tiny_model_dir):
         await e.close()
 
 
+async def test_rows_resorted_longest_first_give_what_each_request_gives_alone(tiny_model_dir):
+    """Long rows spread over every attention chunk make sorting pay: the engine reorders its
+    rows (cache, tokens, sampling keys) mid-generation, and every sampled request (seeded) and
+    greedy one still gives exactly what it gives alone."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(96) for _ in range(50 if i % 8 == 0 else 3)] for i in range(24)]
+    kws = [dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=100 + i)
+           for i in range(24)]
+    e = _local(tiny_model_dir, max_slots=32)
+    try:
+        batched = await asyncio.gather(*(
+            e.generate(_req(f"b{i}", p, max_new_tokens=40, **kw))
+            for i, (p, kw) in enumerate(zip(prompts, kws))))
+        assert e._runner.num_sorts > 0  # the path under test ran
+        for i, (p, kw) in enumerate(zip(prompts, kws)):
+            alone = await e.generate(_req(f"a{i}", p, max_new_tokens=40, **kw))
+            assert batched[i].token_ids == alone.token_ids, i
+            assert max(abs(a - b) for a, b in zip(batched[i].logprobs, alone.logprobs)) < 1e-4
+    finally:
+        await e.close()
+
+
+def test_attention_work_of_an_order():
+    import numpy as np
+
+    from rollstream.engine.local.runner import CHUNK_ROWS, attention_work
+
+    lengths = np.array([3] * 24)
+    lengths[::CHUNK_ROWS] = 90  # one long row in each of the three chunks
+    assert attention_work(lengths) == 3 * CHUNK_ROWS * 90
+    assert attention_work(np.sort(lengths)[::-1]) == CHUNK_ROWS * 90 + 2 * CHUNK_ROWS * 3
+
+
 def test_attention_chunks_cover_the_rows_with_their_own_longest():
     import numpy as np
 

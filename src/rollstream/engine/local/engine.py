@@ -312,6 +312,9 @@ class LocalEngine:
             self._finish(done, FinishReason.LENGTH)
         if self._runner.num_rows:
             n = self._runner.num_rows
+            if (order := self._runner.sort_rows()) is not None:
+                running = self._scheduler.running
+                self._scheduler.running = [running[i] for i in order]
             done = self._runner.decode()
             self._generated_tokens += n
             self._finish(done, FinishReason.LENGTH)

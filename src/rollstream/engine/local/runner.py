@@ -8,6 +8,13 @@ token and logprob back, and test every row for a stop token or the length limit 
 Sampled tokens stay on the device; the host reads a row's tokens once, when it finishes.
 A numpy mirror of the row lengths sizes the attention window without a device sync.
 
+Decode attention runs in chunks of consecutive rows, each over its own longest row. Rows that
+finish are replaced by the last ones (short and new) and resumed requests arrive long, so the
+rows drift out of length order and a chunk's long row makes its short ones pay; when that
+waste passes a quarter, ``sort_rows`` reorders the live rows longest first (one gather of the
+cache rows, a couple of decode steps' worth of copying). Results do not depend on a row's
+place: its sampling key and position move with it.
+
 Deliberately simplified: one sync per step (which rows finished), no overlap of host work
 with the next step's forward pass.
 """
@@ -90,6 +97,8 @@ class ModelRunner:
         self.sampled_host = np.zeros(max_rows, dtype=bool)  # temperature > 0
         self.truncated_host = np.zeros(max_rows, dtype=bool)  # top-p or top-k active
         self.num_rows = 0
+        self.steps_since_sort = 0
+        self.num_sorts = 0
 
     # ---- steps -------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> list[int]:
@@ -132,6 +141,28 @@ class ModelRunner:
         return model.prefill(
             self.spec, self.weights, self.cache, self.rope, tokens, row_of, pos, last
         )
+
+    def sort_rows(self) -> list[int] | None:
+        """Reorder the live rows longest first when chunked attention over the current order
+        does ``SORT_WASTE`` times the work of the sorted order (at most once per ``SORT_EVERY``
+        steps); returns the new order (new row i = old row order[i]) or None."""
+        self.steps_since_sort += 1
+        n = self.num_rows
+        if n <= CHUNK_ROWS or self.steps_since_sort < SORT_EVERY:
+            return None
+        lengths = self.length_host[:n]
+        order = np.argsort(-lengths, kind="stable")
+        if attention_work(lengths) <= SORT_WASTE * attention_work(lengths[order]):
+            return None
+        idx = torch.from_numpy(order).to(self.device)
+        for t in self.rows.all():
+            t[:n] = t[idx]
+        self.cache.permute_rows(idx, int(lengths.max()))
+        for a in (self.length_host, self.sampled_host, self.truncated_host):
+            a[:n] = a[order]
+        self.steps_since_sort = 0
+        self.num_sorts += 1
+        return order.tolist()
 
     def decode(self) -> list[int]:
         """One token for every live row; returns the rows that finished."""
@@ -220,6 +251,19 @@ class ModelRunner:
 
 
 CHUNK_ROWS = 8  # rows per attention chunk of a decode step (a few bmm calls per layer)
+SORT_WASTE = 1.25  # re-sort the rows when chunked attention does 25% more work than sorted
+SORT_EVERY = 16  # decode steps at least between two re-sorts
+
+
+def _chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
+    n = len(lengths)
+    return [(lo, min(lo + CHUNK_ROWS, n), int(lengths[lo : lo + CHUNK_ROWS].max()))
+            for lo in range(0, n, CHUNK_ROWS)]
+
+
+def attention_work(lengths: np.ndarray) -> int:
+    """Cache positions read per layer by chunked decode attention over rows in this order."""
+    return sum((hi - lo) * length for lo, hi, length in _chunks(lengths))
 
 
 def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -228,7 +272,6 @@ def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
     each attending over its own longest row (a long-tail batch pays for its long rows only)."""
     n = len(lengths)
     longest = int(lengths.max())
-    chunks = [(lo, min(lo + CHUNK_ROWS, n), int(lengths[lo : lo + CHUNK_ROWS].max()))
-              for lo in range(0, n, CHUNK_ROWS)]
+    chunks = _chunks(lengths)
     work = sum((hi - lo) * length for lo, hi, length in chunks)
     return chunks if work < 0.75 * n * longest else [(0, n, longest)]
