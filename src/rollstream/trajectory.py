@@ -133,6 +133,8 @@ class Sample:
     engine_id: str | None = None
     num_interrupts: int = 0
     trained_at_step: int | None = None
+    min_trained_version: int | None = None  # oldest version among the tokens the loss kept
+    num_trained_tokens: int | None = None  # tokens the loss kept (loss mask and token age)
     # timing on the injected clock (seconds)
     t_dispatch_s: float | None = None
     t_generated_s: float | None = None
@@ -163,15 +165,32 @@ class Sample:
     def num_response_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
 
-    def min_version(self) -> int | None:
-        """Oldest policy version among sampled tokens (None if nothing was sampled yet)."""
-        vs = [v for s in self.segments if s.kind is SegmentKind.POLICY for v in s.versions]
+    def min_version(self, since: int | None = None) -> int | None:
+        """Oldest policy version among sampled tokens, counting only versions >= ``since``
+        when given (None if there is no such token)."""
+        vs = [v for s in self.segments if s.kind is SegmentKind.POLICY for v in s.versions
+              if since is None or v >= since]
         return min(vs) if vs else None
 
-    def staleness(self, trainer_step: int) -> int:
-        """Trainer step minus the oldest version of the sample's tokens (0 if none yet)."""
-        v = self.min_version()
+    def staleness(self, trainer_step: int, max_token_age: int | None = None) -> int:
+        """Trainer step minus the oldest version of the tokens a loss at that step keeps: every
+        sampled token, or with ``max_token_age`` (the trainer masks older tokens) only those of
+        version >= step - max_token_age. 0 if there is no such token."""
+        since = None if max_token_age is None else trainer_step - max_token_age
+        v = self.min_version(since)
         return 0 if v is None else trainer_step - v
+
+    def num_kept_tokens(self, trainer_step: int, max_token_age: int | None) -> int:
+        """Tokens a loss at ``trainer_step`` keeps: loss-masked policy tokens no older than
+        ``max_token_age`` (all of them when None)."""
+        since = None if max_token_age is None else trainer_step - max_token_age
+        return sum(m and (since is None or v >= since)
+                   for m, v in zip(self.loss_mask, self.versions, strict=True))
+
+    def too_old(self, trainer_step: int, max_token_age: int | None) -> bool:
+        """Every sampled token is older than ``max_token_age``: a loss at that step keeps none."""
+        return (max_token_age is not None and self.min_version() is not None
+                and self.min_version(trainer_step - max_token_age) is None)
 
     def append_policy_tokens(
         self, token_ids: list[int], logprobs: list[float], versions: list[int]

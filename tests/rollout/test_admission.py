@@ -73,6 +73,41 @@ def test_buffer_drops_stale_and_serves_oldest_first():
     asyncio.run(main())
 
 
+def test_buffer_with_token_age_counts_only_kept_tokens():
+    """max_token_age: tokens older than step - age are masked, so only the kept ones age a
+    group; a group whose every token would be masked is stale."""
+    async def main():
+        buf = TrajectoryBuffer()
+        for i, v in enumerate([0, 1]):  # tokens of versions (0, 1) and (1, 2)
+            buf.put(_graded_group(i, v))
+        old = _graded_group(2, 0)
+        for s in old.samples:  # a third group: tokens of version 0 only
+            s.segments[0].versions[:] = [0, 0]
+        buf.put(old)
+        # step 3, age 2: kept tokens >= 1; group 0 keeps its version-1 token (staleness 2 <= 2)
+        batch, stale = await buf.take(2, step=3, max_staleness=2, max_token_age=2)
+        assert [g.task.uid for g in stale] == ["t/2"]  # nothing of version >= 1
+        assert [g.task.uid for g in batch] == ["t/0", "t/1"]
+        # without the age mask group 0's oldest token (version 0) is 3 steps old: stale
+        buf2 = TrajectoryBuffer()
+        buf2.put(_graded_group(0, 0))
+        assert len(buf2.pop_stale(3, 2)) == 1
+        # a token-age bound looser than max_staleness does not loosen max_staleness
+        buf3 = TrajectoryBuffer()
+        buf3.put(_graded_group(0, 0))
+        assert len(buf3.pop_stale(3, 1, max_token_age=3)) == 1
+
+    asyncio.run(main())
+
+
+def test_sample_staleness_with_token_age():
+    g = _graded_group(0, 4)  # versions 4, 5
+    s = g.samples[0]
+    assert s.staleness(7) == 3 and s.min_version() == 4
+    assert s.staleness(7, max_token_age=2) == 2 and s.min_version(since=5) == 5
+    assert not s.too_old(7, 2) and s.too_old(8, 2) and not s.too_old(8, None)
+
+
 def test_ledger_exactly_once_and_file(tmp_path):
     led = Ledger(tmp_path / "ledger.jsonl")
     g = _graded_group(0, 0)

@@ -39,7 +39,7 @@ def _reward(task: Task, text: str) -> float:
 
 
 def run_controller(tmp_path, *, mode: str, k: int, partial: bool, on_update: str, seed: int,
-                   steps: int = 6, num_engines: int = 2):
+                   steps: int = 6, num_engines: int = 2, max_token_age: int | None = None):
     async def main():
         engines = [RandomEngine(seed + i, engine_id=f"rand-{i}") for i in range(num_engines)]
         ledger = Ledger(tmp_path / "ledger.jsonl")
@@ -52,7 +52,8 @@ def run_controller(tmp_path, *, mode: str, k: int, partial: bool, on_update: str
         ctl = Controller(
             rollout=RolloutConfig(mode=mode, max_staleness=k, partial_rollout=partial,
                                   on_update=on_update, group_size=3),
-            train=TrainConfig(steps=steps, groups_per_step=2), tasks=Tasks(), dispatcher=disp,
+            train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
+            tasks=Tasks(), dispatcher=disp,
             trainer=trainer, ledger=ledger, metrics=NullMetrics(), clock=clock,
         )
         res = await ctl.run()
@@ -63,7 +64,7 @@ def run_controller(tmp_path, *, mode: str, k: int, partial: bool, on_update: str
     return asyncio.run(main())
 
 
-def check_invariants(tmp_path, ctl, res, ledger, trainer, k):
+def check_invariants(tmp_path, ctl, res, ledger, trainer, k, max_token_age=None):
     assert res.steps_done == len(trainer.batches)
     assert not ledger.unfinished(), "every dispatched sample reaches a terminal status"
     rows = read_ledger(tmp_path / "ledger.jsonl")
@@ -71,8 +72,13 @@ def check_invariants(tmp_path, ctl, res, ledger, trainer, k):
     assert len(uids) == len(set(uids)), "no sample recorded twice"
     trained = [r for r in rows if r["status"] == "trained"]
     assert len(trained) == res.trained_samples > 0
-    for r in trained:
-        assert r["trained_at_step"] - r["min_version"] <= k, r
+    for r in trained:  # the tokens the loss keeps are at most k (and max_token_age) old
+        assert r["trained_at_step"] - r["min_trained_version"] <= k, r
+        if max_token_age is None:
+            assert r["min_trained_version"] == r["min_version"], r
+        else:
+            assert r["trained_at_step"] - r["min_trained_version"] <= max_token_age, r
+            assert r["min_trained_version"] <= r["max_version"], r
     trained_in_batches = [u for b in trainer.batches for _, us in b for u in us]
     assert len(trained_in_batches) == len(set(trained_in_batches)), "nothing trained twice"
     statuses = {r["status"] for r in rows}
@@ -81,12 +87,39 @@ def check_invariants(tmp_path, ctl, res, ledger, trainer, k):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
-       on_update=st.sampled_from(["interrupt", "continue"]))
-def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, partial, on_update):
+       on_update=st.sampled_from(["interrupt", "continue"]),
+       max_token_age=st.sampled_from([None, 0, 1, 2, 4]))
+def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, partial, on_update,
+                                                max_token_age):
     tmp = tmp_path_factory.mktemp("run")
     ctl, res, ledger, trainer = run_controller(tmp, mode="async", k=k, partial=partial,
-                                               on_update=on_update, seed=seed)
-    check_invariants(tmp, ctl, res, ledger, trainer, k)
+                                               on_update=on_update, seed=seed,
+                                               max_token_age=max_token_age)
+    check_invariants(tmp, ctl, res, ledger, trainer, k, max_token_age)
+
+
+def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_factory):
+    """Partial rollout at k=1 drops samples resumed across more than one update; with
+    max_token_age=1 their recent tokens are trained (old ones masked) and fewer are dropped.
+    Summed over three seeded runs (completion orders are random)."""
+    def run(max_token_age):
+        dropped = masked = 0
+        for seed in (11, 12, 13):
+            tmp = tmp_path_factory.mktemp("run")
+            ctl, res, ledger, trainer = run_controller(
+                tmp, mode="async", k=1, partial=True, on_update="continue", seed=seed,
+                steps=20, max_token_age=max_token_age)
+            check_invariants(tmp, ctl, res, ledger, trainer, 1, max_token_age)
+            rows = read_ledger(tmp / "ledger.jsonl")
+            dropped += sum(r["status"] == "dropped_stale" for r in rows)
+            masked += sum(r["status"] == "trained" and r["min_trained_version"] > r["min_version"]
+                          for r in rows)
+        return dropped, masked
+
+    dropped_plain, masked_plain = run(None)
+    dropped_age, masked_age = run(1)
+    assert masked_plain == 0 and masked_age > 0
+    assert dropped_age < dropped_plain
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

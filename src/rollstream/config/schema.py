@@ -206,7 +206,9 @@ class TrainConfig(Section):
     is_correction: ISCorrectionConfig = ISCorrectionConfig()
     """Engine–trainer mismatch correction."""
     max_token_age: int | None = Field(None, ge=0)
-    """Mask out tokens whose version is older than trainer step - this (None = off)."""
+    """Mask out tokens whose version is older than trainer step - this (None = off). Staleness
+    then counts only the kept tokens: a sample resumed across many updates (partial rollout)
+    trains on its recent tokens instead of being dropped stale."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty to the initial (reference) policy (0 = no reference model)."""
     lr: float = Field(2e-4, gt=0)

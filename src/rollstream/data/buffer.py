@@ -4,6 +4,10 @@
 (step - oldest token version of any of their samples) exceeds ``max_staleness`` are returned
 separately to be recorded DROPPED_STALE, never trained; of the rest the oldest go first, so a
 group overtaken by faster ones is trained before it ages out.
+
+With ``max_token_age`` (the trainer masks tokens older than ``step - max_token_age`` out of the
+loss) only the tokens the loss keeps count: a group is stale when a kept token is older than
+``max_staleness``, or when the loss would keep none of its tokens at all.
 """
 
 from __future__ import annotations
@@ -13,8 +17,17 @@ import asyncio
 from rollstream.trajectory import Group
 
 
-def group_staleness(group: Group, step: int) -> int:
-    return max((s.staleness(step) for s in group.samples if s.reward is not None), default=0)
+def group_staleness(group: Group, step: int, max_token_age: int | None = None) -> int:
+    return max((s.staleness(step, max_token_age) for s in group.samples if s.reward is not None),
+               default=0)
+
+
+def group_is_stale(group: Group, step: int, max_staleness: int,
+                   max_token_age: int | None = None) -> bool:
+    graded = [s for s in group.samples if s.reward is not None]
+    if graded and all(s.too_old(step, max_token_age) for s in graded):
+        return True
+    return group_staleness(group, step, max_token_age) > max_staleness
 
 
 def group_min_version(group: Group) -> int:
@@ -34,16 +47,19 @@ class TrajectoryBuffer:
         self._groups.append(group)
         self._changed.set()
 
-    def pop_stale(self, step: int, max_staleness: int) -> list[Group]:
-        stale = [g for g in self._groups if group_staleness(g, step) > max_staleness]
+    def pop_stale(self, step: int, max_staleness: int,
+                  max_token_age: int | None = None) -> list[Group]:
+        stale = [g for g in self._groups
+                 if group_is_stale(g, step, max_staleness, max_token_age)]
         self._groups = [g for g in self._groups if g not in stale]
         return stale
 
-    async def take(self, n: int, step: int, max_staleness: int) -> tuple[list[Group], list[Group]]:
+    async def take(self, n: int, step: int, max_staleness: int,
+                   max_token_age: int | None = None) -> tuple[list[Group], list[Group]]:
         """Wait until ``n`` fresh groups are ready; return (batch, stale groups removed)."""
         stale: list[Group] = []
         while True:
-            stale += self.pop_stale(step, max_staleness)
+            stale += self.pop_stale(step, max_staleness, max_token_age)
             if len(self._groups) >= n:
                 self._groups.sort(key=group_min_version)
                 batch, self._groups = self._groups[:n], self._groups[n:]

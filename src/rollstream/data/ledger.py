@@ -59,6 +59,8 @@ class Ledger:
                 "max_version": max(versions) if versions else None,
                 "num_interrupts": sample.num_interrupts,
                 "trained_at_step": sample.trained_at_step,
+                "min_trained_version": sample.min_trained_version,
+                "num_trained_tokens": sample.num_trained_tokens,
                 "t_s": t_s,
             }
             self._fh.write(json.dumps(entry) + "\n")
@@ -75,7 +77,8 @@ class Ledger:
                 "sample_uid": uid, "task_uid": task_uid, "source": source, "status": "failed",
                 "reason": f"bad dataset row: {reason}", "reward": None, "num_tokens": 0,
                 "min_version": None, "max_version": None, "num_interrupts": 0,
-                "trained_at_step": None, "t_s": 0.0,
+                "trained_at_step": None, "min_trained_version": None,
+                "num_trained_tokens": None, "t_s": 0.0,
             }) + "\n")
 
     def status_of(self, uid: str) -> SampleStatus | None:

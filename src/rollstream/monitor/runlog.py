@@ -42,7 +42,7 @@ class LedgerSummary:
     by_status: Counter[str] = field(default_factory=Counter)
     by_source: dict[str, Counter[str]] = field(default_factory=dict)
     reasons: dict[str, Counter[str]] = field(default_factory=dict)  # status -> reason -> n
-    staleness: Counter[int] = field(default_factory=Counter)  # trained: step - min_version
+    staleness: Counter[int] = field(default_factory=Counter)  # trained: step - oldest kept version
     reward_sum: dict[str, float] = field(default_factory=dict)  # source -> sum of rewards
     reward_n: Counter[str] = field(default_factory=Counter)
     num_tokens: int = 0
@@ -57,7 +57,8 @@ class LedgerSummary:
         if status not in ("trained", "evaluated"):
             reason = str(entry.get("reason") or "(none)")
             self.reasons.setdefault(status, Counter())[reason] += 1
-        step, version = entry.get("trained_at_step"), entry.get("min_version")
+        step = entry.get("trained_at_step")
+        version = entry.get("min_trained_version", entry.get("min_version"))  # older ledgers
         if status == "trained" and isinstance(step, int) and isinstance(version, int):
             self.staleness[step - version] += 1
         reward = entry.get("reward")

@@ -12,6 +12,10 @@ Named asyncio loops, joined by the buffer and the admission capacity::
 Modes are settings of this one loop: ``sync`` is staleness 0 (one batch per version, exactly
 on-policy); ``one_step`` is staleness 1 (rollout of step s+1 overlaps training of step s);
 ``async`` is staleness ``max_staleness``.
+Staleness counts the tokens the loss keeps: all of a sample's tokens, or with
+``train.max_token_age`` only those the trainer does not mask as too old (so a long sample
+resumed across many updates trains on its recent tokens instead of being dropped; a sample
+whose every token is too old is DROPPED_STALE, its reward still in its group's baseline).
 Partial rollout picks the sync policy (interrupt or continue in place), otherwise in-flight
 samples drain on the old weights first. A loop that dies cancels the others and the run
 stops with its traceback (asyncio.TaskGroup); nothing is fire-and-forget.
@@ -95,6 +99,7 @@ class Controller:
         self.on_step = on_step or (lambda step, values: None)
         self.max_wall_s = max_wall_s
         self.k, policy = staleness_settings(rollout)
+        self.max_token_age = train.max_token_age
         self.capacity = StalenessCapacity(
             groups_per_step=train.groups_per_step, max_staleness=self.k,
             total_groups=train.steps * train.groups_per_step,
@@ -193,7 +198,7 @@ class Controller:
 
     async def _take_batch(self, n: int) -> list[Group]:
         while True:
-            batch, stale = await self.buffer.take(n, self.version, self.k)
+            batch, stale = await self.buffer.take(n, self.version, self.k, self.max_token_age)
             for group in stale:
                 self._record_group(group, SampleStatus.DROPPED_STALE, self._stale_reason(group))
                 self.capacity.retire()
@@ -202,16 +207,25 @@ class Controller:
 
     def _mark_trained(self, batch: list[Group], step: int) -> None:
         now = self.clock.now()
+        m = self.max_token_age
         for group in batch:
             for s in group.samples:
-                if s.status is SampleStatus.GRADED:
-                    s.trained_at_step = step
-                    self.metrics.observe("staleness", float(s.staleness(self.version)))
-                    self.ledger.record(s, SampleStatus.TRAINED, None, now)
+                if s.status is not SampleStatus.GRADED:
+                    continue
+                if s.too_old(self.version, m):  # the loss kept none of its tokens
+                    self.ledger.record(s, SampleStatus.DROPPED_STALE, (
+                        f"every token older than max_token_age {m} (trainer step "
+                        f"{self.version}); reward used in the group baseline only"), now)
+                    continue
+                s.trained_at_step = step
+                s.min_trained_version = s.min_version(None if m is None else self.version - m)
+                s.num_trained_tokens = s.num_kept_tokens(self.version, m)
+                self.metrics.observe("staleness", float(s.staleness(self.version, m)))
+                self.ledger.record(s, SampleStatus.TRAINED, None, now)
 
     def _batch_stats(self, batch: list[Group]) -> dict[str, float]:
         samples = [s for g in batch for s in g.samples if s.status is SampleStatus.TRAINED]
-        stale = [s.staleness(self.version - 1) for s in samples]
+        stale = [s.staleness(self.version - 1, self.max_token_age) for s in samples]
         return {
             "trained_samples": float(len(samples)),
             "reward_mean": statistics.fmean(s.reward or 0.0 for s in samples) if samples else 0.0,
@@ -256,7 +270,10 @@ class Controller:
         self.capacity.set_version(version)
 
     async def _drop_doomed(self) -> None:
-        """Live groups whose oldest token is already too old can never be trained: stop them."""
+        """Live groups whose oldest token is already too old can never be trained: stop them.
+        (With ``max_token_age`` a live group's coming tokens are always young enough.)"""
+        if self.max_token_age is not None:
+            return
         limit = self.version - self.k
         doomed = [g for g in self.live.values() if group_min_version(g) < limit
                   and any(s.min_version() is not None for s in g.samples)]
@@ -273,7 +290,11 @@ class Controller:
         return self._stale_reason(group)
 
     def _stale_reason(self, group: Group) -> str:
-        return (f"staleness {group_staleness(group, self.version)} > max_staleness {self.k} "
+        m = self.max_token_age
+        if m is not None and all(s.too_old(self.version, m) for s in group.samples
+                                 if s.reward is not None):
+            return (f"every token older than max_token_age {m} (trainer step {self.version})")
+        return (f"staleness {group_staleness(group, self.version, m)} > max_staleness {self.k} "
                 f"(oldest token version {group_min_version(group)}, trainer step {self.version})")
 
     def _record_group(self, group: Group, status: SampleStatus, reason: str) -> None:

@@ -331,7 +331,7 @@
       const labels = [], counts = [];
       for (let i = Math.min(0, ...Object.keys(st).map(Number)); i <= hi; i++) { labels.push(String(i)); counts.push(st[i] || 0); }
       barChart(el, labels, counts, { id: "hist", xLabel: "staleness (steps) of trained samples" });
-      $("hist-note").textContent = "from the ledger: trained_at_step − min_version";
+      $("hist-note").textContent = "from the ledger: trained_at_step − min_trained_version";
     } else if (S.histKey && totals[S.histKey]) {
       const t = totals[S.histKey];
       barChart(el, bucketLabels(t.edges), t.counts, { id: "hist", xLabel: S.histKey, trimLeft: !S.histKey.startsWith("staleness") });
