@@ -165,8 +165,6 @@ class RolloutConfig(Section):
     partial) or ``continue`` (keep the request, later tokens carry the new version)."""
     group_size: int = Field(8, ge=1)
     """Samples per task (the GRPO group)."""
-    max_concurrency: int = Field(64, ge=1)
-    """Samples in flight at once across engines."""
     filter_zero_variance: bool = True
     """Mark groups whose rewards are all equal FILTERED (no learning signal)."""
 
