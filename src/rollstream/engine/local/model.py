@@ -59,12 +59,6 @@ class KVCache:
         """Flat cache rows for the k|v of tokens at (rows, pos), ordered (token, k|v, head)."""
         return (self.base[rows] + pos[:, None, None]).view(-1)
 
-    def permute_rows(self, order: torch.Tensor, upto: int) -> None:
-        """Slots 0..n-1 take the keys and values of slots ``order`` (positions < ``upto``)."""
-        heads = torch.arange(self.kv_heads, device=order.device)
-        src = (order[:, None] * self.kv_heads + heads).view(-1)
-        self.kv[:, :, : src.numel(), :upto] = self.kv[:, :, src, :upto]
-
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, upto: int) -> None:
         kvh, heads = self.kv_heads, torch.arange(self.kv_heads, device=src.device)
         s, d = (src[:, None] * kvh + heads).view(-1), (dst[:, None] * kvh + heads).view(-1)
