@@ -150,8 +150,9 @@ async def test_interrupt_all_returns_running_partials_and_queued_empty(engine):
     prompts = _prompts(10, engine.vocab_size, seed=7)
     max_new = _stream_len(engine)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new)
+    start = e.stats().generated_tokens  # a running total: earlier tests generated too
     tasks = [asyncio.create_task(_gen(e, f"r{i}", p, params)) for i, p in enumerate(prompts)]
-    await _wait_for_tokens(e, 2)
+    await _wait_for_tokens(e, start + 2)
     await e.interrupt()
     outs = await asyncio.gather(*tasks)
     _require_mid_stream(engine, all(o.finish_reason is FinishReason.ABORT for o in outs),
