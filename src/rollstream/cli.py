@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     b.add_argument("--config", type=Path, default=None,
-                   help="base YAML of `modes` (default examples/tick.yaml; "
-                   "examples/tick_long.yaml is the long-tail shape)")
+                   help="base YAML of `modes` (default examples/tick_long.yaml, the long-tail "
+                   "shape; examples/tick.yaml is the demo's)")
 
     r = sub.add_parser(
         "report",

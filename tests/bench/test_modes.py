@@ -43,7 +43,10 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["probe"]["saturated_tok_s"] > 0
     assert math.isfinite(written["engine_utilization_async"])
     assert 0 <= written["rollout_share_sync"] <= 1
-    assert written["config"].endswith("examples/tick.yaml")
+    assert written["config"].endswith("examples/tick_long.yaml")
+    assert 1 <= written["async_bound_vs_sync"] <= written["async_ceiling_vs_sync"] + 1e-9
+    assert written["async_best_config"] in written["rows"]
+    assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
 
 
 def test_bench_config_is_an_option_of_modes_only(capsys):

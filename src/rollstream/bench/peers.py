@@ -45,8 +45,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollstream.bench.modes import TICK_YAML, bench_overrides, run_config
+from rollstream.bench.modes import bench_overrides, run_config
 from rollstream.config import RunConfig, load_config
+
+TICK_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick.yaml"
 
 TRL_THREADS = 1  # 2 OpenMP threads ran HF generate 10-30x slower on this shared 2-core VM
 

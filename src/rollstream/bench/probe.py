@@ -2,9 +2,10 @@
 per-thread CPU accounting from ``/proc`` (used by ``bench modes``).
 
 Saturated rate: ``max_slots`` requests of the config's task mix kept in the engine, each
-refilled as it finishes. Contention probe: trainer steps on a fixed batch alone, then while the
-engine is saturated; each thread's run / run-queue / blocked share (a thread that always has
-work and is blocked is waiting for the GIL).
+refilled as it finishes; the same with 1, 4, 16 and 64 requests kept (the batch economy: how
+much a long tail of few running requests costs the engine). Contention probe: trainer steps
+on a fixed batch alone, then while the engine is saturated; each thread's run / run-queue /
+blocked share (a thread that always has work and is blocked is waiting for the GIL).
 """
 
 from __future__ import annotations
@@ -103,10 +104,13 @@ class ThreadMeter:
 
 
 # ---- the engine's saturated rate and the contention probe -------------------------------
+BATCH_SIZES = (1, 4, 16, 64)
 def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size: int,
-              until: cf.Future | None = None) -> tuple[float, list[tuple[Any, list[Any]]]]:
-    """Keep ``max_slots`` requests of tick prompts in the engine for ``seconds`` (or until
-    ``until`` is done); returns (tokens/s, completed groups as (task, outputs))."""
+              until: cf.Future | None = None,
+              slots: int | None = None) -> tuple[float, list[tuple[Any, list[Any]]]]:
+    """Keep ``slots`` (default ``max_slots``) requests of tick prompts in the engine for
+    ``seconds`` (or until ``until`` is done); returns (tokens/s, completed groups as (task,
+    outputs))."""
     from rollstream.engine.protocol import GenerateRequest
 
     ids = itertools.count()
@@ -121,7 +125,7 @@ def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size:
                                             prompt_ids=list(task.prompt_ids), params=params))
         live[fut] = task
 
-    for _ in range(engine.stats().capacity):
+    for _ in range(slots or engine.stats().capacity):
         submit()
     tokens0, t0 = engine.stats().generated_tokens, time.perf_counter()
     while time.perf_counter() - t0 < seconds and not (until is not None and until.done()):
@@ -194,12 +198,16 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
             shared, _ = _saturate(engine, mix, params, math.inf, group_size=g, until=fut)
         together = fut.result()
         after, _ = _saturate(engine, mix, params, saturate_s / 2, group_size=g)
+        # the batch economy: tokens/s with only b requests kept in the engine
+        by_batch = {b: _saturate(engine, mix, params, saturate_s / 8, group_size=g, slots=b)[0]
+                    for b in BATCH_SIZES}
     finally:
         pool.shutdown()
         engine.shutdown()
     return {
         "saturated_tok_s": max(sat, after),  # best of two windows: the machine is shared
         "saturated_tok_s_windows": [sat, after],
+        "tok_s_by_batch": {str(b): r for b, r in by_batch.items()},
         "saturate_s": saturate_s,
         "batch_response_tokens": sum(s.num_response_tokens for gr in batch for s in gr.samples),
         "trainer_step_s_alone": statistics.median(solo),
