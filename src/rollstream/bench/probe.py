@@ -104,7 +104,9 @@ class ThreadMeter:
 
 
 # ---- the engine's saturated rate and the contention probe -------------------------------
-BATCH_SIZES = (1, 4, 16, 64)
+BATCH_SIZES = (1, 4, 16, 64)  # requests kept in the engine for the batch-economy rates
+
+
 def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size: int,
               until: cf.Future | None = None,
               slots: int | None = None) -> tuple[float, list[tuple[Any, list[Any]]]]:

@@ -271,7 +271,8 @@ class Controller:
 
     async def _drop_doomed(self) -> None:
         """Live groups whose oldest token is already too old can never be trained: stop them.
-        (With ``max_token_age`` a live group's coming tokens are always young enough.)"""
+        (With ``max_token_age`` old tokens are masked, not fatal: live groups run on, and the
+        buffer's check decides when the group is trained.)"""
         if self.max_token_age is not None:
             return
         limit = self.version - self.k
@@ -293,7 +294,7 @@ class Controller:
         m = self.max_token_age
         if m is not None and all(s.too_old(self.version, m) for s in group.samples
                                  if s.reward is not None):
-            return (f"every token older than max_token_age {m} (trainer step {self.version})")
+            return f"every token older than max_token_age {m} (trainer step {self.version})"
         return (f"staleness {group_staleness(group, self.version, m)} > max_staleness {self.k} "
                 f"(oldest token version {group_min_version(group)}, trainer step {self.version})")
 

@@ -263,9 +263,13 @@ def _chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
             for lo in range(0, n, CHUNK_ROWS)]
 
 
+def _work(chunks: list[tuple[int, int, int]]) -> int:
+    return sum((hi - lo) * length for lo, hi, length in chunks)
+
+
 def attention_work(lengths: np.ndarray) -> int:
     """Cache positions read per layer by chunked decode attention over rows in this order."""
-    return sum((hi - lo) * length for lo, hi, length in _chunks(lengths))
+    return _work(_chunks(lengths))
 
 
 def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -275,5 +279,4 @@ def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
     n = len(lengths)
     longest = int(lengths.max())
     chunks = _chunks(lengths)
-    work = sum((hi - lo) * length for lo, hi, length in chunks)
-    return chunks if work < 0.75 * n * longest else [(0, n, longest)]
+    return chunks if _work(chunks) < 0.75 * n * longest else [(0, n, longest)]
