@@ -213,10 +213,8 @@ class Trainer:
         out = []
         for rows in pack_micro_batches(lengths, self.cfg.micro_batch_tokens):
             idx = [i for row in rows for i in row]
-            local, k = [], 0
-            for row in rows:
-                local.append(list(range(k, k + len(row))))
-                k += len(row)
+            at = {i: k for k, i in enumerate(idx)}  # sample index -> place in this micro-batch
+            local = [[at[i] for i in row] for row in rows]
             out.append((idx, collate([samples[i] for i in idx], local).to(self.device)))
         return out
 
@@ -260,13 +258,7 @@ class Trainer:
         for idx, mb in batches:
             logp = self._forward(self.model, mb)
             targets = self._targets(mb, logp.detach(), [advantages[i] for i in idx], step, sums)
-            loss, st = policy_loss(
-                logp, targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef
-            )
-            if st.num_tokens:  # all tokens masked: a zero loss, nothing to back-propagate
-                loss.backward()
-            loss_sum += st.loss_sum
-            sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
+            loss_sum += self._backward(logp, targets, 1.0, sums)  # divided by norm below
             prepared.append(_Prepared(mb=mb, targets=targets))
         num_tokens = int(sums.values.get("num_tokens", 0))
         norm = normaliser(
@@ -322,15 +314,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for p in prepared:
-            logp = self._forward(self.model, p.mb)
-            loss, st = policy_loss(
-                logp, p.targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef
-            )
-            if st.num_tokens:
-                (loss / norm).backward()
-            loss_sum += st.loss_sum
-            sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
+            loss_sum += self._backward(self._forward(self.model, p.mb), p.targets, norm, sums)
         self._optimizer_step(sums, loss_sum / norm)
+
+    def _backward(self, logp: Tensor, targets: LossTargets, norm: float, sums: _Sums) -> float:
+        """Back-propagate one micro-batch's summed token loss / ``norm``; returns the sum."""
+        loss, st = policy_loss(logp, targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef)
+        if st.num_tokens:  # all tokens masked: a zero loss, nothing to back-propagate
+            (loss / norm).backward()
+        sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
+        return st.loss_sum
 
     def _optimizer_step(self, sums: _Sums, loss: float) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
