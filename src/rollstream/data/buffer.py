@@ -22,12 +22,16 @@ def group_staleness(group: Group, step: int, max_token_age: int | None = None) -
                default=0)
 
 
+def group_too_old(group: Group, step: int, max_token_age: int | None) -> bool:
+    """A loss at ``step`` would keep none of the group's tokens (``max_token_age`` masks them)."""
+    graded = [s for s in group.samples if s.reward is not None]
+    return bool(graded) and all(s.too_old(step, max_token_age) for s in graded)
+
+
 def group_is_stale(group: Group, step: int, max_staleness: int,
                    max_token_age: int | None = None) -> bool:
-    graded = [s for s in group.samples if s.reward is not None]
-    if graded and all(s.too_old(step, max_token_age) for s in graded):
-        return True
-    return group_staleness(group, step, max_token_age) > max_staleness
+    return (group_too_old(group, step, max_token_age)
+            or group_staleness(group, step, max_token_age) > max_staleness)
 
 
 def group_min_version(group: Group) -> int:

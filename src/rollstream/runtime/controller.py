@@ -33,7 +33,12 @@ from typing import Any, Protocol
 
 from rollstream.clock import Clock
 from rollstream.config import RolloutConfig, TrainConfig
-from rollstream.data.buffer import TrajectoryBuffer, group_min_version, group_staleness
+from rollstream.data.buffer import (
+    TrajectoryBuffer,
+    group_min_version,
+    group_staleness,
+    group_too_old,
+)
 from rollstream.data.ledger import Ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.rollout.admission import StalenessCapacity
@@ -292,8 +297,7 @@ class Controller:
 
     def _stale_reason(self, group: Group) -> str:
         m = self.max_token_age
-        if m is not None and all(s.too_old(self.version, m) for s in group.samples
-                                 if s.reward is not None):
+        if group_too_old(group, self.version, m):
             return f"every token older than max_token_age {m} (trainer step {self.version})"
         return (f"staleness {group_staleness(group, self.version, m)} > max_staleness {self.k} "
                 f"(oldest token version {group_min_version(group)}, trainer step {self.version})")
