@@ -47,6 +47,8 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert 1 <= written["async_bound_vs_sync"] <= written["async_ceiling_vs_sync"] + 1e-9
     assert written["async_best_config"] in written["rows"]
     assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
+    ages = {label: row["max_token_age"] for label, row in written["rows"].items()}
+    assert ages == {label: row["max_staleness"] for label, row in written["rows"].items()}
 
 
 def test_bench_config_is_an_option_of_modes_only(capsys):

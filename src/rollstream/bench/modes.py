@@ -82,16 +82,20 @@ FULL = Sizes(steps=16, num_eval=128, samples_per_task=4, saturate_s=20.0, probe_
 QUICK = Sizes(steps=2, num_eval=8, samples_per_task=1, saturate_s=2.0, probe_steps=1)
 
 
-def mode_configs() -> list[tuple[str, list[str]]]:
-    """(label, rollout overrides) of every benchmarked config."""
-    out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true"])]
+def mode_configs(token_age: bool = False) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of every benchmarked config; with ``token_age`` (the base YAML sets
+    ``train.max_token_age``) each sets it to its own staleness bound k."""
+    def age(k: int) -> list[str]:
+        return [f"train.max_token_age={k}"] if token_age else []
+
+    out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true", *age(0)])]
     for partial in (True, False):
         tag = "partial" if partial else "drain"
         out.append((f"one_step_{tag}",
-                    ["rollout.mode=one_step", f"rollout.partial_rollout={partial}"]))
+                    ["rollout.mode=one_step", f"rollout.partial_rollout={partial}", *age(1)]))
         for k in (1, 2, 4):
             out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
-                                              f"rollout.partial_rollout={partial}"]))
+                                              f"rollout.partial_rollout={partial}", *age(k)]))
     return out
 
 
@@ -228,14 +232,11 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     print(f"bench modes: probing the engine's saturated rate ({sizes.saturate_s:.0f} s) ...",
           flush=True)
     probed = probe(cfg0, folder, saturate_s=sizes.saturate_s, probe_steps=sizes.probe_steps)
-    modes = dict(mode_configs())
+    modes = dict(mode_configs(token_age=base.train.max_token_age is not None))
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, label in enumerate(run_order(quick)):
         print(f"bench modes: {label} ...", flush=True)
         cfg = load_config(config, [*common, *modes[label], f"name={label}-{i}"])
-        if base.train.max_token_age is not None:  # the token-age bound follows each row's k
-            cfg = load_config(config, [*common, *modes[label], f"name={label}-{i}",
-                                       f"train.max_token_age={_k(cfg)}"])
         runs.setdefault(label, []).append(
             {"max_staleness": _k(cfg), "partial_rollout": cfg.rollout.partial_rollout,
              "on_update": cfg.rollout.on_update, "kv_on_load": cfg.engine.local.kv_on_load,
