@@ -20,6 +20,8 @@ from rollstream.config.schema import (
 from rollstream.data.sources import TaskMix
 from rollstream.models.tiny import init_tiny_model
 from rollstream.models.tokenizer import EOS, build_char_tokenizer
+from rollstream.reward import Response
+from rollstream.trajectory import Task
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
@@ -130,22 +132,43 @@ def test_warm_start_rejects_demonstrations_longer_than_the_model(tmp_path: Path)
         )
 
 
-def test_evaluate_accuracy_scores_properly_cut_responses(tmp_path: Path) -> None:
+def test_evaluate_accuracy_grades_responses_as_a_run_does(tmp_path: Path) -> None:
     folder = ws.prepare_model(_cfg(tmp_path), TASKS)
-    mix = TaskMix(TASKS, build_char_tokenizer())
+    tok = build_char_tokenizer()
+    mix = TaskMix(TASKS, tok)
     tasks = mix.eval_tasks()
-    seen: list[str] = []
+    seen: list[Response] = []
 
-    def record(task, text: str) -> float:
-        seen.append(text)
+    def record(task: Task, response: Response) -> float:
+        seen.append(response)
         return 1.0 if task.uid == tasks[0].uid else 0.0
 
     assert ws.evaluate_accuracy(folder, tasks, 0.0, record, max_new_tokens=12) == 0.25
-    assert all(t.count(EOS) <= 1 and (t.endswith(EOS) or EOS not in t) for t in seen)
-    assert all(len(t.replace(EOS, "#")) <= 12 for t in seen)
+    for r in seen:  # cut after the first eos; text without special tokens; why it ended
+        assert EOS not in r.text and 0 < len(r.token_ids) <= 12
+        assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
+        stopped = tok.eos_token_id in r.token_ids
+        assert r.finish_reason == ("stop" if stopped else "length")
+        assert not stopped or r.token_ids.index(tok.eos_token_id) == len(r.token_ids) - 1
+        assert stopped or len(r.token_ids) == 12
     greedy = list(seen)
     seen.clear()
     ws.evaluate_accuracy(folder, tasks, 0.0, record, max_new_tokens=12)
     assert seen == greedy  # greedy is deterministic
     with pytest.raises(ValueError, match="at least one task"):
         ws.evaluate_accuracy(folder, [], 1.0, record)
+
+
+def always_one(task: Task, text: str, *, finish_reason: str) -> float:
+    return 1.0
+
+
+def test_the_warm_start_measures_accuracy_with_the_sources_registered_rewards(
+    tmp_path: Path,
+) -> None:
+    own = TasksConfig(num_eval=4, sources=(
+        SourceConfig(kind="tick", max_items=6, reward=f"{__name__}:always_one"),))
+    report = json.loads((ws.prepare_model(_cfg(tmp_path), own) / "warmstart.json").read_text())
+    assert report["greedy_accuracy"] == 1.0 and report["sampled_accuracy"] == 1.0
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):  # before any training
+        ws.prepare_model(_cfg(tmp_path), TasksConfig(sources=(SourceConfig(reward="nope"),)))

@@ -1,121 +1,142 @@
-"""The grader pool: bounds, timeouts, errors with reasons, async rewards."""
+"""The grader pool: bounds, timeouts, errors with reasons, worker processes, async rewards.
+
+Sync rewards come from ``tests.reward.worker_rewards`` (the workers import it); a test that
+needs a process to be gone checks its pid."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import multiprocessing
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from rollstream.config.schema import RewardConfig
-from rollstream.reward.builtins import exact_match, math_reward
-from rollstream.reward.pool import MAX_HUNG_PER_WORKER, GraderPool
+from rollstream.reward import GraderPool, Response, Reward, get_reward
+from rollstream.reward.builtins import math_reward
 from rollstream.trajectory import Task
+from tests.reward import worker_rewards as w
+
+STOPPED = Response(text="42", token_ids=(52, 50, 1), finish_reason="stop")
 
 
 def task(reference: str = "42", source: str = "test") -> Task:
     return Task(uid="t", source=source, prompt_ids=(1,), prompt_text="q", reference=reference)
 
 
+def said(text: str, finish_reason: str = "stop") -> Response:
+    return Response(text=text, token_ids=tuple(range(len(text))), finish_reason=finish_reason)
+
+
 @pytest.fixture
-def release() -> Iterator[threading.Event]:
-    """Set at teardown so that hung test rewards end their threads."""
-    event = threading.Event()
-    yield event
-    event.set()
+def make_pool() -> Iterator[Callable[..., GraderPool]]:
+    """Pools whose rewards are picked by ``task.source``; every pool is closed at teardown."""
+    pools: list[GraderPool] = []
+
+    def make(rewards: dict[str, object], **cfg: object) -> GraderPool:
+        checked = {k: get_reward(fn) for k, fn in rewards.items()}  # type: ignore[arg-type]
+        pool = GraderPool(RewardConfig(**cfg), lambda t: checked[t.source])  # type: ignore
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
 
 
-async def test_mixed_failures_report_reasons_while_others_complete(
-    release: threading.Event,
-) -> None:
-    def boom(t: Task, text: str) -> float:
-        raise ValueError("bad answer format")
+def _gone(pid: int, within_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
 
-    def hang(t: Task, text: str) -> float:
-        release.wait(30)
-        return 1.0
 
-    rewards = {"ok": exact_match, "boom": boom, "hang": hang}
-    pool = GraderPool(RewardConfig(timeout_s=0.2, num_workers=2), lambda t: rewards[t.source])
+async def test_mixed_failures_report_reasons_while_others_complete(make_pool) -> None:
+    pool = make_pool({"ok": "exact_match", "boom": w.boom, "hang": w.hang, "own": w.own_timeout},
+                     timeout_s=0.5, num_workers=2)
     t0 = time.perf_counter()
     results = await asyncio.gather(
-        pool.grade(task(source="hang"), "42"),
-        pool.grade(task(source="boom"), "42"),
-        pool.grade(task(source="ok"), "42"),
-        pool.grade(task(source="ok"), "41"),
-        pool.grade(task(source="hang"), "42"),
-        pool.grade(task(source="ok"), "42"),
+        pool.grade(task("", source="hang"), STOPPED),
+        pool.grade(task(source="boom"), STOPPED),
+        pool.grade(task(source="ok"), STOPPED),
+        pool.grade(task(source="ok"), said("41")),
+        pool.grade(task(source="own"), STOPPED),
+        pool.grade(task(source="ok"), said("42", "length")),
     )
     wall_s = time.perf_counter() - t0
     assert [r.error for r in results] == [
-        "timeout after 0.2s", "ValueError: bad answer format", None, None,
-        "timeout after 0.2s", None,
+        "timeout after 0.5s", "ValueError: bad answer format", None, None,
+        "TimeoutError: grader service did not answer", None,
     ]
-    assert [r.reward for r in results] == [None, None, 1.0, 0.0, None, 1.0]
-    assert results[0].elapsed_s == pytest.approx(0.2, abs=0.15)
-    assert wall_s < 1.5  # hung calls were abandoned, not waited for
-    assert pool.num_hung == 2
-    release.set()
-    for _ in range(100):
-        if pool.num_hung == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert pool.num_hung == 0
-    pool.close()
+    assert [r.reward for r in results] == [None, None, 1.0, 0.0, None, 0.0]
+    assert results[0].elapsed_s >= 0.5
+    assert wall_s < 15  # the hung call was killed at its deadline, not waited for (60 s)
 
 
-@pytest.mark.parametrize(
-    "value", [None, "1.0", float("nan"), float("inf"), -float("inf"), True, [1.0]]
-)
-async def test_non_numbers_are_errors(value: object) -> None:
-    pool = GraderPool(RewardConfig(), lambda t: lambda t_, text: value)
-    result = await pool.grade(task(), "x")
+@pytest.mark.parametrize("name", ["none", "str", "nan", "inf", "-inf", "bool", "list"])
+async def test_non_numbers_are_errors(make_pool, name: str) -> None:
+    pool = make_pool({"test": w.value_named}, num_workers=1)
+    result = await pool.grade(task(name), STOPPED)
     assert result.reward is None
-    assert result.error == f"reward returned {value!r}, expected a finite number"
+    assert result.error == f"reward returned {w.VALUES[name]!r}, expected a finite number"
 
 
-async def test_numbers_are_floats() -> None:
-    pool = GraderPool(RewardConfig(), lambda t: lambda t_, text: 3)
-    result = await pool.grade(task(), "x")
+async def test_numbers_are_floats(make_pool) -> None:
+    pool = make_pool({"test": w.value_named}, num_workers=1)
+    result = await pool.grade(task("int"), STOPPED)
     assert result.reward == 3.0 and type(result.reward) is float and result.error is None
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-async def test_concurrency_bound(kind: str) -> None:
-    lock = threading.Lock()
+async def test_a_reward_gets_the_keywords_it_asks_for(make_pool) -> None:
+    async def async_wants(t: Task, text: str, *, finish_reason: str) -> float:
+        return 1.0 if (text, finish_reason) == ("42", "stop") else 0.0
+
+    pool = make_pool({"sync": w.wants_everything, "async": async_wants}, num_workers=1)
+    assert (await pool.grade(task(source="sync"), said("abc"))).reward == 3.0
+    assert (await pool.grade(task(source="sync"), said("abcd", "length"))).reward == -4.0
+    assert (await pool.grade(task(source="async"), STOPPED)).reward == 1.0
+
+
+async def test_sync_concurrency_bound(make_pool, tmp_path: Path) -> None:
+    pool = make_pool({"test": w.busy_interval}, num_workers=3)
+    results = await asyncio.gather(*(pool.grade(task(str(tmp_path)), STOPPED) for _ in range(10)))
+    assert [r.reward for r in results] == [1.0] * 10
+    events = sorted(  # (time, +1 start / -1 end); at a tie an end sorts before a start
+        (float(x), +1 if i == 0 else -1)
+        for f in tmp_path.iterdir()
+        for i, x in enumerate(f.read_text().split())
+    )
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak == 3
+
+
+async def test_async_concurrency_bound(make_pool) -> None:
     state = {"now": 0, "peak": 0}
 
-    def enter() -> None:
-        with lock:
-            state["now"] += 1
-            state["peak"] = max(state["peak"], state["now"])
-
-    def leave() -> None:
-        with lock:
-            state["now"] -= 1
-
-    def sync_reward(t: Task, text: str) -> float:
-        enter()
-        time.sleep(0.03)
-        leave()
-        return 1.0
-
-    async def async_reward(t: Task, text: str) -> float:
-        enter()
+    async def reward(t: Task, text: str) -> float:
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
         await asyncio.sleep(0.03)
-        leave()
+        state["now"] -= 1
         return 1.0
 
-    fn = sync_reward if kind == "sync" else async_reward
-    pool = GraderPool(RewardConfig(num_workers=3), lambda t: fn)
-    results = await pool.grade_group(task(), [str(i) for i in range(10)])
+    pool = make_pool({"test": reward}, num_workers=3)
+    results = await asyncio.gather(*(pool.grade(task(), STOPPED) for _ in range(10)))
     assert [r.reward for r in results] == [1.0] * 10
     assert state["peak"] == 3
 
 
-async def test_async_rewards_timeouts_and_own_errors() -> None:
+async def test_async_rewards_timeouts_and_own_errors(make_pool) -> None:
     async def good(t: Task, text: str) -> float:
         await asyncio.sleep(0)
         return 0.25
@@ -127,13 +148,13 @@ async def test_async_rewards_timeouts_and_own_errors() -> None:
     async def own_timeout(t: Task, text: str) -> float:
         raise TimeoutError("grader service did not answer")
 
-    class Callable:
+    class Judge:
         async def __call__(self, t: Task, text: str) -> float:
             return 0.75
 
-    rewards = {"good": good, "slow": slow, "own": own_timeout, "obj": Callable()}
-    pool = GraderPool(RewardConfig(timeout_s=0.2), lambda t: rewards[t.source])
-    results = await asyncio.gather(*(pool.grade(task(source=s), "x") for s in rewards))
+    rewards = {"good": good, "slow": slow, "own": own_timeout, "obj": Judge()}
+    pool = make_pool(rewards, timeout_s=0.2)
+    results = await asyncio.gather(*(pool.grade(task(source=s), STOPPED) for s in rewards))
     assert [(r.reward, r.error) for r in results] == [
         (0.25, None),
         (None, "timeout after 0.2s"),
@@ -142,35 +163,75 @@ async def test_async_rewards_timeouts_and_own_errors() -> None:
     ]
 
 
-async def test_math_reward_runs_in_worker_threads() -> None:
-    # math-verify's default signal-based timeouts would fail off the main thread
-    pool = GraderPool(RewardConfig(num_workers=2), lambda t: math_reward)
-    results = await pool.grade_group(task("1/2"), ["\\boxed{0.5}", "$\\frac{2}{4}$", "0.4"])
+async def test_math_verify_runs_with_its_signal_timeouts_in_the_workers(make_pool) -> None:
+    pool = make_pool({"math": math_reward, "alarm": w.alarm_fires}, num_workers=2)
+    # signal handlers work only in a main thread: a worker runs calls in its main thread
+    assert (await pool.grade(task(source="alarm"), STOPPED)).reward == 1.0
+    texts = ["\\boxed{0.5}", "$\\frac{2}{4}$", "0.4"]
+    results = await asyncio.gather(*(pool.grade(task("1/2", "math"), said(x)) for x in texts))
     assert [(r.reward, r.error) for r in results] == [(1.0, None), (1.0, None), (0.0, None)]
 
 
+async def test_a_timed_out_worker_is_replaced_and_close_leaves_no_process(
+    make_pool, tmp_path: Path
+) -> None:
+    pool = make_pool({"pid": w.pid, "hang": w.hang}, timeout_s=0.5, num_workers=1)
+    first = int((await pool.grade(task(source="pid"), STOPPED)).reward)
+    hung = await pool.grade(task(str(tmp_path), "hang"), STOPPED)
+    assert hung.error == "timeout after 0.5s"
+    assert [int(f.name) for f in tmp_path.iterdir()] == [first]  # the hang ran in that worker
+    assert _gone(first)  # killed with its call
+    second = int((await pool.grade(task(source="pid"), STOPPED)).reward)
+    assert second != first  # a fresh worker took over
+    pool.close()
+    assert _gone(second)
+    assert not [p for p in multiprocessing.active_children() if p.pid in (first, second)]
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.grade(task(source="pid"), STOPPED)
+
+
+async def test_a_worker_that_dies_is_reported_and_replaced(make_pool) -> None:
+    pool = make_pool({"die": w.die, "pid": w.pid}, num_workers=1)
+    result = await pool.grade(task(source="die"), STOPPED)
+    assert result.error == "reward worker died (exit code 3)"
+    assert (await pool.grade(task(source="pid"), STOPPED)).error is None
+
+
+async def test_a_cancelled_call_kills_its_worker(make_pool, tmp_path: Path) -> None:
+    pool = make_pool({"hang": w.hang}, timeout_s=30, num_workers=1)
+    call = asyncio.create_task(pool.grade(task(str(tmp_path), "hang"), STOPPED))
+    for _ in range(500):  # until the worker has started the call
+        if any(tmp_path.iterdir()):
+            break
+        await asyncio.sleep(0.02)
+    (pid_file,) = tmp_path.iterdir()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert _gone(int(pid_file.name))
+
+
+async def test_close_ends_waiting_calls_with_a_reason(make_pool, tmp_path: Path) -> None:
+    pool = make_pool({"hang": w.hang}, timeout_s=30, num_workers=1)
+    call = asyncio.create_task(pool.grade(task(str(tmp_path), "hang"), STOPPED))
+    for _ in range(500):
+        if any(tmp_path.iterdir()):
+            break
+        await asyncio.sleep(0.02)
+    pool.close()
+    result = await call
+    assert result.error == "reward pool closed"
+    (pid_file,) = tmp_path.iterdir()
+    assert _gone(int(pid_file.name))
+
+
 async def test_resolver_failure_and_closed_pool() -> None:
-    def resolve(t: Task):
+    def resolve(t: Task) -> Reward:
         raise KeyError("no source named 'x'")
 
     pool = GraderPool(RewardConfig(), resolve)
-    result = await pool.grade(task(), "x")
+    result = await pool.grade(task(), STOPPED)
     assert result.error == "KeyError: \"no source named 'x'\""
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
-        await pool.grade(task(), "x")
-
-
-async def test_hung_threads_are_bounded(release: threading.Event) -> None:
-    def hang(t: Task, text: str) -> float:
-        release.wait(30)
-        return 1.0
-
-    pool = GraderPool(RewardConfig(timeout_s=0.05, num_workers=1), lambda t: hang)
-    limit = MAX_HUNG_PER_WORKER * 1
-    results = [await pool.grade(task(), "x") for _ in range(limit + 1)]
-    assert [r.error for r in results[:limit]] == ["timeout after 0.05s"] * limit
-    assert results[-1].error == (
-        f"RuntimeError: {limit} timed-out reward calls are still running; not starting more"
-    )
-    assert results[-1].elapsed_s < 0.05
+        await pool.grade(task(), STOPPED)

@@ -6,8 +6,9 @@ Both sides train the cached warm-started tiny model of examples/tick.yaml (CPU, 
 prompts for the same number of steps; a step is 16 prompts x 8 samples (128 samples), up to
 240 new tokens at temperature 1.0, group-normalised advantages, clipped token-mean objective
 (eps 0.2), no KL, AdamW lr 2e-4 (constant), grad clip 1.0, two optimizer updates per
-generated batch. The reward is the tick verifier (``TaskMix.score``) on the completion text
-decoded with special tokens kept, so a properly ended answer scores 1 on both sides.
+generated batch. The reward is the tick source's registered reward (``exact_match``) called
+as a run calls it (text decoded with special tokens skipped, ``finish_reason`` "stop" when the
+completion ended in eos), so a properly ended answer scores 1 on both sides.
 
 * rollstream: examples/tick.yaml's rollout (``async``, max_staleness 2, partial rollout), the
   engine thread pinned to core 0 and the trainer thread to core 1 with one torch thread each,
@@ -21,9 +22,9 @@ decoded with special tokens kept, so a properly ended answer scores 1 on both si
   from TRL's defaults: ``bf16=False`` (its default turns bf16 on), ``gradient_checkpointing=
   False`` (its default recomputes activations: slower, and no memory to save here),
   ``shuffle_dataset=False`` (both sides see the task stream in order), ``report_to="none"``,
-  ``save_strategy="no"``, ``disable_tqdm=True``. TRL's completions reach reward functions
-  decoded with ``skip_special_tokens=True``, which drops the eos the verifier checks, so the
-  reward function decodes the ``completion_ids`` it also receives (they keep the first eos).
+  ``save_strategy="no"``, ``disable_tqdm=True``. The reward function rebuilds rollstream's
+  grading input from the ``completion_ids`` it also receives (they keep the first eos, which
+  gives ``finish_reason``).
 
 Samples/s = samples trained / training wall time (rollstream: the controller's run; TRL:
 ``trainer.train()``), model loading and evaluation excluded on both sides. A benchmark
@@ -91,11 +92,13 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path) -> dict[st
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
-    from rollstream.data.sources import TaskMix
+    from rollstream.data.sources import TaskMix, source_rewards
+    from rollstream.reward import build_resolver, decode_response
 
     torch.set_num_threads(TRL_THREADS)
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     mix = TaskMix(base.tasks, tokenizer)
+    resolve = build_resolver(base.reward, source_rewards(base.tasks))
     g, n = base.rollout.group_size, base.train.groups_per_step
     tasks = [mix.next_task() for _ in range(steps * n)]
     data = Dataset.from_dict({"prompt": [t.prompt_text for t in tasks],
@@ -104,8 +107,12 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path) -> dict[st
 
     def tick_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                     task_index: list[int], **_: Any) -> list[float]:
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
-        scores = [mix.score(tasks[i], text) for i, text in zip(task_index, texts, strict=True)]
+        eos = tokenizer.eos_token_id
+        scores = []
+        for i, ids in zip(task_index, completion_ids, strict=True):
+            stop = "stop" if ids and ids[-1] == eos else "length"
+            response = decode_response(tokenizer, ids, finish_reason=stop)
+            scores.append(resolve(tasks[i]).score(tasks[i], response))
         batches.append((sum(map(len, completion_ids)), statistics.fmean(scores)))
         return scores
 

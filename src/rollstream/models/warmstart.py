@@ -11,10 +11,14 @@ Each training sequence is ``prompt_ids + response_ids`` with the response being 
 demonstration's tokens followed by the eos id; the loss covers response tokens only.
 Demonstrations are drawn from the training split of the mix under a shifted seed (so RL does
 not replay the warm-start stream); the held-out split is never seen. ``warmstart.json``
-records sampled (temperature 1) and greedy accuracy on the eval tasks and the wall time.
+records sampled (temperature 1) and greedy accuracy on the eval tasks and the wall time;
+accuracy is each source's own registered reward (``reward.name: auto``), called as a run
+calls it: on a :class:`~rollstream.reward.registry.Response` decoded without special tokens,
+``finish_reason`` "stop" when the generated ids ended in eos, else "length".
 
 Simplifications: single process, fp32, HF ``generate`` for measurement only (the engines
-live in ``rollstream.engine``); torch threads are whatever the caller set.
+live in ``rollstream.engine``); torch threads are whatever the caller set; rewards are called
+in this process (``Reward.score``), without the grader pool's worker processes and timeout.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rollstream.config.schema import ModelConfig, TasksConfig, WarmStartConfig
-from rollstream.data.sources import TaskMix
+from rollstream.config.schema import ModelConfig, RewardConfig, TasksConfig, WarmStartConfig
+from rollstream.data.sources import TaskMix, source_rewards
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
 from rollstream.models.tokenizer import build_char_tokenizer
+from rollstream.reward import Response, build_resolver, decode_response
 from rollstream.trajectory import Task
 
 log = logging.getLogger(__name__)
@@ -53,7 +58,7 @@ _MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass
 _WARMUP_STEPS = 10
 _MIN_LR_FRACTION = 0.1
 
-ScoreFn = Callable[[Task, str], float]
+ScoreFn = Callable[[Task, Response], float]
 
 
 def prepare_model(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> Path:
@@ -111,6 +116,11 @@ def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:
 
 
 def _build(model_cfg: ModelConfig, tasks_cfg: TasksConfig, out_dir: Path) -> None:
+    resolve = build_resolver(RewardConfig(), source_rewards(tasks_cfg))
+
+    def score(task: Task, response: Response) -> float:
+        return resolve(task).score(task, response)
+
     tokenizer = build_char_tokenizer()
     model = init_tiny_model(model_cfg.tiny, tokenizer)
     eval_mix = TaskMix(tasks_cfg, tokenizer)
@@ -121,8 +131,8 @@ def _build(model_cfg: ModelConfig, tasks_cfg: TasksConfig, out_dir: Path) -> Non
     train_s = time.perf_counter() - t0
     eval_tasks = eval_mix.eval_tasks()
     t1 = time.perf_counter()
-    sampled = _accuracy_by_source(model, tokenizer, eval_tasks, 1.0, eval_mix.score)
-    greedy = _accuracy_by_source(model, tokenizer, eval_tasks, 0.0, eval_mix.score)
+    sampled = _accuracy_by_source(model, tokenizer, eval_tasks, 1.0, score)
+    greedy = _accuracy_by_source(model, tokenizer, eval_tasks, 0.0, score)
     eval_s = time.perf_counter() - t1
     save_model_folder(model, tokenizer, out_dir)
     report = {
@@ -254,7 +264,8 @@ def evaluate_accuracy(
     max_new_tokens: int | None = None,
     seed: int = 0,
 ) -> float:
-    """Mean ``score`` of one HF-``generate`` response per task (0 temperature = greedy).
+    """Mean ``score`` of one HF-``generate`` response per task (0 temperature = greedy); the
+    response is cut after its first eos and graded as a run grades it (module docstring).
 
     ``max_new_tokens`` defaults to the longest reference plus its eos and a small margin: an
     exact-match answer never needs more.
@@ -318,11 +329,14 @@ def _accuracy_by_source(
                 **sampling,
             )
             for row, t in enumerate(chunk):
-                response = out[row, width:].tolist()
-                if eos in response:
-                    response = response[: response.index(eos) + 1]
-                text = tokenizer.decode(response, skip_special_tokens=False)
-                scores.setdefault(t.source, []).append(score(t, text))
+                ids = out[row, width:].tolist()
+                stopped = eos in ids
+                if stopped:
+                    ids = ids[: ids.index(eos) + 1]
+                response = decode_response(
+                    tokenizer, ids, finish_reason="stop" if stopped else "length"
+                )
+                scores.setdefault(t.source, []).append(score(t, response))
     return scores
 
 

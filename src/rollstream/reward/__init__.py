@@ -4,19 +4,25 @@ never stalls the loop)."""
 from rollstream.reward import builtins as _builtins  # noqa: F401  (registers the built-ins)
 from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import (
+    Response,
+    Reward,
     RewardFn,
+    build_resolver,
+    decode_response,
     get_reward,
     known_rewards,
     register_reward,
-    resolver_for,
 )
 
 __all__ = [
     "GradeResult",
     "GraderPool",
+    "Response",
+    "Reward",
     "RewardFn",
+    "build_resolver",
+    "decode_response",
     "get_reward",
     "known_rewards",
     "register_reward",
-    "resolver_for",
 ]

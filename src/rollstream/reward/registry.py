@@ -1,64 +1,245 @@
-"""Reward functions by name.
+"""Reward functions by name, checked once, and what they are called with.
 
-A reward is a plain typed callable ``(task, response_text) -> float``, sync or ``async``.
-Register one with ``@register_reward("name")`` or pass the object itself wherever a reward is
-expected; :func:`get_reward` accepts both.
+A reward is a plain typed callable, sync or ``async``::
+
+    def my_reward(task: Task, text: str) -> float: ...
+    def my_reward(task: Task, text: str, *, finish_reason: str) -> float: ...
+    async def my_reward(task: Task, text: str, *, token_ids: tuple[int, ...]) -> float: ...
+
+``text`` is the response decoded with special tokens skipped (as TRL does: no
+``<|endoftext|>``). A reward that needs more *asks* for it by declaring keyword parameters
+named ``finish_reason`` (``"stop"``: a stop token ended the response; ``"length"``: it was
+capped) and/or ``token_ids`` (the response tokens exactly as sampled, stop token included).
+
+Register one with ``@register_reward("name")``; a config names it by that name or by an import
+path ``module:function`` (imported when the run is built). :func:`get_reward` turns any of
+these into a :class:`Reward`: its signature is inspected once, there, never per call, and a
+sync reward is checked to be sendable to a worker process by reference (module + name), so a
+lambda or a local function fails at load time with a clear error instead of in a worker.
+:func:`build_resolver` resolves every reward a run needs once, when the run is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TypeVar, Union
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import math
+import numbers
+import pickle
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar, Union
 
 from rollstream.trajectory import Task
 
-SyncRewardFn = Callable[[Task, str], float]
-AsyncRewardFn = Callable[[Task, str], Awaitable[float]]
+if TYPE_CHECKING:  # pydantic stays out of reward worker processes
+    from rollstream.config.schema import RewardConfig
+
+SyncRewardFn = Callable[..., float]
+AsyncRewardFn = Callable[..., Awaitable[float]]
 RewardFn = Union[SyncRewardFn, AsyncRewardFn]
 
 F = TypeVar("F", bound=Callable[..., object])
 
-_REGISTRY: dict[str, RewardFn] = {}
+_OPTIONAL_KWARGS = ("finish_reason", "token_ids")
+_FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Response:
+    """What a reward grades: one finished response."""
+
+    text: str  # decoded with special tokens skipped (as TRL does)
+    token_ids: tuple[int, ...]  # the response tokens exactly as sampled
+    finish_reason: str  # "stop" (a stop token ended it) or "length" (capped)
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in _FINISH_REASONS:
+            raise ValueError(
+                f"Response.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}"
+            )
+
+
+class TextDecoder(Protocol):
+    """The part of a Hugging Face tokenizer that renders a response for rewards."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def decode_response(
+    tokenizer: TextDecoder, token_ids: Sequence[int], *, finish_reason: str
+) -> Response:
+    """The grading input for sampled ``token_ids``: text without special tokens, as TRL does."""
+    ids = list(token_ids)
+    return Response(
+        text=tokenizer.decode(ids, skip_special_tokens=True),
+        token_ids=tuple(ids),
+        finish_reason=finish_reason,
+    )
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Reward:
+    """A reward function with its signature read once: how to call it."""
+
+    name: str
+    fn: RewardFn = field(repr=False)
+    is_async: bool
+    wants: tuple[str, ...]  # the keyword parameters it asked for, of _OPTIONAL_KWARGS
+
+    @classmethod
+    def of(cls, fn: RewardFn, name: str) -> Reward:
+        """Check ``fn``'s signature; a signature the pool cannot call is a TypeError."""
+        if not callable(fn):
+            raise TypeError(f"reward {name!r} must be callable, got {fn!r}")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"reward {name!r}: cannot read the signature of {fn!r}: {e}") from None
+        keyword_ok = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        wants = tuple(
+            n for n in _OPTIONAL_KWARGS
+            if n in sig.parameters and sig.parameters[n].kind in keyword_ok
+        )
+        try:
+            sig.bind(None, None, **dict.fromkeys(wants))
+        except TypeError as e:
+            raise TypeError(
+                f"reward {name!r}{sig} cannot be called as fn(task, text) (plus keyword "
+                f"parameters finish_reason and/or token_ids when it declares them): {e}"
+            ) from None
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(type(fn), "__call__", None)
+        )
+        return cls(name=name, fn=fn, is_async=is_async, wants=wants)
+
+    def kwargs(self, response: Response) -> dict[str, object]:
+        """The keyword arguments this reward asked for."""
+        return {n: getattr(response, n) for n in self.wants}
+
+    def score(self, task: Task, response: Response) -> float:
+        """Call the reward here, in this process, without a timeout (for measurements outside
+        a run, such as the warm start's accuracy; a run grades through ``GraderPool``). A value
+        that is not a finite number is a ValueError."""
+        value = self.fn(task, response.text, **self.kwargs(response))
+        if self.is_async:
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:  # safe inside a running loop
+                value = ex.submit(asyncio.run, value).result()  # type: ignore[arg-type]
+        reward, error = checked_value(value)
+        if error is not None:
+            raise ValueError(f"reward {self.name!r}: {error}")
+        return reward  # type: ignore[return-value]
+
+
+def checked_value(value: object) -> tuple[float | None, str | None]:
+    """``(float(value), None)`` for a finite real number, else ``(None, reason)``."""
+    if inspect.iscoroutine(value):  # a sync callable that returned a coroutine
+        value.close()
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok and math.isfinite(value):  # type: ignore[arg-type]
+        return float(value), None  # type: ignore[arg-type]
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return None, f"reward returned {shown}, expected a finite number"
+
+
+_REGISTRY: dict[str, Reward] = {}
 
 
 def register_reward(name: str) -> Callable[[F], F]:
-    """Decorator registering a reward function under ``name`` (names are unique)."""
-    if not name or not isinstance(name, str):
-        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+    """Decorator registering a reward function under ``name`` (names are unique); its
+    signature is checked here, at import time."""
+    if not name or not isinstance(name, str) or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
 
     def decorate(fn: F) -> F:
-        if not callable(fn):
-            raise TypeError(f"reward {name!r} must be callable, got {fn!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered ({_REGISTRY[name]!r})")
-        _REGISTRY[name] = fn  # type: ignore[assignment]
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+            raise ValueError(f"reward {name!r} is already registered ({_REGISTRY[name].fn!r})")
+        _REGISTRY[name] = Reward.of(fn, name)
         return fn
 
     return decorate
 
 
-def get_reward(spec: str | RewardFn) -> RewardFn:
-    """The reward registered as ``spec``, or ``spec`` itself when it is a callable."""
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
+def get_reward(spec: str | RewardFn) -> Reward:
+    """The checked reward for a registered name, an import path ``module:function``, or a
+    callable. Sync rewards must be sendable to worker processes (module-level functions or
+    picklable objects); anything else is a TypeError saying so."""
+    if isinstance(spec, str):
+        reward = _REGISTRY.get(spec) or (_import(spec) if ":" in spec else None)
+        if reward is None:
+            known = ", ".join(sorted(_REGISTRY)) or "(none)"
+            raise ValueError(
+                f"unknown reward {spec!r}; known rewards: {known} (or an import path "
+                "'module:function')"
+            )
+    elif callable(spec):
+        reward = Reward.of(spec, getattr(spec, "__qualname__", repr(spec)))
+    else:
         raise TypeError(f"a reward is a registered name or a callable, got {spec!r}")
+    if not reward.is_async:
+        try:
+            pickle.dumps(reward.fn)
+        except Exception as e:
+            raise TypeError(
+                f"reward {reward.name!r} is a sync function that cannot be sent to a reward "
+                f"worker process ({type(e).__name__}: {e}). Sync rewards run in worker "
+                "processes and reach them by reference: define the function at the top level "
+                "of an importable module (not a lambda, closure or local function), or make it "
+                "`async def` (async rewards run in the event loop)"
+            ) from None
+    return reward
+
+
+def _import(path: str) -> Reward:
+    module_name, _, attr = path.partition(":")
     try:
-        return _REGISTRY[spec]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY)) or "(none)"
-        raise ValueError(f"unknown reward {spec!r}; known rewards: {known}") from None
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"reward {path!r}: cannot import module {module_name!r} ({e}); is it on "
+            "PYTHONPATH (e.g. `PYTHONPATH=. rollstream train ...`)?"
+        ) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
+    registered = next((r for r in _REGISTRY.values() if r.fn is fn), None)
+    return registered or Reward.of(fn, path)
 
 
 def known_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolver_for(name: str, auto: Callable[[Task], RewardFn]) -> Callable[[Task], RewardFn]:
-    """The pool's resolver for ``RewardConfig.name``: ``auto`` (each source's own verifier,
-    e.g. ``TaskSource.score``) or one registered reward for every task. Unknown names fail
-    here, at build time."""
-    if name == "auto":
-        return auto
-    fn = get_reward(name)
-    return lambda task: fn
+def build_resolver(
+    cfg: RewardConfig, source_rewards: Mapping[str, str]
+) -> Callable[[Task], Reward]:
+    """The grader pool's ``resolve``: ``reward.name: auto`` grades each task with its source's
+    reward (``source_rewards``: source name -> reward name), any other name grades every task
+    with that reward. Every reward is resolved and checked here, once; an unknown name fails
+    here, naming the config field and the known rewards."""
+    if cfg.name != "auto":
+        try:
+            one = get_reward(cfg.name)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"reward.name: {e}") from None
+        return lambda task: one
+    by_source: dict[str, Reward] = {}
+    for source, name in source_rewards.items():
+        try:
+            by_source[source] = get_reward(name)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"tasks source {source!r} (its `reward`): {e}") from None
+
+    def resolve(task: Task) -> Reward:
+        try:
+            return by_source[task.source]
+        except KeyError:
+            raise KeyError(
+                f"no reward for task source {task.source!r}; sources: {sorted(by_source)}"
+            ) from None
+
+    return resolve
