@@ -1,11 +1,16 @@
 """Synthetic, verifiable task sources and the weighted mix that draws training tasks from them.
 
-A ``TaskSource`` makes tasks, verifies answers and writes noisy demonstrations for the warm
-start. Every task is a pure function of (tasks seed, source name, split, index), so a run can
-be resumed from a cursor and two processes agree on task ``uid``\\ s (``tick/train/123``).
-Train and eval are disjoint by construction: a prompt belongs to the eval split exactly when
-a CRC32 of its text falls in one bucket of ``_EVAL_BUCKETS``; each split redraws until the
-prompt lands on its own side.
+A ``TaskSource`` makes tasks, names the reward that grades them (sources do not grade: rewards
+live in ``rollstream.reward``) and writes noisy demonstrations for the warm start. Every task
+is a pure function of (tasks seed, source name, split, index), so a run can be resumed from
+a cursor and two processes agree on task ``uid``\\ s (``tick/train/123``). Train and
+eval are disjoint by construction: a prompt belongs to the eval split exactly when a CRC32 of
+its text falls in one bucket of ``_EVAL_BUCKETS``; each split redraws until the prompt lands on
+its own side.
+
+:func:`check_source_paths` checks that the dataset files a tasks config names exist and can
+be opened, reading nothing and needing no tokenizer, so a launcher can fail on a bad path
+before it touches the run directory (``TaskMix`` runs it too).
 
 Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
 the previous item, the information the next token needs is close to it):
@@ -15,15 +20,15 @@ the previous item, the information the next token needs is close to it):
   by 3, the first two are copied; the answer ends at the first item whose tail is below 3.
   Shorter items and a smaller Pareto scale than ``tick``: a shorter median and a relatively
   heavier tail (reference tokens p50/p99 at the default config: tick 34/223, digits 14/159).
-* ``math``    ``12+7*3=`` -> ``33``: + - * with the usual precedence, graded by math-verify.
+* ``math``    ``12+7*3=`` -> ``33``: + - * with the usual precedence, graded by
+  ``math_answer`` (a final value only, equal by math-verify).
 
 The number of items is ``min(max_items, int(scale * Pareto(alpha)))``, a long tail capped by
-``SourceConfig.max_items``. Verifiers return 1.0 only for the answer followed by the eos text
-(a properly ended response, decoded with special tokens kept), else 0.0.
+``SourceConfig.max_items``. Each source's ``reward`` is ``SourceConfig.reward`` when set, else
+its kind's: ``exact_match`` for tick and digits (the exact answer, properly ended), ``math_answer``
+for math.
 
-Simplifications: no natural-language tasks; math has no parentheses or division; the
-verifiers run without their own timeout (math-verify's is signal-based and breaks in
-threads), the grader pool owns timeouts.
+Simplifications: no natural-language tasks; math has no parentheses or division.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 from rollstream.config.schema import SourceConfig, TasksConfig
@@ -46,13 +52,10 @@ _DIGITS_SCALE = 2.0
 _DIGITS_STEP = 3
 _MATH_MAX_OPS = 4
 _MATH_MAX_OPERAND = 20
-_MATH_MAX_ANSWER_CHARS = 32
 
 
 class PromptTokenizer(Protocol):
     """The part of a Hugging Face tokenizer the sources use."""
-
-    eos_token: str | None
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -61,13 +64,14 @@ class TaskSource(Protocol):
     """A family of verifiable tasks."""
 
     name: str
+    reward: str  # the registered reward (or import path) that grades this source's tasks
 
     def task(self, index: int, split: Split) -> Task:
         """The ``index``-th task of ``split``; deterministic; train and eval prompts differ."""
         ...
 
-    def score(self, task: Task, response_text: str) -> float:
-        """1.0 for the correct, eos-ended response (special tokens kept in the text), else 0.0."""
+    def num_tasks(self, split: Split) -> int | None:
+        """How many distinct tasks ``split`` holds (None: a generator without end)."""
         ...
 
     def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
@@ -87,18 +91,16 @@ def pareto_items(rng: random.Random, alpha: float, scale: float, cap: int) -> in
 
 @dataclass(slots=True, kw_only=True)
 class _Synthetic:
-    """Shared plumbing: seeded drawing, split rejection, tokenising, exact-match verifier."""
+    """Shared plumbing: seeded drawing, split rejection, tokenising, the reward's name."""
 
     name: str
     cfg: SourceConfig
     tokenizer: PromptTokenizer
     seed: int
-    eos_text: str = field(init=False)
+    reward: str = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.tokenizer.eos_token:
-            raise ValueError(f"source {self.name!r}: the tokenizer has no eos_token")
-        self.eos_text = self.tokenizer.eos_token
+        self.reward = reward_name(self.cfg)
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         """(prompt text, reference answer)."""
@@ -122,8 +124,8 @@ class _Synthetic:
             reference=reference,
         )
 
-    def score(self, task: Task, response_text: str) -> float:
-        return 1.0 if response_text == task.reference + self.eos_text else 0.0
+    def num_tasks(self, split: Split) -> None:
+        return None
 
     def _parse(self, pattern: re.Pattern[str], task: Task) -> re.Match[str]:
         m = pattern.fullmatch(task.prompt_text)
@@ -203,12 +205,11 @@ class DigitsSource(_Synthetic):
 
 
 _MATH_PROMPT = re.compile(r"(\d+(?:[+*-]\d+)+)=")
-_OPERATOR_IN_ANSWER = re.compile(r"[+*/=]|\d\s*-")
 
 
 @dataclass(slots=True, kw_only=True)
 class MathSource(_Synthetic):
-    """Small integer arithmetic; the answer is judged by math-verify, the eos is still required."""
+    """Small integer arithmetic, graded by ``math_answer`` (a properly ended final value)."""
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         num_ops = pareto_items(
@@ -224,24 +225,6 @@ class MathSource(_Synthetic):
         if rng.random() < noise:
             return str(int(task.reference) + rng.choice((-1, 1)))
         return task.reference
-
-    def score(self, task: Task, response_text: str) -> float:
-        if not response_text.endswith(self.eos_text):
-            return 0.0
-        body = response_text[: -len(self.eos_text)]
-        # Restating the expression ("12+7*3") would verify as equal: only a final value counts.
-        if (
-            self.eos_text in body
-            or not body.strip()
-            or len(body) > _MATH_MAX_ANSWER_CHARS
-            or _OPERATOR_IN_ANSWER.search(body)
-        ):
-            return 0.0
-        from math_verify import parse, verify  # sympy is heavy: only graders pay for it
-
-        gold = parse(task.reference, parsing_timeout=None)
-        answer = parse(body, parsing_timeout=None)
-        return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
 
 
 def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
@@ -265,8 +248,23 @@ _KINDS: dict[str, type[_Synthetic]] = {
 }
 
 
+_KIND_REWARDS = {"tick": "exact_match", "digits": "exact_match", "math": "math_answer",
+                 "jsonl": "exact_match"}
+
+
 def source_name(cfg: SourceConfig) -> str:
     return cfg.name or cfg.kind
+
+
+def reward_name(cfg: SourceConfig) -> str:
+    """The reward that grades a source's tasks: its ``reward``, else its kind's."""
+    return cfg.reward or _KIND_REWARDS[cfg.kind]
+
+
+def source_rewards(cfg: TasksConfig) -> dict[str, str]:
+    """Source name -> reward name, from the config alone (no tokenizer, no dataset read), for
+    ``rollstream.reward.build_resolver``: a run resolves its rewards before any other work."""
+    return {source_name(s): reward_name(s) for s in cfg.sources}
 
 
 def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> TaskSource:
@@ -278,16 +276,47 @@ def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> Ta
     return _KINDS[cfg.kind](name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
 
 
+def path_problem(path: str) -> str | None:
+    """Why the dataset file ``path`` cannot be read, or None. Opens it; reads nothing."""
+    p = Path(path)
+    if not p.exists():
+        return f"dataset file {path!r} does not exist (looked for {p.absolute()})"
+    if p.is_dir():
+        return f"dataset file {path!r} is a folder, not a file"
+    if not p.is_file():
+        return f"dataset file {path!r} is not a regular file"
+    try:
+        with p.open("rb"):
+            pass
+    except OSError as e:
+        return f"dataset file {path!r} cannot be read: {e.strerror}"
+    return None
+
+
+def check_source_paths(cfg: TasksConfig) -> None:
+    """Raise ValueError naming ``tasks.sources.N.path`` for a dataset file that is missing or
+    unreadable. Cheap and tokenizer-free: call it before touching the run directory."""
+    for i, src in enumerate(cfg.sources):
+        if src.kind == "jsonl":
+            assert src.path is not None, "SourceConfig: kind jsonl requires path"
+            problem = path_problem(src.path)
+            if problem is not None:
+                raise ValueError(f"tasks.sources.{i}.path: {problem}")
+
+
 class TaskMix:
     """Training tasks drawn from the sources by weight, held-out tasks round-robin.
 
     Draw ``k`` picks a source with a generator seeded by (seed, k) and takes that source's next
     train index, so the stream depends only on the config; ``state()`` is the whole cursor.
+    Held-out tasks come only from held-out rows: a source without any is left out of the
+    held-out set, with a warning in :meth:`warnings` (the data layer prints nothing).
     """
 
     def __init__(self, cfg: TasksConfig, tokenizer: PromptTokenizer) -> None:
         if not cfg.sources:
             raise ValueError("tasks.sources is empty: configure at least one source")
+        check_source_paths(cfg)
         names = [source_name(s) for s in cfg.sources]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
@@ -302,6 +331,22 @@ class TaskMix:
         self._weights = [s.weight for s in cfg.sources]
         self._num_drawn = 0
         self._next_index = dict.fromkeys(names, 0)
+        self._held_out = [n for n in names if self._sources[n].num_tasks("eval") != 0]
+        self._warnings = [] if cfg.num_eval == 0 else self._held_out_warnings()
+
+    def _held_out_warnings(self) -> list[str]:
+        warnings = [
+            f"tasks source {n!r} ({s.path}) has no held-out rows: all its "
+            f"{self._sources[n].num_tasks('train')} usable rows fall in the training split (a "
+            f"hash of the prompt holds out 1 in {_EVAL_BUCKETS}), so the held-out reward will "
+            "not include it"
+            for n, s in zip(self._names, self._cfg.sources, strict=True)
+            if n not in self._held_out
+        ]
+        if not self._held_out:
+            warnings.append("no task source has held-out tasks: the held-out reward is not "
+                            "measured")
+        return warnings
 
     @property
     def names(self) -> list[str]:
@@ -321,21 +366,25 @@ class TaskMix:
         return self._sources[name].task(index, "train")
 
     def eval_tasks(self) -> list[Task]:
-        """Held-out tasks, round-robin over sources; a small dataset yields each row once."""
-        n = len(self._names)
-        tasks = [
-            self._sources[self._names[i % n]].task(i // n, "eval")
-            for i in range(self._cfg.num_eval)
-        ]
-        return list({t.uid: t for t in tasks}.values())
+        """Up to ``num_eval`` held-out tasks, round-robin over the sources that have any; a
+        small dataset yields each held-out row once; empty when no source has held-out rows."""
+        tasks = []
+        for i in range(self._cfg.num_eval if self._held_out else 0):
+            src = self._sources[self._held_out[i % len(self._held_out)]]
+            index, size = i // len(self._held_out), src.num_tasks("eval")
+            if size is None or index < size:
+                tasks.append(src.task(index, "eval"))
+        return tasks
 
     def rejected(self) -> list[tuple[str, str, str]]:
-        """(task uid, source, reason) of every dataset row a source could not use."""
+        """(task uid, source, reason) of every dataset row a source could not use; the reason
+        names the file and line."""
         return [r for src in self._sources.values() for r in getattr(src, "rejected", [])]
 
-    def score(self, task: Task, response_text: str) -> float:
-        """The verifier of the task's own source."""
-        return self.source(task.source).score(task, response_text)
+    def warnings(self) -> list[str]:
+        """Problems with the tasks that do not stop a run (a source without held-out rows),
+        for the runtime to print and record."""
+        return list(self._warnings)
 
     def state(self) -> dict:
         return {"num_drawn": self._num_drawn, "next_index": dict(self._next_index)}
