@@ -13,6 +13,7 @@ from rollstream.config.schema import LocalEngineConfig, TinyModelConfig, TrainCo
 from rollstream.engine.local import LocalEngine
 from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
+from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
@@ -45,7 +46,8 @@ def test_engine_pins_its_step_thread_only(model):
 def test_trainer_pins_the_thread_that_computes_not_its_constructor(model):
     core = max(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
-    trainer = Trainer(TrainConfig(threads=1, cpu_affinity=(core,)), model)
+    trainer = Trainer(TrainConfig(threads=1, cpu_affinity=(core,)), model,
+                      staleness=StalenessPolicy(max_staleness=0))
     assert os.sched_getaffinity(0) == before
     with ThreadPoolExecutor(1) as pool:
         pinned = pool.submit(lambda: (trainer.step([], 0), os.sched_getaffinity(0))[1]).result()

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.trajectory import Group, Segment, SegmentKind, Task
 
 VOCAB = 64
+SYNC = StalenessPolicy(max_staleness=0)  # on-policy: loss auto = ppo_clip, every token kept
 
 
 @pytest.fixture(scope="session")

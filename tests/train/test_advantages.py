@@ -15,12 +15,17 @@ def close(a: list[float], b: list[float], tol: float = 1e-9) -> bool:
 
 
 def test_grpo_hand_computed() -> None:
-    # rewards 1, 0, 0, 1: mean 0.5, population std 0.5 -> +-1 (up to eps)
+    # rewards 1, 0, 0, 1: mean 0.5; sample std sqrt(1/3) (the default), population std 0.5
     got = compute_advantages([1.0, 0.0, 0.0, 1.0], "grpo")
+    s = 0.5 / (math.sqrt(1 / 3) + GRPO_EPS)
+    assert close(got, [s, -s, -s, s])
+    got = compute_advantages([1.0, 0.0, 0.0, 1.0], "grpo", std="population")
     s = 0.5 / (0.5 + GRPO_EPS)
     assert close(got, [s, -s, -s, s])
-    # rewards 0, 1, 2: mean 1, population std sqrt(2/3) (sample std would be 1)
-    got = compute_advantages([0.0, 1.0, 2.0], "grpo")
+    # rewards 0, 1, 2: mean 1, sample std 1, population std sqrt(2/3)
+    got = compute_advantages([0.0, 1.0, 2.0], "grpo", std="sample")
+    assert close(got, [-1 / (1 + GRPO_EPS), 0.0, 1 / (1 + GRPO_EPS)])
+    got = compute_advantages([0.0, 1.0, 2.0], "grpo", std="population")
     std = math.sqrt(2 / 3)
     assert close(got, [-1 / (std + GRPO_EPS), 0.0, 1 / (std + GRPO_EPS)])
 
@@ -38,9 +43,10 @@ def test_rloo_hand_computed() -> None:
 
 
 @pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo"])
-def test_all_equal_and_singleton_groups_are_zero(kind: str) -> None:
-    assert compute_advantages([0.7, 0.7, 0.7], kind) == [0.0, 0.0, 0.0]
-    assert compute_advantages([3.0], kind) == [0.0]
+@pytest.mark.parametrize("std", ["sample", "population"])
+def test_all_equal_and_singleton_groups_are_zero(kind: str, std: str) -> None:
+    assert compute_advantages([0.7, 0.7, 0.7], kind, std=std) == [0.0, 0.0, 0.0]
+    assert compute_advantages([3.0], kind, std=std) == [0.0]  # no n - 1 = 0 division
 
 
 @pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo"])
@@ -64,3 +70,5 @@ def test_bad_input() -> None:
         compute_advantages([], "grpo")
     with pytest.raises(ValueError, match="finite"):
         compute_advantages([1.0, float("nan")], "grpo")
+    with pytest.raises(ValueError, match="unknown std kind 'n'"):
+        compute_advantages([1.0, 0.0], "grpo", std="n")  # type: ignore[arg-type]

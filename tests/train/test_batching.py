@@ -7,7 +7,13 @@ import itertools
 import pytest
 import torch
 
-from rollstream.train.batching import PAD_ID, collate, gather_logprobs, pack_micro_batches, pack_rows
+from rollstream.train.batching import (
+    PAD_ID,
+    collate,
+    gather_logprobs,
+    pack_micro_batches,
+    pack_rows,
+)
 from tests.train.conftest import make_group
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from rollstream.config.schema import ISCorrectionConfig
+from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.train.losses import (
+    aggregation_weights,
     anchor_fn,
     build_targets,
     mismatch_correction,
     normaliser,
     policy_loss,
-    token_age_mask,
 )
 
 EPS = 0.2
@@ -166,12 +167,18 @@ def test_sequence_level_uses_geometric_mean_of_masked_tokens() -> None:
     assert masked.weight[0, :3].tolist() == pytest.approx([geo] * 3)
 
 
-def test_max_token_age() -> None:
-    versions = torch.tensor([[3, 4, 5, -1]])
-    assert token_age_mask(versions, 6, None).tolist() == [[True] * 4]
-    assert token_age_mask(versions, 6, 1).tolist() == [[False, False, True, False]]
-    assert token_age_mask(versions, 6, 2).tolist() == [[False, True, True, False]]
-    assert token_age_mask(versions, 6, 0).tolist() == [[False] * 4]
+def test_staleness_policy_keeps_is_the_trainers_token_age_mask() -> None:
+    versions = torch.tensor([[3, 4, 5, -1]])  # -1: environment tokens and padding
+
+    def keeps(m: int | None) -> list[list[bool]]:
+        return StalenessPolicy(max_staleness=3, max_token_age=m).keeps(versions, 6).tolist()
+
+    assert keeps(None) == [[True, True, True, False]]
+    assert keeps(1) == [[False, False, True, False]]
+    assert keeps(2) == [[False, True, True, False]]
+    assert keeps(0) == [[False] * 4]
+    early = StalenessPolicy(max_staleness=3, max_token_age=2).keeps(torch.tensor([[0, -1]]), 1)
+    assert early.tolist() == [[True, False]]  # step - m < 0 never admits version -1
 
 
 def test_k3_kl_value_and_gradient() -> None:
@@ -185,11 +192,57 @@ def test_k3_kl_value_and_gradient() -> None:
     assert grad.tolist()[0] == pytest.approx([0.1 * (1 - 2.0), 0.0])  # d/dlogp = c (1 - e^d)
 
 
-def test_normaliser() -> None:
-    assert normaliser("grpo", num_tokens=37, num_samples=4, max_response_tokens=None) == 37
-    assert normaliser("rloo", num_tokens=0, num_samples=0, max_response_tokens=None) == 1
-    assert normaliser("dr_grpo", num_tokens=37, num_samples=4, max_response_tokens=100) == 400
+def test_normaliser_and_aggregation_weights() -> None:
+    def norm(agg: str, **kw) -> float:
+        args = dict(num_tokens=37, num_sequences=3, num_samples=4, max_response_tokens=100)
+        return normaliser(agg, **(args | kw))
+
+    assert norm("token_mean") == 37 and norm("token_mean", num_tokens=0) == 1
+    assert norm("seq_mean_token_mean") == 3 and norm("seq_mean_token_sum") == 3
+    assert norm("seq_mean_token_sum", num_sequences=0) == 1
+    assert norm("seq_mean_token_sum_norm") == 400  # Dr.GRPO: samples x budget, masks aside
     with pytest.raises(ValueError, match="max_response_tokens"):
-        normaliser("dr_grpo", num_tokens=1, num_samples=1, max_response_tokens=None)
+        norm("seq_mean_token_sum_norm", max_response_tokens=None)
+    with pytest.raises(ValueError, match="unknown loss_agg 'mean'"):
+        norm("mean")
     with pytest.raises(ValueError, match="unknown loss 'ppo'"):
         anchor_fn("ppo")
+    mask = torch.tensor([[True, True, False, True], [False] * 4, [True, False, False, False]])
+    got = aggregation_weights("seq_mean_token_mean", mask).tolist()
+    assert got == [[pytest.approx(1 / 3)], [1.0], [1.0]]
+    for agg in ("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        assert aggregation_weights(agg, mask).tolist() == [[1.0]] * 3
+
+
+def test_sequence_weights_scale_each_rows_token_losses() -> None:
+    behav = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    for agg, want in (("token_mean", -4.0), ("seq_mean_token_mean", -2.0)):
+        logp = behav.clone().requires_grad_(True)
+        targets, _ = build_targets(anchor_fn("ppo_clip"), logp_behav=behav, logp_prox=behav,
+                                   advantages=adv, base_mask=mask, is_cfg=NO_IS, loss_agg=agg)
+        value, stats = policy_loss(logp, targets, clip_eps=EPS)
+        value.backward()
+        assert value.item() == pytest.approx(want)  # on-policy: each token's loss is -A
+        row0 = 1 / 3 if agg == "seq_mean_token_mean" else 1.0
+        assert logp.grad[0].tolist() == pytest.approx([-row0] * 3)
+        assert logp.grad[1].tolist() == pytest.approx([-1.0, 0.0, 0.0])
+        assert stats.num_tokens == 4
+
+
+def test_minus_inf_logprobs_give_no_nan() -> None:
+    """With top-p/top-k a token can leave the current policy's truncated support during a
+    step (logp = -inf); the loss, its gradient and the KL stay finite."""
+    behav = t([[-1.0, -1.0]])
+    ref = t([[-1.0, -float("inf")]])
+    for a in (POS, NEG):
+        logp = t([[-1.0, -float("inf")]]).requires_grad_(True)
+        targets, _ = build_targets(anchor_fn("decoupled_ppo"), logp_behav=behav,
+                                   logp_prox=behav, advantages=a,
+                                   base_mask=torch.ones_like(behav, dtype=torch.bool),
+                                   is_cfg=NO_IS, logp_ref=ref)
+        value, stats = policy_loss(logp, targets, clip_eps=EPS, kl_coef=0.1)
+        value.backward()
+        assert math.isfinite(value.item()) and torch.isfinite(logp.grad).all()
+        assert logp.grad[0, 1].item() == 0.0 and math.isfinite(stats.kl_sum)

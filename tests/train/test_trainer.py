@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
+from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.train.trainer import Trainer
-from tests.train.conftest import make_group
+from rollstream.trajectory import KeptTokens
+from tests.train.conftest import SYNC, make_group
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
@@ -39,7 +41,7 @@ def groups_on_policy(trainer: Trainer, rewards: list[float], version: int = 0):
 
 def test_logprobs_equal_an_independent_forward(tiny_model_path: Path) -> None:
     # a small budget forces several padded micro-batches of mixed lengths
-    trainer = Trainer(TrainConfig(micro_batch_tokens=16), tiny_model_path)
+    trainer = Trainer(TrainConfig(micro_batch_tokens=16), tiny_model_path, staleness=SYNC)
     g = make_group("g", [1, 2, 3], [[4, 5], [6, 7, 8, 9, 10], [11]])
     h = make_group("h", [20], [[21, 22, 23]])
     samples = g.samples + h.samples
@@ -57,7 +59,7 @@ def test_samples_sharing_a_row_do_not_see_each_other(tiny_model_path: Path, budg
     the logprobs of a forward of that sample alone: the attention is block-diagonal."""
     from rollstream.train.batching import collate
 
-    trainer = Trainer(TrainConfig(micro_batch_tokens=budget), tiny_model_path)
+    trainer = Trainer(TrainConfig(micro_batch_tokens=budget), tiny_model_path, staleness=SYNC)
     g = make_group("g", [1, 2, 3], [[4, 5, 6, 7, 8, 9, 10, 11], [6, 7], [8, 9, 10]])
     h = make_group("h", [20, 21], [[21, 22], [23]])
     samples = g.samples + h.samples
@@ -72,10 +74,10 @@ def test_samples_sharing_a_row_do_not_see_each_other(tiny_model_path: Path, budg
 
 def test_step_raises_logprob_of_positive_advantage(tiny_model_path: Path) -> None:
     cfg = TrainConfig(lr=1e-2, updates_per_step=2, micro_batch_tokens=16)
-    trainer = Trainer(cfg, tiny_model_path)
+    trainer = Trainer(cfg, tiny_model_path, staleness=SYNC)
     groups, samples = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
     before = [sum(lp) for lp in trainer.logprobs(samples)]
-    metrics = trainer.step(groups, step=0)
+    metrics = trainer.step(groups, step=0).metrics
     after = [sum(lp) for lp in trainer.logprobs(samples)]
     assert after[0] > before[0] and after[3] > before[3]  # positive advantage
     assert after[1] < before[1] and after[2] < before[2]  # negative advantage
@@ -87,30 +89,36 @@ def test_step_raises_logprob_of_positive_advantage(tiny_model_path: Path) -> Non
 
 def test_step_lowers_the_surrogate_loss(tiny_model_path: Path) -> None:
     cfg = TrainConfig(lr=5e-3, updates_per_step=1, clip_eps=0.9)
-    trainer = Trainer(cfg, tiny_model_path)
+    trainer = Trainer(cfg, tiny_model_path, staleness=SYNC)
     groups, _ = groups_on_policy(trainer, [1.0, 0.0, 0.3, 0.9])
-    first = trainer.step(groups, step=0)["loss"]
-    second = trainer.step(groups, step=1)["loss"]  # same behaviour logprobs, updated policy
+    first = trainer.step(groups, step=0).metrics["loss"]
+    second = trainer.step(groups, step=1).metrics["loss"]  # same behaviour logprobs, updated policy
     assert second < first
 
 
 def test_skips_unrewarded_and_masks_env_and_old_tokens(tiny_model_path: Path) -> None:
     cfg = TrainConfig(max_token_age=1, updates_per_step=1)
-    trainer = Trainer(cfg, tiny_model_path)
+    policy = StalenessPolicy(max_staleness=2, max_token_age=1)
+    trainer = Trainer(cfg, tiny_model_path, staleness=policy)
     g = make_group("g", [1, 2], [[3, 4, 5], [6, 7], [8]], rewards=[1.0, 0.0, None],
                    versions=[[5, 6, 7], [7, 7], [7]], env_tail=2)
-    metrics = trainer.step([g], step=7)
+    result = trainer.step([g], step=7)
+    metrics = result.metrics
     # sample 2 has no reward; env tokens never train; version 5 < 7 - 1 is too old
     assert metrics["num_samples"] == 2
     assert metrics["num_tokens"] == 4
     assert metrics["age_masked_frac"] == pytest.approx(1 / 5)
+    s0, s1, s2 = g.samples
+    assert result.kept[s0.uid] == KeptTokens(num_tokens=2, min_version=6)
+    assert result.kept[s1.uid] == KeptTokens(num_tokens=2, min_version=7)
+    assert s2.uid not in result.kept  # not given with a reward
 
 
 def test_nothing_trainable_does_not_update(tiny_model_path: Path) -> None:
-    trainer = Trainer(TrainConfig(), tiny_model_path)
+    trainer = Trainer(TrainConfig(), tiny_model_path, staleness=SYNC)
     before = {k: v.clone() for k, v in trainer.state_dict().items()}
     g = make_group("g", [1, 2], [[3, 4]], rewards=[None])
-    metrics = trainer.step([g], step=0)
+    metrics = trainer.step([g], step=0).metrics
     assert metrics["num_samples"] == 0
     assert all(torch.equal(before[k], v) for k, v in trainer.state_dict().items())
 
@@ -125,10 +133,10 @@ def test_nothing_trainable_does_not_update(tiny_model_path: Path) -> None:
     ids=["decoupled", "seq-mask", "rloo-kl"],
 )
 def test_variants_run_and_report(tiny_model_path: Path, cfg: TrainConfig) -> None:
-    trainer = Trainer(cfg, tiny_model_path)
+    trainer = Trainer(cfg, tiny_model_path, staleness=SYNC)
     groups, samples = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
     samples[1].segments[0].logprobs[0] -= 3.0  # a mismatch: w = e^3 on that token
-    metrics = trainer.step(groups, step=0)
+    metrics = trainer.step(groups, step=0).metrics
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["mismatch"] > 0
     if cfg.is_correction.mode == "mask":
@@ -141,18 +149,18 @@ def test_variants_run_and_report(tiny_model_path: Path, cfg: TrainConfig) -> Non
 
 def test_dr_grpo_needs_the_length_budget(tiny_model_path: Path) -> None:
     with pytest.raises(ValueError, match="max_response_tokens"):
-        Trainer(TrainConfig(advantage="dr_grpo"), tiny_model_path)
+        Trainer(TrainConfig(advantage="dr_grpo"), tiny_model_path, staleness=SYNC)
     cfg = TrainConfig(advantage="dr_grpo", updates_per_step=1)
-    trainer = Trainer(cfg, tiny_model_path, max_response_tokens=32)
+    trainer = Trainer(cfg, tiny_model_path, staleness=SYNC, max_response_tokens=32)
     groups, _ = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
-    metrics = trainer.step(groups, step=0)
+    metrics = trainer.step(groups, step=0).metrics
     # first update on-policy: loss = -sum(A * tokens) / (num_samples * 32) = -(4*0.5-3*0.5+...) 
     want = -(4 * 0.5 - 3 * 0.5 - 2 * 0.5 + 5 * 0.5) / (4 * 32)
     assert metrics["loss"] == pytest.approx(want, abs=1e-6)
 
 
 def test_state_dict_is_live_and_hf_named(tiny_model_path: Path) -> None:
-    trainer = Trainer(TrainConfig(), tiny_model_path)
+    trainer = Trainer(TrainConfig(), tiny_model_path, staleness=SYNC)
     sd = trainer.state_dict()
     params = dict(trainer.model.named_parameters())
     assert "model.embed_tokens.weight" in sd
@@ -165,7 +173,7 @@ def test_checkpoint_round_trip(tiny_model_path: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(tiny_model_path, src)
     (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
-    trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), src)
+    trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), src, staleness=SYNC)
     groups, _ = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
     trainer.step(groups, step=0)
     out = trainer.save_checkpoint(tmp_path / "ckpt")
@@ -184,38 +192,51 @@ def test_checkpoint_round_trip(tiny_model_path: Path, tmp_path: Path) -> None:
 def test_bf16_runs_close_to_fp32(tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)  # record; keep the global as is
-    fp32 = Trainer(TrainConfig(), tiny_model_path)
-    bf16 = Trainer(TrainConfig(dtype="bfloat16", threads=1), tiny_model_path)
+    fp32 = Trainer(TrainConfig(), tiny_model_path, staleness=SYNC)
+    bf16 = Trainer(TrainConfig(dtype="bfloat16", threads=1), tiny_model_path, staleness=SYNC)
     assert calls == [1]  # threads > 0 binds the calling thread
     groups, samples = groups_on_policy(fp32, [1.0, 0.0, 0.0, 1.0])
     a, b = fp32.logprobs(samples), bf16.logprobs(samples)
     assert max(abs(x - y) for la, lb in zip(a, b) for x, y in zip(la, lb)) < 0.1
-    metrics = bf16.step(groups, step=0)
+    metrics = bf16.step(groups, step=0).metrics
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["grad_norm"] > 0
     assert next(bf16.model.parameters()).dtype == torch.float32  # fp32 master weights
 
 
-@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo"])
-def test_first_update_equals_a_separate_proximal_pass(tiny_model_path: Path, loss: str) -> None:
-    """The step takes its proximal logprobs from the first update's own forward and divides
-    the gradients by the normaliser afterwards; that must be the textbook update: a no-grad
-    proximal pass, targets, then (summed loss / kept tokens).backward(), clip, AdamW."""
+@pytest.mark.parametrize(("loss", "loss_agg"), [
+    ("ppo_clip", "token_mean"),
+    ("decoupled_ppo", "token_mean"),
+    ("ppo_clip", "seq_mean_token_mean"),
+    ("decoupled_ppo", "seq_mean_token_sum"),
+    ("ppo_clip", "seq_mean_token_sum_norm"),
+])
+def test_first_update_equals_a_separate_proximal_pass(
+    tiny_model_path: Path, loss: str, loss_agg: str
+) -> None:
+    """The step takes its proximal logprobs from the first update's own forward, accumulates
+    gradients over several micro-batches and divides them by the normaliser afterwards; that
+    must be the textbook full-batch update: a no-grad proximal pass, targets, then the loss
+    aggregated over the whole batch as ``loss_agg`` says, backward, clip."""
     from rollstream.train.advantages import compute_advantages
-    from rollstream.train.losses import anchor_fn, build_targets, normaliser, policy_loss
+    from rollstream.train.losses import anchor_fn, build_targets, policy_loss
 
     is_cfg = ISCorrectionConfig(mode="mask", cap=1.3, lower=0.8)  # drops some tokens
-    cfg = TrainConfig(lr=1e-2, loss=loss, is_correction=is_cfg, micro_batch_tokens=16,
-                      updates_per_step=1, grad_clip=1e6)  # no clipping: it would hide a scale
-    trainer = Trainer(cfg, tiny_model_path)
+    cfg = TrainConfig(lr=1e-2, loss=loss, loss_agg=loss_agg, is_correction=is_cfg,
+                      micro_batch_tokens=16, updates_per_step=1,
+                      grad_clip=1e6)  # no clipping: it would hide a scale
+    budget = 32
+    trainer = Trainer(cfg, tiny_model_path, staleness=SYNC, max_response_tokens=budget)
     groups, samples = groups_on_policy(trainer, [1.0, 0.0, 0.0, 1.0])
+    assert len(trainer._micro_batches(samples)) > 1  # gradient accumulation is exercised
     g = torch.Generator().manual_seed(3)
     for s in samples:  # a behaviour policy off by up to 0.5 nats per token
         seg = s.segments[0]
         seg.logprobs[:] = [x + 1.0 * (torch.rand(1, generator=g).item() - 0.5) for x in seg.logprobs]
+    samples[2].segments[0].logprobs[:] = [x + 2.0 for x in samples[2].logprobs]  # all masked
 
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     advantages = [a for gr in groups for a in compute_advantages([s.reward for s in gr.samples], "grpo")]
-    losses, kept = [], 0
+    sums, counts = [], []  # per sample: summed token loss, kept tokens
     for s, adv in zip(samples, advantages):
         ids = torch.tensor([list(s.task.prompt_ids) + s.response_ids])
         p = len(s.task.prompt_ids)
@@ -227,15 +248,25 @@ def test_first_update_equals_a_separate_proximal_pass(tiny_model_path: Path, los
             is_cfg=is_cfg, logp_ref=None,
         )
         loss_sum, st = policy_loss(logp, targets, clip_eps=cfg.clip_eps)
-        losses.append(loss_sum)
-        kept += st.num_tokens
-    assert 0 < kept < sum(s.num_response_tokens for s in samples)  # masked IS dropped some
-    norm = normaliser("grpo", num_tokens=kept, num_samples=len(samples), max_response_tokens=None)
-    (sum(losses) / norm).backward()
+        sums.append(loss_sum)
+        counts.append(st.num_tokens)
+    kept = sum(counts)
+    assert 0 < kept < sum(s.num_response_tokens for s in samples) and counts[2] == 0
+    live = [i for i, n in enumerate(counts) if n]  # sequence means count kept sequences
+    full_batch = {
+        "token_mean": sum(sums) / kept,
+        "seq_mean_token_mean": sum(sums[i] / counts[i] for i in live) / len(live),
+        "seq_mean_token_sum": sum(sums[i] for i in live) / len(live),
+        "seq_mean_token_sum_norm": sum(sums) / (len(samples) * budget),
+    }[loss_agg]
+    full_batch.backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
 
-    metrics = trainer.step(groups, step=0)
-    assert metrics["num_tokens"] == kept
+    result = trainer.step(groups, step=0)
+    assert result.metrics["num_tokens"] == kept
+    assert result.metrics["loss"] == pytest.approx(full_batch.item(), rel=1e-4, abs=1e-7)
+    assert [result.kept[s.uid].num_tokens for s in samples] == counts
+    assert result.kept[samples[2].uid].reason == "every token masked by masked IS"
     # the clipped gradients the optimizer stepped with (AdamW's first step is ~lr * sign(g),
     # which would turn rounding-level differences of near-zero gradients into lr-sized ones)
     want = dict(ref.named_parameters())

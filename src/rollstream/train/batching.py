@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from rollstream.ops.truncation import truncate, truncates
 from rollstream.trajectory import Sample
 
 PAD_ID = 0  # any id works: padding is its own segment, outside every sample's attention
@@ -156,13 +157,18 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     )
 
 
-def gather_logprobs(kept_logits: Tensor, mb: MicroBatch) -> Tensor:
+def gather_logprobs(kept_logits: Tensor, mb: MicroBatch, *, top_p: float = 1.0,
+                    top_k: int = 0) -> Tensor:
     """``[B, T]`` float32 logprobs of the response tokens from ``[R, K, V]`` kept logits.
 
-    float32 ``log_softmax`` of the logits as given (the caller applies the temperature), as
-    an engine reports them; 0 at padding.
+    float32 ``log_softmax`` of the logits as given (the caller applies the temperature),
+    after the sampler's top-k / top-p truncation when ``top_p < 1`` or ``top_k > 0``
+    (:mod:`rollstream.ops.truncation`), as an engine reports them; 0 at padding. A token
+    outside the truncated support has logprob ``-inf``.
     """
-    picked = kept_logits.reshape(-1, kept_logits.shape[-1])[mb.logit_index]  # [B, T, V]
-    logp = torch.log_softmax(picked.float(), dim=-1)
+    picked = kept_logits.reshape(-1, kept_logits.shape[-1])[mb.logit_index].float()  # [B, T, V]
+    if truncates(top_p, top_k, picked.shape[-1]):
+        picked = truncate(picked, top_p, top_k)
+    logp = torch.log_softmax(picked, dim=-1)
     logp = logp.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
     return torch.where(mb.response_mask, logp, 0.0)

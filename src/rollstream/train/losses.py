@@ -17,7 +17,7 @@ tokens):
 * ``mask``: ``m = w`` where ``lower <= w <= cap``, else the token (token level) or the whole
   sequence (sequence level) is dropped from the loss and from the token count (masked IS).
 
-The two losses, selected once by ``TrainConfig.loss`` (:func:`build_targets`):
+The two losses (``TrainConfig.loss``; ``auto`` is resolved by the trainer) (:func:`build_targets`):
 
 * ``ppo_clip``: ``ratio = exp(logp - logp_behav)``, clipped to ``[1-eps, 1+eps]``. This ratio
   already contains the mismatch ``w`` (``ratio = (pi/pi_prox) * w``), so multiplying by ``m``
@@ -29,10 +29,23 @@ The two losses, selected once by ``TrainConfig.loss`` (:func:`build_targets`):
   the behaviour importance weight ``m`` (detached).
 
 Optional KL to a reference policy uses the k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
-(Schulman), added per token with ``kl_coef``. Per-token losses are summed here; the trainer
-divides by :func:`normaliser` for the whole step batch (token mean for ``grpo``/``rloo``; the
-Dr.GRPO constant ``num_samples * max_response_tokens`` for ``dr_grpo``), so gradient
-accumulation over micro-batches gives exactly the full-batch loss.
+(Schulman), added per token with ``kl_coef``, over the tokens inside both policies' truncated
+supports (with top-p/top-k a logprob can be ``-inf``; such a token adds no KL term).
+
+Loss aggregation (``TrainConfig.loss_agg``, verl's names). Per-token losses ``l_it`` (sample
+``i``, kept token ``t``, ``n_i`` kept tokens) are weighted here by a step-fixed per-sequence
+weight (:func:`aggregation_weights`) and summed; the trainer divides the sum by one
+step-wide :func:`normaliser`, so gradient accumulation over micro-batches gives exactly the
+full-batch loss:
+
+* ``token_mean``: ``sum_it l_it / sum_i n_i`` (every kept token weighs the same);
+* ``seq_mean_token_mean``: ``mean_i (sum_t l_it / n_i)`` (every sequence weighs the same);
+* ``seq_mean_token_sum``: ``mean_i sum_t l_it`` (longer sequences weigh more);
+* ``seq_mean_token_sum_norm``: ``sum_it l_it / (N * L)`` with ``N`` the step's trained
+  samples and ``L`` the response budget (``sampling.max_new_tokens``): Dr.GRPO's constant
+  normaliser, which no mask or length changes.
+
+The sequence means count the sequences that keep at least one token.
 """
 
 from __future__ import annotations
@@ -65,6 +78,7 @@ class LossTargets:
     coef: Tensor  # [B, T] detached multiplier of the clipped surrogate
     advantages: Tensor  # [B]
     mask: Tensor  # [B, T] bool: tokens that are trained
+    agg_weight: Tensor  # [B, 1] weight of each sequence's token losses (loss aggregation)
     logp_ref: Tensor | None  # [B, T] reference policy, when kl_coef > 0
 
 
@@ -73,16 +87,14 @@ class LossStats:
     """Sums over the trained tokens of one micro-batch (divide by num_tokens for means)."""
 
     num_tokens: int
-    loss_sum: float
+    loss_sum: float  # weighted by the aggregation weights
     num_clipped: int
     kl_sum: float
+    clipped: Tensor  # [B, T] bool: the clipped tokens (for per-age counts)
 
 
-def token_age_mask(versions: Tensor, step: int, max_token_age: int | None) -> Tensor:
-    """True where a token is young enough: ``version >= step - max_token_age`` (None = all)."""
-    if max_token_age is None:
-        return torch.ones_like(versions, dtype=torch.bool)
-    return versions >= step - max_token_age
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+             "seq_mean_token_sum_norm")
 
 
 def _sequence_log_ratio(log_w: Tensor, mask: Tensor) -> Tensor:
@@ -149,6 +161,31 @@ def anchor_fn(loss: str) -> AnchorFn:
         raise ValueError(f"unknown loss {loss!r}; known: {', '.join(sorted(_ANCHORS))}") from None
 
 
+def aggregation_weights(loss_agg: str, mask: Tensor) -> Tensor:
+    """``[B, 1]`` weight of each sequence's token losses: ``1 / n_i`` for
+    ``seq_mean_token_mean``, else 1 (module docstring)."""
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; known: {', '.join(LOSS_AGGS)}")
+    num = mask.sum(dim=-1, keepdim=True)
+    if loss_agg == "seq_mean_token_mean":
+        return 1.0 / num.clamp(min=1).to(torch.float32)
+    return torch.ones_like(num, dtype=torch.float32)
+
+
+def resolve_loss(loss: str, max_staleness: int) -> str:
+    """``auto``: ``decoupled_ppo`` when stale tokens may be trained, ``ppo_clip`` in sync."""
+    if loss != "auto":
+        return loss
+    return "decoupled_ppo" if max_staleness > 0 else "ppo_clip"
+
+
+def resolve_loss_agg(loss_agg: str, advantage: str) -> str:
+    """``auto``: Dr.GRPO's constant normaliser for ``dr_grpo``, else ``token_mean``."""
+    if loss_agg != "auto":
+        return loss_agg
+    return "seq_mean_token_sum_norm" if advantage == "dr_grpo" else "token_mean"
+
+
 def build_targets(
     anchor: AnchorFn,
     *,
@@ -158,8 +195,10 @@ def build_targets(
     base_mask: Tensor,
     is_cfg: ISCorrectionConfig,
     logp_ref: Tensor | None = None,
+    loss_agg: str = "token_mean",
 ) -> tuple[LossTargets, Correction]:
-    """Loss targets of one micro-batch; ``base_mask`` = loss mask & token age & real tokens."""
+    """Loss targets of one micro-batch; ``base_mask`` = loss mask & token age & real tokens
+    (& inside the trainer's truncated support)."""
     corr = mismatch_correction(logp_prox, logp_behav, base_mask, is_cfg)
     anchor_logp, coef = anchor(logp_prox.detach(), logp_behav.detach(), corr)
     targets = LossTargets(
@@ -167,6 +206,7 @@ def build_targets(
         coef=coef,
         advantages=advantages.detach(),
         mask=corr.keep,
+        agg_weight=aggregation_weights(loss_agg, corr.keep),
         logp_ref=None if logp_ref is None else logp_ref.detach(),
     )
     return targets, corr
@@ -175,7 +215,9 @@ def build_targets(
 def policy_loss(
     logp: Tensor, t: LossTargets, *, clip_eps: float, kl_coef: float = 0.0
 ) -> tuple[Tensor, LossStats]:
-    """Sum over trained tokens of ``-coef * min(ratio*A, clip(ratio)*A) + kl_coef * k3``."""
+    """Sum over trained tokens of ``agg_weight * (-coef * min(ratio*A, clip(ratio)*A) +
+    kl_coef * k3)``. A ``logp`` of ``-inf`` (the token left the current policy's truncated
+    support during the step) gives ratio 0: no gradient, no NaN."""
     mask = t.mask
     log_ratio = torch.where(mask, logp - t.anchor, 0.0)  # 0 off-mask keeps exp() finite
     ratio = log_ratio.exp()
@@ -187,26 +229,40 @@ def policy_loss(
     per_token = -t.coef * surrogate
     kl_sum = 0.0
     if t.logp_ref is not None:
-        d = torch.where(mask, t.logp_ref - logp, 0.0)
+        both = mask & torch.isfinite(t.logp_ref) & torch.isfinite(logp.detach())
+        d = torch.where(both, t.logp_ref - logp, 0.0)
         k3 = d.exp() - d - 1
-        kl_sum = float(k3.detach()[mask].sum())
+        kl_sum = float(k3.detach()[both].sum())
         per_token = per_token + kl_coef * k3
-    loss = torch.where(mask, per_token, 0.0).sum()
+    loss = torch.where(mask, per_token * t.agg_weight, 0.0).sum()
     stats = LossStats(
         num_tokens=int(mask.sum()),
         loss_sum=float(loss.detach()),
         num_clipped=int(clipped.sum()),
         kl_sum=kl_sum,
+        clipped=clipped.detach(),
     )
     return loss, stats
 
 
 def normaliser(
-    advantage: str, *, num_tokens: int, num_samples: int, max_response_tokens: int | None
+    loss_agg: str,
+    *,
+    num_tokens: int,
+    num_sequences: int,
+    num_samples: int,
+    max_response_tokens: int | None,
 ) -> float:
-    """Divisor of the step's summed loss: token mean, or Dr.GRPO's constant per sample."""
-    if advantage == "dr_grpo":
+    """Divisor of the step's summed (aggregation-weighted) loss (module docstring):
+    ``num_tokens`` kept tokens, ``num_sequences`` samples keeping at least one token,
+    ``num_samples`` trained samples, ``max_response_tokens`` the response budget."""
+    if loss_agg == "seq_mean_token_sum_norm":
         if max_response_tokens is None:
-            raise ValueError("dr_grpo needs max_response_tokens (the response length budget)")
+            raise ValueError("loss_agg seq_mean_token_sum_norm (Dr.GRPO) needs "
+                             "max_response_tokens (the response length budget)")
         return float(max(1, num_samples * max_response_tokens))
-    return float(max(1, num_tokens))
+    if loss_agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        return float(max(1, num_sequences))
+    if loss_agg == "token_mean":
+        return float(max(1, num_tokens))
+    raise ValueError(f"unknown loss_agg {loss_agg!r}; known: {', '.join(LOSS_AGGS)}")

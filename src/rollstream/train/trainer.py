@@ -2,36 +2,60 @@
 
 One ``step`` (the unit that produces weight version ``step + 1``):
 
-1. advantages per group from ``sample.reward`` (samples without a reward or without response
-   tokens are skipped);
+1. advantages per group from its baseline rewards (:meth:`Group.baseline_rewards`: graded
+   samples, plus FAILED ones as 0 with ``failed_reward: zero``); only samples with a reward
+   and at least one response token are trained;
 2. pack samples into micro-batches by ``micro_batch_tokens``;
 3. ``updates_per_step`` optimizer updates, each accumulating gradients over all micro-batches
-   (loss = summed token losses / one step-wide normaliser), then grad clip and AdamW.
+   (loss = aggregation-weighted token losses / one step-wide normaliser, ``loss_agg``), then
+   grad clip and AdamW.
+
+It returns a :class:`StepResult`: the metrics below, and per sample given with a reward what
+the loss kept of it (:class:`KeptTokens`), counted from the final token mask of its
+micro-batch, so the ledger records what was trained, not what might have been.
+
+Loss. ``loss: auto`` is resolved once here: ``decoupled_ppo`` when the staleness policy
+allows stale tokens (``max_staleness > 0``: one_step and async modes), ``ppo_clip`` in sync
+mode, where behaviour and proximal policies coincide up to engine mismatch.
 
 The proximal logprobs (the policy before the step's first update) come from the first
 update's own forward pass, detached: before that update's optimizer step its parameters *are*
 the proximal policy, so a separate no-grad pass would compute the same numbers (one of the
 ``1 + 3 * updates_per_step`` passes saved). From them (and the reference logprobs when
-``kl_coef > 0``) come the token masks (loss mask, ``max_token_age``, masked IS) and IS weights,
-fixed for the whole step (see ``losses``). The step-wide normaliser needs every micro-batch's
+``kl_coef > 0``) come the token masks (below) and IS weights, fixed for the whole step (see
+``losses``). The step-wide normaliser needs every micro-batch's
 kept-token count, known only after the first update's last micro-batch, so that update
 back-propagates the summed loss and divides the accumulated gradients by the normaliser
 before clipping: gradients are linear in the loss, so this is the same update.
 
+Token masks, in order: the sample's loss mask, the staleness policy's token age
+(:meth:`StalenessPolicy.keeps`), the trainer's truncated support (with top-p/top-k, a token
+the engine sampled that the trainer's truncation of its own logits cuts has logprob
+``-inf``; possible off-policy or at a rounding tie), masked IS. A token that leaves the
+truncated support during the step's later updates gets ratio 0 (no gradient, no NaN).
+
 Metrics of ``step`` (token means are over trained tokens unless said otherwise): ``loss``
 (mean over updates), ``clip_frac``, ``kl`` (k3 to the reference; 0 without one), ``grad_norm``
-(pre-clip, mean over updates), ``is_weight_mean`` (the corrected weight ``m``),
+(pre-clip, mean over updates), ``clip_frac/age{a}`` (``clip_frac`` of the tokens of age
+``a = step - version``, one key per age present up to ``max_staleness``;
+``clip_frac/age_over{k}`` for older ones), ``is_weight_mean`` (the corrected weight ``m``),
 ``is_masked_frac`` (share of loss-mask tokens masked IS dropped), ``age_masked_frac`` (share
-dropped by ``max_token_age``), ``mismatch`` (mean ``|logp_behav - logp_prox|``) and
+dropped by ``max_token_age``), ``support_masked_frac`` (share outside the trainer's
+truncated support), ``mismatch`` (mean ``|logp_behav - logp_prox|``) and
 ``mismatch_kl`` (mean ``logp_behav - logp_prox``, a k1 estimate of KL(behav || prox)), both over
-the tokens before IS masking so the correction cannot hide the mismatch it removes,
+the tokens before IS masking (inside the support) so the correction cannot hide the mismatch
+it removes,
 ``entropy`` (mean ``-logp_prox``: a sampled-token estimate, free), ``num_tokens``,
 ``num_samples``, ``step_s``.
 
 Precision: parameters and AdamW state stay float32; ``dtype: bfloat16`` runs forward and
 backward under ``torch.autocast(bfloat16)`` (mixed precision keeps small updates from being
-rounded away). Logprobs are always a float32 ``log_softmax`` of the raw logits, the quantity
-an inference engine reports, so ``logprobs()`` is comparable with engine logprobs.
+rounded away). Logprobs are always a float32 ``log_softmax`` of the logits divided by the
+sampling temperature and truncated by the sampling top-k/top-p
+(:mod:`rollstream.ops.truncation`, the sampler's own function): the distribution the engine
+sampled from and reports, so ``logprobs()`` is comparable with engine logprobs. The model
+stays in eval mode: dropout is off (a dropout mask would make every pass a different policy,
+and the ratio to the engines' logprobs meaningless).
 
 Threads: ``threads > 0`` calls ``torch.set_num_threads`` (and a non-empty ``cpu_affinity``
 pins the thread with ``os.sched_setaffinity``) at the start of every public compute method,
@@ -47,8 +71,8 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -58,14 +82,18 @@ from rollstream.config.schema import TrainConfig
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.batching import MicroBatch, collate, gather_logprobs, pack_micro_batches
 from rollstream.train.losses import (
-    LossTargets,
     anchor_fn,
     build_targets,
     normaliser,
     policy_loss,
-    token_age_mask,
+    resolve_loss,
+    resolve_loss_agg,
 )
-from rollstream.trajectory import Group, Sample
+from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
+from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
+
+if TYPE_CHECKING:
+    from rollstream.rollout.staleness import StalenessPolicy
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -80,31 +108,6 @@ TOKENIZER_FILES = (
 )
 
 
-@dataclass(slots=True, kw_only=True)
-class _Prepared:
-    """A micro-batch with its step-fixed loss targets."""
-
-    mb: MicroBatch
-    targets: LossTargets
-
-
-class _Sums:
-    """Running sums of named statistics (floats)."""
-
-    __slots__ = ("values",)
-
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-
-    def add(self, **kv: float) -> None:
-        for k, v in kv.items():
-            self.values[k] = self.values.get(k, 0.0) + float(v)
-
-    def ratio(self, num: str, den: str) -> float:
-        d = self.values.get(den, 0.0)
-        return self.values.get(num, 0.0) / d if d else 0.0
-
-
 class Trainer:
     """Owns the policy (HF causal LM), its optimizer and, with ``kl_coef > 0``, a reference."""
 
@@ -113,43 +116,57 @@ class Trainer:
         cfg: TrainConfig,
         model_path: Path,
         *,
+        staleness: StalenessPolicy,
         device: str = "cpu",
         max_response_tokens: int | None = None,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> None:
-        """``max_response_tokens``: the rollout's response budget (``sampling.max_new_tokens``),
-        the Dr.GRPO constant normaliser; required when ``cfg.advantage == "dr_grpo"``.
-        ``temperature``: the rollout's sampling temperature; logprobs are taken of
-        ``logits / temperature``, the distribution the engines sampled from and report."""
+        """``staleness``: the run's policy (token-age mask, and ``loss: auto``).
+        ``max_response_tokens``: the rollout's response budget (``sampling.max_new_tokens``),
+        the Dr.GRPO constant normaliser; required when the loss aggregation is
+        ``seq_mean_token_sum_norm``. ``temperature``, ``top_p``, ``top_k``: the rollout's
+        sampling settings; logprobs are taken of ``logits / temperature`` truncated as the
+        sampler truncates, the distribution the engines sampled from and report."""
         if not temperature > 0:
             raise ValueError(f"the trainer needs a sampling temperature > 0, got {temperature}")
-        self.temperature = float(temperature)
-        if cfg.advantage == "dr_grpo" and max_response_tokens is None:
+        if not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"sampling top_p must be in (0, 1] and top_k >= 0 (0 = off), got "
+                             f"top_p={top_p}, top_k={top_k}")
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
+        self.staleness = staleness
+        self.loss = resolve_loss(cfg.loss, staleness.max_staleness)
+        self.loss_agg = resolve_loss_agg(cfg.loss_agg, cfg.advantage)
+        if self.loss_agg == "seq_mean_token_sum_norm" and max_response_tokens is None:
             raise ValueError(
-                "train.advantage=dr_grpo normalises by the response length budget: pass "
+                "train.loss_agg=seq_mean_token_sum_norm (Dr.GRPO, also what advantage=dr_grpo "
+                "means by default) normalises by the response length budget: pass "
                 "max_response_tokens (sampling.max_new_tokens) to Trainer"
             )
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.device = torch.device(device)
         self.max_response_tokens = max_response_tokens
+        self._failed_reward = 0.0 if cfg.failed_reward == "zero" else None
         self._bind_threads(pin=False)  # the constructing thread is not the compute thread
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.model.to(self.device).train()
+        self.model.to(self.device).eval()  # dropout off (module docstring); grads still flow
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
-        self._anchor = anchor_fn(cfg.loss)
+        self._anchor = anchor_fn(self.loss)
         self._bf16 = cfg.dtype == "bfloat16"
 
     # -- public API ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Current-policy logprob of each sample's response tokens ([] for an empty response)."""
+        """Current-policy logprob of each sample's response tokens ([] for an empty response),
+        under the sampling temperature and truncation (``-inf`` outside the top-k/top-p)."""
         self._bind_threads()
         out: list[list[float]] = [[] for _ in samples]
         idx = [i for i, s in enumerate(samples) if s.num_response_tokens > 0]
@@ -159,22 +176,25 @@ class Trainer:
                 out[idx[j]] = logp[row, : samples[idx[j]].num_response_tokens].tolist()
         return out
 
-    def step(self, groups: Sequence[Group], step: int) -> dict[str, float]:
-        """One trainer step (module docstring); returns its metrics.
+    def step(self, groups: Sequence[Group], step: int) -> StepResult:
+        """One trainer step (module docstring): its metrics, and what the loss kept of every
+        sample given with a reward.
 
         With no trainable sample (no rewards, empty responses) nothing is updated and the
         metrics report ``num_samples = 0``.
         """
         self._bind_threads()
         t0 = time.perf_counter()
-        samples, advantages = self._trainable(groups)
-        sums = _Sums()
+        samples, advantages, kept = self._trainable(groups)
+        sums = StepSums()
         if samples:
             batches = self._micro_batches(samples)
-            prepared, norm = self._first_update(batches, advantages, step, sums)
+            prepared, norm = self._first_update(batches, samples, advantages, step, sums, kept)
             for _ in range(self.cfg.updates_per_step - 1):
                 self._update(prepared, norm, sums)
-        return self._metrics(sums, len(samples), time.perf_counter() - t0)
+        metrics = step_metrics(sums, num_samples=len(samples), step_s=time.perf_counter() - t0,
+                               max_staleness=self.staleness.max_staleness)
+        return StepResult(metrics=metrics, kept=kept)
 
     def state_dict(self) -> dict[str, Tensor]:
         """HF-named parameters and buffers for weight sync (tied weights under both names).
@@ -227,61 +247,77 @@ class Trainer:
                 use_cache=False,
             )
         logits = out.logits if self.temperature == 1.0 else out.logits / self.temperature
-        return gather_logprobs(logits, mb)
+        return gather_logprobs(logits, mb, top_p=self.top_p, top_k=self.top_k)
 
-    def _trainable(self, groups: Sequence[Group]) -> tuple[list[Sample], list[float]]:
+    def _trainable(
+        self, groups: Sequence[Group]
+    ) -> tuple[list[Sample], list[float], dict[str, KeptTokens]]:
+        """Samples to train and their advantages; ``kept`` starts at 0 for every sample with
+        a reward (the first update fills in the trained ones)."""
         samples: list[Sample] = []
         advantages: list[float] = []
+        kept: dict[str, KeptTokens] = {}
         for group in groups:
-            graded = [s for s in group.samples if s.reward is not None]
-            if not graded:
+            baseline = group.baseline_rewards(self._failed_reward)
+            if not baseline:
                 continue
-            adv = compute_advantages([s.reward for s in graded], self.cfg.advantage)
-            for s, a in zip(graded, adv):
-                if s.num_response_tokens > 0:
-                    samples.append(s)
-                    advantages.append(a)
-        return samples, advantages
+            adv = compute_advantages([r for _, r in baseline], self.cfg.advantage,
+                                     std=self.cfg.advantage_std)
+            for s, a in zip((s for s, _ in baseline), adv):
+                if s.reward is None:  # a FAILED sample: in the baseline, never trained
+                    continue
+                if s.num_response_tokens == 0:
+                    kept[s.uid] = KeptTokens(num_tokens=0, min_version=None,
+                                             reason="empty response")
+                    continue
+                samples.append(s)
+                advantages.append(a)
+        return samples, advantages, kept
 
     def _first_update(
         self,
         batches: list[tuple[list[int], MicroBatch]],
+        samples: list[Sample],
         advantages: list[float],
         step: int,
-        sums: _Sums,
-    ) -> tuple[list[_Prepared], float]:
+        sums: StepSums,
+        kept: dict[str, KeptTokens],
+    ) -> tuple[list[Prepared], float]:
         """The step's first optimizer update; its forward passes give the proximal logprobs,
-        hence the step-fixed targets of every micro-batch (module docstring). Returns them
-        and the step's loss normaliser."""
+        hence the step-fixed targets of every micro-batch (module docstring). Fills ``kept``;
+        returns the targets and the step's loss normaliser."""
         self.optimizer.zero_grad(set_to_none=True)
         prepared, loss_sum = [], 0.0
         for idx, mb in batches:
             logp = self._forward(self.model, mb)
-            targets = self._targets(mb, logp.detach(), [advantages[i] for i in idx], step, sums)
-            loss_sum += self._backward(logp, targets, 1.0, sums)  # divided by norm below
-            prepared.append(_Prepared(mb=mb, targets=targets))
+            p = self._targets(mb, logp.detach(), [advantages[i] for i in idx], step, sums)
+            kept.update(kept_tokens([samples[i] for i in idx], p, step, self.staleness))
+            loss_sum += self._backward(logp, p, 1.0, sums)  # divided by norm below
+            prepared.append(p)
         num_tokens = int(sums.values.get("num_tokens", 0))
         norm = normaliser(
-            self.cfg.advantage,
+            self.loss_agg,
             num_tokens=num_tokens,
+            num_sequences=int(sums.values.get("num_sequences", 0)),
             num_samples=int(sums.values.get("num_samples", 0)),
             max_response_tokens=self.max_response_tokens,
         )
         if num_tokens:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(norm)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(norm)
             self._optimizer_step(sums, loss_sum / norm)
         return prepared, norm
 
     @torch.no_grad()
     def _targets(
-        self, mb: MicroBatch, logp_prox: Tensor, advantages: list[float], step: int, sums: _Sums
-    ) -> LossTargets:
+        self, mb: MicroBatch, logp_prox: Tensor, advantages: list[float], step: int, sums: StepSums
+    ) -> Prepared:
         """Step-fixed loss targets of one micro-batch from its proximal logprobs, and the
         mismatch / masking statistics."""
         logp_ref = None if self.reference is None else self._forward(self.reference, mb)
-        base = mb.loss_mask & token_age_mask(mb.versions, step, self.cfg.max_token_age)
+        young = mb.loss_mask & self.staleness.keeps(mb.versions, step)
+        base = young & torch.isfinite(logp_prox)  # -inf: outside the truncated support
         targets, corr = build_targets(
             self._anchor,
             logp_behav=mb.logp_behav,
@@ -290,14 +326,17 @@ class Trainer:
             base_mask=base,
             is_cfg=self.cfg.is_correction,
             logp_ref=logp_ref,
+            loss_agg=self.loss_agg,
         )
         diff = torch.where(base, mb.logp_behav - logp_prox, 0.0)
         kept = targets.mask
         sums.add(
             num_samples=len(advantages),
+            num_sequences=int(kept.any(dim=-1).sum()),
             num_tokens=int(kept.sum()),
             base_tokens=int(base.sum()),
-            age_masked=int((mb.loss_mask & ~base).sum()),
+            age_masked=int((mb.loss_mask & ~young).sum()),
+            support_masked=int((young & ~base).sum()),
             loss_mask_tokens=int(mb.loss_mask.sum()),
             is_masked=int((base & ~kept).sum()),
             is_weight=float(corr.weight[kept].sum()),
@@ -305,45 +344,34 @@ class Trainer:
             mismatch_abs=float(diff.abs().sum()),
             entropy=float(-logp_prox[kept].sum()),
         )
-        return targets
+        age_bucket = (step - mb.versions).clamp(0, self.staleness.max_staleness + 1)
+        stages = torch.stack([mb.loss_mask, young, base, kept]).sum(dim=-1).T  # [B, 4]
+        return Prepared(mb=mb, targets=targets, age_bucket=age_bucket,
+                         stage_counts=stages.tolist())
 
-    def _update(self, prepared: list[_Prepared], norm: float, sums: _Sums) -> None:
+    def _update(self, prepared: list[Prepared], norm: float, sums: StepSums) -> None:
         """A later optimizer update: accumulate over all micro-batches, clip, step."""
         if not sums.values.get("num_tokens"):
             return
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for p in prepared:
-            loss_sum += self._backward(self._forward(self.model, p.mb), p.targets, norm, sums)
+            loss_sum += self._backward(self._forward(self.model, p.mb), p, norm, sums)
         self._optimizer_step(sums, loss_sum / norm)
 
-    def _backward(self, logp: Tensor, targets: LossTargets, norm: float, sums: _Sums) -> float:
+    def _backward(self, logp: Tensor, p: Prepared, norm: float, sums: StepSums) -> float:
         """Back-propagate one micro-batch's summed token loss / ``norm``; returns the sum."""
-        loss, st = policy_loss(logp, targets, clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef)
+        loss, st = policy_loss(logp, p.targets, clip_eps=self.cfg.clip_eps,
+                               kl_coef=self.cfg.kl_coef)
         if st.num_tokens:  # all tokens masked: a zero loss, nothing to back-propagate
             (loss / norm).backward()
         sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
+        sums.add_clips_by_age(p, st.clipped, self.staleness.max_staleness + 2)
         return st.loss_sum
 
-    def _optimizer_step(self, sums: _Sums, loss: float) -> None:
+    def _optimizer_step(self, sums: StepSums, loss: float) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         sums.add(loss=loss, grad_norm=float(grad_norm), num_updates=1)
 
-    def _metrics(self, sums: _Sums, num_samples: int, step_s: float) -> dict[str, float]:
-        num_tokens = int(sums.values.get("num_tokens", 0))
-        return {
-            "loss": sums.ratio("loss", "num_updates"),
-            "clip_frac": sums.ratio("clipped", "update_tokens"),
-            "kl": sums.ratio("kl", "update_tokens"),
-            "is_weight_mean": sums.ratio("is_weight", "num_tokens"),
-            "is_masked_frac": sums.ratio("is_masked", "base_tokens"),
-            "age_masked_frac": sums.ratio("age_masked", "loss_mask_tokens"),
-            "mismatch": sums.ratio("mismatch_abs", "base_tokens"),
-            "mismatch_kl": sums.ratio("mismatch_kl", "base_tokens"),
-            "entropy": sums.ratio("entropy", "num_tokens"),
-            "grad_norm": sums.ratio("grad_norm", "num_updates"),
-            "num_tokens": float(num_tokens),
-            "num_samples": float(num_samples),
-            "step_s": step_s,
-        }
+

@@ -8,10 +8,12 @@ partial`` with the same seed continues the same random stream. Requests without 
 one from the engine's generator. Gumbel-max over the truncated, temperature-scaled logits is
 an exact draw from the renormalised top-k/top-p distribution.
 
-Logprob of a sampled token = ``log_softmax(logits / T)`` (T = 0: plain ``log_softmax``) taken
-*before* top-k/top-p truncation, i.e. under the full tempered distribution: this is the
-quantity the trainer recomputes from its own logits, so the importance ratio compares like
-with like. Truncation order follows vLLM: top-k first, then top-p on what is left.
+Logprob of a sampled token = its logprob under the distribution it was drawn from: the
+tempered logits ``logits / T`` truncated by top-k then top-p
+(:func:`rollstream.ops.truncation.top_k_top_p_keep`, the function the trainer applies to its
+own logits) and renormalised; without truncation ``log_softmax(logits / T)``; for greedy rows
+(T = 0) plain ``log_softmax(logits)``. So the importance ratio of a trainer on the same
+weights is exactly 1, with or without top-p/top-k.
 
 Deliberately simplified: no repetition/presence penalties, no min-p, no logit bias.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from rollstream.ops.truncation import top_k_top_p_keep
 
 _M32 = 0xFFFFFFFF
 
@@ -58,7 +62,6 @@ class Sampler:
         self.vocab_hash = mix32(
             torch.arange(vocab_size, device=device, dtype=torch.int64) + 0x632BE5AB
         )
-        self.ranks = torch.arange(vocab_size, device=device)
 
     def __call__(
         self, logits: torch.Tensor, rows: SamplingRows, pos: torch.Tensor
@@ -67,27 +70,19 @@ class Sampler:
         Returns token ids [n] int64 and their logprobs [n] float32."""
         if not rows.any_sampled:
             tokens = logits.argmax(dim=-1)
-            logp = logits.log_softmax(dim=-1)
-        else:
-            scaled = logits * rows.inv_temp[:, None]
-            logp = scaled.log_softmax(dim=-1)
-            if rows.any_truncated:
-                scaled = self._truncate(scaled, rows.top_p, rows.top_k)
-            tokens = (scaled + self._gumbel(rows.key, pos)).argmax(dim=-1)
-            if rows.any_greedy:
-                tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
-
-    def _truncate(
-        self, scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
-    ) -> torch.Tensor:
-        ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
-        ordered = ordered.masked_fill(self.ranks[None, :] >= top_k[:, None], -torch.inf)
-        probs = ordered.softmax(dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1)
-        ordered = ordered.masked_fill(drop, -torch.inf)
-        return torch.empty_like(scaled).scatter_(1, order, ordered)
+            return tokens, _gathered(logits.log_softmax(dim=-1), tokens)
+        scaled = logits * rows.inv_temp[:, None]
+        if rows.any_truncated:
+            keep = top_k_top_p_keep(scaled, rows.top_p, rows.top_k)
+            scaled = scaled.masked_fill(~keep, -torch.inf)
+        tokens = (scaled + self._gumbel(rows.key, pos)).argmax(dim=-1)
+        logp = _gathered(scaled.log_softmax(dim=-1), tokens)
+        if rows.any_greedy:  # greedy rows: the argmax, and the plain (untruncated) logprob
+            greedy_tokens = logits.argmax(dim=-1)
+            tokens = torch.where(rows.greedy, greedy_tokens, tokens)
+            plain = _gathered(logits.log_softmax(dim=-1), greedy_tokens)
+            logp = torch.where(rows.greedy, plain, logp)
+        return tokens, logp
 
     def _gumbel(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # key and vocab_hash are already mixed; one more round over [n, V] decorrelates them
@@ -95,3 +90,7 @@ class Sampler:
         h = mix32(row_key[:, None] ^ self.vocab_hash)  # [n, V]
         u = (h >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))  # uniform in (0, 1)
         return u.log_().neg_().log_().neg_()
+
+
+def _gathered(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logp.gather(1, tokens[:, None])[:, 0]
