@@ -11,7 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from rollstream.config.schema import EngineConfig, LocalEngineConfig
-from rollstream.engine import FinishReason, GenerateRequest, SamplingParams, build_engine
+from rollstream.engine import (
+    EngineHealth,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    build_engine,
+)
 from rollstream.engine.local import LocalEngine
 from rollstream.engine.local.sampler import Sampler, SamplingRows, seed_key
 from tests.engine.helpers import MAX_SEQ_LEN, make_tiny_model
@@ -219,8 +225,14 @@ def _sample_many(
         any_truncated=top_p < 1 or top_k > 0,
     )
     tokens, logprobs = Sampler(vocab, torch.device("cpu"))(logits.expand(n, vocab), rows, pos)
-    expected_lp = (logits / temp).log_softmax(-1)[tokens]
-    assert torch.allclose(logprobs, expected_lp)  # logprob is taken before truncation
+    # the logprob is taken under the truncated, renormalised distribution sampled from
+    scaled = logits / temp
+    order = scaled.argsort(descending=True)[: top_k or vocab]
+    probs = scaled[order].softmax(-1)
+    kept = order[: int(((probs.cumsum(0) - probs) < top_p).sum())]
+    truncated = torch.full_like(scaled, -torch.inf)
+    truncated[kept] = scaled[kept].log_softmax(-1)
+    assert torch.allclose(logprobs, truncated[tokens])
     return torch.bincount(tokens, minlength=vocab).float() / n
 
 
@@ -418,8 +430,12 @@ async def test_version_stats_and_close(tiny_model_dir):
     await e.close()
     outs = await asyncio.gather(*pending)  # whatever was still in flight comes back
     assert all(o.finish_reason in (FinishReason.LENGTH, FinishReason.ABORT) for o in outs)
-    with pytest.raises(RuntimeError, match="closed"):
-        await e.generate(_req("late", [1], max_new_tokens=1))
+    stats = e.stats()
+    assert stats.health is EngineHealth.DEAD and stats.health_reason == "local engine e7 closed"
+    late = await e.generate(_req("late", [1], max_new_tokens=1))
+    assert late.finish_reason is FinishReason.ABORT and late.error == "local engine e7 closed"
+    assert not late.token_ids
+    await e.close()  # closing twice is fine
 
 
 def test_bfloat16_engine_serves(tiny_model_dir):

@@ -5,6 +5,7 @@ from rollstream.engine.factory import build_engine
 from rollstream.engine.protocol import (
     Closeable,
     Engine,
+    EngineHealth,
     EngineStats,
     FinishReason,
     GenerateOutput,
@@ -15,6 +16,7 @@ from rollstream.engine.protocol import (
 __all__ = [
     "Closeable",
     "Engine",
+    "EngineHealth",
     "EngineStats",
     "FinishReason",
     "GenerateOutput",

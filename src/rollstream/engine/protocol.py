@@ -7,6 +7,8 @@ Semantics every implementation honours (the contract tests in tests/engine check
 
 * ``generate`` takes prompt token ids and returns sampled token ids, the behaviour-policy
   logprob of each, and the weight version that sampled each token. No text, no re-tokenizing.
+  The logprob is taken under the distribution the token was drawn from: ``logits / T``
+  truncated by top-k then top-p and renormalised (T = 0: ``log_softmax(logits)``).
 * ``interrupt(ids)`` (``None`` = every in-flight request) stops those requests at the next
   token boundary; their ``generate`` calls return at once with ``finish_reason=ABORT`` and the
   tokens produced so far. Resubmitting ``prompt + partial`` with ``max_new_tokens`` reduced by
@@ -17,6 +19,18 @@ Semantics every implementation honours (the contract tests in tests/engine check
   are continued in place (callers that want interrupt-and-resume call ``interrupt`` first).
 * Bad input (prompt longer than the context, invalid sampling params) fails that request
   with ``finish_reason=ERROR`` and a message; the engine keeps serving the others.
+
+Health (``EngineStats.health``, why in ``health_reason``), for routing:
+
+* ``UP``: route requests here.
+* ``RECOVERING``: the engine restarts itself (a vLLM server that died); requests sent now wait
+  until it is back, so route elsewhere if another engine is UP.
+* ``DEAD``: it will never serve again (its step loop raised, a restart failed, or it was
+  closed). A dead engine never raises from ``generate``: in-flight and later requests return
+  ``finish_reason=ABORT`` with the tokens produced so far (logprobs and versions exact; a
+  later request has none) and ``error`` naming the engine and the cause, so the caller can
+  resubmit ``prompt + partial`` elsewhere. ``interrupt`` on a dead engine does nothing;
+  ``load_weights`` raises RuntimeError with the cause.
 """
 
 from __future__ import annotations
@@ -69,7 +83,7 @@ class GenerateRequest:
 class GenerateOutput:
     request_id: str
     token_ids: list[int]  # [T]
-    logprobs: list[float]  # [T] log_softmax(logits / temperature) of the token, before top-k/p
+    logprobs: list[float]  # [T] under the distribution sampled: logits / T, top-k/top-p cut
     versions: list[int]  # [T] weight version that sampled each token
     finish_reason: FinishReason
     error: str | None = None
@@ -83,6 +97,12 @@ class GenerateOutput:
             )
 
 
+class EngineHealth(str, enum.Enum):
+    UP = "up"  # route requests here
+    RECOVERING = "recovering"  # restarting itself; requests sent now wait
+    DEAD = "dead"  # will never serve again; requests return ABORT with the cause
+
+
 @dataclass(slots=True, kw_only=True)
 class EngineStats:
     engine_id: str
@@ -92,6 +112,8 @@ class EngineStats:
     capacity: int  # concurrent sequences the engine can hold
     generated_tokens: int  # total since start
     busy_s: float  # seconds spent in forward passes since start
+    health: EngineHealth = EngineHealth.UP
+    health_reason: str | None = None  # why it is not UP
 
 
 @runtime_checkable

@@ -2,10 +2,10 @@
 
     caller threads / event loops                engine thread (owns every tensor)
     ----------------------------                ---------------------------------
-    generate / submit ---- _Submit ----+
-    interrupt ----------- _Interrupt --+--> inbox (SimpleQueue) --> between two steps:
-    load_weights -------- _Load -------+        apply commands, then step():
-    close --------------- _Close ------+          admit waiting rows -> prefill (packed)
+    generate / submit ---- Submit -----+
+    interrupt ----------- Interrupt ---+--> inbox (SimpleQueue) --> between two steps:
+    load_weights -------- Load --------+        apply commands, then step():
+    close --------------- Close -------+          admit waiting rows -> prefill (packed)
                                                   decode one token for every live row
     concurrent Future <--- set_result ------------ finished / aborted rows
     (await-ed via asyncio.wrap_future, which resolves the caller's asyncio future with
@@ -23,6 +23,14 @@ decodes every live row (attention in chunks of rows, each over its own longest r
 requests join and leave the batch every step and nobody waits for the longest. torch releases the GIL in
 its ops, so the caller's event loop keeps running while the engine computes.
 
+Faults. The engine thread is a fault boundary: when a step or a command raises, the engine is
+DEAD for good (``stats().health``; the cause in ``health_reason``, the traceback in the log)
+and nothing escapes to callers. Each running request returns ABORT with the tokens, logprobs
+and versions its row holds, read from the runner first (no tokens when the rows cannot be
+read or were being moved when it failed); waiting and later requests return ABORT without
+tokens; ``error`` names the engine and the cause. Pending and later weight loads raise
+RuntimeError, interrupts do nothing. ``close`` ends the engine the same way (reason: closed).
+
 Deliberately simplified: one engine = one thread = one device; weights arrive as a full HF
 state dict (copied in place between steps).
 """
@@ -31,54 +39,42 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rollstream.config.schema import LocalEngineConfig
+from rollstream.engine.local.commands import (
+    Close,
+    Command,
+    Interrupt,
+    Load,
+    Submit,
+    fail,
+    output,
+    resolve,
+)
 from rollstream.engine.local.runner import ModelRunner
 from rollstream.engine.local.sampler import seed_key
 from rollstream.engine.local.scheduler import Scheduler, Sequence
 from rollstream.engine.local.weights import load_folder
 from rollstream.engine.protocol import (
+    EngineHealth,
     EngineStats,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
 )
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True, kw_only=True)
-class _Submit:
-    seq: Sequence
-
-
-@dataclass(slots=True, kw_only=True)
-class _Interrupt:
-    ids: frozenset[str] | None
-    done: concurrent.futures.Future | None
-
-
-@dataclass(slots=True, kw_only=True)
-class _Load:
-    version: int
-    pairs: list[tuple[str, torch.Tensor]]
-    done: concurrent.futures.Future
-
-
-@dataclass(slots=True, kw_only=True)
-class _Close:
-    done: concurrent.futures.Future
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,14 +126,15 @@ class LocalEngine:
         self._cpu_affinity = cfg.cpu_affinity
         self._version = version
         self._seeds = torch.Generator().manual_seed(cfg.seed)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # also orders puts into the inbox before a death
         self._num_queued = 0  # submitted, not yet seen by the engine thread
-        self._active: set[str] = set()  # request ids the engine thread holds
+        self._active: dict[str, Sequence] = {}  # the requests the engine thread holds
         self._generated_tokens = 0
         self._busy_s = 0.0
-        self._closed = False
-        self._error: BaseException | None = None
+        self._death: str | None = None  # why it stopped serving for good (closed, or died)
+        self._applying: Command | None = None  # answered by _die if applying it raises
+        self._rows_moving = False  # scheduler and runner rows disagree meanwhile
         self._thread = threading.Thread(
             target=self._main, name=f"rollstream-{engine_id}", daemon=True
         )
@@ -149,16 +146,16 @@ class LocalEngine:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            self._inbox.put(_Interrupt(ids=frozenset({request.request_id}), done=None))
+            self._post(Interrupt(ids=frozenset({request.request_id}), done=None))
             raise
 
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
-        """Thread-safe, non-blocking: queue a request; the future yields its GenerateOutput."""
-        self._check_alive()
+        """Thread-safe, non-blocking: queue a request; the future yields its GenerateOutput
+        (ABORT with the cause once the engine is dead)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         error = self._validate(request)
         if error is not None:
-            future.set_result(_output(request.request_id, FinishReason.ERROR, error=error))
+            future.set_result(output(request.request_id, FinishReason.ERROR, error=error))
             return future
         prompt_len = len(request.prompt_ids)
         seed = request.params.seed
@@ -171,9 +168,8 @@ class LocalEngine:
             seed_key=seed_key(seed),
             max_new_tokens=min(request.params.max_new_tokens, self.max_seq_len - prompt_len),
         )
-        with self._lock:
-            self._num_queued += 1
-        self._inbox.put(_Submit(seq=seq))
+        if not self._post(Submit(seq=seq)):
+            future.set_result(output(request.request_id, FinishReason.ABORT, error=self._death))
         return future
 
     def generate_many(self, requests: Seq[GenerateRequest]) -> list[GenerateOutput]:
@@ -183,19 +179,24 @@ class LocalEngine:
 
     async def interrupt(self, request_ids: Seq[str] | None = None) -> None:
         ids = None if request_ids is None else frozenset(request_ids)
-        await asyncio.wrap_future(self._command(lambda done: _Interrupt(ids=ids, done=done)))
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self._post(Interrupt(ids=ids, done=done)):  # a dead engine has nothing to stop
+            await asyncio.wrap_future(done)
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Install a full HF-named state dict between two steps. The caller must not modify
-        ``tensors`` until this returns (they are copied on the engine thread)."""
+        ``tensors`` until this returns (they are copied on the engine thread). RuntimeError
+        with the cause when the engine is dead or dies before installing them."""
         pairs = self._weights.check(tensors)
-        await asyncio.wrap_future(
-            self._command(lambda done: _Load(version=version, pairs=pairs, done=done))
-        )
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._post(Load(version=version, pairs=pairs, done=done)):
+            raise RuntimeError(self._death)
+        await asyncio.wrap_future(done)
 
     def stats(self) -> EngineStats:
         with self._lock:
             waiting = self._num_queued
+        death = self._death
         return EngineStats(
             engine_id=self.engine_id,
             version=self._version,
@@ -204,29 +205,31 @@ class LocalEngine:
             capacity=self._scheduler.max_rows,
             generated_tokens=self._generated_tokens,
             busy_s=self._busy_s,
+            health=EngineHealth.UP if death is None else EngineHealth.DEAD,
+            health_reason=death,
         )
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
 
     def shutdown(self) -> None:
-        """Synchronous close: pending requests return ABORT, the thread exits."""
-        if self._thread.is_alive() and not self._closed:
-            self._command(lambda done: _Close(done=done)).result()
+        """Synchronous close: pending requests return ABORT, the thread exits (a dead engine's
+        thread has exited already)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self._post(Close(done=done)):
+            done.result()
         self._thread.join()
 
     # ---- caller-side helpers -------------------------------------------------------------
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"local engine {self.engine_id} died") from self._error
-        if self._closed:
-            raise RuntimeError(f"local engine {self.engine_id} is closed")
-
-    def _command(self, make) -> concurrent.futures.Future:
-        self._check_alive()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(make(done))
-        return done
+    def _post(self, cmd: Command) -> bool:
+        """Queue a command for the engine thread; False once the engine is dead (nothing
+        reads the inbox then: _die answered everything queued before)."""
+        with self._lock:
+            if self._death is not None:
+                return False
+            self._num_queued += isinstance(cmd, Submit)
+            self._inbox.put(cmd)
+            return True
 
     def _validate(self, request: GenerateRequest) -> str | None:
         ids, vocab = request.prompt_ids, self.spec.vocab_size
@@ -250,14 +253,13 @@ class LocalEngine:
             if self._threads > 0:
                 torch.set_num_threads(self._threads)
             with torch.inference_mode():
-                while not self._closed:
+                while self._death is None:
                     self._apply_commands(block=not self._scheduler.has_work())
-                    if self._scheduler.has_work() and not self._closed:
+                    if self._scheduler.has_work() and self._death is None:
                         self._step()
-        except BaseException as e:  # fault boundary: every pending caller gets the error
-            self._error = e
-            self._fail_everything(e)
-            raise
+        except BaseException as e:  # fault boundary: the engine is dead, its requests return
+            log.error("local engine %s died", self.engine_id, exc_info=e)
+            self._die(f"local engine {self.engine_id} died: {e!r}")
 
     def _apply_commands(self, *, block: bool) -> None:
         if block:
@@ -265,28 +267,23 @@ class LocalEngine:
         while not self._inbox.empty():  # this thread is the only consumer
             self._apply(self._inbox.get_nowait())
 
-    def _apply(self, cmd: object) -> None:
+    def _apply(self, cmd: Command) -> None:
+        self._applying = cmd
         match cmd:
-            case _Submit(seq=seq):
+            case Submit(seq=seq):
                 with self._lock:
                     self._num_queued -= 1
                 if seq.request_id in self._active:
-                    _resolve(
-                        seq.future,
-                        _output(
-                            seq.request_id,
-                            FinishReason.ERROR,
-                            error="duplicate request_id still in flight",
-                        ),
-                    )
+                    dup = "duplicate request_id still in flight"
+                    resolve(seq.future, output(seq.request_id, FinishReason.ERROR, error=dup))
                 else:
-                    self._active.add(seq.request_id)
+                    self._active[seq.request_id] = seq
                     self._scheduler.waiting.append(seq)
-            case _Interrupt(ids=ids, done=done):
+            case Interrupt(ids=ids, done=done):
                 self._abort(ids, error=None)
                 if done is not None:
-                    _resolve(done, None)
-            case _Load(version=version, pairs=pairs, done=done):
+                    resolve(done, None)
+            case Load(version=version, pairs=pairs, done=done):
                 t0 = time.perf_counter()
                 self._weights.copy_in(pairs)
                 self._version = version
@@ -295,11 +292,11 @@ class LocalEngine:
                 self._busy_s += time.perf_counter() - t0
                 for row, seq in enumerate(self._scheduler.running):
                     seq.mark_version(self._runner.num_generated(row, seq.prompt_len), version)
-                _resolve(done, None)
-            case _Close(done=done):
-                self._abort(None, error="engine closed")
-                self._closed = True
-                _resolve(done, None)
+                resolve(done, None)
+            case Close(done=done):
+                self._die(f"local engine {self.engine_id} closed")
+                resolve(done, None)
+        self._applying = None
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -312,9 +309,11 @@ class LocalEngine:
             self._finish(done, FinishReason.LENGTH)
         if self._runner.num_rows:
             n = self._runner.num_rows
+            self._rows_moving = True
             if (order := self._runner.sort_rows()) is not None:
                 running = self._scheduler.running
                 self._scheduler.running = [running[i] for i in order]
+            self._rows_moving = False
             done = self._runner.decode()
             self._generated_tokens += n
             self._finish(done, FinishReason.LENGTH)
@@ -327,16 +326,18 @@ class LocalEngine:
             return
         seqs = [self._scheduler.running[r] for r in rows]
         results = self._runner.read(rows, [s.prompt_len for s in seqs])
+        self._rows_moving = True
         removed, src, dst = self._scheduler.release(rows)
-        self._runner.release(len(rows), src, dst)
         for seq, (tokens, logprobs) in zip(removed, results, strict=True):
             why = reason
             if reason is FinishReason.LENGTH and tokens[-1] in seq.request.params.stop_token_ids:
                 why = FinishReason.STOP
             self._deliver(
                 seq,
-                _output(seq.request_id, why, tokens, logprobs, seq.versions(len(tokens)), error),
+                output(seq.request_id, why, tokens, logprobs, seq.versions(len(tokens)), error),
             )
+        self._runner.release(len(rows), src, dst)  # delivered first: a failure here loses none
+        self._rows_moving = False
 
     def _abort(self, ids: frozenset[str] | None, *, error: str | None) -> None:
         rows = [
@@ -344,45 +345,55 @@ class LocalEngine:
         ]
         self._finish(rows, FinishReason.ABORT, error)
         for seq in self._scheduler.take_waiting(ids):
-            self._deliver(seq, _output(seq.request_id, FinishReason.ABORT, error=error))
+            self._deliver(seq, output(seq.request_id, FinishReason.ABORT, error=error))
 
     def _deliver(self, seq: Sequence, out: GenerateOutput) -> None:
-        self._active.discard(seq.request_id)
-        _resolve(seq.future, out)
+        if self._active.get(seq.request_id) is seq:
+            del self._active[seq.request_id]
+        resolve(seq.future, out)
 
-    def _fail_everything(self, exc: BaseException) -> None:
-        pending = [s.future for s in self._scheduler.running] + [
-            s.future for s in self._scheduler.waiting
-        ]
+    def _die(self, reason: str) -> None:
+        """Stop serving for good: every request held or queued returns ABORT with ``reason``
+        (running rows with their partial output), queued commands are answered (loads fail)."""
+        with self._lock:  # callers see the death from now on instead of queueing
+            self._death = reason
+            self._num_queued = 0
+        partials = self._partials()
+        running, waiting = list(self._scheduler.running), list(self._scheduler.waiting)
+        self._scheduler.running.clear()  # before anyone hears back: stats show nothing left
+        self._scheduler.waiting.clear()
+        for seq, (tokens, logprobs) in zip(running, partials, strict=True):
+            versions = seq.versions(len(tokens))
+            if len(versions) != len(tokens):  # no version mark yet: nothing exact to return
+                tokens, logprobs, versions = [], [], []
+            abort = output(seq.request_id, FinishReason.ABORT, tokens, logprobs, versions, reason)
+            self._deliver(seq, abort)
+        for seq in [*waiting, *self._active.values()]:  # active: held between two lists
+            self._deliver(seq, output(seq.request_id, FinishReason.ABORT, error=reason))
+        pending = [self._applying] if self._applying is not None else []
         while True:
             try:
-                cmd = self._inbox.get_nowait()
+                pending.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-            pending.append(cmd.seq.future if isinstance(cmd, _Submit) else cmd.done)
-        for f in pending:
-            if f is not None and not f.done():
-                f.set_exception(RuntimeError(f"local engine {self.engine_id} died: {exc!r}"))
+        for cmd in pending:
+            match cmd:
+                case Submit(seq=seq):
+                    resolve(seq.future, output(seq.request_id, FinishReason.ABORT, error=reason))
+                case Load(done=done):
+                    fail(done, RuntimeError(reason))
+                case Interrupt(done=done) | Close(done=done) if done is not None:
+                    resolve(done, None)
 
-
-def _output(
-    request_id: str,
-    reason: FinishReason,
-    tokens: list[int] | None = None,
-    logprobs: list[float] | None = None,
-    versions: list[int] | None = None,
-    error: str | None = None,
-) -> GenerateOutput:
-    return GenerateOutput(
-        request_id=request_id,
-        token_ids=tokens or [],
-        logprobs=logprobs or [],
-        versions=versions or [],
-        finish_reason=reason,
-        error=error,
-    )
-
-
-def _resolve(future: concurrent.futures.Future, value: object) -> None:
-    with contextlib.suppress(concurrent.futures.InvalidStateError):  # the caller cancelled it
-        future.set_result(value)
+    def _partials(self) -> list[tuple[list[int], list[float]]]:
+        """Tokens and logprobs each running row holds; none for rows that cannot be trusted
+        (rows being moved, rows not prefilled yet) or read (the device failed)."""
+        running = self._scheduler.running
+        readable = 0 if self._rows_moving else min(len(running), self._runner.num_rows)
+        try:
+            lens = [s.prompt_len for s in running[:readable]]
+            out = self._runner.read(list(range(readable)), lens)
+        except Exception as e:  # a broken device: the requests still return, without tokens
+            log.error("local engine %s: partial outputs unreadable", self.engine_id, exc_info=e)
+            out = []
+        return out + [([], [])] * (len(running) - len(out))

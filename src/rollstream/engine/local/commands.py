@@ -1,0 +1,73 @@
+"""Messages from the local engine's callers to its engine thread, and the way results return.
+
+Callers (any thread) put commands into the engine's inbox; the engine thread applies them
+between two steps and answers through ``concurrent.futures.Future`` objects, which a caller's
+event loop awaits with ``asyncio.wrap_future``. A future may already be done when the engine
+answers (the caller cancelled it, or the engine answers twice while it dies): ``resolve`` and
+``fail`` then do nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from rollstream.engine.local.scheduler import Sequence
+from rollstream.engine.protocol import FinishReason, GenerateOutput
+
+
+@dataclass(slots=True, kw_only=True)
+class Submit:
+    seq: Sequence
+
+
+@dataclass(slots=True, kw_only=True)
+class Interrupt:
+    ids: frozenset[str] | None  # None = every request
+    done: concurrent.futures.Future | None  # None: nobody waits (a cancelled generate)
+
+
+@dataclass(slots=True, kw_only=True)
+class Load:
+    version: int
+    pairs: list[tuple[str, torch.Tensor]]
+    done: concurrent.futures.Future
+
+
+@dataclass(slots=True, kw_only=True)
+class Close:
+    done: concurrent.futures.Future
+
+
+Command = Submit | Interrupt | Load | Close
+
+
+def output(
+    request_id: str,
+    reason: FinishReason,
+    tokens: list[int] | None = None,
+    logprobs: list[float] | None = None,
+    versions: list[int] | None = None,
+    error: str | None = None,
+) -> GenerateOutput:
+    return GenerateOutput(
+        request_id=request_id,
+        token_ids=tokens or [],
+        logprobs=logprobs or [],
+        versions=versions or [],
+        finish_reason=reason,
+        error=error,
+    )
+
+
+def resolve(future: concurrent.futures.Future, value: object) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_result(value)
+
+
+def fail(future: concurrent.futures.Future, error: BaseException) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_exception(error)
