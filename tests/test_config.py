@@ -62,6 +62,56 @@ def test_cross_field_check():
         load_config(None, ["model.tiny.num_heads=4", "model.tiny.num_kv_heads=3"])
 
 
+@pytest.mark.parametrize(
+    "overrides, fields",
+    [
+        (["rollout.mode=sync", "rollout.max_staleness=3"], ["rollout.max_staleness = 3",
+                                                            "rollout.mode = sync"]),
+        (["rollout.mode=one_step", "rollout.max_staleness=0"], ["rollout.max_staleness = 0",
+                                                                "rollout.mode = one_step"]),
+        (["rollout.partial_rollout=false", "rollout.on_update=continue"],
+         ["rollout.on_update = continue", "rollout.partial_rollout = false"]),
+        (["rollout.max_staleness=1", "train.max_token_age=2"],
+         ["train.max_token_age = 2", "rollout.max_staleness = 1"]),
+        (["rollout.mode=sync", "train.max_token_age=1"], ["train.max_token_age = 1",
+                                                          "rollout.mode = sync"]),
+        (["rollout.max_context_age=4"], ["rollout.max_context_age = 4",
+                                         "train.max_token_age"]),
+        (["rollout.max_staleness=3", "train.max_token_age=1", "rollout.max_context_age=2"],
+         ["rollout.max_context_age = 2", "rollout.max_staleness"]),
+        (["rollout.group_size=1"], ["rollout.group_size = 1",
+                                    "rollout.filter_zero_variance = true"]),
+        (["sampling.temperature=0"], ["sampling.temperature = 0", "eval.temperature"]),
+    ],
+)
+def test_contradicting_or_untrainable_settings_fail_at_load_naming_both(overrides, fields):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for text in fields:
+        assert text in str(info.value)
+
+
+def test_consistent_settings_load():
+    load_config(None, ["rollout.mode=sync", "rollout.max_staleness=0"])  # agrees with the mode
+    load_config(None, ["rollout.mode=sync"])  # the async default is not a contradiction
+    load_config(None, ["rollout.partial_rollout=false"])
+    load_config(None, ["rollout.group_size=1", "rollout.filter_zero_variance=false"])
+    load_config(None, ["train.max_token_age=2", "rollout.max_context_age=5"])
+    load_config(None, ["sampling.temperature=0.7", "eval.temperature=0"])
+    load_config(EXAMPLES / "tick.yaml", ["rollout.mode=sync"])  # the README's override
+    load_config(EXAMPLES / "tick.yaml", ["rollout.partial_rollout=false"])
+
+
+def test_a_source_reward_contradicting_reward_name_is_an_error_naming_both():
+    sources = "tasks.sources=[{kind: tick}, {kind: math, reward: math}]"
+    with pytest.raises(ConfigError, match=r"tasks.sources.1.reward = 'math' contradicts "
+                                          r"reward.name = 'exact_match'"):
+        load_config(None, [sources, "reward.name=exact_match"])
+    cfg = load_config(None, [sources])  # reward.name: auto lets each source choose
+    assert [s.reward for s in cfg.tasks.sources] == [None, "math"]
+    assert load_config(None, ["reward.name=math"]).reward.name == "math"
+
+
 def test_config_is_frozen_and_light():
     import subprocess
     import sys

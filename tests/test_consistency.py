@@ -9,18 +9,24 @@ import asyncio
 import pytest
 import torch
 
+from rollstream.clock import WallClock
 from rollstream.config import EngineConfig, RewardConfig, TrainConfig
 from rollstream.data.ledger import Ledger
 from rollstream.engine.factory import build_engine
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
-from rollstream.clock import WallClock
+from rollstream.reward.registry import get_reward
 from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import Group, SampleStatus, Task
-
 from tests.engine.helpers import make_tiny_model
+
+
+async def _parity(task: Task, text: str) -> float:  # async: graded in the loop, no worker
+    return float(int(text.split()[0]) % 2)
 
 
 def _tasks(n: int) -> list[Task]:
@@ -36,14 +42,16 @@ def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path, temperat
     async def main():
         engine = build_engine(EngineConfig(local={"max_slots": 8, "max_seq_len": 128}), model)
         ledger = Ledger()
-        graders = GraderPool(RewardConfig(), lambda task: lambda t, text: float(int(text.split()[0]) % 2))
-        disp = Dispatcher(engines=[engine], params=SamplingParams(max_new_tokens=24, temperature=temperature),
-                          graders=graders, decode=lambda ids: " ".join(map(str, ids)), ledger=ledger,
-                          clock=WallClock())
+        parity = get_reward(_parity)
+        graders = GraderPool(RewardConfig(), lambda task: parity)
+        disp = Dispatcher(engines=[engine],
+                          params=SamplingParams(max_new_tokens=24, temperature=temperature),
+                          graders=graders, decode=lambda ids: " ".join(map(str, ids)),
+                          lifecycle=Lifecycle(ledger, WallClock()), clock=WallClock())
         trainer = Trainer(TrainConfig(lr=1e-2, updates_per_step=1), model,
-                          temperature=temperature)
+                          staleness=StalenessPolicy(max_staleness=0), temperature=temperature)
         applied = []
-        sync = WeightSync(disp, "interrupt", lambda v, s: applied.append(v))
+        sync = WeightSync([engine], disp, "interrupt", lambda v, s: applied.append(v))
         sync_task = asyncio.create_task(sync.run())
         diffs = {}
         for version in (0, 1):

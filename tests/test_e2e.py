@@ -36,13 +36,19 @@ def cache_dir(tmp_path_factory) -> Path:
 def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
                              "name=e2e", "train.steps=20", "rollout.mode=async",
-                             "rollout.max_staleness=2", "monitor.report=true"])
+                             "rollout.max_staleness=2", "monitor.report=true",
+                             "eval.every=8", "train.checkpoint_every=10"])
     summary = run_training(cfg)
     assert summary["reward_final"] > summary["reward_initial"] + 0.1, summary
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json",
-              "report.html", "checkpoint/config.json"):
+              "report.html", "checkpoint/config.json", "checkpoints/step_000010/config.json",
+              "checkpoints/step_000020/model.safetensors"):
         assert (run / f).exists(), f
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000010", "step_000020"]  # written atomically: no temporary folder left
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["kind"] == "eval"] == [0, 8, 16, 20]  # eval.every
     rows = read_ledger(run / "ledger.jsonl")
     trained = [r for r in rows if r["status"] == "trained"]
     assert len(trained) == summary["trained_samples"] > 0
@@ -51,11 +57,12 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
 
 
 @register_reward("flaky_tick")
-def _flaky(task, text: str):
-    """Correct answers score 1, except that every task whose index ends in 3 returns a string."""
+def _flaky(task, text: str, *, finish_reason: str):
+    """Correct answers score 1, except that every task whose index ends in 3 returns a string
+    (runs in a reward worker process, which imports this module)."""
     if task.uid.endswith("3"):
         return "not a number"
-    return 1.0 if text == task.reference + "<|endoftext|>" else 0.0
+    return 1.0 if finish_reason == "stop" and text.strip() == task.reference else 0.0
 
 
 @pytest.mark.slow
@@ -66,6 +73,7 @@ def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, cac
                                            for j in range(1 + i % 5))}) for i in range(40)]
     rows.insert(5, "{not json")
     rows.insert(9, json.dumps({"id": "noprompt", "answer": "1"}))
+    rows.insert(20, json.dumps({"id": "noprompt", "prompt": "", "answer": "2"}))  # same id
     data.write_text("\n".join(rows) + "\n")
     cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
                              "name=bad", "train.steps=2", "reward.name=flaky_tick",
@@ -76,12 +84,35 @@ def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, cac
     assert summary["steps"] == 2
     ledger = read_ledger(tmp_path / "bad" / "ledger.jsonl")
     bad_rows = {r["task_uid"]: r["reason"] for r in ledger if r["sample_uid"].endswith("#row")}
-    assert set(bad_rows) == {"ds/line6", "ds/noprompt"}
-    assert "not JSON" in bad_rows["ds/line6"] and "prompt" in bad_rows["ds/noprompt"]
+    assert set(bad_rows) == {"ds/line6", "ds/line10", "ds/line21"}  # rejected rows: by line
+    assert "not JSON" in bad_rows["ds/line6"]
+    for line in (10, 21):
+        assert f"{data} line {line} (id 'noprompt')" in bad_rows[f"ds/line{line}"]
+        assert "'prompt'" in bad_rows[f"ds/line{line}"]
     failed = [r for r in ledger if r["status"] == "failed" and not r["sample_uid"].endswith("#row")]
     assert failed and all(r["task_uid"].endswith("3") for r in failed)
     assert all("expected a finite number" in r["reason"] for r in failed)
     assert any(r["status"] == "trained" for r in ledger)
+
+
+def test_bad_inputs_fail_before_the_run_directory_is_touched(tmp_path):
+    """A missing model folder, dataset file or reward name stops the run before anything in
+    runs/<name> is written or deleted (an earlier run's ledger survives)."""
+    old = tmp_path / "keep"
+    old.mkdir()
+    (old / "ledger.jsonl").write_text('{"sample_uid": "earlier"}\n')
+    bad = [
+        (["model.path=/nonexistent/model"], "model.path"),
+        ([f"tasks.sources=[{{kind: jsonl, path: '{tmp_path}/missing.jsonl'}}]"],
+         "tasks.sources.0.path"),
+        (["reward.name=no_such_reward"], "reward.name"),
+    ]
+    for overrides, field in bad:
+        cfg = load_config(None, [*overrides, f"run_root={tmp_path}", "name=keep"])
+        with pytest.raises(ValueError, match=field):
+            run_training(cfg)
+        assert sorted(p.name for p in old.iterdir()) == ["ledger.jsonl"]
+        assert (old / "ledger.jsonl").read_text() == '{"sample_uid": "earlier"}\n'
 
 
 def test_cli_reports_config_errors_with_the_field(tmp_path):

@@ -1,6 +1,14 @@
 import pytest
 
-from rollstream.trajectory import Group, Sample, SampleStatus, Segment, SegmentKind, Task
+from rollstream.trajectory import (
+    Group,
+    Sample,
+    SampleStatus,
+    Segment,
+    SegmentKind,
+    Task,
+    eval_group_id,
+)
 
 
 def _task(uid: str = "src/train/1") -> Task:
@@ -35,7 +43,7 @@ def test_sample_concatenates_segments_and_tracks_versions():
     g = Group.new(_task(), 2, k=3)
     s = g.samples[1]
     assert s.uid == "src/train/1#g3/1" and g.group_id == "src/train/1#g3"
-    assert s.min_version() is None and s.staleness(5) == 0
+    assert s.min_version() is None
     s.append_policy_tokens([10, 11], [-0.5, -0.25], [2, 2])
     s.append_policy_tokens([12], [-1.0], [3])  # resumed on new weights: same segment
     assert len(s.segments) == 1
@@ -44,20 +52,29 @@ def test_sample_concatenates_segments_and_tracks_versions():
     assert s.response_ids == [10, 11, 12, 99, 13]
     assert s.versions == [2, 2, 3, -1, 4]
     assert s.loss_mask == [True, True, True, False, True]
-    assert s.min_version() == 2 and s.staleness(5) == 3
+    assert s.min_version() == 2 and g.min_version() == 2
     assert s.num_response_tokens == 5
 
 
-def test_terminal_status_is_final():
-    s = Group.new(_task(), 1).samples[0]
-    s.mark(SampleStatus.RUNNING)
-    s.mark(SampleStatus.FAILED, "engine error")
-    assert s.status.is_terminal() and s.failure == "engine error"
-    with pytest.raises(AssertionError, match="already failed"):
-        s.mark(SampleStatus.TRAINED)
+def test_terminal_statuses():
     terminal = {st for st in SampleStatus if st.is_terminal()}
     assert terminal == {SampleStatus.TRAINED, SampleStatus.FILTERED, SampleStatus.DROPPED_STALE,
                         SampleStatus.FAILED, SampleStatus.EVALUATED, SampleStatus.ABORTED}
+
+
+def test_eval_groups_have_their_own_id_namespace():
+    t = _task()
+    train_ids = {Group.new(t, 1, k=k).group_id for k in range(2000)}
+    assert Group.new(t, 1, group_id=eval_group_id(t.uid, 0)).group_id not in train_ids
+    assert eval_group_id(t.uid, 0) != eval_group_id(t.uid, 1)
+
+
+def test_baseline_rewards_count_failed_samples_only_when_asked():
+    g = Group.new(_task(), 3)
+    g.samples[0].reward, g.samples[1].reward = 1.0, 0.0
+    g.samples[2].status = SampleStatus.FAILED
+    assert [r for _, r in g.baseline_rewards(None)] == [1.0, 0.0]
+    assert [r for _, r in g.baseline_rewards(0.0)] == [1.0, 0.0, 0.0]
 
 
 def test_group_checks_its_samples():

@@ -69,10 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             from rollstream.config import load_config
-            from rollstream.runtime.train import run_training
+            from rollstream.runtime.train import RunStopped, run_training
 
             cfg = load_config(args.config, args.overrides)
-            run_training(cfg)
+            try:
+                run_training(cfg)
+            except RunStopped as e:
+                print(f"rollstream: the run stopped before its last step: {e}", file=sys.stderr)
+                return 1
         elif args.command == "bench":
             extra = {}
             if args.config is not None:

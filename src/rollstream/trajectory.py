@@ -15,7 +15,9 @@ Invariants checked at construction:
 Lifecycle: a Sample moves PENDING -> RUNNING (-> INTERRUPTED -> RUNNING)* -> GENERATED ->
 GRADED and then reaches exactly one terminal status: TRAINED, FILTERED, DROPPED_STALE,
 FAILED, EVALUATED (held-out samples that are scored, never trained) or ABORTED (the run
-stopped before the sample could be used).
+stopped before the sample could be used). Statuses change only through
+``rollout.lifecycle.Lifecycle.move``, which checks each transition and writes terminal ones to
+the ledger exactly once.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Task:
     source: str
     prompt_ids: tuple[int, ...]
     prompt_text: str
-    reference: str  # the answer the verifier checks against
+    reference: str  # the answer its reward checks against
 
     def __post_init__(self) -> None:
         if not self.uid:
@@ -115,7 +117,20 @@ class Segment:
 
 
 def group_id_of(task_uid: str, k: int = 0) -> str:
+    """Training group ids: ``k`` is the admission index (a task drawn again gets a new id)."""
     return f"{task_uid}#g{k}"
+
+
+EVAL_TAG = "#eval"
+
+
+def eval_group_id(task_uid: str, round_index: int) -> str:
+    """Held-out groups live in their own namespace, apart from every training group id."""
+    return f"{task_uid}{EVAL_TAG}{round_index}"
+
+
+def is_eval_uid(sample_or_group_uid: str) -> bool:
+    return EVAL_TAG in sample_or_group_uid
 
 
 @dataclass(slots=True, kw_only=True)
@@ -134,11 +149,7 @@ class Sample:
     num_interrupts: int = 0
     trained_at_step: int | None = None
     min_trained_version: int | None = None  # oldest version among the tokens the loss kept
-    num_trained_tokens: int | None = None  # tokens the loss kept (loss mask and token age)
-    # timing on the injected clock (seconds)
-    t_dispatch_s: float | None = None
-    t_generated_s: float | None = None
-    t_graded_s: float | None = None
+    num_trained_tokens: int | None = None  # tokens the loss kept (the trainer says: KeptTokens)
 
     @property
     def uid(self) -> str:
@@ -165,32 +176,10 @@ class Sample:
     def num_response_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
 
-    def min_version(self, since: int | None = None) -> int | None:
-        """Oldest policy version among sampled tokens, counting only versions >= ``since``
-        when given (None if there is no such token)."""
-        vs = [v for s in self.segments if s.kind is SegmentKind.POLICY for v in s.versions
-              if since is None or v >= since]
-        return min(vs) if vs else None
-
-    def staleness(self, trainer_step: int, max_token_age: int | None = None) -> int:
-        """Trainer step minus the oldest version of the tokens a loss at that step keeps: every
-        sampled token, or with ``max_token_age`` (the trainer masks older tokens) only those of
-        version >= step - max_token_age. 0 if there is no such token."""
-        since = None if max_token_age is None else trainer_step - max_token_age
-        v = self.min_version(since)
-        return 0 if v is None else trainer_step - v
-
-    def num_kept_tokens(self, trainer_step: int, max_token_age: int | None) -> int:
-        """Tokens a loss at ``trainer_step`` keeps: loss-masked policy tokens no older than
-        ``max_token_age`` (all of them when None)."""
-        since = None if max_token_age is None else trainer_step - max_token_age
-        return sum(m and (since is None or v >= since)
-                   for m, v in zip(self.loss_mask, self.versions, strict=True))
-
-    def too_old(self, trainer_step: int, max_token_age: int | None) -> bool:
-        """Every sampled token is older than ``max_token_age``: a loss at that step keeps none."""
-        return (max_token_age is not None and self.min_version() is not None
-                and self.min_version(trainer_step - max_token_age) is None)
+    def min_version(self) -> int | None:
+        """Oldest policy version among the sampled tokens (None: no sampled token yet)."""
+        vs = [v for seg in self.segments if seg.kind is SegmentKind.POLICY for v in seg.versions]
+        return min(vs, default=None)
 
     def append_policy_tokens(
         self, token_ids: list[int], logprobs: list[float], versions: list[int]
@@ -214,16 +203,6 @@ class Sample:
         else:
             self.segments.append(seg)
 
-    def mark(self, status: SampleStatus, reason: str | None = None) -> None:
-        """Move to ``status``; a terminal status is final."""
-        if self.status.is_terminal():
-            raise AssertionError(
-                f"sample {self.uid} is already {self.status.value}; cannot become {status.value}"
-            )
-        self.status = status
-        if reason is not None:
-            self.failure = reason
-
 
 @dataclass(slots=True, kw_only=True)
 class Group:
@@ -242,20 +221,47 @@ class Group:
                 raise ValueError(f"group {self.group_id}: sample {s.uid} belongs elsewhere")
 
     @classmethod
-    def new(cls, task: Task, size: int, k: int = 0) -> Group:
+    def new(cls, task: Task, size: int, k: int = 0, *, group_id: str | None = None) -> Group:
+        """``size`` fresh samples of ``task``; id ``group_id_of(task.uid, k)`` unless given."""
         if size < 1:
             raise ValueError(f"group size must be >= 1, got {size}")
-        gid = group_id_of(task.uid, k)
+        gid = group_id or group_id_of(task.uid, k)
         return cls(
             group_id=gid,
             task=task,
             samples=[Sample(task=task, group_id=gid, sample_idx=i) for i in range(size)],
         )
 
-    def is_graded(self) -> bool:
-        return all(
-            s.status is SampleStatus.GRADED or s.status.is_terminal() for s in self.samples
-        )
+    def min_version(self) -> int | None:
+        """Oldest policy version among every sampled token of the group (None: no token)."""
+        vs = [v for s in self.samples if (v := s.min_version()) is not None]
+        return min(vs, default=None)
 
-    def rewards(self) -> list[float | None]:
-        return [s.reward for s in self.samples]
+    def baseline_rewards(self, failed_reward: float | None) -> list[tuple[Sample, float]]:
+        """(sample, reward) pairs that form the group's baseline: graded samples, plus FAILED
+        ones scored ``failed_reward`` when it is not None (``train.failed_reward: zero``).
+        The zero-variance filter and the advantages both use this, so they agree."""
+        out = []
+        for s in self.samples:
+            if s.reward is not None:
+                out.append((s, s.reward))
+            elif failed_reward is not None and s.status is SampleStatus.FAILED:
+                out.append((s, failed_reward))
+        return out
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class KeptTokens:
+    """What a trainer step's loss kept of one sample (loss mask, token age, truncated support, masked IS)."""
+
+    num_tokens: int
+    min_version: int | None  # oldest version among the kept tokens (None when none kept)
+    reason: str | None = None  # why nothing was kept, when num_tokens == 0
+
+
+@dataclass(slots=True, kw_only=True)
+class StepResult:
+    """One trainer step: its metrics, and per sample uid what the loss kept."""
+
+    metrics: dict[str, float]
+    kept: dict[str, KeptTokens]

@@ -127,8 +127,9 @@ def synth_run(run_dir: Path, *, num_steps: int = 40, engines: int = 2, slots: in
         clock.t = ev.t
         if ev.call == "span":
             metrics.span(**ev.args)
-        elif ev.call == "ledger":
-            metrics.ledger(ev.args)
+        elif ev.call == "ledger":  # appended as the data ledger does
+            with (run_dir / "ledger.jsonl").open("a") as f:
+                f.write(json.dumps({**ev.args, "t_s": ev.t}) + "\n")
         else:
             step = ev.args["step"]
             _record_step(metrics, rng, step, num_steps, per_step.get(step, []))

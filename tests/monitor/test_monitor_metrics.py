@@ -31,7 +31,14 @@ def ledger_entry(uid: str, status: str = "trained", source: str = "math", **kw: 
     return {"sample_uid": uid, "task_uid": "t0", "source": source, "status": status,
             "reason": kw.get("reason"), "reward": kw.get("reward", 1.0), "num_tokens": 12,
             "min_version": 0, "max_version": 1, "num_interrupts": 1,
-            "trained_at_step": 2 if status == "trained" else None}
+            "trained_at_step": 2 if status == "trained" else None, "t_s": kw.get("t_s", 0.0)}
+
+
+def append_ledger(run_dir: Path, *entries: dict) -> None:
+    """Append lines as the data ledger (the file's one writer) does."""
+    with (run_dir / "ledger.jsonl").open("a") as f:
+        for e in entries:
+            f.write(json.dumps(e) + "\n")
 
 
 def test_record_writes_metrics_jsonl_flushed_per_call(tmp_path: Path) -> None:
@@ -104,26 +111,18 @@ def test_span_and_ledger_lines(tmp_path: Path) -> None:
     assert [set(s) for s in spans] == [SPAN_KEYS, SPAN_KEYS]
     assert spans[0]["outcome"] == "interrupted" and spans[1]["engine_id"] == "vllm-1"
 
-    clock.t = 3.0
-    m.ledger(ledger_entry("s1"))
-    m.ledger({**ledger_entry("s2", "failed", reason="reward timeout"), "t_s": 9.0})
-    with pytest.raises(ValueError, match="status"):
-        m.ledger({"sample_uid": "s3", "status": "lost"})
-    rows = lines(tmp_path / "ledger.jsonl")
-    assert [r["t_s"] for r in rows] == [3.0, 9.0]
-    assert rows[0]["sample_uid"] == "s1" and rows[1]["reason"] == "reward timeout"
     m.close()
 
 
-def test_latest_counts_ledger_lines_from_another_writer(tmp_path: Path) -> None:
+def test_latest_counts_the_data_ledgers_lines(tmp_path: Path) -> None:
     m = Metrics(tmp_path, CFG, clock=FakeClock())
     m.record("rollout", 1, {"gen_tok_s": 500.0, "len_mean/math": 30.0})
     m.record("train", 1, {"reward_mean": 0.5})
     m.record("rollout", 2, {"in_flight": 16})
     m.observe("staleness", 1)
     m.record("train", 2, {"reward_mean": 0.6})
-    m.ledger(ledger_entry("a"))
-    # the data ledger appends to the same file itself (torn last line included)
+    append_ledger(tmp_path, ledger_entry("a"))
+    # the data ledger appends to the file (torn last line included)
     with (tmp_path / "ledger.jsonl").open("a") as f:
         f.write(json.dumps(ledger_entry("b", "filtered", reason="zero variance")) + "\n")
         f.write('{"sample_uid": "c", "sta')
@@ -148,10 +147,9 @@ def test_in_memory_registry_writes_no_files(tmp_path: Path,
         m.record("eval", 0, {"reward": 0.3})
         m.span(sample_uid="s", engine_id=0, slot=0, t_start_s=0, t_end_s=1, version_start=0,
                version_end=0, num_tokens=3, outcome="done")
-        m.ledger(ledger_entry("s"))
         state = m.latest()
     assert state["kinds"]["eval"]["reward"] == 0.3
-    assert state["num_spans"] == 1 and state["ledger"]["num_samples"] == 1
+    assert state["num_spans"] == 1 and state["ledger"]["num_samples"] == 0
     assert list(tmp_path.iterdir()) == []
 
 
@@ -193,8 +191,7 @@ def test_prometheus_text_and_server(tmp_path: Path) -> None:
     m.record("rollout", 5, {"odd/x": 1.0, "odd": 2.0})  # label form first, then plain: no clash
     m.observe("staleness", 1)
     m.observe("len/tick", 20)
-    m.ledger(ledger_entry("a"))
-    m.ledger(ledger_entry("b", "dropped_stale", source="tick"))
+    append_ledger(tmp_path, ledger_entry("a"), ledger_entry("b", "dropped_stale", source="tick"))
     text = m.prom.text().decode()
     assert "rollstream_train_loss 0.125" in text
     assert "rollstream_train_reward_mean 0.5" in text

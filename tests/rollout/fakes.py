@@ -1,6 +1,11 @@
 """Test doubles at the process edges of the rollout layer: an engine whose requests finish
 after random numbers of tokens with random per-token delays, and a trainer that only counts.
-They honour the engine contract (token boundaries, interrupts, per-token versions)."""
+They honour the engine contract (token boundaries, interrupts, per-token versions, health).
+
+Faults on demand: ``die_after_tokens`` (the engine dies after generating that many tokens: its
+in-flight requests return ABORT with their partial tokens and the cause, later ones ABORT
+with no token, health DEAD), ``error_prompts`` (every request fails with ERROR, as a prompt
+that does not fit), ``hang`` (requests never finish until interrupted)."""
 
 from __future__ import annotations
 
@@ -9,11 +14,24 @@ import random
 import zlib
 from collections.abc import Mapping, Sequence
 
-from rollstream.engine.protocol import EngineStats, FinishReason, GenerateOutput, GenerateRequest
+from rollstream.engine.protocol import (
+    EngineHealth,
+    EngineStats,
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+)
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.trajectory import KeptTokens, StepResult
 
 
 class RandomEngine:
-    def __init__(self, seed: int, engine_id: str = "rand-0", max_delay_s: float = 0.002) -> None:
+    def __init__(self, seed: int, engine_id: str = "rand-0", max_delay_s: float = 0.002, *,
+                 die_after_tokens: int | None = None, error_prompts: bool = False,
+                 hang: bool = False, max_len: int = 24) -> None:
+        self.die_after_tokens, self.error_prompts, self.hang = die_after_tokens, error_prompts, hang
+        self.max_len = max_len
+        self.dead: str | None = None
         self.engine_id = engine_id
         self.version = 0
         self.rng = random.Random(seed)
@@ -21,58 +39,93 @@ class RandomEngine:
         self._aborted: set[str] = set()
         self._running: set[str] = set()
         self.generated = 0
+        self.tokens_by_sample: dict[str, int] = {}  # sample uid -> tokens generated for it
+        self.loads: list[tuple[int, int]] = []
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        self._running.add(request.request_id)
+        rid = request.request_id
+        if self.dead is not None:
+            return GenerateOutput(request_id=rid, token_ids=[], logprobs=[], versions=[],
+                                  finish_reason=FinishReason.ABORT, error=self.dead)
+        if self.error_prompts:
+            await asyncio.sleep(0)
+            return GenerateOutput(request_id=rid, token_ids=[], logprobs=[], versions=[],
+                                  finish_reason=FinishReason.ERROR,
+                                  error=f"prompt of {len(request.prompt_ids)} tokens does not fit")
+        self._running.add(rid)
         # a sample's total length is a function of its uid (the request id before '@'), so a
         # resumed request continues the same sample; tokens still owed = total - done
-        sample_uid = request.request_id.split("@")[0]
-        total = 1 + zlib.crc32(sample_uid.encode()) % 24
+        sample_uid = rid.split("@")[0]
+        total = 1 + zlib.crc32(sample_uid.encode()) % self.max_len
         done = len(request.prompt_ids) - 4
         target = max(1, min(total - done, request.params.max_new_tokens))
         ids, lps, vs = [], [], []
         try:
-            while len(ids) < target:
+            while len(ids) < target or self.hang:
                 await asyncio.sleep(self.rng.random() * self.max_delay_s)
-                if request.request_id in self._aborted:
-                    return GenerateOutput(request_id=request.request_id, token_ids=ids,
-                                          logprobs=lps, versions=vs,
-                                          finish_reason=FinishReason.ABORT)
+                if rid in self._aborted or self.dead is not None:
+                    return GenerateOutput(request_id=rid, token_ids=ids, logprobs=lps,
+                                          versions=vs, finish_reason=FinishReason.ABORT,
+                                          error=self.dead)
+                if self.hang:
+                    continue
                 ids.append(self.rng.randrange(1, 50))
                 lps.append(-1.0)
                 vs.append(self.version)
                 self.generated += 1
+                self.tokens_by_sample[sample_uid] = self.tokens_by_sample.get(sample_uid, 0) + 1
+                if self.die_after_tokens is not None and self.generated >= self.die_after_tokens:
+                    self.dead = f"engine {self.engine_id} died (injected fault)"
             return GenerateOutput(request_id=request.request_id, token_ids=ids, logprobs=lps,
                                   versions=vs, finish_reason=FinishReason.LENGTH)
         finally:
-            self._running.discard(request.request_id)
-            self._aborted.discard(request.request_id)
+            self._running.discard(rid)
+            self._aborted.discard(rid)
 
     async def interrupt(self, request_ids: Sequence[str] | None = None) -> None:
-        self._aborted.update(self._running if request_ids is None else request_ids)
+        """Like the real engines: returns once the interrupted requests have stopped."""
+        ids = set(self._running if request_ids is None else request_ids)
+        self._aborted.update(ids)
+        while ids & self._running:
+            await asyncio.sleep(0.0005)
 
     async def load_weights(self, version: int, tensors: Mapping) -> None:
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
+        self.loads.append((version, len(self._running)))  # (version, requests running then)
         await asyncio.sleep(0)
         self.version = version
 
     def stats(self) -> EngineStats:
         return EngineStats(engine_id=self.engine_id, version=self.version,
                            num_running=len(self._running), num_waiting=0, capacity=1 << 30,
-                           generated_tokens=self.generated, busy_s=0.0)
+                           generated_tokens=self.generated, busy_s=0.0,
+                           health=EngineHealth.DEAD if self.dead else EngineHealth.UP,
+                           health_reason=self.dead)
 
 
 class CountingTrainer:
-    def __init__(self, seed: int, max_delay_s: float = 0.01) -> None:
+    """Records its batches; keeps what the staleness policy's token mask keeps."""
+
+    def __init__(self, seed: int, policy: StalenessPolicy, max_delay_s: float = 0.01) -> None:
         self.rng = random.Random(seed)
+        self.policy = policy
         self.max_delay_s = max_delay_s
         self.batches: list[list] = []
 
-    def step(self, groups, step: int) -> dict[str, float]:
+    def step(self, groups, step: int) -> StepResult:
         import time
 
         time.sleep(self.rng.random() * self.max_delay_s)
         self.batches.append([(g.group_id, [s.uid for s in g.samples]) for g in groups])
-        return {"loss": 0.0}
+        kept = {}
+        for g in groups:
+            for s in g.samples:
+                if s.reward is not None:
+                    n, oldest = self.policy.kept_tokens(s, step)
+                    kept[s.uid] = KeptTokens(num_tokens=n, min_version=oldest,
+                                             reason=None if n else "masked by token age")
+        return StepResult(metrics={"loss": 0.0}, kept=kept)
 
     def state_dict(self) -> dict:
         return {}

@@ -9,17 +9,18 @@ import asyncio
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rollstream.clock import WallClock
-from rollstream.config import RewardConfig, RolloutConfig, TrainConfig
+from rollstream.config import RewardConfig, RolloutConfig, RunConfig, TrainConfig
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
-from rollstream.rollout.dispatcher import Dispatcher
-from rollstream.runtime.controller import Controller
-from rollstream.trajectory import SampleStatus, Task
+from rollstream.reward.registry import get_reward
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.runtime.build import build_loop
+from rollstream.trajectory import Task
 
 from .fakes import CountingTrainer, NullMetrics, RandomEngine
 
@@ -38,33 +39,52 @@ def _reward(task: Task, text: str) -> float:
     return float(len(text) % 3 == 0)
 
 
+def rollout_cfg(*, mode: str, k: int, partial: bool, on_update: str, **extra) -> RolloutConfig:
+    """The rollout section as a user would write it: no setting the mode contradicts."""
+    kw = dict(mode=mode, partial_rollout=partial, group_size=3, **extra)
+    if mode == "async":
+        kw["max_staleness"] = k
+    if partial:
+        kw["on_update"] = on_update
+    return RolloutConfig(**kw)
+
+
 def run_controller(tmp_path, *, mode: str, k: int, partial: bool, on_update: str, seed: int,
-                   steps: int = 6, num_engines: int = 2, max_token_age: int | None = None):
+                   steps: int = 6, num_engines: int = 2, max_token_age: int | None = None,
+                   engines=None, reward=_reward, max_wall_s: float | None = None,
+                   **rollout_extra):
+    cfg = RunConfig(
+        rollout=rollout_cfg(mode=mode, k=k, partial=partial, on_update=on_update,
+                            **rollout_extra),
+        train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
+        max_wall_s=max_wall_s,
+    )
+
     async def main():
-        engines = [RandomEngine(seed + i, engine_id=f"rand-{i}") for i in range(num_engines)]
+        engs = engines() if engines is not None else [
+            RandomEngine(seed + i, engine_id=f"rand-{i}") for i in range(num_engines)]
         ledger = Ledger(tmp_path / "ledger.jsonl")
-        graders = GraderPool(RewardConfig(timeout_s=5.0), lambda task: _reward)
-        clock = WallClock()
-        disp = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=24),
-                          graders=graders, decode=lambda ids: "x" * len(ids), ledger=ledger,
-                          clock=clock)
-        trainer = CountingTrainer(seed)
-        ctl = Controller(
-            rollout=RolloutConfig(mode=mode, max_staleness=k, partial_rollout=partial,
-                                  on_update=on_update, group_size=3),
-            train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
-            tasks=Tasks(), dispatcher=disp,
-            trainer=trainer, ledger=ledger, metrics=NullMetrics(), clock=clock,
-        )
-        res = await ctl.run()
-        graders.close()
-        ledger.close()
-        return ctl, res, ledger, trainer
+        async def in_loop(task: Task, text: str) -> float:  # no worker process for a test double
+            return reward(task, text)
+
+        graders = GraderPool(RewardConfig(timeout_s=5.0), lambda task, r=get_reward(in_loop): r)
+        policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+        trainer = CountingTrainer(seed, policy)
+        loop = build_loop(cfg, engines=engs, trainer=trainer, tasks=Tasks(), graders=graders,
+                          decode=lambda ids: "x" * len(ids), ledger=ledger,
+                          metrics=NullMetrics(), clock=WallClock(),
+                          params=SamplingParams(max_new_tokens=24))
+        try:
+            res = await loop.controller.run()
+        finally:
+            graders.close()
+            ledger.close()
+        return loop, res, ledger, trainer
 
     return asyncio.run(main())
 
 
-def check_invariants(tmp_path, ctl, res, ledger, trainer, k, max_token_age=None):
+def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None):
     assert res.steps_done == len(trainer.batches)
     assert not ledger.unfinished(), "every dispatched sample reaches a terminal status"
     rows = read_ledger(tmp_path / "ledger.jsonl")
@@ -72,8 +92,11 @@ def check_invariants(tmp_path, ctl, res, ledger, trainer, k, max_token_age=None)
     assert len(uids) == len(set(uids)), "no sample recorded twice"
     trained = [r for r in rows if r["status"] == "trained"]
     assert len(trained) == res.trained_samples > 0
+    bound = loop.rollout.policy.context_bound
     for r in trained:  # the tokens the loss keeps are at most k (and max_token_age) old
         assert r["trained_at_step"] - r["min_trained_version"] <= k, r
+        assert r["trained_at_step"] - r["min_version"] <= bound, r  # nor any token it saw
+        assert r["num_trained_tokens"] > 0, r
         if max_token_age is None:
             assert r["min_trained_version"] == r["min_version"], r
         else:
@@ -88,14 +111,15 @@ def check_invariants(tmp_path, ctl, res, ledger, trainer, k, max_token_age=None)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
        on_update=st.sampled_from(["interrupt", "continue"]),
-       max_token_age=st.sampled_from([None, 0, 1, 2, 4]))
+       max_token_age=st.sampled_from([None, 0, 1, 2, 3]))
 def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, partial, on_update,
                                                 max_token_age):
+    assume(max_token_age is None or max_token_age <= k)  # else a config error (test_config)
     tmp = tmp_path_factory.mktemp("run")
-    ctl, res, ledger, trainer = run_controller(tmp, mode="async", k=k, partial=partial,
-                                               on_update=on_update, seed=seed,
-                                               max_token_age=max_token_age)
-    check_invariants(tmp, ctl, res, ledger, trainer, k, max_token_age)
+    loop, res, ledger, trainer = run_controller(tmp, mode="async", k=k, partial=partial,
+                                                on_update=on_update, seed=seed,
+                                                max_token_age=max_token_age)
+    check_invariants(tmp, loop, res, ledger, trainer, k, max_token_age)
 
 
 def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_factory):
@@ -107,10 +131,10 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
         rows = []
         for seed in (11, 12, 13):
             tmp = tmp_path_factory.mktemp("run")
-            ctl, res, ledger, trainer = run_controller(
+            loop, res, ledger, trainer = run_controller(
                 tmp, mode="async", k=1, partial=True, on_update="continue", seed=seed,
                 steps=20, max_token_age=max_token_age)
-            check_invariants(tmp, ctl, res, ledger, trainer, 1, max_token_age)
+            check_invariants(tmp, loop, res, ledger, trainer, 1, max_token_age)
             rows += read_ledger(tmp / "ledger.jsonl")
         dropped = [r["reason"] for r in rows if r["status"] == "dropped_stale"]
         masked = [r for r in rows if r["status"] == "trained"
@@ -122,42 +146,59 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
     assert not masked
     dropped, masked = run(1)
     assert masked, "resumed samples trained on their recent tokens"
-    assert all(reason.startswith("every token older than max_token_age 1") for reason in dropped)
+    # dropped: every token masked, or seen context older than max_context_age (2 x k)
+    assert all(reason.startswith(("every token older than max_token_age 1",
+                                  "context age")) for reason in dropped), dropped
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sync_mode_is_exactly_on_policy(tmp_path, seed):
-    ctl, res, ledger, trainer = run_controller(tmp_path, mode="sync", k=5, partial=True,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="sync", k=0, partial=True,
                                                on_update="interrupt", seed=seed)
-    check_invariants(tmp_path, ctl, res, ledger, trainer, 0)
+    check_invariants(tmp_path, loop, res, ledger, trainer, 0)
     rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
     assert all(r["min_version"] == r["max_version"] == r["trained_at_step"] for r in rows)
     assert not any(r["status"] == "aborted" for r in read_ledger(tmp_path / "ledger.jsonl"))
 
 
 def test_one_step_overlaps_by_one_version(tmp_path):
-    ctl, res, ledger, trainer = run_controller(tmp_path, mode="one_step", k=5, partial=False,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="one_step", k=1, partial=False,
                                                on_update="interrupt", seed=3, steps=8)
-    check_invariants(tmp_path, ctl, res, ledger, trainer, 1)
+    check_invariants(tmp_path, loop, res, ledger, trainer, 1)
     rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
     assert any(r["trained_at_step"] - r["min_version"] == 1 for r in rows)
 
 
 def test_partial_rollout_interrupts_and_keeps_versions(tmp_path):
-    ctl, res, ledger, trainer = run_controller(tmp_path, mode="async", k=3, partial=True,
-                                               on_update="interrupt", seed=4, steps=8)
-    check_invariants(tmp_path, ctl, res, ledger, trainer, 3)
+    engines: list[RandomEngine] = []
+
+    def make():
+        engines.extend(RandomEngine(4 + i, engine_id=f"rand-{i}") for i in range(2))
+        return engines
+
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=3, partial=True,
+                                                on_update="interrupt", seed=4, steps=8,
+                                                engines=make)
+    check_invariants(tmp_path, loop, res, ledger, trainer, 3)
     rows = read_ledger(tmp_path / "ledger.jsonl")
     resumed = [r for r in rows if r["num_interrupts"] > 0 and r["status"] == "trained"]
     assert resumed, "some trained samples were interrupted and resumed"
     assert any(r["max_version"] > r["min_version"] for r in resumed)
+    # every sample holds exactly the tokens its engines generated for it, across interrupts
+    made: dict[str, int] = {}
+    for e in engines:
+        for uid, n in e.tokens_by_sample.items():
+            made[uid] = made.get(uid, 0) + n
+    assert {r["sample_uid"]: r["num_tokens"] for r in rows if r["num_tokens"]} == made
 
 
 def test_a_dying_loop_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
+    step_ok = CountingTrainer.step
+
     def boom(self, groups, step):
         if step == 2:
             raise RuntimeError("trainer exploded at step 2")
-        return {"loss": 0.0}
+        return step_ok(self, groups, step)
 
     monkeypatch.setattr(CountingTrainer, "step", boom)
     with pytest.raises(BaseExceptionGroup) as info:

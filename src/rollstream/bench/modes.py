@@ -62,8 +62,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rollstream.bench.probe import ThreadMeter, probe
-from rollstream.config import RunConfig, load_config
+from rollstream.config import RunConfig, apply_override, load_config, validate
+from rollstream.trajectory import eval_group_id, is_eval_uid
 
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
@@ -97,6 +100,25 @@ def mode_configs(token_age: bool = False) -> list[tuple[str, list[str]]]:
             out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
                                               f"rollout.partial_rollout={partial}", *age(k)]))
     return out
+
+
+def row_config(config: Path, common: Sequence[str], row: Sequence[str]) -> RunConfig:
+    """The base YAML with ``common`` and then a row's overrides applied. A row sets the mode
+    and partial rollout itself, so the base's settings they would contradict (its
+    ``max_staleness`` under sync/one_step, its ``on_update`` without partial rollout) are
+    taken out first: the row replaces them, it does not contradict them."""
+    data = yaml.safe_load(Path(config).read_text()) or {}
+    for item in common:
+        apply_override(data, item)
+    settings = dict(item.split("=", 1) for item in row)
+    rollout = data.setdefault("rollout", {})
+    if settings.get("rollout.mode") in ("sync", "one_step"):
+        rollout.pop("max_staleness", None)
+    if str(settings.get("rollout.partial_rollout")).lower() == "false":
+        rollout.pop("on_update", None)
+    for item in row:
+        apply_override(data, item)
+    return validate(data)
 
 
 def run_order(quick: bool) -> list[str]:
@@ -172,13 +194,13 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _is_eval(row: dict[str, Any]) -> bool:
-    return "/eval/" in row["task_uid"]  # held-out task uids: {source}/eval/{index}
+    return is_eval_uid(row["sample_uid"])
 
 
 def _reward_se(ledger: list[dict[str, Any]], *, round_index: int) -> float:
     """Standard error of the eval reward over prompts (samples of one prompt are correlated,
     so the prompt is the unit)."""
-    tag = f"#g{1000 + round_index}/"  # runtime.evaluate's group ids
+    tag = eval_group_id("", round_index) + "/"
     by_task: dict[str, list[float]] = {}
     for r in ledger:
         if _is_eval(r) and tag in r["sample_uid"]:
@@ -236,9 +258,10 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, label in enumerate(run_order(quick)):
         print(f"bench modes: {label} ...", flush=True)
-        cfg = load_config(config, [*common, *modes[label], f"name={label}-{i}"])
+        cfg = row_config(config, common, [*modes[label], f"name={label}-{i}"])
         runs.setdefault(label, []).append(
-            {"max_staleness": _k(cfg), "partial_rollout": cfg.rollout.partial_rollout,
+            {"max_staleness": cfg.rollout.staleness_bound,
+             "partial_rollout": cfg.rollout.partial_rollout,
              "on_update": cfg.rollout.on_update, "kv_on_load": cfg.engine.local.kv_on_load,
              "max_token_age": cfg.train.max_token_age,
              **run_config(cfg)})
@@ -253,12 +276,6 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result
-
-
-def _k(cfg: RunConfig) -> int:
-    from rollstream.runtime.controller import staleness_settings
-
-    return staleness_settings(cfg.rollout)[0]
 
 
 def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick: bool,

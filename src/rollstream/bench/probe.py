@@ -22,7 +22,6 @@ from typing import Any, Self
 
 from rollstream.config import RunConfig
 
-
 # ---- per-thread CPU accounting (/proc/self/task/*/schedstat) ----------------------------
 ROLES = {"rollstream-local": "engine", "trainer": "trainer", "MainThread": "loop",
          "rollstream-reward": "reward"}
@@ -144,8 +143,10 @@ def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size:
     return rate, groups
 
 
-def _batch(groups: list[tuple[Any, list[Any]]], mix: Any, tokenizer: Any, n: int) -> list[Any]:
-    """``n`` graded groups, those with reward variance first (what the trainer receives)."""
+def _batch(groups: list[tuple[Any, list[Any]]], resolve: Any, tokenizer: Any, n: int) -> list[Any]:
+    """``n`` graded groups (by the run's rewards, in this process), those with reward variance
+    first (what the trainer receives)."""
+    from rollstream.reward import decode_response
     from rollstream.trajectory import Group, SampleStatus
 
     graded = []
@@ -153,7 +154,8 @@ def _batch(groups: list[tuple[Any, list[Any]]], mix: Any, tokenizer: Any, n: int
         group = Group.new(task, len(outs))
         for s, o in zip(group.samples, outs, strict=True):
             s.append_policy_tokens(o.token_ids, o.logprobs, o.versions)
-            s.reward = mix.score(task, tokenizer.decode(o.token_ids, skip_special_tokens=False))
+            response = decode_response(tokenizer, o.token_ids, finish_reason=o.finish_reason.value)
+            s.reward = resolve(task).score(task, response)
             s.status = SampleStatus.GRADED
         graded.append(group)
     graded.sort(key=lambda g: len({s.reward for s in g.samples}) == 1)
@@ -164,16 +166,15 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
     """Saturated engine tokens/s on its core, then trainer steps alone and next to it."""
     from transformers import AutoTokenizer
 
-    from rollstream.data.sources import TaskMix
+    from rollstream.data.sources import TaskMix, source_rewards
     from rollstream.engine.local import LocalEngine
-    from rollstream.engine.protocol import SamplingParams
-    from rollstream.train.trainer import Trainer
+    from rollstream.reward import build_resolver
+    from rollstream.runtime.build import build_trainer, sampling_params
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     mix = TaskMix(cfg.tasks, tokenizer)
-    params = SamplingParams(temperature=cfg.sampling.temperature,
-                            max_new_tokens=cfg.sampling.max_new_tokens,
-                            stop_token_ids=(tokenizer.eos_token_id,))
+    resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks))
+    params = sampling_params(cfg.sampling, (tokenizer.eos_token_id,))
     engine = LocalEngine(folder, cfg.engine.local)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
     g = cfg.rollout.group_size
@@ -181,9 +182,8 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
         _saturate(engine, mix, params, min(3.0, saturate_s), group_size=g)  # warm-up
         with ThreadMeter() as alone:
             sat, groups = _saturate(engine, mix, params, saturate_s, group_size=g)
-        batch = _batch(groups, mix, tokenizer, cfg.train.groups_per_step)
-        trainer = Trainer(cfg.train, folder, max_response_tokens=cfg.sampling.max_new_tokens,
-                          temperature=cfg.sampling.temperature or 1.0)
+        batch = _batch(groups, resolve, tokenizer, cfg.train.groups_per_step)
+        trainer = build_trainer(cfg, folder)
 
         def steps(n: int) -> list[float]:
             out = []

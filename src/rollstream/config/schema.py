@@ -66,8 +66,11 @@ class SourceConfig(Section):
     math-verify), ``jsonl`` (a dataset file: one ``{"prompt", "answer"}`` object per line)."""
     path: str | None = None
     """The dataset file of a ``jsonl`` source."""
-    verifier: Literal["exact_match", "math"] = "exact_match"
-    """How a ``jsonl`` source grades a response against its answer."""
+    reward: str | None = Field(None, min_length=1)
+    """The reward that grades this source's tasks: a registered reward name (``exact_match``,
+    ``math``, ``math_answer``, or one registered with ``@register_reward``) or an import path
+    ``module:function``. Null = the kind's own (tick, digits, jsonl: ``exact_match``; math:
+    ``math_answer``). Only with ``reward.name: auto``; checked when the run is built."""
     name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Source name used in task uids and metrics (null = the kind); unique within a mix."""
     weight: float = Field(1.0, gt=0)
@@ -76,6 +79,15 @@ class SourceConfig(Section):
     """Upper bound on answer items (caps the long tail)."""
     pareto_alpha: float = Field(1.1, gt=0)
     """Shape of the Pareto distribution of the number of items (smaller = longer tail)."""
+
+    @model_validator(mode="after")
+    def _path_iff_jsonl(self) -> SourceConfig:
+        if self.kind == "jsonl" and self.path is None:
+            raise ValueError("kind jsonl needs `path` (its dataset file)")
+        if self.kind != "jsonl" and self.path is not None:
+            raise ValueError(f"`path` is read only by a jsonl source; kind {self.kind} "
+                             "generates its tasks (drop path or use kind: jsonl)")
+        return self
 
 
 class TasksConfig(Section):
@@ -126,7 +138,17 @@ class VllmEngineConfig(Section):
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for /health."""
     extra_args: tuple[str, ...] = ()
-    """Extra command-line arguments for the server."""
+    """Extra command-line arguments for the server (not ``--logprobs-mode``: rollstream runs
+    vLLM with ``processed_logprobs``, the logprobs of the distribution actually sampled)."""
+
+    @model_validator(mode="after")
+    def _keeps_processed_logprobs(self) -> VllmEngineConfig:
+        if any(a.split("=", 1)[0] == "--logprobs-mode" for a in self.extra_args):
+            raise ValueError(
+                "extra_args may not set --logprobs-mode: rollstream runs vLLM with "
+                "--logprobs-mode processed_logprobs (the logprobs of the tempered, top-k/top-p "
+                "truncated distribution each token was sampled from, which training needs)")
+        return self
 
 
 class EngineConfig(Section):
@@ -151,31 +173,61 @@ class SamplingConfig(Section):
     """Response length cap."""
 
 
+_MODE_K = {"sync": 0, "one_step": 1}  # mode -> staleness bound; async: max_staleness
+
+
 class RolloutConfig(Section):
     mode: Literal["sync", "one_step", "async"] = "async"
     """``sync``: generate a batch, train, repeat (on-policy). ``one_step``: rollout of step k+1
     overlaps training of step k. ``async``: continuous rollout bounded by max_staleness."""
     max_staleness: int = Field(2, ge=0)
-    """Largest (trainer step - oldest token version) a trained sample may have (async)."""
+    """``async`` only: largest (trainer step - policy version) of a token the loss keeps; also
+    sizes admission (a group starts only while admitted <= (served version + k + 1) x
+    groups_per_step). ``sync`` means 0 and ``one_step`` 1: setting another value with them
+    is an error."""
+    max_context_age: int | None = Field(None, ge=0)
+    """With ``train.max_token_age``: largest (trainer step - policy version) of *any* token a
+    trained sample has seen, masked or not (null = 2 x the staleness bound). Without
+    max_token_age every token counts and the bound is max_staleness itself."""
     partial_rollout: bool = True
     """On a weight update, interrupt in-flight samples and resume them on the new weights
     (keeping their tokens) instead of letting them finish on the old ones."""
     on_update: Literal["interrupt", "continue"] = "interrupt"
     """With partial_rollout: ``interrupt`` (abort at a token boundary and resubmit prompt +
-    partial) or ``continue`` (keep the request, later tokens carry the new version)."""
+    partial) or ``continue`` (keep the request, later tokens carry the new version). Setting
+    it with ``partial_rollout: false`` is an error (in-flight samples drain instead)."""
     group_size: int = Field(8, ge=1)
     """Samples per task (the GRPO group)."""
     filter_zero_variance: bool = True
     """Mark groups whose rewards are all equal FILTERED (no learning signal)."""
+    max_untrainable_streak: int = Field(256, ge=1)
+    """Stop the run with a diagnostic (counts by reason, an example) when this many groups in
+    a row end untrainable (filtered, failed, dropped stale): a run that cannot train must not
+    spin forever."""
+    min_trainable_share: float = Field(0.01, ge=0, lt=1)
+    """Stop the run with a diagnostic when fewer than this share of the last
+    ``trainable_share_window`` finished groups were trainable (0 = never)."""
+    trainable_share_window: int = Field(1024, ge=1)
+    """Finished groups over which ``min_trainable_share`` is judged."""
+
+    @property
+    def staleness_bound(self) -> int:
+        """The staleness bound k the mode means: sync 0, one_step 1, async max_staleness."""
+        return _MODE_K.get(self.mode, self.max_staleness)
 
 
 class RewardConfig(Section):
     name: str = "auto"
-    """Registered reward function; ``auto`` picks each source's own verifier."""
+    """``auto``: each source's own reward (its ``reward``, else its kind's). Any other value
+    grades every source with that reward: a registered name or an import path
+    ``module:function``. An unknown name fails when the run is built, listing the known ones."""
     timeout_s: float = Field(10.0, gt=0)
-    """Per-call timeout; a reward that hangs past it marks the sample FAILED."""
+    """Per-call timeout, counted from when a worker starts the call; a reward still running
+    then is killed (a sync reward with its worker process, which is replaced) and its sample
+    is FAILED."""
     num_workers: int = Field(4, ge=1)
-    """Concurrent reward calls."""
+    """Worker processes for sync rewards, and the bound on reward calls running at once (async
+    rewards included)."""
 
 
 class ISCorrectionConfig(Section):
@@ -195,10 +247,34 @@ class TrainConfig(Section):
     groups_per_step: int = Field(16, ge=1)
     """Groups (prompts) per trainer step."""
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator."""
-    loss: Literal["ppo_clip", "decoupled_ppo"] = "ppo_clip"
-    """Policy loss. ``decoupled_ppo`` clips against the proximal (pre-step) policy and weights
-    by behaviour/proximal importance ratios (AReaL)."""
+    """Advantage estimator: ``grpo`` ((r - group mean) / group std), ``dr_grpo`` (r - group
+    mean, no std; with Dr.GRPO's constant loss normaliser unless ``loss_agg`` says
+    otherwise), ``rloo`` (r - mean of the other samples)."""
+    advantage_std: Literal["sample", "population"] = "sample"
+    """The group standard deviation of ``grpo``: ``sample`` (Bessel-corrected, divide by
+    n - 1, as verl and TRL) or ``population`` (divide by n). Only ``grpo`` divides by a std:
+    setting ``population`` with another advantage is an error."""
+    failed_reward: Literal["exclude", "zero"] = "exclude"
+    """A FAILED sample (engine error, reward error or timeout) in its group's baseline:
+    ``exclude`` leaves it out (the baseline is the graded samples'), ``zero`` counts it as
+    reward 0 (a failure lowers the baseline, so the group's successes weigh more). Either way
+    the failed sample itself is never trained; the zero-variance filter uses the same
+    baseline."""
+    loss: Literal["auto", "ppo_clip", "decoupled_ppo"] = "auto"
+    """Policy loss. ``ppo_clip`` clips the ratio to the behaviour policy (the engine's
+    logprobs). ``decoupled_ppo`` (AReaL) clips against the proximal (pre-step) policy and
+    weights by the behaviour->proximal importance ratio, truncated per ``is_correction``:
+    with stale samples the behaviour policy is several versions old, and clipping against it
+    would clip most stale tokens. ``auto`` = ``decoupled_ppo`` when the staleness bound is
+    above 0 (``one_step``, ``async``), ``ppo_clip`` in ``sync`` mode."""
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                      "seq_mean_token_sum_norm"] = "auto"
+    """How token losses add up to the step's loss (verl's names): ``token_mean`` (mean over
+    every kept token), ``seq_mean_token_mean`` (mean over samples of each sample's token
+    mean), ``seq_mean_token_sum`` (mean over samples of each sample's token sum),
+    ``seq_mean_token_sum_norm`` (token sum / (samples x sampling.max_new_tokens): Dr.GRPO's
+    constant normaliser). ``auto`` = ``seq_mean_token_sum_norm`` for ``advantage: dr_grpo``,
+    else ``token_mean``; another value with ``dr_grpo`` is an error (Dr.GRPO is both)."""
     clip_eps: float = Field(0.2, gt=0, lt=1)
     """PPO clip range."""
     is_correction: ISCorrectionConfig = ISCorrectionConfig()
@@ -288,4 +364,74 @@ class RunConfig(Section):
                 "model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads "
                 f"(got {self.model.tiny.num_heads} and {self.model.tiny.num_kv_heads})"
             )
+        _check_rollout(self.rollout, self.train)
+        _check_train(self.train)
+        if self.reward.name != "auto":
+            for i, source in enumerate(self.tasks.sources):
+                if source.reward is not None:
+                    raise ValueError(
+                        f"tasks.sources.{i}.reward = {source.reward!r} contradicts reward.name = "
+                        f"{self.reward.name!r} (which grades every source): set reward.name: "
+                        "auto to give sources their own rewards, or drop the source's reward"
+                    )
+        if self.sampling.temperature == 0:
+            raise ValueError(
+                "sampling.temperature = 0 cannot train: greedy samples of a group are all the "
+                "same, so no group has reward variance (use eval.temperature for greedy eval)"
+            )
         return self
+
+
+def _check_train(t: TrainConfig) -> None:
+    """Training settings that contradict each other."""
+    if t.advantage == "dr_grpo" and t.loss_agg not in ("auto", "seq_mean_token_sum_norm"):
+        raise ValueError(
+            f"train.loss_agg = {t.loss_agg} contradicts train.advantage = dr_grpo (Dr.GRPO is "
+            "both its advantage and the constant normaliser samples x max_new_tokens, i.e. "
+            "loss_agg seq_mean_token_sum_norm or auto); for another aggregation use "
+            "advantage grpo or rloo"
+        )
+    if t.advantage_std != "sample" and t.advantage != "grpo":
+        raise ValueError(
+            f"train.advantage_std = {t.advantage_std} has no effect with train.advantage = "
+            f"{t.advantage} (only grpo divides by the group std); drop advantage_std"
+        )
+
+
+def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
+    """Rollout settings that contradict each other, or that cannot train."""
+    set_ = r.model_fields_set
+    if r.mode in _MODE_K and "max_staleness" in set_ and r.max_staleness != _MODE_K[r.mode]:
+        raise ValueError(
+            f"rollout.max_staleness = {r.max_staleness} contradicts rollout.mode = {r.mode} "
+            f"(which means max_staleness {_MODE_K[r.mode]}); use mode: async to choose the bound"
+        )
+    if "on_update" in set_ and not r.partial_rollout:
+        raise ValueError(
+            f"rollout.on_update = {r.on_update} contradicts rollout.partial_rollout = false "
+            "(without partial rollout in-flight samples drain on the old weights); drop one"
+        )
+    k = r.staleness_bound
+    m = t.max_token_age
+    if m is not None and m > k:
+        raise ValueError(
+            f"train.max_token_age = {m} exceeds the staleness bound {k} (rollout.mode = "
+            f"{r.mode}, rollout.max_staleness = {r.max_staleness}): the loss would keep tokens "
+            "older than the bound; use max_token_age <= max_staleness"
+        )
+    if r.max_context_age is not None:
+        if m is None:
+            raise ValueError(
+                f"rollout.max_context_age = {r.max_context_age} needs train.max_token_age: "
+                "without it every token counts and the bound is rollout.max_staleness"
+            )
+        if r.max_context_age < k:
+            raise ValueError(
+                f"rollout.max_context_age = {r.max_context_age} is below the staleness bound "
+                f"{k} (rollout.max_staleness / rollout.mode); use max_context_age >= {k}"
+            )
+    if r.group_size == 1 and r.filter_zero_variance:
+        raise ValueError(
+            "rollout.group_size = 1 with rollout.filter_zero_variance = true cannot train: a "
+            "group of one has no reward variance, so every group is filtered"
+        )

@@ -4,8 +4,9 @@ Append-only JSONL (``ledger.jsonl`` in the run directory), flushed per line, so 
 any moment leaves a readable file and a resume knows what is done. The in-memory index
 enforces exactly-once: recording a sample uid twice is a bug and raises.
 
-Also tracks the non-terminal life of samples (``open``/``close``) so that, at the end of a
-run, :meth:`unfinished` names every dispatched sample that never reached a terminal status.
+Also tracks which dispatched samples are still open (``open``, then ``write``) so that, at
+the end of a run, :meth:`unfinished` names every one that never reached a terminal status.
+The ledger stores; it does not decide: statuses change in ``rollout.lifecycle``.
 """
 
 from __future__ import annotations
@@ -20,28 +21,28 @@ from rollstream.trajectory import Sample, SampleStatus
 
 class Ledger:
     def __init__(self, path: Path | None = None) -> None:
-        self._path = path
         self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
         self._terminal: dict[str, SampleStatus] = {}
         self._open: dict[str, Sample] = {}
         self.counts: Counter[str] = Counter()
 
     def open(self, sample: Sample) -> None:
-        """A sample was dispatched; it must reach :meth:`record` before the run ends."""
+        """A sample was dispatched; it must reach :meth:`write` before the run ends."""
         if sample.uid in self._terminal or sample.uid in self._open:
             raise AssertionError(f"sample {sample.uid} dispatched twice")
         self._open[sample.uid] = sample
 
-    def record(self, sample: Sample, status: SampleStatus, reason: str | None = None,
-               t_s: float | None = None) -> None:
-        """Give ``sample`` its terminal ``status`` (exactly once) and append it to the file."""
+    def write(self, sample: Sample, t_s: float | None = None) -> None:
+        """Append ``sample``, whose status is terminal, to the file (exactly once).
+
+        Only ``rollout.lifecycle.Lifecycle.move`` calls this, after setting the status."""
+        status = sample.status
         assert status.is_terminal(), f"{status} is not terminal"
         if sample.uid in self._terminal:
             raise AssertionError(
                 f"sample {sample.uid} already recorded as {self._terminal[sample.uid].value}; "
                 f"cannot record it again as {status.value}"
             )
-        sample.mark(status, reason)
         self._terminal[sample.uid] = status
         self._open.pop(sample.uid, None)
         self.counts[status.value] += 1

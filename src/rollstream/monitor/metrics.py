@@ -2,8 +2,8 @@
 
 Every number the controller reports goes through `Metrics`, which fans it out to:
 
-    record / observe / span / ledger
-        -> run directory  metrics.jsonl, timeline.jsonl, ledger.jsonl (one line each, flushed)
+    record / observe / span
+        -> run directory  metrics.jsonl, timeline.jsonl (one line each, flushed)
         -> RunLog         in-memory view for the live dashboard (`latest()`, the /api routes)
         -> Prometheus     gauges, histograms, ledger counter (served when prometheus_port set)
         -> trackers       TensorBoard / wandb / MLflow when switched on in MonitorConfig
@@ -12,9 +12,8 @@ Formats are those of docs/run-dir.md; ``observe`` adds ``kind: "hist"`` lines (s
 docs/monitoring.md): observations are summarised at the next ``record`` call, with its step,
 and at ``close``. Hist lines are additive: sum the lines of a name for a run total.
 
-The ledger file may also be written by another writer (the data ledger,
-``rollstream.data.ledger.Ledger``): the in-memory view follows ledger.jsonl on disk, so its
-summary counts every line whoever wrote it. `view()` brings the view up to date.
+The ledger file has one writer, the data ledger (``rollstream.data.ledger.Ledger``); the
+in-memory view follows ledger.jsonl on disk, and `view()` brings it up to date.
 
 Time: ``t_s`` is seconds since the registry started, read from an injected Clock (wall time
 by default, simulated time in ``rollstream sim``). Files are opened on first write; on
@@ -37,11 +36,10 @@ from rollstream.clock import Clock, WallClock
 from rollstream.config.schema import MonitorConfig
 from rollstream.monitor.histogram import Hist, edges_for
 from rollstream.monitor.prom import PromExporter
-from rollstream.monitor.runlog import RunDirReader, RunLog, finite
+from rollstream.monitor.runlog import RunDirReader, RunLog
 from rollstream.monitor.trackers import Tracker, build_trackers
 
 OUTCOMES = ("done", "interrupted", "failed")
-LEDGER_STATUSES = ("trained", "filtered", "dropped_stale", "failed", "evaluated", "aborted")
 
 
 def _open_append(path: Path) -> IO[str]:
@@ -181,20 +179,6 @@ class Metrics:
             self._check_open()
             self._write("timeline", line)
             self.log.add_span(line)
-
-    def ledger(self, entry: Mapping[str, Any]) -> None:
-        """Append one terminal-status line to ledger.jsonl (``t_s`` filled in when absent)."""
-        if "sample_uid" not in entry or entry.get("status") not in LEDGER_STATUSES:
-            raise ValueError("ledger entry needs a sample_uid and a status in "
-                             f"{LEDGER_STATUSES}, got {dict(entry)!r}")
-        line = finite(dict(entry))
-        with self._lock:
-            self._check_open()
-            if line.get("t_s") is None:
-                line["t_s"] = self.now_s()
-            self._write("ledger", line)
-            if self._reader is None:  # with a run dir, view() reads it back from the file
-                self.log.add_ledger(line)
 
     def view(self) -> RunLog:
         """The in-memory view of the run, with ledger lines on disk read in."""

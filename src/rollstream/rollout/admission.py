@@ -54,19 +54,18 @@ class StalenessCapacity:
     def retire(self, n: int = 1) -> None:
         """Groups that will never be trained (filtered, failed, dropped) free their place."""
         self.num_retired += n
-        self._notify()
+        self.wake()
 
     def set_version(self, version: int) -> None:
         """The engines now serve ``version``."""
         assert version >= self._version
         self._version = version
-        self._notify()
+        self.wake()
 
-    async def wait_for_room(self) -> int:
-        while (n := self.room()) == 0:
-            self._changed.clear()
-            await self._changed.wait()
-        return n
+    async def wait_changed(self) -> None:
+        """Until the room may have changed (a retire, a new version, or :meth:`wake`)."""
+        await self._changed.wait()
+        self._changed.clear()
 
-    def _notify(self) -> None:
+    def wake(self) -> None:
         self._changed.set()

@@ -6,37 +6,54 @@ slot that frees is refilled by whichever sample comes next.
 
 A sample's life here (``run_sample``)::
 
-    wait for the gate -> pick an engine (least load) -> generate(prompt + tokens so far)
+    wait for the gate -> pick a live engine (least load) -> generate(prompt + tokens so far)
       STOP/LENGTH -> GENERATED -> grade -> GRADED
-      ABORT       -> interrupted by a weight update or a dying engine: keep the partial
-                     tokens and their versions, resubmit (partial rollout)
-      ERROR       -> FAILED with the engine's reason
+      ABORT       -> interrupted by a weight update, a cancel or a dying engine: keep the
+                     partial tokens and their versions, resubmit (partial rollout), on
+                     another engine when this one died
+      ERROR       -> FAILED with the engine's reason (the request's own fault: bad prompt)
 
-The ``gate`` is closed by the weight sync while it swaps weights, so no request is submitted
-against half-published weights. Invariant (tested): every dispatched sample reaches the ledger
-exactly once, across interruptions, engine failures, filtering and the end of the run.
+Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; to a
+RECOVERING engine only when none is UP (it holds them until it is back); never to a DEAD
+one. An engine that raises from ``generate`` is a fault like a dead stream: the attempt
+returns its partial tokens (none) and the sample is retried. A sample FAILS after
+``MAX_ENGINE_RETRIES`` consecutive failed attempts that produced no token. When no engine is
+alive the dispatcher records why in ``fatal`` and stops dispatching; the rollout stops the run
+with that reason.
+
+The ``gate`` (``pause``/``resume``, the protocol weight sync uses) is closed while weights are
+swapped, so no request is submitted against half-published weights. ``cancel`` gives up on
+groups: their requests are interrupted and not resubmitted; the caller records their samples'
+terminal status. Every status change goes through :class:`Lifecycle`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from rollstream.clock import Clock
-from rollstream.data.ledger import Ledger
 from rollstream.engine.protocol import (
     Engine,
+    EngineHealth,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
 )
 from rollstream.reward.pool import GraderPool
+from rollstream.reward.registry import Response
+from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.trajectory import Group, Sample, SampleStatus
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
+
+
+class NoEngineAlive(RuntimeError):
+    """Every engine is DEAD: nothing can be generated any more."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -55,7 +72,8 @@ class DispatchStats:
     num_resumes: int = 0
     num_engine_failures: int = 0
     generated_tokens: int = 0
-    per_source_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # recent response lengths per source (the meters' len_mean)
+    per_source_tokens: dict[str, deque[int]] = field(default_factory=dict)
 
 
 SpanSink = Callable[..., None]
@@ -69,7 +87,7 @@ class Dispatcher:
         params: SamplingParams,
         graders: GraderPool,
         decode: Callable[[list[int]], str],
-        ledger: Ledger,
+        lifecycle: Lifecycle,
         clock: Clock,
         span: SpanSink | None = None,
     ) -> None:
@@ -79,14 +97,15 @@ class Dispatcher:
         self.params = params
         self.graders = graders
         self.decode = decode
-        self.ledger = ledger
+        self.lifecycle = lifecycle
         self.clock = clock
         self.span = span or (lambda **_: None)
-        self.gate = asyncio.Event()
-        self.gate.set()
         self.in_flight: dict[str, InFlight] = {}
         self.stats = DispatchStats()
-        self._doomed: set[str] = set()  # group ids the controller gave up on
+        self.fatal: str | None = None  # why nothing can be dispatched any more
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._cancelled: set[str] = set()
         self._load = {id(e): 0 for e in self.engines}
         self._free_slots: list[int] = []
         self._next_slot = itertools.count()
@@ -94,78 +113,104 @@ class Dispatcher:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    # ---- the gate (weight sync's pause protocol) ----------------------------------------
+    def pause(self) -> None:
+        """Submit no new request until :meth:`resume` (running ones go on)."""
+        self._gate.clear()
+
+    def resume(self) -> None:
+        self._gate.set()
+
+    async def wait_open(self) -> None:
+        await self._gate.wait()
+
+    async def wait_idle(self) -> None:
+        """Until no request is in flight."""
+        await self._idle.wait()
+
+    def live_engines(self) -> list[Engine]:
+        """Engines that are not DEAD (the ones weight sync loads)."""
+        return [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
+
     # ---- routing -----------------------------------------------------------------------
     def _pick_engine(self) -> Engine:
-        return min(self.engines, key=lambda e: self._load[id(e)])
+        by_health: dict[EngineHealth, list[Engine]] = {}
+        for e in self.engines:
+            by_health.setdefault(e.stats().health, []).append(e)
+        for health in (EngineHealth.UP, EngineHealth.RECOVERING):
+            if by_health.get(health):
+                return min(by_health[health], key=lambda e: self._load[id(e)])
+        reasons = "; ".join(f"{e.engine_id}: {e.stats().health_reason}" for e in self.engines)
+        raise NoEngineAlive(f"no engine is alive ({reasons})")
 
     def _take_slot(self) -> int:
         return self._free_slots.pop() if self._free_slots else next(self._next_slot)
 
     # ---- one sample --------------------------------------------------------------------
     async def run_sample(self, sample: Sample, params: SamplingParams | None = None) -> None:
-        """Generate ``sample`` to completion (GENERATED) or to a recorded terminal status."""
+        """Generate ``sample`` to GENERATED, or to FAILED; a cancelled group's sample, or any
+        sample once no engine is alive, is left where it is for the caller to record."""
         params = params or self.params
         failures = 0
-        sample.t_dispatch_s = self.clock.now()
         while True:
-            await self.gate.wait()
-            if sample.group_id in self._doomed:
+            await self._gate.wait()
+            if sample.group_id in self._cancelled or self.fatal is not None:
                 return
-            done = sample.num_response_tokens
-            remaining = params.max_new_tokens - done
+            remaining = params.max_new_tokens - sample.num_response_tokens
             if remaining <= 0:
-                sample.finish_reason = "length"
+                sample.finish_reason = FinishReason.LENGTH.value
                 break
-            out = await self._generate_once(sample, replace(params, max_new_tokens=remaining))
+            try:
+                out = await self._generate_once(sample, replace(params, max_new_tokens=remaining))
+            except NoEngineAlive as e:
+                self.fatal = self.fatal or str(e)
+                return
             sample.append_policy_tokens(out.token_ids, out.logprobs, out.versions)
             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                 sample.finish_reason = out.finish_reason.value
                 break
             if out.finish_reason is FinishReason.ERROR:
-                self.ledger.record(sample, SampleStatus.FAILED, f"engine error: {out.error}",
-                                   self.clock.now())
+                self.lifecycle.move(sample, SampleStatus.FAILED, f"engine error: {out.error}")
                 return
-            # ABORT: interrupted at a token boundary (weight update, drop, or a dead engine)
+            # ABORT: interrupted at a token boundary (weight update, cancel, or a dead engine)
             if out.error:
                 self.stats.num_engine_failures += 1
                 failures = failures + 1 if not out.token_ids else 0
                 if failures >= MAX_ENGINE_RETRIES:
-                    self.ledger.record(sample, SampleStatus.FAILED,
-                                       f"engine failed {failures} times: {out.error}", self.clock.now())
+                    self.lifecycle.move(sample, SampleStatus.FAILED,
+                                        f"engine failed {failures} times: {out.error}")
                     return
             sample.num_interrupts += 1
-            sample.status = SampleStatus.INTERRUPTED
+            self.lifecycle.move(sample, SampleStatus.INTERRUPTED)
             self.stats.num_interrupts += 1
-            if sample.group_id not in self._doomed:
+            if sample.group_id not in self._cancelled:
                 self.stats.num_resumes += 1
-        sample.status = SampleStatus.GENERATED
-        sample.t_generated_s = self.clock.now()
-        self.stats.per_source_tokens.setdefault(sample.task.source, []).append(
+        self.lifecycle.move(sample, SampleStatus.GENERATED)
+        self.stats.per_source_tokens.setdefault(sample.task.source, deque(maxlen=256)).append(
             sample.num_response_tokens
         )
 
     async def _generate_once(self, sample: Sample, params: SamplingParams) -> GenerateOutput:
         engine = self._pick_engine()
         request_id = f"{sample.uid}@{next(self._ids)}"
-        version = engine.stats().version
         slot = self._take_slot()
         self.in_flight[request_id] = InFlight(
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
-            version_start=version,
+            version_start=engine.stats().version,
         )
         self._load[id(engine)] += 1
         self._idle.clear()
-        sample.status = SampleStatus.RUNNING
+        self.lifecycle.move(sample, SampleStatus.RUNNING)
         sample.engine_id = engine.engine_id
         self.stats.num_requests += 1
+        request = GenerateRequest(request_id=request_id, params=params,
+                                  prompt_ids=list(sample.task.prompt_ids) + sample.response_ids)
         try:
-            out = await engine.generate(
-                GenerateRequest(
-                    request_id=request_id,
-                    prompt_ids=list(sample.task.prompt_ids) + sample.response_ids,
-                    params=params,
-                )
-            )
+            out = await engine.generate(request)
+        except Exception as e:  # fault boundary: an engine that raises failed this attempt
+            out = GenerateOutput(request_id=request_id, token_ids=[], logprobs=[], versions=[],
+                                 finish_reason=FinishReason.ABORT,
+                                 error=f"engine {engine.engine_id} raised {e!r}")
         finally:
             info = self.in_flight.pop(request_id)
             self._load[id(engine)] -= 1
@@ -187,50 +232,51 @@ class Dispatcher:
 
     async def grade(self, sample: Sample) -> None:
         """Score a GENERATED sample; a failing reward marks it FAILED with the reason."""
-        text = self.decode(sample.response_ids)
-        result = await self.graders.grade(sample.task, text)
+        ids = sample.response_ids
+        response = Response(text=self.decode(ids), token_ids=tuple(ids),
+                            finish_reason=sample.finish_reason or FinishReason.LENGTH.value)
+        result = await self.graders.grade(sample.task, response)
         if result.error is not None:
-            self.ledger.record(sample, SampleStatus.FAILED, f"reward: {result.error}",
-                               self.clock.now())
+            self.lifecycle.move(sample, SampleStatus.FAILED, f"reward: {result.error}")
             return
         sample.reward = result.reward
-        sample.status = SampleStatus.GRADED
-        sample.t_graded_s = self.clock.now()
+        self.lifecycle.move(sample, SampleStatus.GRADED)
 
     # ---- groups ------------------------------------------------------------------------
     async def run_group(self, group: Group, params: SamplingParams | None = None) -> Group:
         """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes."""
         for s in group.samples:
-            self.ledger.open(s)
+            self.lifecycle.open(s)
 
         async def one(s: Sample) -> None:
             await self.run_sample(s, params)
-            if s.status is SampleStatus.GENERATED and group.group_id not in self._doomed:
+            if s.status is SampleStatus.GENERATED and group.group_id not in self._cancelled:
                 await self.grade(s)
 
         await asyncio.gather(*(one(s) for s in group.samples))
         return group
 
-    def doom(self, group_id: str) -> list[str]:
-        """Give up on a group: its requests are to be interrupted and not resumed."""
-        self._doomed.add(group_id)
-        return [rid for rid, f in self.in_flight.items() if f.sample.group_id == group_id]
+    async def cancel(self, group_ids: Iterable[str]) -> None:
+        """Give up on groups: interrupt their requests at the next token boundary and never
+        resubmit them. Their ``run_group`` calls return with the samples not yet terminal."""
+        ids = set(group_ids)
+        self._cancelled |= ids
+        await self.interrupt([rid for rid, f in self.in_flight.items()
+                              if f.sample.group_id in ids])
 
-    def is_doomed(self, group_id: str) -> bool:
-        return group_id in self._doomed
+    def cancelled(self, group_id: str) -> bool:
+        return group_id in self._cancelled
 
     async def interrupt(self, request_ids: Sequence[str] | None = None) -> None:
-        """Interrupt requests (all when None) on every engine at the next token boundary."""
+        """Interrupt requests (all when None) on every live engine at the next token boundary."""
+        engines = self.live_engines()
         if request_ids is None:
-            await asyncio.gather(*(e.interrupt(None) for e in self.engines))
+            await asyncio.gather(*(e.interrupt(None) for e in engines))
             return
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
             if (f := self.in_flight.get(rid)) is not None:
                 by_engine.setdefault(id(f.engine), []).append(rid)
         await asyncio.gather(
-            *(e.interrupt(by_engine[id(e)]) for e in self.engines if id(e) in by_engine)
+            *(e.interrupt(by_engine[id(e)]) for e in engines if id(e) in by_engine)
         )
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()

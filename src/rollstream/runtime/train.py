@@ -1,164 +1,117 @@
-"""``rollstream train``: build the components a config names and run the controller.
+"""``rollstream train``: run the components ``runtime/build.py`` builds from a config.
 
 The embedded runtime: one process, one asyncio loop; engines run their step loops in their own
-threads, the trainer in a dedicated thread. Writes the run directory (docs/run-dir.md).
+threads, the trainer in a dedicated thread, synchronous rewards in worker processes. A run:
+check the inputs (before the run directory is touched), build, evaluate the held-out tasks,
+train (evaluating every ``eval.every`` steps and checkpointing every
+``train.checkpoint_every``), evaluate again, save the final checkpoint, write the summary and
+the report (docs/run-dir.md). A run the rollout cannot feed (no engine alive, a stream of
+untrainable groups) ends early with the diagnostic in ``summary.json``'s ``stop_reason`` and
+raises :class:`RunStopped` after everything was written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from rollstream.clock import WallClock
 from rollstream.config import RunConfig
-from rollstream.data.ledger import Ledger
-from rollstream.engine.protocol import SamplingParams
-from rollstream.rollout.dispatcher import Dispatcher
-from rollstream.runtime.controller import Controller
+from rollstream.rollout.rollout import RolloutStopped
+from rollstream.runtime.build import Run, build_run, check_inputs
+from rollstream.runtime.controller import ControllerResult
 from rollstream.runtime.evaluate import evaluate
+
+
+class RunStopped(RuntimeError):
+    """The run ended before its steps because it could not train; the message says why."""
 
 
 def run_training(cfg: RunConfig) -> dict[str, Any]:
     """Run one training job; returns (and writes) the summary."""
     import torch
 
+    check_inputs(cfg)
     run_dir = Path(cfg.run_root) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("ledger.jsonl", "metrics.jsonl", "timeline.jsonl", "summary.json"):
-        (run_dir / stale).unlink(missing_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return asyncio.run(_run(cfg, run_dir))
+    summary = asyncio.run(_run(cfg, run_dir))
+    if summary["stalled"]:
+        raise RunStopped(summary["stop_reason"])
+    return summary
 
 
 async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from rollstream.data.sources import TaskMix
-    from rollstream.engine.factory import build_engine
-    from rollstream.models.warmstart import prepare_model
-    from rollstream.monitor.metrics import Metrics
     from rollstream.monitor.progress import Progress
-    from rollstream.reward.pool import GraderPool
-    from rollstream.reward.registry import get_reward
-    from rollstream.train.trainer import Trainer
 
-    hf_logging.disable_progress_bar()
     t_start = time.perf_counter()
-    model_path = Path(prepare_model(cfg.model, cfg.tasks))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    mix = TaskMix(cfg.tasks, tokenizer)
-    metrics = Metrics(run_dir, cfg.monitor)
-    clock = WallClock()
-    ledger = Ledger(run_dir / "ledger.jsonl")
-    for task_uid, source, reason in mix.rejected():
-        print(f"warning: skipped task {task_uid}: {reason}", flush=True)
-        ledger.record_rejected(task_uid, source, reason)
-    engines = [
-        build_engine(cfg.engine, model_path, engine_id=f"{cfg.engine.kind}-{i}", version=0)
-        for i in range(cfg.engine.num_engines)
-    ]
-    resolve = (
-        (lambda task: mix.source(task.source).score)
-        if cfg.reward.name == "auto"
-        else (lambda task, fn=get_reward(cfg.reward.name): fn)
-    )
-    graders = GraderPool(cfg.reward, resolve)
-    eos = tokenizer.eos_token_id
-    params = SamplingParams(
-        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-        max_new_tokens=cfg.sampling.max_new_tokens, stop_token_ids=(eos,) if eos is not None else (),
-    )
-    eval_params = SamplingParams(
-        temperature=cfg.eval.temperature, max_new_tokens=cfg.sampling.max_new_tokens,
-        stop_token_ids=params.stop_token_ids,
-    )
-    dispatcher = Dispatcher(
-        engines=engines, params=params, graders=graders, ledger=ledger, clock=clock,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), span=metrics.span,
-    )
-    trainer = Trainer(cfg.train, model_path, max_response_tokens=cfg.sampling.max_new_tokens,
-                      temperature=cfg.sampling.temperature or 1.0)
+    run = build_run(cfg, run_dir)
     progress = Progress(cfg.monitor, cfg.train.steps)
     dashboard = None
     if cfg.monitor.dashboard:
         from rollstream.monitor.dashboard import Dashboard
 
-        dashboard = Dashboard(metrics, run_dir, cfg.monitor)
+        dashboard = Dashboard(run.metrics, run_dir, cfg.monitor)
         print(f"dashboard: {dashboard.start()}", flush=True)
-    eval_tasks = mix.eval_tasks()
+    rounds = iter(range(1 << 30))
+    controller, dispatcher = run.loop.controller, run.loop.dispatcher
 
-    async def run_eval(round_index: int, step: int) -> dict[str, float]:
-        if not eval_tasks:
-            return {"reward": float("nan")}
-        t0 = time.perf_counter()
-        res = await evaluate(dispatcher, eval_tasks, params=eval_params, ledger=ledger,
-                             samples_per_task=cfg.eval.samples_per_task, round_index=round_index)
-        metrics.record("eval", step, res)
-        metrics.record("phase", step, {"eval_s": time.perf_counter() - t0})
-        return res
+    async def after_step(step: int, values: dict[str, float]) -> None:
+        progress.update(step, values)
+        done = step + 1
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
+            await _eval(run, next(rounds), done)
+        if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
+            path = await controller.in_trainer(
+                save_checkpoint, run.trainer, run_dir / "checkpoints" / f"step_{done:06d}")
+            run.metrics.record("phase", done, {"checkpoint_step": float(done)})
+            print(f"checkpoint: {path}", flush=True)
 
+    controller.after_step = after_step
+    result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
     try:
-        initial = await run_eval(0, 0)
-        print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
-        controller = Controller(
-            rollout=cfg.rollout, train=cfg.train, tasks=mix, dispatcher=dispatcher,
-            trainer=trainer, ledger=ledger, metrics=metrics, clock=clock,
-            on_step=progress.update, max_wall_s=cfg.max_wall_s,
-        )
+        initial = await _eval(run, next(rounds), 0)
+        if not run.eval_tasks:
+            print("warning: no held-out task: the held-out reward is not measured", flush=True)
+        else:
+            print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
         t_train = time.perf_counter()
         tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
         result = await controller.run()
         train_wall_s = time.perf_counter() - t_train
         train_tokens = dispatcher.stats.generated_tokens - tokens_before
-        final = await run_eval(1, result.steps_done)
-        ckpt = trainer.save_checkpoint(run_dir / "checkpoint")
+        if result.stop_reason is not None:
+            print(f"run stopped early: {result.stop_reason}", flush=True)
+        if not result.stalled:
+            final = await _eval(run, next(rounds), result.steps_done)
+    except RolloutStopped as e:  # no engine alive during an evaluation
+        result.stop_reason, result.stalled = str(e), True
+        train_wall_s, train_tokens = 0.0, 0
     finally:
         progress.close()
-        for e in engines:
-            close = getattr(e, "close", None)
-            if close is not None:
-                await close()
-        await _maybe_await(getattr(graders, "close", None))
+        await run.close()
         if dashboard is not None:
             dashboard.stop()
-    unfinished = ledger.unfinished()
-    summary = {
-        "name": cfg.name,
-        "mode": cfg.rollout.mode,
-        "reward_initial": initial["reward"],
-        "reward_final": final["reward"],
-        "reward_initial_by_source": {k: v for k, v in initial.items() if k != "reward"},
-        "reward_final_by_source": {k: v for k, v in final.items() if k != "reward"},
-        "wall_s": time.perf_counter() - t_start,
-        "train_wall_s": train_wall_s,
-        "steps": result.steps_done,
-        "trained_samples": result.trained_samples,
-        "generated_tokens": train_tokens,
-        "gen_tok_s": train_tokens / max(train_wall_s, 1e-9),
-        "interrupts": dispatcher.stats.num_interrupts,
-        "ledger": dict(ledger.counts),
-        "unfinished_samples": [s.uid for s in unfinished],
-        "checkpoint": str(ckpt),
-    }
-    ledger.close()
-    metrics.close()
+    ckpt = save_checkpoint(run.trainer, run_dir / "checkpoint")
+    summary = _summary(run, result, initial, final, ckpt, time.perf_counter() - t_start,
+                       train_wall_s, train_tokens)
+    run.ledger.close()
+    run.metrics.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"held-out reward {summary['reward_initial']:.3f} -> {summary['reward_final']:.3f} in "
         f"{summary['wall_s']:.0f} s ({summary['trained_samples']} trained samples); run dir: {run_dir}",
         flush=True,
     )
-    if unfinished:
-        raise AssertionError(f"{len(unfinished)} samples never reached a terminal status")
+    if summary["unfinished_samples"]:
+        raise AssertionError(f"{len(summary['unfinished_samples'])} samples never reached a "
+                             "terminal status")
     if cfg.monitor.report:
         from rollstream.monitor.report import write_report
 
@@ -166,9 +119,53 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-async def _maybe_await(fn: Any) -> None:
-    if fn is None:
-        return
-    res = fn()
-    if asyncio.iscoroutine(res):
-        await res
+async def _eval(run: Run, round_index: int, step: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    res = await evaluate(run.loop.dispatcher, run.eval_tasks, params=run.eval_params,
+                         samples_per_task=run.cfg.eval.samples_per_task, round_index=round_index)
+    if run.eval_tasks:
+        run.metrics.record("eval", step, res)
+        run.metrics.record("phase", step, {"eval_s": time.perf_counter() - t0})
+    return res
+
+
+def save_checkpoint(trainer: Any, final: Path) -> Path:
+    """The trainer's HF folder at ``final``, written atomically: into a temporary folder
+    beside it, then renamed into place (an older one is replaced only after the new one is
+    complete), so a crash never leaves half a checkpoint under the final name."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_checkpoint(tmp)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _summary(run: Run, result: ControllerResult, initial: dict[str, float],
+             final: dict[str, float], ckpt: Path, wall_s: float, train_wall_s: float,
+             train_tokens: int) -> dict[str, Any]:
+    unfinished = run.ledger.unfinished()
+    return {
+        "name": run.cfg.name,
+        "mode": run.cfg.rollout.mode,
+        "reward_initial": initial["reward"],
+        "reward_final": final["reward"],
+        "reward_initial_by_source": {k: v for k, v in initial.items() if k != "reward"},
+        "reward_final_by_source": {k: v for k, v in final.items() if k != "reward"},
+        "wall_s": wall_s,
+        "train_wall_s": train_wall_s,
+        "steps": result.steps_done,
+        "trained_samples": result.trained_samples,
+        "generated_tokens": train_tokens,
+        "gen_tok_s": train_tokens / max(train_wall_s, 1e-9),
+        "interrupts": run.loop.dispatcher.stats.num_interrupts,
+        "ledger": dict(run.ledger.counts),
+        "unfinished_samples": [s.uid for s in unfinished],
+        "stop_reason": result.stop_reason,
+        "stalled": result.stalled,
+        "checkpoint": str(ckpt),
+    }

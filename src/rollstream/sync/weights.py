@@ -15,21 +15,24 @@ Ordering contract
    * ``drain`` (no partial rollout): close the gate, wait until every in-flight request has
      finished on the old weights, load, open the gate.
 3. Engines apply a load between two forward passes, so no forward pass mixes versions.
-4. Only after every engine serves ``v+1`` does ``on_applied(v+1)`` run (the admission
+4. Only after every live engine serves ``v+1`` does ``on_applied(v+1)`` run (the admission
    capacity moves on); so a sample admitted under the capacity of ``v`` never sees ``v-1``.
 
 Transport: in-process tensors handed to ``Engine.load_weights`` (the embedded engine copies
 them into its own parameters; the vLLM engine writes them to shared memory and reloads).
+WeightSync talks to the engines and to a small :class:`Gate` (pause / resume / wait until
+idle, which the dispatcher implements); it knows nothing else of the rollout. DEAD engines
+are skipped (they serve nothing); a revived one is not this module's business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.engine.protocol import Engine, EngineHealth
 
 if TYPE_CHECKING:
     import torch
@@ -37,23 +40,40 @@ if TYPE_CHECKING:
 Policy = Literal["interrupt", "continue", "drain"]
 
 
+class Gate(Protocol):
+    """What weight sync needs of the dispatcher."""
+
+    def pause(self) -> None:
+        """Submit no new request until resume()."""
+
+    def resume(self) -> None: ...
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+
+
+def sync_policy(partial_rollout: bool, on_update: Policy) -> Policy:
+    """The policy a rollout config means: partial rollout interrupts or continues in place;
+    without it, in-flight samples drain on the old weights."""
+    return on_update if partial_rollout else "drain"
+
+
 class WeightSync:
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        engines: Sequence[Engine],
+        gate: Gate,
         policy: Policy,
         on_applied: Callable[[int, float], Awaitable[None] | None],
     ) -> None:
-        self.dispatcher = dispatcher
+        self.engines = list(engines)
+        self.gate = gate
         self.policy = policy
         self.on_applied = on_applied
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.applied_version = 0
-        self._prepare = {"interrupt": self._interrupt, "continue": self._nothing,
-                         "drain": self._drain}[policy]
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self._pending = (version, {k: v.detach().clone() for k, v in tensors.items()})
@@ -74,28 +94,27 @@ class WeightSync:
             version, tensors = self._pending
             self._pending = None
             t0 = time.perf_counter()
-            gate = self.dispatcher.gate
+            engines = [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
             try:
                 if self.policy != "continue":
-                    gate.clear()
-                await self._prepare()
-                await asyncio.gather(
-                    *(e.load_weights(version, tensors) for e in self.dispatcher.engines)
-                )
+                    self.gate.pause()
+                if self.policy == "interrupt":
+                    await asyncio.gather(*(e.interrupt(None) for e in engines))
+                elif self.policy == "drain":
+                    await self.gate.wait_idle()
+                await asyncio.gather(*(self._load(e, version, tensors) for e in engines))
             finally:
-                gate.set()
-            self.applied_version = version
+                self.gate.resume()
             res = self.on_applied(version, time.perf_counter() - t0)
             if res is not None:
                 await res
             if self._pending is None:
                 self._idle.set()
 
-    async def _interrupt(self) -> None:
-        await self.dispatcher.interrupt(None)
-
-    async def _nothing(self) -> None:
-        return None
-
-    async def _drain(self) -> None:
-        await self.dispatcher.wait_idle()
+    @staticmethod
+    async def _load(engine: Engine, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        try:
+            await engine.load_weights(version, tensors)
+        except Exception:
+            if engine.stats().health is not EngineHealth.DEAD:
+                raise  # a live engine that cannot load weights is a bug, not a fault

@@ -1,0 +1,60 @@
+"""The rollout meter: generation rates between two readings, for the ``rollout`` metrics.
+
+Each :meth:`RolloutMeter.read` returns what happened since the previous one (the first since
+:meth:`start`): generated tokens/s, the engines' mean busy share, the queues, the dispatch
+counters, mean response length per source (its recent samples) and the rollout's own gauges.
+Only training-time generation counts: ``start`` is called when training starts, so an
+evaluation before it is not in the rates.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from rollstream.engine.protocol import Engine
+
+
+class DispatchCounters(Protocol):
+    num_interrupts: int
+    num_resumes: int
+    num_engine_failures: int
+    generated_tokens: int
+    per_source_tokens: dict[str, deque[int]]  # recent response lengths per source
+
+
+class RolloutMeter:
+    def __init__(self, engines: Sequence[Engine], counters: DispatchCounters,
+                 in_flight: Callable[[], int], gauges: Callable[[], dict[str, float]]) -> None:
+        self.engines, self.counters = list(engines), counters
+        self.in_flight, self.gauges = in_flight, gauges
+        self._last = (time.perf_counter(), 0, 0.0)
+
+    def _busy_s(self) -> float:
+        return sum(e.stats().busy_s for e in self.engines)
+
+    def start(self) -> None:
+        self._last = (time.perf_counter(), self.counters.generated_tokens, self._busy_s())
+
+    def read(self) -> dict[str, float]:
+        now, c = time.perf_counter(), self.counters
+        stats = [e.stats() for e in self.engines]
+        busy = sum(s.busy_s for s in stats)
+        last_t, last_tokens, last_busy = self._last
+        dt = max(now - last_t, 1e-9)
+        self._last = (now, c.generated_tokens, busy)
+        out = {
+            "gen_tok_s": (c.generated_tokens - last_tokens) / dt,
+            "engine_busy": (busy - last_busy) / dt / len(stats),
+            "in_flight": float(self.in_flight()),
+            "queued": float(sum(s.num_waiting for s in stats)),
+            "interrupts": float(c.num_interrupts),
+            "resumes": float(c.num_resumes),
+            "engine_failures": float(c.num_engine_failures),
+        }
+        for src, lengths in c.per_source_tokens.items():
+            out[f"len_mean/{src}"] = statistics.fmean(lengths)
+        return {**out, **self.gauges()}

@@ -1,0 +1,60 @@
+"""The trajectory buffer: graded groups waiting for the trainer.
+
+The rollout puts finished, trainable groups here and takes batches out for trainer step
+``step``: :meth:`pop_stale` first removes the groups the staleness policy rejects at that step
+(:meth:`StalenessPolicy.group_verdict`, returned with their verdicts to be recorded
+DROPPED_STALE), then :meth:`pop_batch` hands out the oldest ``n``, so a group overtaken by
+faster ones is trained before it ages out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollstream.rollout.staleness import StalenessPolicy, Verdict
+from rollstream.trajectory import Group
+
+
+def _age_key(group: Group) -> int:
+    v = group.min_version()
+    return 0 if v is None else v
+
+
+class TrajectoryBuffer:
+    def __init__(self, policy: StalenessPolicy) -> None:
+        self.policy = policy
+        self._groups: list[Group] = []
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, group: Group) -> None:
+        self._groups.append(group)
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake whoever waits in :meth:`wait_changed`."""
+        self._changed.set()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+        self._changed.clear()
+
+    def pop_stale(self, step: int) -> list[tuple[Group, Verdict]]:
+        """Remove and return the groups that may not train at ``step``, with their verdicts."""
+        judged = [(g, self.policy.group_verdict(g, step)) for g in self._groups]
+        self._groups = [g for g, v in judged if v.ok]
+        return [(g, v) for g, v in judged if not v.ok]
+
+    def pop_batch(self, n: int) -> list[Group] | None:
+        """The ``n`` oldest groups, or None while fewer are buffered."""
+        if len(self._groups) < n:
+            return None
+        self._groups.sort(key=_age_key)
+        batch, self._groups = self._groups[:n], self._groups[n:]
+        return batch
+
+    def drain(self) -> list[Group]:
+        out, self._groups = self._groups, []
+        return out

@@ -1,0 +1,209 @@
+"""The rollout: one owner for a training group's life, from admission to the ledger.
+
+    admit_forever ──(StalenessCapacity: room?)──> Group ──> Dispatcher.run_group
+         ^                                         (each sample its own request, graded
+         | on_version(v): capacity moves            as it finishes)
+         |                                                  |
+    cancel_doomed(v) <── on_trained(batch) <── take(n) <── group done:
+     (live groups the policy             (ledger: TRAINED /   cancelled -> its verdict's status
+      says can never train)               DROPPED / FILTERED)  nothing graded -> untrainable
+                                                               zero variance -> FILTERED
+                                                               else -> buffer
+
+The controller sees five calls: ``admit_forever`` (a task for the run's life), ``take``,
+``on_trained``, ``on_version`` and ``stop``, plus ``stats`` for the meters. Everything a group
+goes through is decided here, with the rules of :class:`StalenessPolicy` and the state
+changes of :class:`Lifecycle`; every retired group frees its admission capacity exactly once.
+
+``take`` raises :class:`RolloutStopped` when the rollout can no longer feed the trainer: no
+engine is alive, or :class:`Liveness` found a stream of untrainable groups. The message is the
+diagnostic; the controller ends the run with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from rollstream.config import RolloutConfig
+from rollstream.rollout.admission import StalenessCapacity
+from rollstream.rollout.buffer import TrajectoryBuffer
+from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.rollout.liveness import Liveness
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.trajectory import Group, Sample, SampleStatus, StepResult, Task
+
+S = SampleStatus
+RUN_ENDED = "run ended before the sample was trained"
+
+
+class TaskStream(Protocol):
+    def next_task(self) -> Task: ...
+
+
+class RolloutStopped(RuntimeError):
+    """The rollout cannot feed the trainer any more; the message says why."""
+
+
+class Rollout:
+    def __init__(self, *, cfg: RolloutConfig, policy: StalenessPolicy, groups_per_step: int,
+                 total_groups: int | None, tasks: TaskStream, dispatcher: Dispatcher,
+                 lifecycle: Lifecycle, failed_reward: float | None = None) -> None:
+        self.cfg, self.policy = cfg, policy
+        self.tasks, self.dispatcher, self.lifecycle = tasks, dispatcher, lifecycle
+        self.failed_reward = failed_reward
+        self.capacity = StalenessCapacity(groups_per_step=groups_per_step,
+                                          max_staleness=policy.max_staleness,
+                                          total_groups=total_groups)
+        self.buffer = TrajectoryBuffer(policy)
+        self.liveness = Liveness(cfg)
+        self.live: dict[str, Group] = {}
+        self._cancelled: dict[str, tuple[SampleStatus, str]] = {}  # group id -> outcome
+        self._stopping = False
+        self._pass: dict[str, list[float]] = {}  # source -> [reward sum, graded samples]
+
+    # ---- admission ---------------------------------------------------------------------
+    async def admit_forever(self) -> None:
+        """Admit groups while the capacity has room, until :meth:`stop`; each group's life is
+        a task of this one, so this returns once every admitted group has ended."""
+        async with asyncio.TaskGroup() as tg:
+            while not self._stopping:
+                if (n := self.capacity.room()) == 0:
+                    await self.capacity.wait_changed()
+                    continue
+                await self.dispatcher.wait_open()
+                if self._stopping or self.capacity.room() < n:
+                    continue
+                self.capacity.admit(n)
+                for i in range(self.capacity.num_admitted - n, self.capacity.num_admitted):
+                    # k = admission index: a task drawn again (a dataset epoch) gets a new id
+                    group = Group.new(self.tasks.next_task(), self.cfg.group_size, k=i)
+                    self.live[group.group_id] = group
+                    tg.create_task(self._group_life(group), name=f"group {group.group_id}")
+
+    async def _group_life(self, group: Group) -> None:
+        await self.dispatcher.run_group(group)
+        del self.live[group.group_id]
+        outcome = self._cancelled.pop(group.group_id, None)
+        if outcome is None and self.dispatcher.fatal is not None:
+            outcome = (S.ABORTED, self.dispatcher.fatal)
+        if outcome is not None:
+            self._retire(group, *outcome)
+            return
+        baseline = group.baseline_rewards(self.failed_reward)
+        tally = self._pass.setdefault(group.task.source, [0.0, 0.0])
+        graded = [s for s in group.samples if s.status is S.GRADED]
+        for s in graded:
+            tally[0] += float(s.reward or 0.0)
+            tally[1] += 1
+        if not graded:
+            self._retire(group, S.FILTERED, "no sample of the group was graded")
+        elif self.cfg.filter_zero_variance and len({r for _, r in baseline}) == 1:
+            self._retire(group, S.FILTERED,
+                         f"zero reward variance in group (every reward {baseline[0][1]:g})")
+        else:
+            self.liveness.trainable()
+            self.buffer.put(group)
+
+    def _retire(self, group: Group, status: SampleStatus, reason: str) -> None:
+        """The group will never train: every sample not yet terminal ends in ``status``; its
+        admission capacity is freed; it counts as untrainable unless the run is stopping."""
+        for s in group.samples:
+            if not s.status.is_terminal():
+                self.lifecycle.move(s, status, reason)
+        self.capacity.retire()
+        if status is not S.ABORTED:
+            self.liveness.untrainable(group)
+        self.buffer.notify()  # take() re-checks liveness
+
+    # ---- the trainer's side ------------------------------------------------------------
+    async def take(self, n: int, step: int) -> list[Group]:
+        """``n`` groups the policy allows at trainer step ``step`` (stale ones are recorded
+        DROPPED_STALE on the way); raises RolloutStopped when none can come any more."""
+        while True:
+            for group, verdict in self.buffer.pop_stale(step):
+                self._retire(group, S.DROPPED_STALE, verdict.reason or "stale")
+            if (why := self._why_stopped()) is not None:
+                raise RolloutStopped(why)
+            if (batch := self.buffer.pop_batch(n)) is not None:
+                return batch
+            await self.buffer.wait_changed()
+
+    def _why_stopped(self) -> str | None:
+        if self.dispatcher.fatal is not None:
+            return self.dispatcher.fatal
+        return self.liveness.verdict()
+
+    async def on_trained(self, batch: list[Group], step: int,
+                         result: StepResult) -> list[Sample]:
+        """Record the outcome of every graded sample of a trained batch (what the trainer's
+        loss kept decides TRAINED), cancel live groups that can no longer train, and return
+        the samples recorded TRAINED."""
+        trained = []
+        for group in batch:
+            for s in group.samples:
+                if s.status is not S.GRADED:
+                    continue
+                verdict = self.policy.sample_verdict(s, step)
+                kept = result.kept.get(s.uid)
+                if not verdict.ok:
+                    self.lifecycle.move(s, S.DROPPED_STALE,
+                                        f"{verdict.reason}; reward used in the group baseline only")
+                elif kept is None or kept.num_tokens == 0:
+                    why = kept.reason if kept is not None else "the trainer did not use it"
+                    self.lifecycle.move(s, S.FILTERED, f"no token kept by the loss: {why}")
+                else:
+                    s.trained_at_step = step
+                    s.min_trained_version = kept.min_version
+                    s.num_trained_tokens = kept.num_tokens
+                    self.lifecycle.move(s, S.TRAINED)
+                    trained.append(s)
+        await self.cancel_doomed(step + 1)
+        return trained
+
+    async def cancel_doomed(self, version: int) -> None:
+        """Cancel live groups that can never be trained at ``version`` or later."""
+        doomed = {}
+        for gid, group in self.live.items():
+            if gid in self._cancelled:
+                continue
+            verdict = self.policy.live_verdict(group, version)
+            if not verdict.ok:
+                doomed[gid] = (S.DROPPED_STALE, verdict.reason or "stale")
+        if doomed:
+            self._cancelled.update(doomed)
+            await self.dispatcher.cancel(list(doomed))
+
+    def on_version(self, version: int) -> None:
+        """The engines now serve ``version``: admission may move on."""
+        self.capacity.set_version(version)
+
+    # ---- the end -----------------------------------------------------------------------
+    async def stop(self) -> None:
+        """End of run: admit nothing more, cancel what is live, and record every sample not
+        yet trained ABORTED (the admission task then returns)."""
+        self._stopping = True
+        self.capacity.wake()  # admission sees _stopping and returns
+        self.dispatcher.resume()
+        while self.live:
+            ids = [g for g in self.live if g not in self._cancelled]
+            self._cancelled.update(dict.fromkeys(ids, (S.ABORTED, RUN_ENDED)))
+            await self.dispatcher.cancel(list(self.live))  # again: a request may slip past
+            await asyncio.sleep(0.01)
+        for group in self.buffer.drain():
+            for s in group.samples:
+                if not s.status.is_terminal():
+                    self.lifecycle.move(s, S.ABORTED, RUN_ENDED)
+
+    # ---- meters ------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Gauges of the rollout, and each source's pass rate since the previous call."""
+        out = {"live_groups": float(len(self.live)), "buffered_groups": float(len(self.buffer)),
+               "untrainable_streak": float(self.liveness.streak)}
+        for src, (total, n) in self._pass.items():
+            if n:
+                out[f"pass_rate/{src}"] = total / n
+        self._pass.clear()
+        return out
+

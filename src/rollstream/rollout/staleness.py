@@ -1,0 +1,150 @@
+"""The staleness policy: which tokens a loss at step ``s`` may keep, and when a sample or a
+group is too old to train. One frozen object, built once from the config
+(:meth:`StalenessPolicy.from_config`) and asked by admission, the buffer, the rollout's
+group life and the trainer's token mask; nobody else writes these rules.
+
+Three bounds (``s`` = the trainer step that would consume the sample, ``v`` = the policy
+version that sampled a token):
+
+* ``max_staleness`` ``k`` (``rollout.max_staleness``; 0 for ``mode: sync``, 1 for
+  ``one_step``): no token the loss keeps has ``s - v > k``. Admission sizes its capacity by
+  it (a group starts only while ``admitted <= (served version + k + 1) * groups_per_step``).
+* ``max_token_age`` ``m`` (``train.max_token_age``, ``m <= k``; null = off): the loss masks
+  tokens with ``s - v > m``, and staleness counts only the tokens it keeps. A long sample
+  resumed across many updates (partial rollout) trains on its recent tokens instead of being
+  dropped. A sample whose every token is masked is DROPPED_STALE (its reward stays in its
+  group's baseline).
+* ``max_context_age`` ``H`` (``rollout.max_context_age``; default ``2k``; ``H = k`` without
+  ``m``): no trained sample has *seen* a token with ``s - v > H``, masked or not. Without it a
+  masked prefix could be arbitrarily old, and the kept tokens were sampled conditioned on it.
+
+Verdicts. A group is trained only when every graded sample is within ``k`` (kept tokens) and
+``H`` (all tokens) and at least one keeps a token; otherwise the whole group is DROPPED_STALE
+with the verdict's reason. A live group whose oldest token is already older than ``H`` behind
+the newest version can never be trained (steps only grow), so it is cancelled at once.
+
+Pure Python on :mod:`rollstream.trajectory` objects; the trainer applies the same rule to a
+tensor of versions through :meth:`StalenessPolicy.keeps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from rollstream.trajectory import Group, Sample
+
+if TYPE_CHECKING:
+    from rollstream.config import RolloutConfig, TrainConfig
+
+A = TypeVar("A")  # an array type with elementwise >= (a torch tensor in the trainer)
+
+CONTEXT_AGE_PER_K = 2  # the default max_context_age, in multiples of the staleness bound
+
+
+def context_age(rollout: RolloutConfig, train: TrainConfig) -> int:
+    """The hard bound ``H`` a config means: ``k`` without token age, else the setting (or 2k)."""
+    k = rollout.staleness_bound
+    if train.max_token_age is None:
+        return k
+    if rollout.max_context_age is None:
+        return CONTEXT_AGE_PER_K * k
+    return rollout.max_context_age
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Verdict:
+    """Whether a sample or group may be trained at a step, and why not."""
+
+    ok: bool
+    reason: str | None = None  # set exactly when not ok
+    spoils_group: bool = False  # not ok, and its group may not train either
+
+
+_OK = Verdict(ok=True)
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class StalenessPolicy:
+    max_staleness: int  # k
+    max_token_age: int | None = None  # m (<= k), None = keep every token
+    max_context_age: int | None = None  # H (>= k); None = k
+
+    def __post_init__(self) -> None:
+        k, m = self.max_staleness, self.max_token_age
+        if k < 0 or (m is not None and not 0 <= m <= k):
+            raise ValueError(f"staleness bounds need 0 <= max_token_age <= max_staleness, "
+                             f"got max_staleness={k}, max_token_age={m}")
+        if self.max_context_age is not None and self.max_context_age < k:
+            raise ValueError(f"max_context_age {self.max_context_age} < max_staleness {k}")
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, train: TrainConfig) -> StalenessPolicy:
+        return cls(max_staleness=rollout.staleness_bound, max_token_age=train.max_token_age,
+                   max_context_age=context_age(rollout, train))
+
+    @property
+    def context_bound(self) -> int:
+        return self.max_staleness if self.max_context_age is None else self.max_context_age
+
+    # ---- tokens ----------------------------------------------------------------------------
+    def oldest_kept_version(self, step: int) -> int:
+        """Tokens of a version below this are masked out of a loss at ``step``."""
+        return 0 if self.max_token_age is None else step - self.max_token_age
+
+    def keeps(self, versions: A, step: int) -> A:
+        """Elementwise: may a loss at ``step`` keep a token of this version? (Environment
+        tokens and padding carry version -1 and are never kept.)"""
+        return versions >= max(self.oldest_kept_version(step), 0)  # type: ignore[operator]
+
+    def kept_tokens(self, sample: Sample, step: int) -> tuple[int, int | None]:
+        """(number, oldest version) of the loss-masked policy tokens a loss at ``step`` keeps
+        by age (before any importance-sampling mask the trainer may add)."""
+        since = max(self.oldest_kept_version(step), 0)
+        kept = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True)
+                if m and v >= since]
+        return len(kept), min(kept, default=None)
+
+    # ---- verdicts --------------------------------------------------------------------------
+    def sample_verdict(self, sample: Sample, step: int) -> Verdict:
+        oldest = sample.min_version()
+        if oldest is None:
+            return _OK
+        if step - oldest > self.context_bound:
+            return Verdict(ok=False, reason=self._too_old(step, oldest), spoils_group=True)
+        num_kept, oldest_kept = self.kept_tokens(sample, step)
+        if num_kept == 0:
+            if self.max_token_age is None:  # nothing to train (no loss-masked token)
+                return _OK
+            return Verdict(ok=False, reason=(
+                f"every token older than max_token_age {self.max_token_age} (trainer step "
+                f"{step})"))
+        assert oldest_kept is not None and step - oldest_kept <= self.max_staleness, (
+            "kept tokens are within max_token_age <= max_staleness, or all tokens within H = k")
+        return _OK
+
+    def group_verdict(self, group: Group, step: int) -> Verdict:
+        """Train the group at ``step``? Its graded samples decide (see module docstring)."""
+        graded = [s for s in group.samples if s.reward is not None]
+        verdicts = [self.sample_verdict(s, step) for s in graded]
+        for v in verdicts:
+            if v.spoils_group:
+                return v
+        if verdicts and not any(v.ok for v in verdicts):
+            return verdicts[0]
+        return _OK
+
+    def live_verdict(self, group: Group, version: int) -> Verdict:
+        """Can a group still generating under weights ``version`` ever be trained? Not when a
+        token is already older than the context bound: every later step is later still."""
+        oldest = group.min_version()
+        if oldest is not None and version - oldest > self.context_bound:
+            return Verdict(ok=False, reason=self._too_old(version, oldest), spoils_group=True)
+        return _OK
+
+    def _too_old(self, step: int, oldest: int) -> str:
+        if self.max_token_age is None:
+            return (f"staleness {step - oldest} > max_staleness {self.max_staleness} (oldest "
+                    f"token version {oldest}, trainer step {step})")
+        return (f"context age {step - oldest} > max_context_age {self.context_bound} (oldest "
+                f"token version {oldest}, trainer step {step})")

@@ -1,0 +1,127 @@
+"""The staleness policy, exhaustively on small cases, and the buffer that asks it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from rollstream.config import RolloutConfig, TrainConfig
+from rollstream.rollout.buffer import TrajectoryBuffer
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.trajectory import Group, SampleStatus, Task
+
+
+def _task(i: int = 0) -> Task:
+    return Task(uid=f"t/{i}", source="t", prompt_ids=(1, 2), prompt_text="x", reference="y")
+
+
+def _group(i: int, *versions_per_sample: list[int]) -> Group:
+    g = Group.new(_task(i), len(versions_per_sample))
+    for s, versions in zip(g.samples, versions_per_sample, strict=True):
+        s.append_policy_tokens([5] * len(versions), [-0.1] * len(versions), list(versions))
+        s.reward = float(s.sample_idx)
+        s.status = SampleStatus.GRADED
+    return g
+
+
+def test_from_config_maps_modes_and_defaults_the_context_bound():
+    def policy(**rollout):
+        train = {k: rollout.pop(k) for k in ("max_token_age",) if k in rollout}
+        return StalenessPolicy.from_config(RolloutConfig(**rollout), TrainConfig(**train))
+
+    assert policy(mode="sync").max_staleness == 0
+    assert policy(mode="one_step").max_staleness == 1
+    p = policy(mode="async", max_staleness=3)
+    assert (p.max_staleness, p.max_token_age, p.context_bound) == (3, None, 3)
+    p = policy(mode="async", max_staleness=3, max_token_age=2)
+    assert p.context_bound == 6  # 2 x k by default
+    assert policy(mode="async", max_staleness=3, max_token_age=2,
+                  max_context_age=4).context_bound == 4
+
+
+def test_token_mask_and_kept_tokens():
+    p = StalenessPolicy(max_staleness=2, max_token_age=1, max_context_age=4)
+    assert p.oldest_kept_version(5) == 4
+    assert p.keeps(7, 5) and p.keeps(4, 5) and not p.keeps(3, 5)
+    assert not p.keeps(-1, 0)  # env tokens and padding
+    g = _group(0, [2, 3, 4, 4])
+    assert p.kept_tokens(g.samples[0], 5) == (2, 4)
+    g.samples[0].segments[0].loss_mask[3] = False
+    assert p.kept_tokens(g.samples[0], 5) == (1, 4)
+    assert StalenessPolicy(max_staleness=2).kept_tokens(g.samples[0], 5) == (3, 2)
+
+
+def test_verdicts_and_reasons():
+    k2 = StalenessPolicy(max_staleness=2)
+    assert k2.sample_verdict(_group(0, [3, 4]).samples[0], 5).ok
+    v = k2.sample_verdict(_group(0, [2, 4]).samples[0], 5)
+    assert not v.ok and v.spoils_group
+    assert v.reason == "staleness 3 > max_staleness 2 (oldest token version 2, trainer step 5)"
+    age = StalenessPolicy(max_staleness=2, max_token_age=1, max_context_age=4)
+    v = age.sample_verdict(_group(0, [2, 3]).samples[0], 5)  # context 3 <= 4, no token >= 4
+    assert not v.ok and not v.spoils_group
+    assert v.reason == "every token older than max_token_age 1 (trainer step 5)"
+    v = age.sample_verdict(_group(0, [0, 5]).samples[0], 5)
+    assert not v.ok and v.spoils_group
+    assert v.reason.startswith("context age 5 > max_context_age 4")
+    # a group: one all-masked sample is dropped alone, all of them drop the group
+    assert age.group_verdict(_group(0, [2, 3], [4, 5]), 5).ok
+    assert not age.group_verdict(_group(0, [2, 3], [3, 3]), 5).ok
+    assert not age.group_verdict(_group(0, [0, 5], [4, 5]), 5).ok  # spoiled by one sample
+    # live groups: doomed as soon as a token is older than the context bound
+    assert age.live_verdict(_group(0, [1], []), 5).ok
+    assert not age.live_verdict(_group(0, [0], []), 5).ok
+
+
+def test_invalid_bounds():
+    with pytest.raises(ValueError):
+        StalenessPolicy(max_staleness=1, max_token_age=2)
+    with pytest.raises(ValueError):
+        StalenessPolicy(max_staleness=2, max_token_age=1, max_context_age=1)
+
+
+@pytest.mark.parametrize(("k", "m", "h"), [(0, None, None), (1, None, None), (2, None, None),
+                                           (2, 0, 4), (2, 1, 2), (2, 2, 3), (3, 2, 6)])
+def test_written_guarantees_hold_exhaustively(k, m, h):
+    """Every (versions, step) with versions in 0..5 (up to 3 tokens, non-decreasing as an
+    engine stamps them) and steps 0..7: whatever the verdicts accept keeps no token older
+    than min(k, m) and has seen no token older than the context bound."""
+    policy = StalenessPolicy(max_staleness=k, max_token_age=m, max_context_age=h)
+    bound_kept = k if m is None else min(k, m)
+    cases = [list(c) for n in (1, 2, 3)
+             for c in itertools.combinations_with_replacement(range(6), n)]
+    for versions in cases:
+        for step in range(max(versions), 8):  # a step never precedes the tokens it trains
+            sample = _group(0, versions).samples[0]
+            v = policy.sample_verdict(sample, step)
+            num, oldest_kept = policy.kept_tokens(sample, step)
+            if v.ok:
+                assert num > 0 and step - oldest_kept <= bound_kept, (versions, step)
+                assert step - min(versions) <= policy.context_bound, (versions, step)
+            live = policy.live_verdict(Group(group_id=sample.group_id, task=sample.task,
+                                             samples=[sample]), step)
+            if not live.ok:  # doomed now: never trainable at this or any later step
+                assert not any(policy.sample_verdict(sample, t).ok for t in range(step, 10))
+
+
+def test_buffer_drops_stale_with_reasons_and_serves_oldest_first():
+    async def main():
+        buf = TrajectoryBuffer(StalenessPolicy(max_staleness=2))
+        for i, v in enumerate([3, 1, 2, 0]):
+            buf.put(_group(i, [v, v + 1], [v, v + 1]))
+        stale = buf.pop_stale(3)
+        assert [(g.task.uid, v.reason) for g, v in stale] == [
+            ("t/3", "staleness 3 > max_staleness 2 (oldest token version 0, trainer step 3)")]
+        assert buf.pop_batch(4) is None
+        assert [g.task.uid for g in buf.pop_batch(2)] == ["t/1", "t/2"]  # oldest first
+        assert len(buf) == 1
+        await asyncio.wait_for(buf.wait_changed(), 1)  # the puts above were changes
+        waiter = asyncio.create_task(buf.wait_changed())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        buf.put(_group(9, [4]))
+        await asyncio.wait_for(waiter, 1)
+
+    asyncio.run(main())
