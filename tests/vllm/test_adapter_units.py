@@ -27,33 +27,63 @@ def _event(ids, lps, finish=None, spans=None) -> str:
 
 
 def test_stream_state_takes_versions_from_the_final_spans():
-    s = StreamState()
-    s.feed(_event([5, 6], [-0.1, -0.2]), receipt_version=3)
-    s.feed("", receipt_version=3)
-    s.feed(_event([7], [-0.3]), receipt_version=4)
+    s = StreamState(base_version=3)
+    s.feed(_event([5, 6], [-0.1, -0.2]))
+    s.feed("")
+    s.resuming()  # a reload to 4 resumes the server: from here on versions are uncertain
+    s.feed(_event([7], [-0.3]))
     s.feed(_event([8], [-0.4], finish="length", spans=[
-        {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 4}]), 4)
-    s.feed("data: [DONE]", receipt_version=4)
-    assert s.token_ids == [5, 6, 7, 8] and s.logprobs == [-0.1, -0.2, -0.3, -0.4]
+        {"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 4}]))
+    s.feed("data: [DONE]")
     assert s.finish is FinishReason.LENGTH
-    assert s.versions() == [3, 4, 4, 4]  # the server's spans win over receipt (3, 3, 4, 4)
+    # the server's spans label every token: all are kept, token 6 (received before the
+    # /resume, yet sampled after the pause) included
+    assert s.result() == ([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], [3, 4, 4, 4])
 
 
-def test_stream_state_without_final_event_falls_back_to_receipt_versions():
-    s = StreamState()
-    s.feed(_event([5, 6], [-0.1, -0.2]), receipt_version=3)
-    s.feed(_event([7], [-0.3]), receipt_version=4)
-    assert s.finish is None and s.versions() == [3, 3, 4]
+def test_broken_stream_keeps_the_tokens_received_before_a_reload_resumed():
+    s = StreamState(base_version=3)
+    s.feed(_event([5, 6], [-0.1, -0.2]))
+    assert s.result() == ([5, 6], [-0.1, -0.2], [3, 3])  # no reload yet: all certain
+    s.resuming()
+    s.feed(_event([7], [-0.3]))  # sampled before the pause or after the resume: unknown
+    s.resuming()  # a second reload changes nothing more
+    s.feed(_event([8], [-0.4]))
+    assert s.finish is None and s.token_ids == [5, 6, 7, 8]
+    assert s.result() == ([5, 6], [-0.1, -0.2], [3, 3])
+
+
+def test_stream_sent_during_a_pause_is_certain_until_the_next_reload():
+    """Sent while the server is paused for the reload to 4: it samples nothing before that
+    reload's /resume, so its tokens are 4 until the reload after it resumes."""
+    s = StreamState(base_version=4, sent_paused=True)
+    s.resuming()  # the reload it was sent during
+    s.feed(_event([5, 6], [-0.1, -0.2]))
+    assert s.result() == ([5, 6], [-0.1, -0.2], [4, 4])
+    s.resuming()  # the next reload
+    s.feed(_event([7], [-0.3]))
+    assert s.result() == ([5, 6], [-0.1, -0.2], [4, 4])
+
+
+def test_spans_that_do_not_label_every_token_fall_back_to_the_certain_prefix():
+    for spans in ([{"version": "3", "start": 0, "end": 2}],  # token 2 not covered
+                  [{"version": "x", "start": 0, "end": 3}],  # not a number
+                  [{"version": "3", "start": 0, "end": 9}]):  # beyond the tokens
+        s = StreamState(base_version=3)
+        s.feed(_event([5, 6], [-0.1, -0.2]))
+        s.resuming()
+        s.feed(_event([7], [-0.3], finish="abort", spans=spans))
+        assert s.result() == ([5, 6], [-0.1, -0.2], [3, 3]), spans
 
 
 def test_stream_state_maps_finish_reasons_and_errors():
     for reason, expected in (("stop", FinishReason.STOP), ("abort", FinishReason.ABORT)):
-        s = StreamState()
+        s = StreamState(base_version=0)
         s.feed(_event([1], [-1.0], finish=reason, spans=[{"version": "0", "start": 0,
-                                                           "end": 1}]), 0)
+                                                           "end": 1}]))
         assert s.finish is expected
-    s = StreamState()
-    s.feed('data: {"error": {"message": "prompt too long", "code": 400}}', 0)
+    s = StreamState(base_version=0)
+    s.feed('data: {"error": {"message": "prompt too long", "code": 400}}')
     assert s.finish is FinishReason.ERROR and s.error == "prompt too long"
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from rollstream.config.schema import EngineConfig, VllmEngineConfig
-from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
+from rollstream.engine import EngineHealth, FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm import build_vllm_engine
 from rollstream.engine.vllm.server import VllmServer, VllmServerError, free_port
 from tests.vllm import shared
@@ -104,19 +104,26 @@ def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
 
 
 async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm_engine):
+    """Streams run at version 7, a reload to 8 lands mid-stream, then the server is killed:
+    each cut request keeps the tokens received before the reload resumed, all of version 7
+    (the same seeded streams on the version-7 weights begin with them); the engine is
+    RECOVERING, restarts the server with the version-8 weights, and is UP again."""
     e = vllm_engine
     g = torch.Generator().manual_seed(5)
-    weights = {k: v + 0.3 * torch.randn(v.shape, generator=g)
-               for k, v in shared.original_weights(shared.model_path()).items()}
-    await e.load_weights(7, weights)
+    original = shared.original_weights(shared.model_path())
+    weights7, weights8 = ({k: v + 0.3 * torch.randn(v.shape, generator=g)
+                           for k, v in original.items()} for _ in range(2))
     greedy = dict(temperature=0.0, max_new_tokens=32)
-    reference = await e.generate(_req("ref", [1, 2, 3], **greedy))
+    await e.load_weights(8, weights8)
+    reference = await e.generate(_req("ref", [1, 2, 3], **greedy))  # what the v8 weights give
+    await e.load_weights(7, weights7)
     old_pgid, restarts = e.server.proc.pid, e.num_restarts
     shm_before = set(glob.glob("/dev/shm/psm_*")) - set(_segments_of(old_pgid))
 
     for attempt in range(3):
         tasks = [asyncio.create_task(e.generate(_req(f"k{attempt}-{i}", [1, 2, 3 + i],
-                                                     max_new_tokens=3000))) for i in range(4)]
+                                                     max_new_tokens=3000, seed=100 + i)))
+                 for i in range(4)]
         while e.stats().num_running < 4 and not any(t.done() for t in tasks):
             await asyncio.sleep(0.001)  # every stream has delivered tokens
         if not any(t.done() for t in tasks):
@@ -125,23 +132,47 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
     else:
         pytest.skip("vLLM's API server stalled during generation on every attempt (streams "
                     "delivered in one burst at their end; a CPU-machine behaviour, docs/vllm.md)")
+    deadline = time.monotonic() + 2.0
+    while (e.stats().generated_tokens < 4 * 48 and time.monotonic() < deadline
+           and not any(t.done() for t in tasks)):
+        await asyncio.sleep(0.001)  # a few events each (one per 16 tokens), if they come
+    await e.load_weights(8, weights8)  # mid-stream: later tokens may be of either version
+    tokens_at_resume, deadline = e.stats().generated_tokens, time.monotonic() + 1.0
+    while (e.stats().generated_tokens < tokens_at_resume + 64 and time.monotonic() < deadline
+           and not any(t.done() for t in tasks)):
+        await asyncio.sleep(0.001)  # let tokens of uncertain version arrive, if they come
+    assert e.stats().health is EngineHealth.UP
     os.kill(e.server.proc.pid, signal.SIGKILL)  # the API server; its children are orphaned
     outs = await asyncio.gather(*tasks)
+    stats = e.stats()
+    assert stats.health is EngineHealth.RECOVERING and "died" in stats.health_reason
     cut = [o for o in outs if o.finish_reason is not FinishReason.LENGTH]
     assert cut and any(o.token_ids for o in cut), "the kill should land while requests run"
     assert all(o.finish_reason is FinishReason.ABORT and "died" in o.error for o in cut), \
         [(o.finish_reason, o.error) for o in cut]
-    assert all(o.versions == [7] * len(o.token_ids) for o in outs)
+    assert all(o.versions == [7] * len(o.token_ids) for o in cut)
+    assert all(o.versions == sorted(o.versions) and set(o.versions) <= {7, 8} for o in outs)
     print(f"killed mid-run: {len(cut)}/4 requests cut, "
-          f"{sum(len(o.token_ids) for o in cut)} partial tokens returned")
+          f"{sum(len(o.token_ids) for o in cut)} partial tokens of version 7 kept, "
+          f"{e.stats().generated_tokens - tokens_at_resume} received after the reload")
 
     out = await asyncio.wait_for(e.generate(_req("after", [1, 2, 3], **greedy)), 300)
     if out.finish_reason is FinishReason.ABORT:  # sent before the death was noticed
         out = await asyncio.wait_for(e.generate(_req("after2", [1, 2, 3], **greedy)), 300)
     assert out.finish_reason is FinishReason.LENGTH, out.error
-    assert e.num_restarts == restarts + 1 and e.stats().version == 7
-    assert out.token_ids == reference.token_ids and out.versions == [7] * 32  # weights restored
+    assert e.num_restarts == restarts + 1 and e.stats().version == 8
+    assert e.stats().health is EngineHealth.UP and e.stats().health_reason is None
+    assert out.token_ids == reference.token_ids and out.versions == [8] * 32  # weights restored
     assert _group_gone(old_pgid), "the killed server's EngineCore/worker were left behind"
     # its shared-memory ring buffers (160+ MB each) were unlinked, not left in /dev/shm
     leaked = [p for p in set(glob.glob("/dev/shm/psm_*")) - shm_before if not _mapped(p)]
     assert not leaked, f"segments of the killed server left behind: {leaked}"
+
+    await e.load_weights(9, weights7)  # the kept tokens were sampled by the v7 weights
+    for o in cut:
+        if o.token_ids:
+            i = int(o.request_id.rpartition("-")[2])
+            n = min(len(o.token_ids), 64)
+            again = await e.generate(_req(f"again-{i}", [1, 2, 3 + i], max_new_tokens=n,
+                                          seed=100 + i))
+            assert again.token_ids == o.token_ids[:n]

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from rollstream.engine import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm.wire import request_body
 from tests.engine.helpers import VOCAB
 from tests.vllm import shared
@@ -48,16 +48,6 @@ def _perturbed(seed: int) -> dict[str, torch.Tensor]:
             for k, v in shared.original_weights(shared.model_path()).items()}
 
 
-def _hf_logprobs(path, prompt: list[int], out: GenerateOutput, temperature: float) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    logp = (logits / temperature).log_softmax(-1)
-    return logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-
-
 async def test_token_in_token_out_without_a_tokenizer(vllm_engine, vllm_model_path):
     assert not list(vllm_model_path.glob("tokenizer*"))  # nothing could re-tokenize
     out = await vllm_engine.generate(_req("tito", [5, 6, 7], temperature=0.0, max_new_tokens=16))
@@ -71,16 +61,43 @@ async def test_token_in_token_out_without_a_tokenizer(vllm_engine, vllm_model_pa
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-async def test_logprobs_match_hf_before_truncation(vllm_engine, vllm_model_path, temperature):
-    """Sampled with top-k/top-p, reported under the full tempered distribution (fp32)."""
+async def test_truncated_sampling_gives_is_weights_of_one_on_policy(vllm_engine, vllm_model_path,
+                                                                    temperature):
+    """Sampled with top-k/top-p, reported under the truncated distribution sampled from
+    (processed logprobs): a trainer on the same weights, truncating its own logits the same
+    way, recomputes them (fp32), so an on-policy step has IS weight 1."""
+    from rollstream.config.schema import TrainConfig
+    from rollstream.rollout.staleness import StalenessPolicy
+    from rollstream.train.trainer import Trainer
+    from rollstream.trajectory import Group, Task
+
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46], [26, 43]]
-    params = dict(temperature=temperature, top_k=8, top_p=0.9, max_new_tokens=48, seed=7)
-    outs = await asyncio.gather(*(vllm_engine.generate(_req(f"lp{i}", p, **params))
-                                  for i, p in enumerate(prompts)))
-    diffs = torch.cat([(torch.tensor(o.logprobs) - _hf_logprobs(vllm_model_path, p, o, temperature))
-                       .abs() for p, o in zip(prompts, outs)])
-    print(f"T={temperature}: |vllm - hf| logprob mean {diffs.mean():.2e} max {diffs.max():.2e}")
+    top_k, top_p = 8, 0.9
+    groups = [Group.new(Task(uid=f"p{i}", source="t", prompt_ids=tuple(p), prompt_text="",
+                             reference=""), 2) for i, p in enumerate(prompts)]
+    samples = [s for g in groups for s in g.samples]
+    outs = await asyncio.gather(*(vllm_engine.generate(_req(
+        s.uid, list(s.task.prompt_ids), temperature=temperature, top_k=top_k, top_p=top_p,
+        max_new_tokens=48, seed=7 + j)) for j, s in enumerate(samples)))
+    for j, (s, o) in enumerate(zip(samples, outs)):
+        s.append_policy_tokens(o.token_ids, o.logprobs, o.versions)
+        s.reward = float(j % 2)
+    staleness = StalenessPolicy(max_staleness=0)
+    trainer = Trainer(TrainConfig(updates_per_step=1), vllm_model_path, staleness=staleness,
+                      temperature=temperature, top_p=top_p, top_k=top_k)
+    ours = torch.tensor([x for row in trainer.logprobs(samples) for x in row])
+    theirs = torch.tensor([x for s in samples for x in s.logprobs])
+    diffs = (theirs - ours).abs()
+    print(f"T={temperature}: |vllm - trainer| logprob mean {diffs.mean():.2e} "
+          f"max {diffs.max():.2e}")
+    assert torch.isfinite(ours).all()  # every sampled token is inside the trainer's support
     assert diffs.mean().item() <= 1e-4 and diffs.max().item() <= 1e-3
+    full = Trainer(TrainConfig(), vllm_model_path, staleness=staleness, temperature=temperature)
+    untruncated = torch.tensor([x for row in full.logprobs(samples) for x in row])
+    assert ((theirs - untruncated).abs() > 1e-3).float().mean() > 0.5  # truncation mattered
+    metrics = trainer.step(groups, step=0).metrics
+    assert metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["support_masked_frac"] == 0.0
 
 
 async def test_interrupt_returns_partial_tokens(vllm_engine):

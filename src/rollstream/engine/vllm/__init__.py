@@ -21,8 +21,9 @@ from pathlib import Path
 
 from rollstream.config.schema import EngineConfig
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
-from rollstream.engine.vllm.engine import SyncTiming, VllmEngine
+from rollstream.engine.vllm.engine import VllmEngine
 from rollstream.engine.vllm.server import VllmServer, VllmServerError
+from rollstream.engine.vllm.sync import SyncTiming
 from rollstream.engine.vllm.weights import BUCKET_BYTES, SHM_ROOT, WeightStore
 
 CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM's default for the API server on CPU

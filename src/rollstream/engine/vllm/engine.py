@@ -4,10 +4,10 @@
     ----------------------------            -----------------------------------------
     generate ------ run_coroutine ------->  one SSE stream per request  --> vLLM server
     interrupt ----- _threadsafe  ------->  POST /abort_requests              (own process
-    load_weights -  (wrap_future) ------>  write buckets, pause/reload/       group)
-                                            version/resume
-                                            _watch: process + /health  --fault--> _recover:
-                                                                restart, restore weights
+    load_weights -  (wrap_future) ------>  WeightSync: write buckets,        group)
+                                            pause/reload/version/resume
+                                            ServerHealth: process + /health --fault-->
+                                                          restart, restore weights
 
 All I/O runs on the engine's own loop thread, so one engine serves any number of caller
 loops in turn (tests run one loop per test; builders are synchronous) and its health watch
@@ -16,12 +16,14 @@ and vLLM aborts a request whose client went away.
 
 Versions. Tokens are stamped from the spans vLLM puts on a stream's final event (exact: the
 engine core labels every step with its current version). ``load_weights`` makes the boundary
-exact: ``/pause?mode=keep`` (in-flight requests freeze between two steps), reload in place
-through ``/collective_rpc`` (``worker_ext.py``), ``/update_weight_version``, ``/resume``; the
-frozen requests then continue on the new weights. Only a stream that breaks (server died)
-has no final event; its tokens get the version current when they were received, switched
-just before ``/resume`` is sent (exact unless a token from before the pause is delivered
-after the reload finished).
+exact (``sync.py``): in-flight requests freeze between two steps, the weights are reloaded in
+place, and they continue on the new weights. Only a stream that breaks (server died, or
+an interrupt that had to drop its stream) has no final event. It still returns exact
+versions: a request sent at version v (or during the pause of a reload to v) is sampled by v
+until a reload during the stream resumes the server; the tokens received before that
+``/resume`` was sent are kept, labelled v, and the later ones, which may come from either
+side of the reload, are dropped from the partial output (resubmitted, they are sampled
+again). See ``wire.py``.
 
 Prefix cache: requests carry ``cache_salt = "rollstream-v{version}"``, so a prompt sent after a
 reload never reuses KV blocks computed with older weights (no cache flush needed; requests
@@ -32,13 +34,9 @@ to lag generation by seconds (and to deliver whole streams in one burst at their
 interrupt may then find its request already finished, and returns the full output. A request
 interrupted before its first token drops its stream (vLLM aborts it) and returns no tokens.
 
-Faults. A server whose process exits or whose /health fails three times in a row (10 s
-timeout each: a busy server on a loaded machine answers slowly) is declared dead: in-flight
-``generate`` calls return ABORT with the tokens received so far and ``error`` saying the
-engine died (the rollout layer requeues them); the engine restarts the server (or, attached,
-waits for it), restores the latest synced weights from shared memory and their version
-label, then serves again; new requests wait meanwhile. A failed restart leaves the engine
-down: later requests return ERROR. ``stats()`` counts restarts.
+Faults. When the server dies, in-flight ``generate`` calls return ABORT with their partial
+output, the engine restarts the server and restores its weights (``stats().health`` is
+RECOVERING meanwhile), or stays DEAD if it cannot; ``health.py`` has the details.
 
 Stats are client-side: ``num_waiting`` = in flight without a token yet, ``num_running`` = in
 flight with tokens, ``busy_s`` = wall time with at least one request in flight (vLLM's own
@@ -54,7 +52,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -62,7 +60,9 @@ import httpx
 
 from rollstream.engine.protocol import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
-from rollstream.engine.vllm.server import VllmServer
+from rollstream.engine.vllm.health import HEALTH_TIMEOUT_S, ServerHealth
+from rollstream.engine.vllm.server import LOGPROBS_MODE, VllmServer, VllmServerError
+from rollstream.engine.vllm.sync import SyncTiming, WeightSync
 from rollstream.engine.vllm.weights import WeightStore, WrittenWeights
 from rollstream.engine.vllm.wire import GENERATE_PATH, StreamState, request_body
 
@@ -71,17 +71,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_HEALTH_FAILURES_TO_DIE = 3
-_HEALTH_TIMEOUT_S = 10.0
-
-
-@dataclass(slots=True, kw_only=True)
-class SyncTiming:
-    version: int
-    num_bytes: int
-    write_s: float  # state dict -> safetensors buckets in shared memory
-    pause_s: float  # engine paused: reload + version label
-    total_s: float
 
 
 @dataclass(slots=True)
@@ -94,7 +83,7 @@ class _Inflight:
     request: GenerateRequest
     wire_id: str
     task: asyncio.Task
-    stream: StreamState = field(default_factory=StreamState)
+    stream: StreamState
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cut: str | None = None  # why it was cut short: interrupt, closed, died: ..., broken: ...
     streaming: bool = True  # still inside the HTTP stream (where cancel() is handled)
@@ -108,20 +97,19 @@ class VllmEngine:
                  startup_timeout_s: float, health_period_s: float = 5.0) -> None:
         self.engine_id = engine_id
         self.server = server
-        self.sync_timings: list[SyncTiming] = []
-        self.num_restarts = 0
         self._checkpoint, self._store, self._capacity = checkpoint, store, capacity
-        self._startup_timeout_s, self._health_period_s = startup_timeout_s, health_period_s
-        self._version = self._receipt_version = version
+        self._startup_timeout_s = startup_timeout_s
+        self._health = ServerHealth(engine_id=engine_id, server=server, period_s=health_period_s,
+                                    probe=self._healthy, drop_streams=self._drop_streams,
+                                    restart=self._restart)
+        self._sync = WeightSync(engine_id=engine_id, version=version, store=store,
+                                health=self._health, post=self._post, streams=self._streams)
         self._max_model_len = 0
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
         self._num_submitted = 0  # generate() called, not yet registered on the I/O loop
         self._ids = itertools.count()
         self._generated_tokens, self._busy_s, self._busy_since = 0, 0.0, 0.0
-        self._fatal: str | None = None
-        self._recovering: asyncio.Task | None = None
-        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"rollstream-{engine_id}-io")
@@ -134,6 +122,10 @@ class VllmEngine:
 
     # ---- public API (any thread / loop) ----------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        if self._health.closed:  # the I/O loop is gone
+            _, why = self._health.status()
+            return _output(request.request_id, StreamState(base_version=self._sync.version),
+                           FinishReason.ABORT, why)
         ticket = _Ticket()
         with self._lock:  # counted as waiting from now on, even before the I/O loop sees it
             self._num_submitted += 1
@@ -143,13 +135,15 @@ class VllmEngine:
             self._take_ticket(ticket)
 
     async def interrupt(self, request_ids: Sequence[str] | None = None) -> None:
+        if self._health.closed or self._health.fatal is not None:
+            return  # a dead engine has nothing in flight
         await self._call(self._interrupt(None if request_ids is None else set(request_ids)))
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Install a full HF-named state dict; tokens sampled afterwards carry ``version``.
         In-flight requests freeze during the reload and continue on the new weights."""
         pairs = self._checkpoint.check(tensors)
-        await self._call(self._load_weights(version, pairs))
+        await self._call(self._sync.load(version, pairs))
 
     def stats(self) -> EngineStats:
         inflight = list(self._inflight.values())
@@ -157,10 +151,19 @@ class VllmEngine:
         busy = self._busy_s + (time.perf_counter() - self._busy_since if inflight else 0.0)
         with self._lock:
             submitted = self._num_submitted
-        return EngineStats(engine_id=self.engine_id, version=self._version, num_running=running,
-                           num_waiting=submitted + len(inflight) - running,
+        health, why = self._health.status()
+        return EngineStats(engine_id=self.engine_id, version=self._sync.version,
+                           num_running=running, num_waiting=submitted + len(inflight) - running,
                            capacity=self._capacity, generated_tokens=self._generated_tokens,
-                           busy_s=busy)
+                           busy_s=busy, health=health, health_reason=why)
+
+    @property
+    def num_restarts(self) -> int:
+        return self._health.num_restarts
+
+    @property
+    def sync_timings(self) -> list[SyncTiming]:
+        return self._sync.timings
 
     @property
     def url(self) -> str:
@@ -175,14 +178,14 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """Synchronous close: in-flight requests return ABORT, the server is stopped."""
-        if self._thread.is_alive() and not self._closed:
+        if self._thread.is_alive() and not self._health.closed:
             with contextlib.suppress(Exception):  # close even if the loop is wedged
                 self._run(self._stop(), timeout=30.0)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10.0)
             if not self._thread.is_alive():
                 self._loop.close()
-        self._closed = True
+        self._health.closed = True
         self.server.stop()
         self._store.clear()
 
@@ -191,7 +194,7 @@ class VllmEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
+        if self._health.closed:
             coro.close()
             raise RuntimeError(f"vllm engine {self.engine_id} is closed")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
@@ -199,11 +202,8 @@ class VllmEngine:
     # ---- I/O loop: lifecycle ----------------------------------------------------------------
     async def _start(self) -> None:
         self._client = _new_client()
-        self._control = asyncio.Lock()
-        self._ready = asyncio.Event()
         await self._boot(restore=None)
-        self._ready.set()
-        self._watch_task = asyncio.create_task(self._watch())
+        self._health.start()
 
     async def _boot(self, restore: WrittenWeights | None) -> None:
         """Start (or reach) the server, then restore weights and the version label."""
@@ -211,74 +211,48 @@ class VllmEngine:
         await self.server.wait_ready(self._startup_timeout_s)
         models = (await self._client.get(f"{self.url}/v1/models")).json()["data"]
         self._max_model_len = int(models[0]["max_model_len"])
-        if restore is not None:
-            await self._post("/collective_rpc", json={
-                "method": "rollstream_reload", "kwargs": {"weights_dir": str(restore.path)}})
-        await self._post("/update_weight_version", json={"new_version": str(self._version)})
+        await self._check_logprobs_mode()
+        await self._sync.restore(restore)
+
+    async def _check_logprobs_mode(self) -> None:
+        """Refuse a server whose sampler does not report processed logprobs (the tempered,
+        truncated distribution each token was drawn from; ``worker_ext.py``)."""
+        try:
+            resp = await self._post("/collective_rpc",
+                                    json={"method": "rollstream_logprobs_mode"})
+            modes = {r["logprobs_mode"] for r in resp.json()["results"]}
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+            raise VllmServerError(
+                f"vLLM server at {self.url} could not confirm that it returns "
+                f"{LOGPROBS_MODE} (it needs --logprobs-mode {LOGPROBS_MODE} and this "
+                f"package's --worker-extension-cls): {e!r}") from e
+        if modes != {LOGPROBS_MODE}:
+            raise VllmServerError(
+                f"vLLM server at {self.url} returns logprobs mode {sorted(modes)}, not "
+                f"{LOGPROBS_MODE}: its logprobs would not be those of the distribution it "
+                f"samples, so it cannot serve training (start it with --logprobs-mode "
+                f"{LOGPROBS_MODE})")
 
     async def _stop(self) -> None:
-        self._closed = True
-        self._watch_task.cancel()
-        if self._recovering is not None:
-            self._recovering.cancel()
-        self._fatal = f"vllm engine {self.engine_id} closed"
-        self._ready.set()  # requests waiting for a recovery return ERROR now
+        self._health.close()
         await self._cut(None, "closed")
         await asyncio.sleep(0)
         await self._client.aclose()
 
-    async def _watch(self) -> None:
-        """Declare the server dead when its process exits or /health fails 3 times in a row."""
-        failures, last_probe = 0, 0.0
-        while True:
-            await asyncio.sleep(0.5)
-            if self._recovering is not None or self._fatal is not None:
-                continue
-            if not self.server.alive():
-                self._fault(f"server process exited (code {self.server.proc.returncode})")
-                continue
-            if time.monotonic() - last_probe < self._health_period_s:
-                continue
-            failures = 0 if await self._healthy() else failures + 1
-            last_probe = time.monotonic()
-            if failures >= _HEALTH_FAILURES_TO_DIE:
-                failures = 0
-                self._fault(f"/health failed {_HEALTH_FAILURES_TO_DIE} times in a row")
+    async def _restart(self) -> None:
+        """After a fault: restart the server, restore the latest synced weights."""
+        old, self._client = self._client, _new_client()  # nobody sees a closed one
+        await old.aclose()
+        await asyncio.to_thread(self.server.stop)
+        await self._boot(restore=self._store.latest)
+        log.warning("vllm engine %s is back at version %d", self.engine_id, self._sync.version)
 
-    def _fault(self, reason: str) -> None:
-        """Cut every in-flight stream and start one recovery (idempotent while recovering)."""
-        if self._recovering is not None or self._closed:
-            return
-        log.warning("vllm engine %s died: %s; restarting", self.engine_id, reason)
-        self.num_restarts += 1
-        self._ready.clear()
-        for st in self._inflight.values():
-            if st.cut is None:
-                st.cut = f"died: {reason}"
-                if st.streaming:
-                    st.task.cancel()
-        self._recovering = asyncio.create_task(self._recover(reason))
-
-    async def _recover(self, reason: str) -> None:
-        async with self._control:
-            try:
-                old, self._client = self._client, _new_client()  # nobody sees a closed one
-                await old.aclose()
-                await asyncio.to_thread(self.server.stop)
-                await self._boot(restore=self._store.latest)
-                log.warning("vllm engine %s is back at version %d", self.engine_id, self._version)
-            except Exception as e:  # fault boundary: the engine stays down, requests get ERROR
-                self._fatal = f"vllm engine {self.engine_id} died ({reason}) and could not " \
-                              f"be restarted: {e}"
-                log.error(self._fatal)
-            finally:
-                self._recovering = None
-                self._ready.set()
-
-    async def _serving(self) -> str | None:
-        """Wait while a recovery runs; the reason the engine cannot serve, if any."""
-        await self._ready.wait()
-        return self._fatal
+    async def _healthy(self) -> bool:
+        try:
+            resp = await self._client.get(f"{self.url}/health", timeout=HEALTH_TIMEOUT_S)
+            return resp.status_code == 200
+        except httpx.TransportError:
+            return False
 
     # ---- I/O loop: requests ------------------------------------------------------------------
     def _take_ticket(self, ticket: _Ticket) -> None:
@@ -291,14 +265,19 @@ class VllmEngine:
         self._take_ticket(ticket)
         rid = request.request_id
         error = self._checkpoint.check_prompt(request.prompt_ids, self._max_model_len)
-        if error is None:
-            error = await self._serving()
+        if error is None and (dead := await self._health.serving()) is not None:
+            return _output(rid, StreamState(base_version=self._sync.version), FinishReason.ABORT,
+                           dead)
         if error is None and rid in self._inflight:
             error = "duplicate request_id still in flight"
         if error is not None:
-            return _output(rid, StreamState(), FinishReason.ERROR, error)
+            return _output(rid, StreamState(base_version=self._sync.version), FinishReason.ERROR,
+                           error)
+        paused = self._sync.paused_for is not None  # then sampled after /resume, by the new
+        stream = StreamState(base_version=self._sync.paused_for if paused else self._sync.version,
+                             sent_paused=paused)
         st = _Inflight(request=request, wire_id=f"{rid}#{next(self._ids)}",
-                       task=asyncio.current_task())
+                       task=asyncio.current_task(), stream=stream)
         if not self._inflight:
             self._busy_since = time.perf_counter()
         self._inflight[rid] = st
@@ -318,7 +297,7 @@ class VllmEngine:
         # vLLM rejects stop ids outside the vocabulary; they can never be sampled anyway
         body["sampling_params"]["stop_token_ids"] = [
             t for t in st.request.params.stop_token_ids if 0 <= t < self._checkpoint.vocab_size]
-        body["cache_salt"] = f"rollstream-v{self._version}"
+        body["cache_salt"] = f"rollstream-v{self._sync.version}"
         failure: httpx.TransportError | None = None
         try:
             async with self._client.stream("POST", self.url + GENERATE_PATH, json=body) as resp:
@@ -328,7 +307,7 @@ class VllmEngine:
                 else:
                     async for line in resp.aiter_lines():
                         had = len(s.token_ids)
-                        s.feed(line, self._receipt_version)
+                        s.feed(line)
                         self._generated_tokens += len(s.token_ids) - had
         except asyncio.CancelledError:
             if st.cut is None:
@@ -340,15 +319,15 @@ class VllmEngine:
             st.streaming = False  # from here on, cuts are read, not delivered by cancel()
         if st.cut is None and (failure is not None or s.finish is None):
             why = repr(failure) if failure is not None else "the stream ended without a finish"
-            dead = await self._is_dead()
+            dead = await self._health.is_dead()
             st.cut = st.cut or (f"died: {why}" if dead else f"broken: {why}")
-        if st.cut is None and s.finish is FinishReason.ERROR and await self._is_dead():
+        if st.cut is None and s.finish is FinishReason.ERROR and await self._health.is_dead():
             st.cut = st.cut or f"died: {s.error}"  # a dying server fails requests with HTTP 500
         if st.cut is None:
             return _output(rid, s, s.finish, s.error)
         kind, _, why = st.cut.partition(": ")
         if kind == "died":
-            self._fault(why)
+            self._health.fault(why)
         error = {"interrupt": None,
                  "closed": f"vllm engine {self.engine_id} closed",
                  "died": f"vllm engine {self.engine_id} died ({why}); partial output "
@@ -359,20 +338,6 @@ class VllmEngine:
             return _output(rid, s, s.finish, s.error)  # ABORT, or it finished first
         return _output(rid, s, FinishReason.ABORT, error)
 
-    async def _is_dead(self) -> bool:
-        """After a failed stream: has the server died (exited, or /health keeps failing)? A
-        busy server on a loaded machine answers slowly, so one slow probe is not death."""
-        if self._recovering is not None or not self.server.alive():
-            return True
-        return not (await self._healthy() or await self._healthy())
-
-    async def _healthy(self) -> bool:
-        try:
-            resp = await self._client.get(f"{self.url}/health", timeout=_HEALTH_TIMEOUT_S)
-            return resp.status_code == 200
-        except httpx.TransportError:
-            return False
-
     async def _interrupt(self, ids: set[str] | None) -> None:
         await self._cut(ids, "interrupt")
 
@@ -382,7 +347,7 @@ class VllmEngine:
         for st in targets:
             st.cut = st.cut or why
         started = [st.wire_id for st in targets if st.stream.token_ids]
-        if started and self._ready.is_set():
+        if started and self._health.ready.is_set():
             with contextlib.suppress(httpx.HTTPError):
                 await self._abort_wire(started)
         for st in targets:  # not started: nothing to keep, drop the stream (vLLM aborts it)
@@ -397,48 +362,21 @@ class VllmEngine:
             for w in late:
                 w.cancel()
 
+    def _drop_streams(self, why: str) -> None:
+        """Cut every stream not cut yet, without waiting (the server is gone)."""
+        for st in self._inflight.values():
+            if st.cut is None:
+                st.cut = why
+                if st.streaming:
+                    st.task.cancel()
+
+    def _streams(self) -> Iterator[StreamState]:
+        return (st.stream for st in self._inflight.values())
+
     async def _abort_wire(self, wire_ids: list[str]) -> None:
         # the token endpoint registers requests as "generate-tokens-<request_id>"
         await self._post("/abort_requests",
                          json={"request_ids": [f"generate-tokens-{w}" for w in wire_ids]})
-
-    # ---- I/O loop: weights --------------------------------------------------------------------
-    async def _load_weights(self, version: int, pairs: list[tuple[str, Any]]) -> None:
-        while True:  # wait out a recovery without holding the lock it needs
-            if (why := await self._serving()) is not None:
-                raise RuntimeError(why)
-            await self._control.acquire()
-            if self._ready.is_set():
-                break
-            self._control.release()
-        t0 = time.perf_counter()
-        try:
-            written = await asyncio.to_thread(self._store.write, version, dict(pairs))
-            t1 = time.perf_counter()
-            try:
-                await self._post("/pause", params={"mode": "keep"})
-                await self._post("/collective_rpc", json={
-                    "method": "rollstream_reload", "kwargs": {"weights_dir": str(written.path)}})
-                await self._post("/update_weight_version", json={"new_version": str(version)})
-                self._version = self._receipt_version = version
-                await self._post("/resume")
-                failed = None
-            except httpx.HTTPError as e:
-                failed = e
-                self._version = self._receipt_version = version  # recovery restores `written`
-                self._fault(f"weight load of version {version} failed: {e!r}")
-            t2 = time.perf_counter()
-        finally:
-            self._control.release()
-        if failed is not None and (why := await self._serving()) is not None:
-            raise RuntimeError(why) from failed
-        self._store.prune()
-        timing = SyncTiming(version=version, num_bytes=written.num_bytes, write_s=t1 - t0,
-                            pause_s=t2 - t1, total_s=time.perf_counter() - t0)
-        self.sync_timings.append(timing)
-        log.info("vllm engine %s: weights v%d (%.1f MB) synced in %.3f s (write %.3f, paused %.3f)",
-                 self.engine_id, version, written.num_bytes / 1e6, timing.total_s,
-                 timing.write_s, timing.pause_s)
 
     async def _post(self, path: str, **kwargs: Any) -> httpx.Response:
         resp = await self._client.post(self.url + path, timeout=300.0, **kwargs)
@@ -454,5 +392,6 @@ def _new_client() -> httpx.AsyncClient:
 
 
 def _output(rid: str, s: StreamState, reason: FinishReason, error: str | None) -> GenerateOutput:
-    return GenerateOutput(request_id=rid, token_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                          versions=s.versions(), finish_reason=reason, error=error)
+    token_ids, logprobs, versions = s.result()
+    return GenerateOutput(request_id=rid, token_ids=token_ids, logprobs=logprobs,
+                          versions=versions, finish_reason=reason, error=error)

@@ -14,7 +14,10 @@ shared-memory ring buffers a killed EngineCore would leak):
   (the engine's I/O thread does).
 
 Flags always passed: ``--enable-scale-out`` (token-in/token-out ``/inference/v1/generate``),
-``--worker-extension-cls`` (weight reload, AMX init, logprobs; see ``worker_ext.py``),
+``--worker-extension-cls`` (weight reload, AMX init, logprobs mode; see ``worker_ext.py``),
+``--logprobs-mode processed_logprobs`` (a sampled token's logprob under the tempered,
+top-k/top-p-truncated distribution it was drawn from: the behaviour policy the trainer's
+importance ratio needs; the config refuses ``extra_args`` that set it),
 ``--generation-config vllm`` (no sampling defaults from the model folder: requests carry
 every parameter), ``--skip-tokenizer-init`` (token in, token out: the server never needs a
 tokenizer, and folders without one work), ``--dtype`` = the dtype the folder's config.json
@@ -50,6 +53,7 @@ import httpx
 from rollstream.config.schema import VllmEngineConfig
 
 WORKER_EXTENSION = "rollstream.engine.vllm.worker_ext.RollstreamWorkerExtension"
+LOGPROBS_MODE = "processed_logprobs"  # the only vLLM logprobs mode that may serve training
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 _SHM_PATTERN = "/dev/shm/psm_*"  # Python multiprocessing.shared_memory, as vLLM uses it
@@ -113,6 +117,7 @@ class VllmServer:
                 "--max-model-len", str(self.cfg.max_model_len),
                 "--kv-cache-memory-bytes", str(self.cfg.kv_cache_bytes),
                 "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out",
+                "--logprobs-mode", LOGPROBS_MODE,
                 "--generation-config", "vllm", "--skip-tokenizer-init",
                 "--disable-uvicorn-access-log",
                 "--disable-fastapi-docs"]

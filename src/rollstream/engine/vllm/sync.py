@@ -1,0 +1,107 @@
+"""``WeightSync``: installs weights into one running vLLM server and owns its version label.
+
+Ordering contract of ``load``, which makes the version boundary exact: the state dict is
+written to shared memory (``weights.py``), then ``/pause?mode=keep`` (in-flight requests
+freeze between two steps), reload in place through ``/collective_rpc`` (``worker_ext.py``),
+``/update_weight_version``, ``/resume``; the frozen requests then continue on the new
+weights. Requests sent while the server is paused (``paused_for``) are sampled by the new
+version; the in-flight streams are told, just before ``/resume`` is sent, that what they hold
+was sampled before (``StreamState.resuming``, ``wire.py``). One load or restart at a time:
+``load`` holds the health's ``control`` lock, and waits out a recovery without holding it.
+
+A reload that fails is a server fault: the version is set anyway (the recovery restores the
+written weights and labels them) and ``load`` raises only if the engine is DEAD after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from rollstream.engine.vllm.health import ServerHealth
+from rollstream.engine.vllm.weights import WeightStore, WrittenWeights
+from rollstream.engine.vllm.wire import StreamState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class SyncTiming:
+    version: int
+    num_bytes: int
+    write_s: float  # state dict -> safetensors buckets in shared memory
+    pause_s: float  # engine paused: reload + version label
+    total_s: float
+
+
+class WeightSync:
+    """``post(path, **kwargs)`` posts to the server (raising on an HTTP error);
+    ``streams()`` are the engine's in-flight streams."""
+
+    def __init__(self, *, engine_id: str, version: int, store: WeightStore,
+                 health: ServerHealth, post: Callable[..., Awaitable[httpx.Response]],
+                 streams: Callable[[], Iterable[StreamState]]) -> None:
+        self.engine_id = engine_id
+        self.version = version  # of the weights the server samples with
+        self.paused_for: int | None = None  # a reload to this version has the server paused
+        self.timings: list[SyncTiming] = []
+        self._store, self._health, self._post, self._streams = store, health, post, streams
+
+    async def restore(self, written: WrittenWeights | None) -> None:
+        """On a (re)started server: reload ``written``, if any, and label ``version``."""
+        if written is not None:
+            await self._reload(written)
+        await self._label(self.version)
+
+    async def load(self, version: int, pairs: list[tuple[str, Any]]) -> None:
+        health = self._health
+        while True:  # wait out a recovery without holding the lock it needs
+            if (why := await health.serving()) is not None:
+                raise RuntimeError(why)
+            await health.control.acquire()
+            if health.ready.is_set():
+                break
+            health.control.release()
+        t0 = time.perf_counter()
+        try:
+            written = await asyncio.to_thread(self._store.write, version, dict(pairs))
+            t1 = time.perf_counter()
+            try:
+                await self._post("/pause", params={"mode": "keep"})
+                self.paused_for = version  # requests sent from now on are sampled by it
+                await self._reload(written)
+                await self._label(version)
+                self.version, self.paused_for = version, None
+                for stream in self._streams():  # what they hold now was sampled before
+                    stream.resuming()
+                await self._post("/resume")
+                failed = None
+            except httpx.HTTPError as e:
+                failed = e
+                self.version, self.paused_for = version, None  # recovery restores `written`
+                health.fault(f"weight load of version {version} failed: {e!r}")
+            t2 = time.perf_counter()
+        finally:
+            health.control.release()
+        if failed is not None and (why := await health.serving()) is not None:
+            raise RuntimeError(why) from failed
+        self._store.prune()
+        timing = SyncTiming(version=version, num_bytes=written.num_bytes, write_s=t1 - t0,
+                            pause_s=t2 - t1, total_s=time.perf_counter() - t0)
+        self.timings.append(timing)
+        log.info("vllm engine %s: weights v%d (%.1f MB) synced in %.3f s (write %.3f, paused %.3f)",
+                 self.engine_id, version, written.num_bytes / 1e6, timing.total_s,
+                 timing.write_s, timing.pause_s)
+
+    async def _reload(self, written: WrittenWeights) -> None:
+        await self._post("/collective_rpc", json={
+            "method": "rollstream_reload", "kwargs": {"weights_dir": str(written.path)}})
+
+    async def _label(self, version: int) -> None:
+        await self._post("/update_weight_version", json={"new_version": str(version)})
