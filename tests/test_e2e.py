@@ -35,20 +35,20 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
-                             "name=e2e", "train.steps=20", "rollout.mode=async",
+                             "name=e2e", "train.steps=30", "rollout.mode=async",
                              "rollout.max_staleness=2", "monitor.report=true",
-                             "eval.every=8", "train.checkpoint_every=10"])
+                             "eval.every=10", "train.checkpoint_every=15"])
     summary = run_training(cfg)
     assert summary["reward_final"] > summary["reward_initial"] + 0.1, summary
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json",
-              "report.html", "checkpoint/config.json", "checkpoints/step_000010/config.json",
-              "checkpoints/step_000020/model.safetensors"):
+              "report.html", "checkpoint/config.json", "checkpoints/step_000015/config.json",
+              "checkpoints/step_000030/model.safetensors"):
         assert (run / f).exists(), f
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "step_000010", "step_000020"]  # written atomically: no temporary folder left
+        "step_000015", "step_000030"]  # written atomically: no temporary folder left
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if m["kind"] == "eval"] == [0, 8, 16, 20]  # eval.every
+    assert [m["step"] for m in metrics if m["kind"] == "eval"] == [0, 10, 20, 30]  # eval.every
     rows = read_ledger(run / "ledger.jsonl")
     trained = [r for r in rows if r["status"] == "trained"]
     assert len(trained) == summary["trained_samples"] > 0

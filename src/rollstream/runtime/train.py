@@ -13,6 +13,7 @@ raises :class:`RunStopped` after everything was written.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -59,7 +60,7 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
 
         dashboard = Dashboard(run.metrics, run_dir, cfg.monitor)
         print(f"dashboard: {dashboard.start()}", flush=True)
-    rounds = iter(range(1 << 30))
+    rounds = itertools.count()  # evaluation rounds (their group ids)
     controller, dispatcher = run.loop.controller, run.loop.dispatcher
 
     async def after_step(step: int, values: dict[str, float]) -> None:
@@ -75,6 +76,7 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
 
     controller.after_step = after_step
     result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
+    train_wall_s, train_tokens = 0.0, 0
     try:
         initial = await _eval(run, next(rounds), 0)
         if not run.eval_tasks:
@@ -92,7 +94,6 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
             final = await _eval(run, next(rounds), result.steps_done)
     except RolloutStopped as e:  # no engine alive during an evaluation
         result.stop_reason, result.stalled = str(e), True
-        train_wall_s, train_tokens = 0.0, 0
     finally:
         progress.close()
         await run.close()
