@@ -235,3 +235,18 @@ async def test_resolver_failure_and_closed_pool() -> None:
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         await pool.grade(task(), STOPPED)
+
+
+async def test_close_ends_calls_waiting_for_a_worker(make_pool, tmp_path: Path) -> None:
+    """Calls queued behind a busy worker end too when the pool closes, not only the one the
+    worker runs."""
+    pool = make_pool({"hang": w.hang}, timeout_s=30, num_workers=1)
+    calls = [asyncio.create_task(pool.grade(task(str(tmp_path), "hang"), STOPPED))
+             for _ in range(3)]
+    for _ in range(500):
+        if any(tmp_path.iterdir()):
+            break
+        await asyncio.sleep(0.02)
+    pool.close()
+    results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+    assert [r.error for r in results] == ["reward pool closed"] * 3

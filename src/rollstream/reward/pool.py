@@ -25,11 +25,9 @@ marks the sample FAILED with it). Guarantees:
 * ``close()`` stops every worker process; calls still waiting then end with ``"reward pool
   closed"``.
 
-The worker processes come from pebble's ``ProcessPool``: a per-call timeout that kills and
-replaces only that call's worker (``concurrent.futures.ProcessPoolExecutor`` cannot kill one
-worker; a hung call breaks the whole pool). Its workers turn SIGTERM into a clean exit that
-Python code must reach, so the worker initializer restores the default action: a worker
-stuck in C code then dies at once instead of after pebble's 3 s grace.
+The worker processes are :class:`~rollstream.reward.workers.ProcessWorkers`: driven by the
+event loop (no thread in this process), a timed-out call's worker is SIGKILLed and replaced
+(``workers.py`` says why not pebble or ``concurrent.futures``).
 
 Not covered: an ``async def`` reward that blocks the event loop (calls ``time.sleep``) or
 swallows cancellation cannot be bounded from inside the loop; write async rewards that await.
@@ -41,21 +39,16 @@ real time even when the schedulers run on an injected clock.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pebble import ProcessExpired, ProcessPool
-
 from rollstream.reward.registry import Response, Reward, checked_value
+from rollstream.reward.workers import CallTimeout, PoolClosed, ProcessWorkers, WorkerDied
 from rollstream.trajectory import Task
 
 if TYPE_CHECKING:
-    import concurrent.futures
-
     from rollstream.config.schema import RewardConfig
 
 
@@ -75,8 +68,7 @@ class GraderPool:
         self._cfg = cfg
         self._resolve = resolve
         self._slots = asyncio.Semaphore(cfg.num_workers)
-        self._workers: ProcessPool | None = None
-        self._running: set[concurrent.futures.Future[tuple[float | None, str | None]]] = set()
+        self._workers: ProcessWorkers | None = None
         self._closed = False
 
     async def grade(self, task: Task, response: Response) -> GradeResult:
@@ -91,12 +83,8 @@ class GraderPool:
     def close(self) -> None:
         """Stop accepting calls and stop the worker processes (nothing is left running)."""
         self._closed = True
-        for fut in list(self._running):
-            fut.cancel()
         if self._workers is not None:
-            self._workers.stop()
-            self._workers.join()
-            self._workers = None
+            self._workers.close()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -110,8 +98,8 @@ class GraderPool:
             return None, f"timeout after {self._cfg.timeout_s:g}s"
         except _Closed:
             return None, "reward pool closed"
-        except ProcessExpired as e:
-            return None, f"reward worker died (exit code {e.exitcode})"
+        except WorkerDied as e:
+            return None, str(e)
         except Exception as e:  # fault boundary: the reward's failure becomes the sample's
             return None, f"{type(e).__name__}: {e}"
 
@@ -127,38 +115,15 @@ class GraderPool:
     async def _call_sync(
         self, reward: Reward, task: Task, response: Response
     ) -> tuple[float | None, str | None]:
-        fut = self._live_workers().schedule(
-            call_in_worker,
-            args=(reward.fn, task, response.text, reward.kwargs(response)),
-            timeout=self._cfg.timeout_s,
-        )
-        self._running.add(fut)
-        try:
-            return await asyncio.wrap_future(fut)
-        except TimeoutError:  # the worker wraps every error of the reward: this is pebble's
-            raise _Timeout() from None
-        except asyncio.CancelledError:
-            if self._closed and fut.cancelled():
-                current = asyncio.current_task()
-                if current is None or not current.cancelling():
-                    raise _Closed() from None
-            fut.cancel()  # our caller gave up: pebble kills the worker if it is running
-            raise
-        finally:
-            self._running.discard(fut)
-
-    def _live_workers(self) -> ProcessPool:
-        if self._workers is not None and not self._workers.active:  # broken: start afresh
-            self._workers.stop()
-            self._workers.join()
-            self._workers = None
         if self._workers is None:
-            self._workers = ProcessPool(
-                max_workers=self._cfg.num_workers,
-                initializer=_init_worker,
-                context=multiprocessing.get_context("spawn"),
-            )
-        return self._workers
+            self._workers = ProcessWorkers(self._cfg.num_workers)
+        args = (reward.fn, task, response.text, reward.kwargs(response))
+        try:
+            return await self._workers.call(call_in_worker, args, self._cfg.timeout_s)
+        except CallTimeout:
+            raise _Timeout() from None
+        except PoolClosed:
+            raise _Closed() from None
 
 
 class _Timeout(Exception):
@@ -179,7 +144,3 @@ def call_in_worker(
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"
     return checked_value(value)
-
-
-def _init_worker() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die at once, even inside C code

@@ -1,0 +1,177 @@
+"""Worker processes for synchronous rewards, driven by the event loop itself.
+
+Each worker is a ``spawn``-ed process (safe in a process that has threads, unlike ``fork``)
+joined to the parent by a pipe; it runs one call at a time in its main thread. The parent
+side needs no thread: the event loop writes a call to an idle worker's pipe and watches the
+pipes with ``add_reader``, so every message arrives as a loop callback::
+
+    worker:  "ready" (imports done) ... recv call (unpickling imports the reward's module)
+             -> "started" -> fn(*args) -> "done", result
+
+A worker takes calls only once it is ready, and a call's ``timeout_s`` counts from
+"started": a worker's start-up and the import of a reward's module are not the reward's time
+(they are bounded by ``STARTUP_S``). A call still running at its deadline is killed with its
+process (SIGKILL: a reward stuck in C code cannot delay it) and the worker is replaced; a
+worker that dies mid-call fails that call with its exit code and is replaced too.
+
+Why not pebble or ``concurrent.futures``: ``ProcessPoolExecutor`` cannot kill one worker (a
+hung call breaks the whole pool), and pebble's pool, which can, runs three manager threads in
+the training process; their GIL hand-offs slowed the engine thread. In the long-tail modes
+bench config (async k=2, drain, rewards graded in pebble workers vs in the event loop,
+interleaved runs) training took 47.7 / 48.6 s against 42.1 / 39.8 s (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+STARTUP_S = 120.0  # a worker's start-up, or its import of a reward's module, past this fails
+
+
+class WorkerDied(Exception):
+    """The worker process exited (or could not start) during a call."""
+
+    def __init__(self, exitcode: int | None, why: str = "died") -> None:
+        super().__init__(f"reward worker {why} (exit code {exitcode})")
+        self.exitcode = exitcode
+
+
+class CallTimeout(Exception):
+    """The call ran past its deadline; its worker was killed and replaced."""
+
+
+class PoolClosed(Exception):
+    """The pool was closed while the call ran or waited."""
+
+
+class _Worker:
+    def __init__(self, ctx: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True,
+                                name="rollstream-reward")
+        self.proc.start()
+        child.close()
+        self.started: asyncio.Future[None] | None = None  # the current call began
+        self.done: asyncio.Future[Any] | None = None  # its result
+
+
+class ProcessWorkers:
+    """``size`` worker processes, started at the first call; one call each at a time."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ctx = multiprocessing.get_context("spawn")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Queue[_Worker | None] | None = None  # None: closed
+        self._all: list[_Worker] = []
+        self._closed = False
+
+    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
+        """``fn(*args)`` in a worker; ``fn`` and ``args`` are pickled (functions by reference).
+        Raises CallTimeout, WorkerDied, PoolClosed, or what unpickling the result raises."""
+        if self._closed:
+            raise PoolClosed()
+        if self._idle is None:
+            self._loop, self._idle = asyncio.get_running_loop(), asyncio.Queue()
+            for _ in range(self.size):
+                self._start()
+        worker = await self._idle.get()
+        if worker is None:  # closed while we waited: pass the word on to the next waiter
+            self._idle.put_nowait(None)
+            raise PoolClosed()
+        assert self._loop is not None
+        worker.started, worker.done = self._loop.create_future(), self._loop.create_future()
+        try:
+            worker.conn.send((fn, args))
+            try:
+                await asyncio.wait_for(asyncio.shield(worker.started), STARTUP_S)
+            except TimeoutError:
+                raise WorkerDied(worker.proc.exitcode, "did not start the call") from None
+            try:
+                return await asyncio.wait_for(asyncio.shield(worker.done), timeout_s)
+            except TimeoutError:
+                raise CallTimeout() from None
+        except (WorkerDied, CallTimeout, asyncio.CancelledError):
+            self._replace(worker)  # a cancelled caller: the call may still be running
+            raise
+        except OSError:  # the pipe broke: the process is gone
+            self._replace(worker)
+            raise WorkerDied(worker.proc.exitcode) from None
+        finally:
+            if worker in self._all:
+                worker.started = worker.done = None
+                self._idle.put_nowait(worker)
+
+    def close(self) -> None:
+        """Kill every worker (their calls fail with PoolClosed); nothing is left running."""
+        self._closed = True
+        for worker in list(self._all):
+            self._stop(worker, PoolClosed())
+        if self._idle is not None:
+            self._idle.put_nowait(None)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        assert self._loop is not None
+        worker = _Worker(self._ctx)
+        self._all.append(worker)
+        self._loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
+
+    def _on_readable(self, worker: _Worker) -> None:
+        try:
+            kind, value = worker.conn.recv()
+        except (EOFError, OSError):  # the process exited: fail its call, start another
+            worker.proc.join(timeout=5)
+            self._replace(worker, WorkerDied(worker.proc.exitcode))
+            return
+        if kind == "ready":
+            assert self._idle is not None
+            self._idle.put_nowait(worker)
+        elif kind == "started" and worker.started is not None:
+            worker.started.set_result(None)
+        elif kind == "done" and worker.done is not None and not worker.done.done():
+            worker.done.set_result(value)
+
+    def _replace(self, worker: _Worker, error: BaseException | None = None) -> None:
+        if worker in self._all:
+            self._stop(worker, error)
+            if not self._closed:
+                self._start()
+
+    def _stop(self, worker: _Worker, error: BaseException | None) -> None:
+        """Kill ``worker``; its pending call fails with ``error`` (None: nobody waits for it
+        any more, cancel it)."""
+        self._all.remove(worker)
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.remove_reader(worker.conn.fileno())
+        if worker.proc.is_alive():
+            worker.proc.kill()  # SIGKILL: a reward stuck in C code cannot delay it
+        worker.proc.join(timeout=5)
+        waiting = [f for f in (worker.started, worker.done) if f is not None and not f.done()]
+        with contextlib.suppress(RuntimeError):  # their loop may be gone already
+            for i, fut in enumerate(waiting):  # the caller awaits the first of them
+                if error is None or i > 0:
+                    fut.cancel()
+                else:
+                    fut.set_exception(error)
+        worker.conn.close()
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's main loop: one call at a time, until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    conn.send(("ready", None))
+    while True:
+        try:
+            fn, args = conn.recv()  # unpickling imports the reward's module
+        except (EOFError, OSError):
+            return
+        conn.send(("started", None))
+        conn.send(("done", fn(*args)))
