@@ -42,8 +42,9 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     assert summary["reward_final"] > summary["reward_initial"] + 0.1, summary
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json",
-              "report.html", "checkpoint/config.json", "checkpoints/step_000015/config.json",
-              "checkpoints/step_000030/model.safetensors"):
+              "report.html", "checkpoint/config.json", "checkpoints/step_000015/model/config.json",
+              "checkpoints/step_000030/model/model.safetensors",
+              "checkpoints/step_000030/trainer.pt", "checkpoints/step_000030/state.json"):
         assert (run / f).exists(), f
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_000015", "step_000030"]  # written atomically: no temporary folder left

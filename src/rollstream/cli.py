@@ -1,6 +1,7 @@
 """The ``rollstream`` command line.
 
     rollstream train CONFIG.yaml [key=value ...]   run RL post-training (the main job)
+    rollstream train CONFIG.yaml --resume          continue runs/<name> from its checkpoint
     rollstream bench NAME [--json OUT]             run a benchmark: prints a table, writes JSON
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
 
@@ -37,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("config", type=Path, help="YAML config file (see examples/)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 rollout.mode=sync")
+    t.add_argument("--resume", action="store_true",
+                   help="continue runs/<name> from its newest durable checkpoint (= resume=true)")
 
     b = sub.add_parser(
         "bench",
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             from rollstream.config import load_config
             from rollstream.runtime.train import RunStopped, run_training
 
-            cfg = load_config(args.config, args.overrides)
+            overrides = [*args.overrides, *(["resume=true"] if args.resume else [])]
+            cfg = load_config(args.config, overrides)
             try:
                 run_training(cfg)
             except RunStopped as e:

@@ -150,6 +150,8 @@ class Sample:
     trained_at_step: int | None = None
     min_trained_version: int | None = None  # oldest version among the tokens the loss kept
     num_trained_tokens: int | None = None  # tokens the loss kept (the trainer says: KeptTokens)
+    taken_at_step: int | None = None  # the trainer step whose batch held it (any outcome)
+    num_restored_tokens: int = 0  # partial tokens it continued from after a restart (resume)
 
     @property
     def uid(self) -> str:

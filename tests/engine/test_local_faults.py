@@ -1,6 +1,7 @@
 """The local engine as a fault boundary: when its step loop raises, every request comes back
 (running ones with exactly the tokens they had), nothing escapes to callers, and the engine
-is DEAD from then on. Faults are injected on the engine thread by wrapping the runner."""
+is RECOVERING until restarted, or DEAD from then on when it has no restarts left. Faults are
+injected on the engine thread by wrapping the runner."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ async def test_dying_engine_returns_each_request_with_exactly_its_tokens(tiny_mo
         await healthy.close()
     assert all(len(o.token_ids) == 60 for o in full)
 
-    dying = _local(tiny_model_dir)
+    dying = _local(tiny_model_dir, max_restarts=0)
     decode = _Decode(dying, fail_at=6)
     waiting = [_req(f"w{i}", [1, 2, 3], max_new_tokens=5) for i in range(2)]
     outs = await _outputs(await _submit_together(dying, requests + waiting))
@@ -138,7 +139,7 @@ async def test_dying_engine_returns_each_request_with_exactly_its_tokens(tiny_mo
 async def test_partials_keep_the_version_of_each_token_across_a_load(tiny_model_dir):
     """A load lands after decode step 4 and the engine dies at step 8: each partial's
     versions are the prefill's and those of the 7 steps that ran, token by token."""
-    engine = _local(tiny_model_dir)
+    engine = _local(tiny_model_dir, max_restarts=0)
     decode = _Decode(engine, hold_at=4, fail_at=8)
     g = torch.Generator().manual_seed(3)
     new = {k: v + 0.1 * torch.randn(v.shape, generator=g)
@@ -162,7 +163,7 @@ async def test_a_weight_load_that_raises_kills_the_engine_and_fails_the_load(
     def corrupt(self, pairs) -> None:
         raise RuntimeError("weights corrupt")
 
-    engine = _local(tiny_model_dir)
+    engine = _local(tiny_model_dir, max_restarts=0)
     decode = _Decode(engine, hold_at=3)
     futures = await _submit_together(engine, _seeded(2, seed=23))
     monkeypatch.setattr(Weights, "copy_in", corrupt)
@@ -179,7 +180,7 @@ async def test_a_weight_load_that_raises_kills_the_engine_and_fails_the_load(
 async def test_rows_not_prefilled_or_unreadable_return_without_tokens(tiny_model_dir):
     """A prefill that raises: the rows already decoding keep their tokens, the rows being
     admitted have none. Then a runner that cannot even be read: ABORT without tokens."""
-    engine = _local(tiny_model_dir)
+    engine = _local(tiny_model_dir, max_restarts=0)
     decode = _Decode(engine, hold_at=2)
     first = await _submit_together(engine, _seeded(2, seed=24))
     assert await asyncio.to_thread(decode.held.wait, 60)
@@ -195,7 +196,7 @@ async def test_rows_not_prefilled_or_unreadable_return_without_tokens(tiny_model
     assert all(o.finish_reason is FinishReason.ABORT and BOOM in o.error for o in outs)
     await _assert_dead_for_good(engine, BOOM, tiny_model_dir)
 
-    engine = _local(tiny_model_dir)
+    engine = _local(tiny_model_dir, max_restarts=0)
     _Decode(engine, fail_at=3)
 
     def unreadable(rows, prompt_lens):
@@ -206,3 +207,24 @@ async def test_rows_not_prefilled_or_unreadable_return_without_tokens(tiny_model
     assert all(o.finish_reason is FinishReason.ABORT and not o.token_ids for o in outs)
     assert all(BOOM in o.error for o in outs)
     await _assert_dead_for_good(engine, BOOM, tiny_model_dir)
+
+
+async def test_a_died_engine_recovers_only_through_restart(tiny_model_dir):
+    """With a restart left it is RECOVERING (requests return ABORT with the cause) until
+    ``restart`` gives it a fresh thread and cache at the given version; with none left, DEAD."""
+    engine = _local(tiny_model_dir, max_restarts=1)
+    _Decode(engine, fail_at=3)
+    out = await engine.generate(_req("r", [1, 2, 3], max_new_tokens=20))
+    assert out.finish_reason is FinishReason.ABORT and BOOM in out.error
+    assert engine.stats().health is EngineHealth.RECOVERING and engine.needs_restart()
+    await engine.restart(5, None)
+    stats = engine.stats()
+    assert stats.health is EngineHealth.UP and stats.version == 5 and engine.num_restarts == 1
+    again = await engine.generate(_req("again", [1, 2, 3], max_new_tokens=20))
+    assert again.finish_reason is FinishReason.LENGTH and again.versions == [5] * 20
+    _Decode(engine, fail_at=2)
+    await engine.generate(_req("r2", [1, 2, 3], max_new_tokens=20))
+    assert engine.stats().health is EngineHealth.DEAD and not engine.needs_restart()
+    with pytest.raises(RuntimeError, match="cannot restart"):
+        await engine.restart(6, None)
+    await engine.close()

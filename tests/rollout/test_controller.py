@@ -6,7 +6,6 @@ the dispatcher, capacity, buffer, sync, graders and ledger are the real ones."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -27,10 +26,16 @@ from .fakes import CountingTrainer, NullMetrics, RandomEngine
 
 class Tasks:
     def __init__(self) -> None:
-        self._i = itertools.count()
+        self._n = 0
+
+    def state(self) -> dict[str, int]:
+        return {"next": self._n}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self._n = state["next"]
 
     def next_task(self) -> Task:
-        i = next(self._i)
+        i, self._n = self._n, self._n + 1
         return Task(uid=f"t/{i}", source="t", prompt_ids=(i % 7 + 1, i % 5 + 1, i % 3 + 1, 9),
                     prompt_text="", reference="")
 

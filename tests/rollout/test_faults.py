@@ -145,7 +145,8 @@ def test_a_failing_local_engine_hands_its_samples_to_the_other(tmp_path):
     from tests.engine.helpers import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m")
-    cfg = LocalEngineConfig(max_slots=8, max_seq_len=96, threads=1, device="cpu")
+    cfg = LocalEngineConfig(max_slots=8, max_seq_len=96, threads=1, device="cpu",
+                            max_restarts=0)  # nobody restarts it here: it is DEAD
     spans: list[dict] = []
 
     async def main():
@@ -186,3 +187,92 @@ def test_a_failing_local_engine_hands_its_samples_to_the_other(tmp_path):
     moved = {sp["sample_uid"] for sp in spans if sp["engine_id"] == "a" and sp["num_tokens"]} & \
         {sp["sample_uid"] for sp in spans if sp["engine_id"] == "b"}
     assert moved, "samples with tokens from the dead engine were finished on the other"
+
+
+def test_a_dead_local_engine_is_restarted_at_the_current_version(tmp_path):
+    """The only engine's step loop raises mid-generation after weights of version 1 were
+    loaded. Its requests return their partial tokens and wait (no engine is UP, one is
+    RECOVERING); the supervisor restarts it with version 1's weights; it takes the work again.
+    No token is lost (spans add up), every token is version 1, and the restarted engine
+    samples exactly what version 1's weights give (greedy, compared with a fresh engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollstream.clock import WallClock
+    from rollstream.config import RewardConfig
+    from rollstream.config.schema import LocalEngineConfig
+    from rollstream.data.ledger import Ledger
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import EngineHealth, GenerateRequest, SamplingParams
+    from rollstream.reward.pool import GraderPool
+    from rollstream.reward.registry import get_reward
+    from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.lifecycle import Lifecycle
+    from rollstream.rollout.supervisor import EngineSupervisor
+    from rollstream.sync.weights import WeightSync
+    from rollstream.trajectory import Group, SampleStatus, Task
+    from tests.engine.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m")
+    cfg = LocalEngineConfig(max_slots=8, max_seq_len=96, threads=1, device="cpu",
+                            max_restarts=1)
+    weights1 = {k: v + 0.01 * torch.randn_like(v) for k, v in AutoModelForCausalLM
+                .from_pretrained(model, dtype=torch.float32).state_dict().items()}
+    spans: list[dict] = []
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+    async def main():
+        a = LocalEngine(model, cfg, engine_id="a")
+        real, calls = a._runner.decode, []
+
+        def failing_decode():
+            calls.append(1)
+            if len(calls) == 10:
+                raise RuntimeError("injected: decode blew up")
+            return real()
+
+        reward = get_reward(_one_reward)
+        graders = GraderPool(RewardConfig(), lambda task: reward)
+        disp = Dispatcher(engines=[a], params=SamplingParams(max_new_tokens=40, seed=None),
+                          graders=graders, decode=lambda ids: "", clock=WallClock(),
+                          lifecycle=Lifecycle(Ledger(), WallClock()),
+                          span=lambda **kw: spans.append(kw))
+        sync = WeightSync([a], disp, "continue", lambda v, s: None)
+        restarts: list[tuple[str, int]] = []
+        supervisor = EngineSupervisor([a], sync,
+                                      on_restart=lambda e, s: restarts.append((e, sync.version)))
+        loops = [asyncio.create_task(sync.run()), asyncio.create_task(supervisor.run())]
+        sync.publish(1, weights1)
+        await sync.wait_applied()
+        a._runner.decode = failing_decode
+        groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, 5, 7, 9),
+                                 prompt_text="", reference=""), 2) for i in range(6)]
+        await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
+        after = await a.generate(GenerateRequest(request_id="after", prompt_ids=[3, 5, 7],
+                                                 params=greedy))
+        stats = a.stats()
+        for t in loops:
+            t.cancel()
+        await a.close()
+        fresh = LocalEngine(model, cfg, engine_id="fresh")
+        await fresh.load_weights(1, weights1)
+        want = await fresh.generate(GenerateRequest(request_id="want", prompt_ids=[3, 5, 7],
+                                                    params=greedy))
+        await fresh.close()
+        graders.close()
+        return groups, disp, stats, restarts, after, want
+
+    groups, disp, stats, restarts, after, want = asyncio.run(main())
+    assert restarts == [("a", 1)] and stats.health is EngineHealth.UP and stats.version == 1
+    assert disp.stats.num_engine_failures > 0, "the fault landed while requests ran"
+    samples = [s for g in groups for s in g.samples]
+    assert all(s.status is SampleStatus.GRADED for s in samples)
+    assert all(set(s.versions) == {1} for s in samples)
+    delivered: dict[str, int] = {}
+    for sp in spans:
+        delivered[sp["sample_uid"]] = delivered.get(sp["sample_uid"], 0) + sp["num_tokens"]
+    assert {s.uid: s.num_response_tokens for s in samples} == delivered
+    failed_at = min(sp["t_end_s"] for sp in spans if sp["outcome"] == "interrupted")
+    assert any(sp["t_start_s"] >= failed_at and sp["num_tokens"] for sp in spans), \
+        "the restarted engine took work again"
+    assert after.token_ids == want.token_ids and after.versions == [1] * len(want.token_ids)

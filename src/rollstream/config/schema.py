@@ -122,6 +122,9 @@ class LocalEngineConfig(Section):
     """Prompt tokens prefilled together in one step (at least one prompt is always admitted)."""
     seed: int = 0
     """Seed of the random streams given to requests that carry no seed of their own."""
+    max_restarts: int = Field(3, ge=0)
+    """Times an engine whose step loop died is restarted (fresh cache and thread, the current
+    weights) before it stays DEAD; its requests continue elsewhere meanwhile."""
 
 
 class VllmEngineConfig(Section):
@@ -304,7 +307,11 @@ class TrainConfig(Section):
     """CPU cores the trainer's calling thread is pinned to (Linux ``sched_setaffinity`` of
     that thread only; empty = leave as is)."""
     checkpoint_every: int = Field(0, ge=0)
-    """Save an HF checkpoint every N steps (0 = only at the end)."""
+    """Save a durable checkpoint (``checkpoints/step_NNNNNN``: weights, optimizer, data
+    cursor, buffer, in-flight partial samples; docs/run-dir.md) every N steps; one is also
+    saved when the run ends or stops (0 = only then)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Durable checkpoints kept (the newest N; older ones are deleted once a newer is whole)."""
 
 
 class EvalConfig(Section):
@@ -346,7 +353,12 @@ class RunConfig(Section):
     seed: int = 0
     """Global seed."""
     max_wall_s: float | None = Field(None, gt=0)
-    """Stop training after this many seconds (None = run all steps)."""
+    """Stop training after this many seconds of this process (None = run all steps)."""
+    resume: bool = False
+    """Continue ``{run_root}/{name}`` from its newest durable checkpoint (the CLI's
+    ``--resume``): no trained step is repeated, the data cursor, buffer and partial samples
+    go on. Without a checkpoint the run starts at step 0 and the earlier ledger lines are
+    moved to ``ledger.superseded.jsonl``."""
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
     engine: EngineConfig = EngineConfig()

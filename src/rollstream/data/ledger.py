@@ -4,6 +4,10 @@ Append-only JSONL (``ledger.jsonl`` in the run directory), flushed per line, so 
 any moment leaves a readable file and a resume knows what is done. The in-memory index
 enforces exactly-once: recording a sample uid twice is a bug and raises.
 
+A ledger opened on an existing file (a resumed run, after ``durable.resume`` reconciled it)
+knows every sample that file records. :meth:`sync` flushes and fsyncs it and returns its line
+count, which a checkpoint stores: the lines after it are what a resume reconciles.
+
 Also tracks which dispatched samples are still open (``open``, then ``write``) so that, at
 the end of a run, :meth:`unfinished` names every one that never reached a terminal status.
 The ledger stores; it does not decide: statuses change in ``rollout.lifecycle``.
@@ -12,6 +16,7 @@ The ledger stores; it does not decide: statuses change in ``rollout.lifecycle``.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import IO
@@ -21,10 +26,17 @@ from rollstream.trajectory import Sample, SampleStatus
 
 class Ledger:
     def __init__(self, path: Path | None = None) -> None:
-        self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
         self._terminal: dict[str, SampleStatus] = {}
         self._open: dict[str, Sample] = {}
         self.counts: Counter[str] = Counter()
+        self.num_lines = 0
+        if path is not None and path.exists():
+            for row in read_ledger(path):
+                self._terminal[row["sample_uid"]] = SampleStatus(row["status"])
+                self.counts["rejected_rows" if row["sample_uid"].endswith("#row")
+                            else row["status"]] += 1
+                self.num_lines += 1
+        self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
 
     def open(self, sample: Sample) -> None:
         """A sample was dispatched; it must reach :meth:`write` before the run ends."""
@@ -62,9 +74,12 @@ class Ledger:
                 "trained_at_step": sample.trained_at_step,
                 "min_trained_version": sample.min_trained_version,
                 "num_trained_tokens": sample.num_trained_tokens,
+                "taken_at_step": sample.taken_at_step,
+                "restored_tokens": sample.num_restored_tokens,
                 "t_s": t_s,
             }
             self._fh.write(json.dumps(entry) + "\n")
+            self.num_lines += 1
 
     def record_rejected(self, task_uid: str, source: str, reason: str) -> None:
         """A dataset row that could not become a task: written as a failed task, once."""
@@ -81,6 +96,14 @@ class Ledger:
                 "trained_at_step": None, "min_trained_version": None,
                 "num_trained_tokens": None, "t_s": 0.0,
             }) + "\n")
+            self.num_lines += 1
+
+    def sync(self) -> int:
+        """Flush and fsync the file; the number of lines it holds."""
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        return self.num_lines
 
     def status_of(self, uid: str) -> SampleStatus | None:
         return self._terminal.get(uid)

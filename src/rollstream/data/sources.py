@@ -387,6 +387,7 @@ class TaskMix:
         return list(self._warnings)
 
     def state(self) -> dict:
+        """The cursor: how many tasks were drawn, and the next row of every source."""
         return {"num_drawn": self._num_drawn, "next_index": dict(self._next_index)}
 
     def restore(self, state: dict) -> None:

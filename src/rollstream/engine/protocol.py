@@ -23,8 +23,9 @@ Semantics every implementation honours (the contract tests in tests/engine check
 Health (``EngineStats.health``, why in ``health_reason``), for routing:
 
 * ``UP``: route requests here.
-* ``RECOVERING``: the engine restarts itself (a vLLM server that died); requests sent now wait
-  until it is back, so route elsewhere if another engine is UP.
+* ``RECOVERING``: it is being restarted (a vLLM server that died restarts itself; a local
+  engine whose step loop died is restarted by the rollout, :class:`Restartable`); route
+  nothing to it until it is UP again.
 * ``DEAD``: it will never serve again (its step loop raised, a restart failed, or it was
   closed). A dead engine never raises from ``generate``: in-flight and later requests return
   ``finish_reason=ABORT`` with the tokens produced so far (logprobs and versions exact; a
@@ -132,3 +133,15 @@ class Engine(Protocol):
 @runtime_checkable
 class Closeable(Protocol):
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Restartable(Protocol):
+    """An engine the rollout restarts when its serving loop died (the local engine; a vLLM
+    engine restarts its server itself)."""
+
+    def needs_restart(self) -> bool:
+        """It stopped serving, may be restarted, and is RECOVERING meanwhile."""
+
+    async def restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Serve again at ``version`` with these weights (None: its own initial ones)."""

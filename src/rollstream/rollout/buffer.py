@@ -29,6 +29,10 @@ class TrajectoryBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
+    def groups(self) -> list[Group]:
+        """The buffered groups (a copy of the list)."""
+        return list(self._groups)
+
     def put(self, group: Group) -> None:
         self._groups.append(group)
         self.notify()

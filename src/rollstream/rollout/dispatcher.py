@@ -13,9 +13,8 @@ A sample's life here (``run_sample``)::
                      another engine when this one died
       ERROR       -> FAILED with the engine's reason (the request's own fault: bad prompt)
 
-Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; to a
-RECOVERING engine only when none is UP (it holds them until it is back); never to a DEAD
-one. An engine that raises from ``generate`` is a fault like a dead stream: the attempt
+Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; when
+none is UP but one is RECOVERING, they wait until one is UP; never to a DEAD one. An engine that raises from ``generate`` is a fault like a dead stream: the attempt
 returns its partial tokens (none) and the sample is retried. A sample FAILS after
 ``MAX_ENGINE_RETRIES`` consecutive failed attempts that produced no token. When no engine is
 alive the dispatcher records why in ``fatal`` and stops dispatching; the rollout stops the run
@@ -50,6 +49,7 @@ from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.trajectory import Group, Sample, SampleStatus
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
+RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
 
 
 class NoEngineAlive(RuntimeError):
@@ -133,15 +133,19 @@ class Dispatcher:
         return [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
 
     # ---- routing -----------------------------------------------------------------------
-    def _pick_engine(self) -> Engine:
-        by_health: dict[EngineHealth, list[Engine]] = {}
-        for e in self.engines:
-            by_health.setdefault(e.stats().health, []).append(e)
-        for health in (EngineHealth.UP, EngineHealth.RECOVERING):
-            if by_health.get(health):
-                return min(by_health[health], key=lambda e: self._load[id(e)])
-        reasons = "; ".join(f"{e.engine_id}: {e.stats().health_reason}" for e in self.engines)
-        raise NoEngineAlive(f"no engine is alive ({reasons})")
+    async def _pick_engine(self) -> Engine:
+        while True:
+            by_health: dict[EngineHealth, list[Engine]] = {}
+            for e in self.engines:
+                by_health.setdefault(e.stats().health, []).append(e)
+            if up := by_health.get(EngineHealth.UP):
+                return min(up, key=lambda e: self._load[id(e)])
+            if not by_health.get(EngineHealth.RECOVERING):
+                reasons = "; ".join(f"{e.engine_id}: {e.stats().health_reason}"
+                                    for e in self.engines)
+                raise NoEngineAlive(f"no engine is alive ({reasons})")
+            await asyncio.sleep(RECOVERY_POLL_S)  # one is being restarted
+            await self._gate.wait()  # a weight sync may have paused dispatch meanwhile
 
     def _take_slot(self) -> int:
         return self._free_slots.pop() if self._free_slots else next(self._next_slot)
@@ -191,7 +195,7 @@ class Dispatcher:
         )
 
     async def _generate_once(self, sample: Sample, params: SamplingParams) -> GenerateOutput:
-        engine = self._pick_engine()
+        engine = await self._pick_engine()
         request_id = f"{sample.uid}@{next(self._ids)}"
         slot = self._take_slot()
         self.in_flight[request_id] = InFlight(
@@ -244,12 +248,17 @@ class Dispatcher:
 
     # ---- groups ------------------------------------------------------------------------
     async def run_group(self, group: Group, params: SamplingParams | None = None) -> Group:
-        """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes."""
+        """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes.
+
+        A group restored from a checkpoint goes on where each sample stood: a partial sample
+        continues from its tokens, a generated one is graded, a graded or terminal one waits."""
         for s in group.samples:
-            self.lifecycle.open(s)
+            if not s.status.is_terminal():
+                self.lifecycle.open(s)
 
         async def one(s: Sample) -> None:
-            await self.run_sample(s, params)
+            if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
+                await self.run_sample(s, params)
             if s.status is SampleStatus.GENERATED and group.group_id not in self._cancelled:
                 await self.grade(s)
 

@@ -11,7 +11,11 @@
                                                                else -> buffer
 
 The controller sees five calls: ``admit_forever`` (a task for the run's life), ``take``,
-``on_trained``, ``on_version`` and ``stop``, plus ``stats`` for the meters. Everything a group
+``on_trained``, ``on_version`` and ``stop``, plus ``stats`` for the meters. A durable
+checkpoint calls :meth:`snapshot` (generation is held only while in-flight requests come back
+with their tokens and the state is copied) and a resumed run :meth:`restore` before
+``admit_forever``: buffered groups go to the trainer, in-flight ones continue from their
+tokens, groups the ledger already retired are skipped. Everything a group
 goes through is decided here, with the rules of :class:`StalenessPolicy` and the state
 changes of :class:`Lifecycle`; every retired group frees its admission capacity exactly once.
 
@@ -23,9 +27,10 @@ diagnostic; the controller ends the run with it.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Any, Protocol
 
 from rollstream.config import RolloutConfig
+from rollstream.durable.state import group_from_dict, group_to_dict
 from rollstream.rollout.admission import StalenessCapacity
 from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.rollout.dispatcher import Dispatcher
@@ -40,6 +45,11 @@ RUN_ENDED = "run ended before the sample was trained"
 
 class TaskStream(Protocol):
     def next_task(self) -> Task: ...
+
+    def state(self) -> dict[str, Any]:
+        """The cursor (JSON), so that a restored stream draws the same next tasks."""
+
+    def restore(self, state: dict[str, Any]) -> None: ...
 
 
 class RolloutStopped(RuntimeError):
@@ -62,12 +72,20 @@ class Rollout:
         self._cancelled: dict[str, tuple[SampleStatus, str]] = {}  # group id -> outcome
         self._stopping = False
         self._pass: dict[str, list[float]] = {}  # source -> [reward sum, graded samples]
+        self._restored: list[Group] = []  # in flight at the checkpoint: continued first
+        self._skip: set[str] = set()  # group ids the ledger already retired (resume)
 
     # ---- admission ---------------------------------------------------------------------
     async def admit_forever(self) -> None:
         """Admit groups while the capacity has room, until :meth:`stop`; each group's life is
         a task of this one, so this returns once every admitted group has ended."""
         async with asyncio.TaskGroup() as tg:
+            await self.dispatcher.cancel([g.group_id for g in self._restored
+                                          if g.group_id in self._cancelled])
+            for group in self._restored:
+                self.live[group.group_id] = group
+                tg.create_task(self._group_life(group), name=f"group {group.group_id}")
+            self._restored = []
             while not self._stopping:
                 if (n := self.capacity.room()) == 0:
                     await self.capacity.wait_changed()
@@ -79,6 +97,10 @@ class Rollout:
                 for i in range(self.capacity.num_admitted - n, self.capacity.num_admitted):
                     # k = admission index: a task drawn again (a dataset epoch) gets a new id
                     group = Group.new(self.tasks.next_task(), self.cfg.group_size, k=i)
+                    if group.group_id in self._skip:  # retired before the run resumed
+                        self._skip.discard(group.group_id)
+                        self.capacity.retire()
+                        continue
                     self.live[group.group_id] = group
                     tg.create_task(self._group_life(group), name=f"group {group.group_id}")
 
@@ -145,6 +167,7 @@ class Rollout:
             for s in group.samples:
                 if s.status is not S.GRADED:
                     continue
+                s.taken_at_step = step
                 verdict = self.policy.sample_verdict(s, step)
                 kept = result.kept.get(s.uid)
                 if not verdict.ok:
@@ -195,6 +218,59 @@ class Rollout:
             for s in group.samples:
                 if not s.status.is_terminal():
                     self.lifecycle.move(s, S.ABORTED, RUN_ENDED)
+
+    # ---- durable state -----------------------------------------------------------------
+    async def snapshot(self) -> dict[str, Any]:
+        """The rollout's state as JSON, consistent with the ledger and the task cursor.
+
+        Holds the dispatch gate, interrupts every in-flight request (each comes back with its
+        tokens, logprobs and versions, the samples INTERRUPTED), copies the state with the
+        ledger fsynced, and opens the gate again: the interrupted samples resume at once.
+        Call between trainer steps with no weight load in progress."""
+        self.dispatcher.pause()
+        try:
+            await self.dispatcher.interrupt(None)
+            await self.dispatcher.wait_idle()
+            live = [g for g in self.live.values()]
+            buffered = self.buffer.groups()
+            return {
+                "ledger_lines": self.lifecycle.ledger.sync(),
+                "tasks": self.tasks.state(),
+                "num_admitted": self.capacity.num_admitted,
+                "num_retired": self.capacity.num_retired,
+                "held_groups": [g.group_id for g in (*buffered, *live)],
+                "buffer": [group_to_dict(g) for g in buffered],
+                "live": [group_to_dict(g) for g in live],
+                "cancelled": {gid: [st.value, why] for gid, (st, why) in self._cancelled.items()},
+                "skip": sorted(self._skip),
+            }
+        finally:
+            self.dispatcher.resume()
+
+    def skip(self, group_ids: set[str]) -> None:
+        """Pass over these groups when admission reaches them: the ledger already retired
+        them (``durable.resume.reconcile_ledger``)."""
+        self._skip |= group_ids
+
+    def restore(self, state: dict[str, Any], *, version: int) -> None:
+        """Continue from :meth:`snapshot`'s ``state`` (before :meth:`admit_forever`), with the
+        engines serving ``version``."""
+        self.tasks.restore(state["tasks"])
+        self.capacity.num_admitted = state["num_admitted"]
+        self.capacity.num_retired = state["num_retired"]
+        self.capacity.set_version(version)
+        self._cancelled = {gid: (S(st), why) for gid, (st, why) in state["cancelled"].items()}
+        self._skip |= set(state["skip"])
+        for d in state["buffer"]:
+            group = group_from_dict(d)
+            self._open(group)
+            self.buffer.put(group)
+        self._restored = [group_from_dict(d) for d in state["live"]]
+
+    def _open(self, group: Group) -> None:
+        for s in group.samples:
+            if not s.status.is_terminal():
+                self.lifecycle.open(s)
 
     # ---- meters ------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -11,6 +11,7 @@ here and only here, for runs and benchmarks alike.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,15 @@ from typing import TYPE_CHECKING, Any
 from rollstream.clock import Clock, WallClock
 from rollstream.config import RunConfig, SamplingConfig
 from rollstream.data.ledger import Ledger
+from rollstream.durable import checkpoint as durable
+from rollstream.durable.resume import reconcile_ledger
 from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
 from rollstream.sync.weights import WeightSync, sync_policy
 
@@ -68,13 +72,17 @@ def build_trainer(cfg: RunConfig, model_path: Path) -> Trainer:
                    top_k=cfg.sampling.top_k)
 
 
-def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> None:
-    """A fresh run directory: the previous run's files of that name go, the config is saved."""
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> None:
+    """The run directory: a fresh run removes the previous run's files of that name (and its
+    checkpoints), a resumed one keeps them; the config is saved."""
     import yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("ledger.jsonl", "metrics.jsonl", "timeline.jsonl", "summary.json"):
-        (run_dir / stale).unlink(missing_ok=True)
+    if not resume:
+        for stale in ("ledger.jsonl", "ledger.superseded.jsonl", "metrics.jsonl",
+                      "timeline.jsonl", "summary.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+        shutil.rmtree(durable.folder(run_dir), ignore_errors=True)
     dumped = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     (run_dir / "config.yaml").write_text(dumped)
 
@@ -93,7 +101,7 @@ class Loop:
 def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, tasks: TaskStream,
                graders: GraderPool, decode: Callable[[list[int]], str], ledger: Ledger,
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
-               span: Callable[..., None] | None = None) -> Loop:
+               span: Callable[..., None] | None = None, start_step: int = 0) -> Loop:
     """Wire dispatcher, rollout, weight sync and controller as ``cfg`` says (tests use this
     with their own engines and trainers at the process edges)."""
     lifecycle = Lifecycle(ledger, clock)
@@ -112,13 +120,20 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         rollout.on_version(version)
 
     policy = sync_policy(cfg.rollout.partial_rollout, cfg.rollout.on_update)
-    sync = WeightSync(engines, dispatcher, policy, on_applied)
+    sync = WeightSync(engines, dispatcher, policy, on_applied, version=start_step)
+
+    def on_restart(engine_id: str, seconds: float) -> None:
+        print(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s",
+              flush=True)
+        metrics.record("phase", sync.version, {"engine_restart_s": seconds})
+
+    supervisor = EngineSupervisor(engines, sync, on_restart=on_restart)
     meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
                          rollout.stats)
     controller = Controller(
         rollout=rollout, trainer=trainer, sync=sync, meter=meter, metrics=metrics,
         steps=cfg.train.steps, groups_per_step=cfg.train.groups_per_step,
-        max_wall_s=cfg.max_wall_s,
+        max_wall_s=cfg.max_wall_s, start_step=start_step, supervisor=supervisor,
     )
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
                 controller=controller)
@@ -140,6 +155,8 @@ class Run:
     loop: Loop
     eval_tasks: list[Task]
     eval_params: SamplingParams
+    resumed: durable.Checkpoint | None = None  # the checkpoint this run continues
+    superseded_lines: int = 0  # ledger lines a resume moved to ledger.superseded.jsonl
 
     async def close(self) -> None:
         for e in self.engines:
@@ -151,7 +168,10 @@ class Run:
             await res
 
 
-def build_run(cfg: RunConfig, run_dir: Path) -> Run:
+def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | None = None) -> Run:
+    """Every component of a run; with ``cfg.resume`` it continues from ``resume`` (the run's
+    newest checkpoint; None: none was written, the run starts at step 0 keeping the ledger's
+    record of what the lost process did in ``ledger.superseded.jsonl``)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -167,26 +187,39 @@ def build_run(cfg: RunConfig, run_dir: Path) -> Run:
     model_path = Path(prepare_model(cfg.model, cfg.tasks))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     mix = TaskMix(cfg.tasks, tokenizer)  # a bad dataset fails here, before the run dir
-    prepare_run_dir(cfg, run_dir)
+    prepare_run_dir(cfg, run_dir, resume=cfg.resume)
+    skip: set[str] = set()
+    superseded = 0
+    if cfg.resume:
+        skip, superseded = reconcile_ledger(run_dir, resume, group_size=cfg.rollout.group_size)
     metrics = Metrics(run_dir, cfg.monitor)
     ledger = Ledger(run_dir / "ledger.jsonl")
     for task_uid, source, reason in mix.rejected():
         print(f"warning: skipped task {task_uid}: {reason}", flush=True)
-        ledger.record_rejected(task_uid, source, reason)
+        if ledger.status_of(f"{task_uid}#row") is None:  # a resumed run recorded it before
+            ledger.record_rejected(task_uid, source, reason)
     for warning in mix.warnings():
         print(f"warning: {warning}", flush=True)
-    engines = [build_engine(cfg.engine, model_path, engine_id=f"{cfg.engine.kind}-{i}", version=0)
-               for i in range(cfg.engine.num_engines)]
+    version = resume.step if resume is not None else 0  # weight version = steps done
+    weights = resume.model_dir if resume is not None else model_path
+    engines = [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
+                            version=version) for i in range(cfg.engine.num_engines)]
     graders = GraderPool(cfg.reward, resolve)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     trainer = build_trainer(cfg, model_path)
     loop = build_loop(cfg, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       ledger=ledger, metrics=metrics, clock=WallClock(),
-                      params=sampling_params(cfg.sampling, stop), span=metrics.span)
+                      params=sampling_params(cfg.sampling, stop), span=metrics.span,
+                      start_step=version)
+    if resume is not None:
+        trainer.load_training_state(resume.model_dir, resume.trainer_file)
+        loop.rollout.restore(resume.state["rollout"], version=version)
+    loop.rollout.skip(skip)
     return Run(
         cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,
         ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
         eval_tasks=mix.eval_tasks(),
         eval_params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
+        resumed=resume, superseded_lines=superseded,
     )

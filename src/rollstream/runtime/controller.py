@@ -6,6 +6,7 @@ Named asyncio loops, joined by the rollout's buffer and admission capacity::
           ^                                          ^
           | on_version(v)                            | load v (interrupt | continue | drain)
     WeightSync.run  <──── publish(v+1) ──── train loop: take(G) -> trainer.step -> on_trained
+    EngineSupervisor.run: an engine whose loop died is revived at the current version
 
 Modes are settings of this one loop (the staleness policy and the sync policy, both chosen
 when the run is built): ``sync`` is staleness 0 (one batch per version, exactly on-policy),
@@ -13,8 +14,12 @@ when the run is built): ``sync`` is staleness 0 (one batch per version, exactly 
 tokens; it runs the loops, times the steps and ends the run: after ``steps``, at
 ``max_wall_s`` (enforced while waiting for a batch, not only between steps), or when the
 rollout reports it cannot feed the trainer (``RolloutStopped``: no engine alive, a stream of
-untrainable groups), with that diagnostic as the result's ``stop_reason``. A loop that dies
-cancels the others and the run stops with its traceback (asyncio.TaskGroup).
+untrainable groups), with that diagnostic as the result's ``stop_reason``, or on
+:meth:`Controller.request_stop` (SIGTERM: while waiting for a batch it stops at once, during a
+trainer step after it). A loop that dies cancels the others and the run stops with its
+traceback (asyncio.TaskGroup). A resumed run starts at ``start_step``; ``before_stop`` runs
+after the last step, while the rollout still holds its in-flight samples (the final durable
+checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, Protocol
 
 from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.rollout.rollout import Rollout, RolloutStopped
+from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import Group, Sample, StepResult
 
@@ -60,30 +66,48 @@ class ControllerResult:
 
 
 AfterStep = Callable[[int, dict[str, float]], Awaitable[None]]
+BeforeStop = Callable[["ControllerResult"], Awaitable[None]]
 
 
 class Controller:
     def __init__(self, *, rollout: Rollout, trainer: TrainerLike, sync: WeightSync,
                  meter: RolloutMeter, metrics: MetricsLike, steps: int, groups_per_step: int,
-                 max_wall_s: float | None = None, after_step: AfterStep | None = None) -> None:
+                 max_wall_s: float | None = None, after_step: AfterStep | None = None,
+                 start_step: int = 0, supervisor: EngineSupervisor | None = None) -> None:
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
+        self.start_step = start_step
+        self.supervisor = supervisor
         self.after_step = after_step
+        self.before_stop: BeforeStop | None = None
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self._stop_reason: str | None = None
+        self._waiting: asyncio.Timeout | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """End the run at the next step boundary (now, if it is waiting for a batch)."""
+        self._stop_reason = self._stop_reason or reason
+        if self._waiting is not None:
+            self._waiting.reschedule(asyncio.get_running_loop().time())
 
     async def run(self) -> ControllerResult:
         result = ControllerResult()
         self.meter.start()
         try:
             async with asyncio.TaskGroup() as tg:
-                sync = tg.create_task(self.sync.run(), name="sync")
+                loops = [tg.create_task(self.sync.run(), name="sync")]
+                if self.supervisor is not None:
+                    loops.append(tg.create_task(self.supervisor.run(), name="supervisor"))
                 tg.create_task(self.rollout.admit_forever(), name="admit")
                 try:
                     await self._train_loop(result)
+                    if self.before_stop is not None:
+                        await self.before_stop(result)
                 finally:
                     await self.rollout.stop()
-                    sync.cancel()
+                    for task in loops:
+                        task.cancel()
         finally:
             self.train_pool.shutdown(wait=True)
         return result
@@ -95,19 +119,24 @@ class Controller:
     async def _train_loop(self, result: ControllerResult) -> None:
         loop = asyncio.get_running_loop()
         deadline = None if self.max_wall_s is None else loop.time() + self.max_wall_s
-        for step in range(self.steps):
+        result.steps_done = self.start_step
+        for step in range(self.start_step, self.steps):
             t0 = time.perf_counter()
             try:
-                if deadline is not None and loop.time() >= deadline:
+                if self._stop_reason is not None or (deadline is not None
+                                                     and loop.time() >= deadline):
                     raise TimeoutError
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(deadline) as self._waiting:
                     batch = await self.rollout.take(self.groups_per_step, step)
             except TimeoutError:
-                result.stop_reason = f"max_wall_s = {self.max_wall_s:g} s reached"
+                result.stop_reason = (self._stop_reason
+                                      or f"max_wall_s = {self.max_wall_s:g} s reached")
                 break
             except RolloutStopped as e:
                 result.stop_reason, result.stalled = str(e), True
                 break
+            finally:
+                self._waiting = None
             wait_s = time.perf_counter() - t0
             out = await self.in_trainer(self.trainer.step, batch, step)
             trained = await self.rollout.on_trained(batch, step, out)
@@ -120,7 +149,7 @@ class Controller:
             self.metrics.record("rollout", step, rollout)
             values["gen_tok_s"] = rollout["gen_tok_s"]
             result.steps_done = step + 1
-            result.trained_samples += len(trained)
+            result.trained_samples += len(trained)  # by this process
             result.history.append(StepLog(step=step, values=values))
             self.metrics.record("train", step, values)
             if self.after_step is not None:

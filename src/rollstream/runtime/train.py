@@ -3,27 +3,38 @@
 The embedded runtime: one process, one asyncio loop; engines run their step loops in their own
 threads, the trainer in a dedicated thread, synchronous rewards in worker processes. A run:
 check the inputs (before the run directory is touched), build, evaluate the held-out tasks,
-train (evaluating every ``eval.every`` steps and checkpointing every
-``train.checkpoint_every``), evaluate again, save the final checkpoint, write the summary and
+train (evaluating every ``eval.every`` steps, a durable checkpoint every
+``train.checkpoint_every``), evaluate again, save the final HF checkpoint, write the summary and
 the report (docs/run-dir.md). A run the rollout cannot feed (no engine alive, a stream of
 untrainable groups) ends early with the diagnostic in ``summary.json``'s ``stop_reason`` and
 raises :class:`RunStopped` after everything was written.
+
+Durable runs (``rollstream.durable``): a checkpoint holds generation only while the rollout
+snapshots its in-flight samples; the weights and optimizer are written on the trainer's
+thread while the engines go on. One is also written when the run ends or stops (its last
+step, ``max_wall_s``, SIGTERM), so ``resume=true`` continues any run that was not killed
+with nothing lost, and a killed one from its newest checkpoint. SIGTERM stops at the next step
+boundary (at once while waiting for a batch), checkpoints, skips the final evaluation and
+exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from rollstream.config import RunConfig
+from rollstream.config import ConfigError, RunConfig
+from rollstream.durable import checkpoint as durable
+from rollstream.durable.resume import SAFE_CHANGES, config_changes
 from rollstream.rollout.rollout import RolloutStopped
 from rollstream.runtime.build import Run, build_run, check_inputs
 from rollstream.runtime.controller import ControllerResult
@@ -40,19 +51,42 @@ def run_training(cfg: RunConfig) -> dict[str, Any]:
 
     check_inputs(cfg)
     run_dir = Path(cfg.run_root) / cfg.name
+    ckpt = resume_point(cfg, run_dir) if cfg.resume else None
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    summary = asyncio.run(_run(cfg, run_dir))
+    summary = asyncio.run(_run(cfg, run_dir, ckpt))
     if summary["stalled"]:
         raise RunStopped(summary["stop_reason"])
     return summary
 
 
-async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
+    """The checkpoint ``cfg`` resumes (None: there is none, the run starts at step 0); a
+    config that changed what the run means is refused, naming the fields."""
+    ckpt = durable.latest(run_dir)
+    if ckpt is None:
+        print(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0",
+              flush=True)
+        return None
+    changed = config_changes(ckpt.state["config"], cfg.model_dump(mode="json"))
+    if changed:
+        raise ConfigError(
+            f"resume=true: {ckpt.path} was written by a run whose config differs in "
+            f"{', '.join(changed)}; resuming would not continue that run. Restore those "
+            f"settings or start a new run (another name). A resume may change: "
+            f"{', '.join(SAFE_CHANGES)}")
+    if ckpt.step > cfg.train.steps:
+        raise ConfigError(f"resume=true: {ckpt.path} has trained {ckpt.step} steps, more than "
+                          f"train.steps = {cfg.train.steps}")
+    print(f"resume: continuing from {ckpt.path} (step {ckpt.step})", flush=True)
+    return ckpt
+
+
+async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -> dict[str, Any]:
     from rollstream.monitor.progress import Progress
 
     t_start = time.perf_counter()
-    run = build_run(cfg, run_dir)
+    run = build_run(cfg, run_dir, resume=ckpt)
     progress = Progress(cfg.monitor, cfg.train.steps)
     dashboard = None
     if cfg.monitor.dashboard:
@@ -60,48 +94,92 @@ async def _run(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
 
         dashboard = Dashboard(run.metrics, run_dir, cfg.monitor)
         print(f"dashboard: {dashboard.start()}", flush=True)
-    rounds = itertools.count()  # evaluation rounds (their group ids)
+    saved = ckpt.state if ckpt is not None else {}
+    next_round = saved.get("eval_rounds", 0)  # evaluation rounds (their group ids)
+
+    def new_round() -> int:
+        nonlocal next_round
+        next_round += 1
+        return next_round - 1
     controller, dispatcher = run.loop.controller, run.loop.dispatcher
+    totals = dict(saved.get("totals", {"train_wall_s": 0.0, "generated_tokens": 0}))
+    result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
+    last_ckpt = ckpt.step if ckpt is not None else -1
+    t_train, tokens_before = time.perf_counter(), 0
+    done_totals: dict[str, Any] | None = None
+
+    def so_far() -> dict[str, Any]:
+        return {"train_wall_s": totals["train_wall_s"] + time.perf_counter() - t_train,
+                "generated_tokens": totals["generated_tokens"]
+                + dispatcher.stats.generated_tokens - tokens_before, "initial": initial}
+
+    async def checkpoint(done: int) -> None:
+        nonlocal last_ckpt
+        t0 = time.perf_counter()
+        await run.loop.sync.wait_applied()  # the engines serve version `done`
+        t_hold = time.perf_counter()
+        state = {"config": cfg.model_dump(mode="json"), "version": done,
+                 "eval_rounds": next_round, "totals": so_far(),
+                 "rollout": await run.loop.rollout.snapshot()}
+        held_s = time.perf_counter() - t_hold
+        state["config_hash"] = durable.config_hash(state["config"])
+        path = await controller.in_trainer(
+            lambda: durable.write(run_dir, done, state, save_model=run.trainer.save_checkpoint,
+                                  save_trainer=run.trainer.save_training_state,
+                                  keep=cfg.train.keep_checkpoints))
+        last_ckpt = done
+        run.metrics.record("phase", done, {"checkpoint_step": float(done),
+                                           "checkpoint_hold_s": held_s,
+                                           "checkpoint_s": time.perf_counter() - t0})
+        print(f"checkpoint: {path} (generation held {held_s * 1e3:.0f} ms)", flush=True)
 
     async def after_step(step: int, values: dict[str, float]) -> None:
         progress.update(step, values)
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
-            await _eval(run, next(rounds), done)
+            await _eval(run, new_round(), done)
         if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
-            path = await controller.in_trainer(
-                save_checkpoint, run.trainer, run_dir / "checkpoints" / f"step_{done:06d}")
-            run.metrics.record("phase", done, {"checkpoint_step": float(done)})
-            print(f"checkpoint: {path}", flush=True)
+            await checkpoint(done)
+
+    async def before_stop(res: ControllerResult) -> None:
+        if not res.stalled and res.steps_done != last_ckpt:
+            await checkpoint(res.steps_done)
 
     controller.after_step = after_step
-    result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
-    train_wall_s, train_tokens = 0.0, 0
-    try:
-        initial = await _eval(run, next(rounds), 0)
-        if not run.eval_tasks:
-            print("warning: no held-out task: the held-out reward is not measured", flush=True)
-        else:
-            print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
-        t_train = time.perf_counter()
-        tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
-        result = await controller.run()
-        train_wall_s = time.perf_counter() - t_train
-        train_tokens = dispatcher.stats.generated_tokens - tokens_before
-        if result.stop_reason is not None:
-            print(f"run stopped early: {result.stop_reason}", flush=True)
-        if not result.stalled:
-            final = await _eval(run, next(rounds), result.steps_done)
-    except RolloutStopped as e:  # no engine alive during an evaluation
-        result.stop_reason, result.stalled = str(e), True
-    finally:
-        progress.close()
-        await run.close()
-        if dashboard is not None:
-            dashboard.stop()
-    ckpt = save_checkpoint(run.trainer, run_dir / "checkpoint")
-    summary = _summary(run, result, initial, final, ckpt, time.perf_counter() - t_start,
-                       train_wall_s, train_tokens)
+    controller.before_stop = before_stop
+    loop = asyncio.get_running_loop()
+    stop_msg = "SIGTERM received: stopped at a step boundary with a checkpoint"
+    with _on_sigterm(loop, lambda: controller.request_stop(stop_msg)):
+        try:
+            if ckpt is not None:
+                initial = saved["totals"]["initial"]
+            else:
+                initial = await _eval(run, new_round(), 0)
+                if not run.eval_tasks:
+                    print("warning: no held-out task: the held-out reward is not measured",
+                          flush=True)
+                else:
+                    print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
+            t_train = time.perf_counter()
+            tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
+            result = await controller.run()
+            done_totals = so_far()
+            if result.stop_reason is not None:
+                print(f"run stopped early: {result.stop_reason}", flush=True)
+            if not result.stalled and result.stop_reason != stop_msg:
+                final = await _eval(run, new_round(), result.steps_done)
+        except RolloutStopped as e:  # no engine alive during an evaluation
+            result.stop_reason, result.stalled = str(e), True
+        finally:
+            if done_totals is None:
+                done_totals = so_far()
+            progress.close()
+            await run.close()
+            if dashboard is not None:
+                dashboard.stop()
+    final_dir = save_checkpoint(run.trainer, run_dir / "checkpoint")
+    summary = _summary(run, result, initial, final, final_dir, time.perf_counter() - t_start,
+                       done_totals["train_wall_s"], done_totals["generated_tokens"])
     run.ledger.close()
     run.metrics.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -128,6 +206,21 @@ async def _eval(run: Run, round_index: int, step: int) -> dict[str, float]:
         run.metrics.record("eval", step, res)
         run.metrics.record("phase", step, {"eval_s": time.perf_counter() - t0})
     return res
+
+
+@contextlib.contextmanager
+def _on_sigterm(loop: asyncio.AbstractEventLoop, handler: Any) -> Any:
+    """``handler`` runs on SIGTERM while the block runs (where the loop can take signals: the
+    main thread)."""
+    try:
+        loop.add_signal_handler(signal.SIGTERM, handler)
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def save_checkpoint(trainer: Any, final: Path) -> Path:
@@ -160,7 +253,9 @@ def _summary(run: Run, result: ControllerResult, initial: dict[str, float],
         "wall_s": wall_s,
         "train_wall_s": train_wall_s,
         "steps": result.steps_done,
-        "trained_samples": result.trained_samples,
+        "trained_samples": run.ledger.counts["trained"],  # the whole run's, resumes included
+        "resumed_from_step": run.resumed.step if run.resumed is not None else None,
+        "superseded_ledger_lines": run.superseded_lines,
         "generated_tokens": train_tokens,
         "gen_tok_s": train_tokens / max(train_wall_s, 1e-9),
         "interrupts": run.loop.dispatcher.stats.num_interrupts,

@@ -22,7 +22,9 @@ Transport: in-process tensors handed to ``Engine.load_weights`` (the embedded en
 them into its own parameters; the vLLM engine writes them to shared memory and reloads).
 WeightSync talks to the engines and to a small :class:`Gate` (pause / resume / wait until
 idle, which the dispatcher implements); it knows nothing else of the rollout. DEAD engines
-are skipped (they serve nothing); a revived one is not this module's business.
+are skipped (they serve nothing). It keeps the version the engines serve (its tensors), so
+that :meth:`WeightSync.revive` restarts an engine whose loop died at that version, under the
+same lock as the loads: a revived engine never serves a version the others have left.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from rollstream.engine.protocol import Engine, EngineHealth
+from rollstream.engine.protocol import Engine, EngineHealth, Restartable
 
 if TYPE_CHECKING:
     import torch
@@ -65,11 +67,17 @@ class WeightSync:
         gate: Gate,
         policy: Policy,
         on_applied: Callable[[int, float], Awaitable[None] | None],
+        *,
+        version: int = 0,
     ) -> None:
+        """``version``: the one the engines serve at start (their model folder's weights)."""
         self.engines = list(engines)
         self.gate = gate
         self.policy = policy
         self.on_applied = on_applied
+        self.version = version
+        self._tensors: dict[str, torch.Tensor] | None = None  # of `version`; None: the folder's
+        self._lock = asyncio.Lock()  # one load or revival at a time
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -94,27 +102,42 @@ class WeightSync:
             version, tensors = self._pending
             self._pending = None
             t0 = time.perf_counter()
-            engines = [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
-            try:
-                if self.policy != "continue":
-                    self.gate.pause()
-                if self.policy == "interrupt":
-                    await asyncio.gather(*(e.interrupt(None) for e in engines))
-                elif self.policy == "drain":
-                    await self.gate.wait_idle()
-                await asyncio.gather(*(self._load(e, version, tensors) for e in engines))
-            finally:
-                self.gate.resume()
+            async with self._lock:
+                engines = [e for e in self.engines if _serves(e)]
+                try:
+                    if self.policy != "continue":
+                        self.gate.pause()
+                    if self.policy == "interrupt":
+                        await asyncio.gather(*(e.interrupt(None) for e in engines))
+                    elif self.policy == "drain":
+                        await self.gate.wait_idle()
+                    await asyncio.gather(*(self._load(e, version, tensors) for e in engines))
+                finally:
+                    self.gate.resume()
+                self.version, self._tensors = version, tensors
             res = self.on_applied(version, time.perf_counter() - t0)
             if res is not None:
                 await res
             if self._pending is None:
                 self._idle.set()
 
+    async def revive(self, engine: Restartable) -> None:
+        """Restart ``engine`` (its loop died) at the version the other engines serve."""
+        async with self._lock:
+            await engine.restart(self.version, self._tensors)
+
     @staticmethod
     async def _load(engine: Engine, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         try:
             await engine.load_weights(version, tensors)
         except Exception:
-            if engine.stats().health is not EngineHealth.DEAD:
+            if _serves(engine):
                 raise  # a live engine that cannot load weights is a bug, not a fault
+
+
+def _serves(engine: Engine) -> bool:
+    """Loads go to engines that are not DEAD and not waiting for :meth:`WeightSync.revive`
+    (a recovering vLLM engine takes the load and applies it when its server is back)."""
+    if isinstance(engine, Restartable) and engine.needs_restart():
+        return False
+    return engine.stats().health is not EngineHealth.DEAD

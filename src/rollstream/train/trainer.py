@@ -68,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import random
 import shutil
 import time
 from collections.abc import Sequence
@@ -214,6 +215,23 @@ class Trainer:
             if src.is_file():
                 shutil.copy2(src, out_dir / name)
         return out_dir
+
+    def save_training_state(self, path: Path) -> None:
+        """Optimizer and RNG states (a durable checkpoint's ``trainer.pt``; the weights are
+        :meth:`save_checkpoint`'s HF folder)."""
+        torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate()}, path)
+
+    def load_training_state(self, model_dir: Path, path: Path) -> None:
+        """Continue from a durable checkpoint: the policy's weights from the HF folder
+        ``model_dir``, optimizer and RNG states from ``path`` (the reference model, if any,
+        stays the one the run started from)."""
+        saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.load_state_dict(saved.state_dict())
+        state = torch.load(path, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
 
     # -- internals ----------------------------------------------------------------------------
 

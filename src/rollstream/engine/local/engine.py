@@ -23,9 +23,12 @@ decodes every live row (attention in chunks of rows, each over its own longest r
 requests join and leave the batch every step and nobody waits for the longest. torch releases the GIL in
 its ops, so the caller's event loop keeps running while the engine computes.
 
-Faults. The engine thread is a fault boundary: when a step or a command raises, the engine is
-DEAD for good (``stats().health``; the cause in ``health_reason``, the traceback in the log)
-and nothing escapes to callers. Each running request returns ABORT with the tokens, logprobs
+Faults. The engine thread is a fault boundary: when a step or a command raises, the engine
+stops serving and nothing escapes to callers. While it has restarts left
+(``engine.local.max_restarts``) it is RECOVERING (the cause in ``health_reason``, the
+traceback in the log) until :meth:`LocalEngine.restart` (the rollout's supervisor calls it
+with the current weights) gives it a fresh cache, scheduler and thread; then, or when it was
+closed, it is DEAD for good. Each running request returns ABORT with the tokens, logprobs
 and versions its row holds, read from the runner first (no tokens when the rows cannot be
 read or were being moved when it failed); waiting and later requests return ABORT without
 tokens; ``error`` names the engine and the cause. Pending and later weight loads raise
@@ -107,20 +110,11 @@ class LocalEngine:
         self.model_path = Path(model_path)
         if not self.model_path.is_dir():
             raise ValueError(f"model folder {self.model_path} does not exist")
-        device = resolve_device(cfg.device)
-        self.spec, self._weights = load_folder(self.model_path, device, _DTYPES[cfg.dtype])
+        self._cfg = cfg
         self.max_seq_len = cfg.max_seq_len
-        self._runner = ModelRunner(
-            self.spec,
-            self._weights,
-            max_rows=cfg.max_slots,
-            max_seq_len=cfg.max_seq_len,
-            device=device,
-            dtype=_DTYPES[cfg.dtype],
-        )
-        self._scheduler = Scheduler(
-            max_rows=cfg.max_slots, prefill_budget_tokens=cfg.max_prefill_tokens
-        )
+        self.num_restarts = 0
+        self._closed = False
+        self._build()
         self._threads = cfg.threads
         self._recompute_on_load = cfg.kv_on_load == "recompute"
         self._cpu_affinity = cfg.cpu_affinity
@@ -132,13 +126,57 @@ class LocalEngine:
         self._active: dict[str, Sequence] = {}  # the requests the engine thread holds
         self._generated_tokens = 0
         self._busy_s = 0.0
-        self._death: str | None = None  # why it stopped serving for good (closed, or died)
+        self._death: str | None = None  # why it stopped serving (closed, or died)
         self._applying: Command | None = None  # answered by _die if applying it raises
         self._rows_moving = False  # scheduler and runner rows disagree meanwhile
-        self._thread = threading.Thread(
-            target=self._main, name=f"rollstream-{engine_id}", daemon=True
-        )
-        self._thread.start()
+        self._thread = self._start_thread()
+
+    def _build(self) -> None:
+        """Weights from the model folder, a fresh KV cache and scheduler."""
+        cfg, device = self._cfg, resolve_device(self._cfg.device)
+        self.spec, self._weights = load_folder(self.model_path, device, _DTYPES[cfg.dtype])
+        self._runner = ModelRunner(self.spec, self._weights, max_rows=cfg.max_slots,
+                                   max_seq_len=cfg.max_seq_len, device=device,
+                                   dtype=_DTYPES[cfg.dtype])
+        self._scheduler = Scheduler(max_rows=cfg.max_slots,
+                                    prefill_budget_tokens=cfg.max_prefill_tokens)
+
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._main, name=f"rollstream-{self.engine_id}",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def needs_restart(self) -> bool:
+        """Its step loop died and it may be restarted (RECOVERING)."""
+        return self._death is not None and not self._closed and \
+            self.num_restarts < self._cfg.max_restarts
+
+    async def restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Serve again after the step loop died: weights from the model folder, then
+        ``tensors`` (the current version's, unless ``version`` is the folder's 0), a fresh
+        cache and scheduler, a new thread; UP at ``version`` when this returns. The caller
+        must not modify ``tensors`` until then."""
+        if not self.needs_restart():
+            raise RuntimeError(f"local engine {self.engine_id} cannot restart: "
+                               f"{self._death or 'it is running'}")
+        self.num_restarts += 1
+        await asyncio.to_thread(self._restart, version, tensors)
+
+    def _restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        self._thread.join()
+        self._build()
+        if tensors is not None:
+            self._weights.copy_in(self._weights.check(tensors))
+        self._version = version
+        self._inbox = queue.SimpleQueue()
+        self._active.clear()
+        self._applying, self._rows_moving = None, False
+        with self._lock:
+            self._death = None
+        self._thread = self._start_thread()
+        log.warning("local engine %s restarted at version %d (restart %d of %d)",
+                    self.engine_id, version, self.num_restarts, self._cfg.max_restarts)
 
     # ---- public API (any thread) ---------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -205,7 +243,8 @@ class LocalEngine:
             capacity=self._scheduler.max_rows,
             generated_tokens=self._generated_tokens,
             busy_s=self._busy_s,
-            health=EngineHealth.UP if death is None else EngineHealth.DEAD,
+            health=(EngineHealth.UP if death is None else EngineHealth.RECOVERING
+                    if self.needs_restart() else EngineHealth.DEAD),
             health_reason=death,
         )
 
@@ -215,6 +254,7 @@ class LocalEngine:
     def shutdown(self) -> None:
         """Synchronous close: pending requests return ABORT, the thread exits (a dead engine's
         thread has exited already)."""
+        self._closed = True  # a closed engine is never restarted
         done: concurrent.futures.Future = concurrent.futures.Future()
         if self._post(Close(done=done)):
             done.result()
@@ -294,6 +334,7 @@ class LocalEngine:
                     seq.mark_version(self._runner.num_generated(row, seq.prompt_len), version)
                 resolve(done, None)
             case Close(done=done):
+                self._closed = True
                 self._die(f"local engine {self.engine_id} closed")
                 resolve(done, None)
         self._applying = None

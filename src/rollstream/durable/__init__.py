@@ -1,0 +1,1 @@
+"""Durable runs: checkpoints of everything in flight, and resume (docs/run-dir.md)."""

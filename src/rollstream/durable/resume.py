@@ -1,0 +1,109 @@
+"""Resume: is the config still the run's, and what of the ledger's tail stands.
+
+A checkpoint stores the ledger's line count at its snapshot. The lines after it (the tail)
+were written by a process whose later state is lost; each is judged by its group:
+
+* a group the checkpoint holds (buffered or in flight) continues from the checkpoint, so its
+  tail lines are superseded;
+* a group trained, evaluated, or aborted after the checkpoint is redone (its trainer step's
+  weights are lost, an evaluation is repeated with the weights it then runs on), so its tail
+  lines are superseded too;
+* a group admitted after the checkpoint and retired without training (every sample FILTERED,
+  FAILED or DROPPED_STALE before any trainer step took it) **stands**: it is not redone, and
+  the resumed run skips it when the data cursor reaches it again.
+
+``ledger.jsonl`` is rewritten (atomically) as the head plus the standing lines, so it keeps
+exactly one terminal line per sample; superseded lines go to ``ledger.superseded.jsonl`` with
+the step the run resumed at, never dropped. Rejected dataset rows (``#row``) always stand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rollstream.durable.checkpoint import Checkpoint
+
+# what may differ between a checkpoint's config and the resuming one (dotted prefixes)
+SAFE_CHANGES = ("resume", "run_root", "max_wall_s", "train.steps", "train.checkpoint_every",
+                "train.keep_checkpoints", "eval", "monitor", "engine")
+_STANDING = frozenset({"filtered", "failed", "dropped_stale"})
+
+
+def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted fields whose value differs, and that a resume may not change."""
+    flat_a, flat_b = _flatten(saved), _flatten(new)
+    changed = sorted(k for k in flat_a.keys() | flat_b.keys()
+                     if flat_a.get(k, _MISSING) != flat_b.get(k, _MISSING))
+    return [k for k in changed
+            if not any(k == p or k.startswith(p + ".") for p in SAFE_CHANGES)]
+
+
+_MISSING = object()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def group_of(sample_uid: str) -> str:
+    return sample_uid.rsplit("/", 1)[0]
+
+
+def reconcile_ledger(run_dir: Path, ckpt: Checkpoint | None, *,
+                     group_size: int) -> tuple[set[str], int]:
+    """Rewrite ``run_dir/ledger.jsonl`` for a resume from ``ckpt`` (None: from step 0).
+
+    Returns the standing group ids (admitted after the checkpoint, retired untrained: the
+    resumed run skips them) and the number of superseded lines."""
+    path = run_dir / "ledger.jsonl"
+    if not path.exists():
+        return set(), 0
+    lines = path.read_text().splitlines()
+    n_head = int(ckpt.state["rollout"]["ledger_lines"]) if ckpt is not None else 0
+    head, tail = lines[:n_head], []
+    for line in lines[n_head:]:
+        try:
+            tail.append(json.loads(line))
+        except json.JSONDecodeError:  # the line a kill tore
+            continue
+    held = set(ckpt.state["rollout"]["held_groups"]) if ckpt is not None else set()
+    by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in tail:
+        by_group[_key(row["sample_uid"])].append(row)
+    standing: set[str] = set()
+    for gid, rows in by_group.items():
+        retired_untrained = (gid not in held and len(rows) == group_size
+                             and all(r["status"] in _STANDING and r.get("taken_at_step") is None
+                                     for r in rows))
+        if gid.endswith(_ROW) or retired_untrained:
+            standing.add(gid)
+    kept = [r for r in tail if _key(r["sample_uid"]) in standing]
+    superseded = [r for r in tail if _key(r["sample_uid"]) not in standing]
+    step = ckpt.step if ckpt is not None else 0
+    if superseded:
+        with (run_dir / "ledger.superseded.jsonl").open("a") as f:
+            for r in superseded:
+                f.write(json.dumps({**r, "superseded_at_resume_step": step}) + "\n")
+    tmp = path.with_name(f".ledger.jsonl.tmp-{os.getpid()}")
+    tmp.write_text("".join(line + "\n" for line in head)
+                   + "".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+    return {g for g in standing if not g.endswith(_ROW)}, len(superseded)
+
+
+_ROW = "#row"  # a rejected dataset row's ledger uid ends so (Ledger.record_rejected)
+
+
+def _key(sample_uid: str) -> str:
+    return sample_uid if sample_uid.endswith(_ROW) else group_of(sample_uid)

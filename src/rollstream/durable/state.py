@@ -1,0 +1,62 @@
+"""Groups and samples as JSON, token for token (what a checkpoint saves of the rollout).
+
+Every per-token field of every segment is kept (ids, behaviour logprobs, versions, loss
+mask), with the sample's status and what it has recorded so far, so that a restored sample
+continues exactly where the saved one stood: ``prompt + tokens so far`` is resubmitted with
+the versions of the saved tokens unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollstream.trajectory import Group, Sample, SampleStatus, Segment, SegmentKind, Task
+
+
+def task_to_dict(task: Task) -> dict[str, Any]:
+    return {"uid": task.uid, "source": task.source, "prompt_ids": list(task.prompt_ids),
+            "prompt_text": task.prompt_text, "reference": task.reference}
+
+
+def task_from_dict(d: dict[str, Any]) -> Task:
+    return Task(uid=d["uid"], source=d["source"], prompt_ids=tuple(d["prompt_ids"]),
+                prompt_text=d["prompt_text"], reference=d["reference"])
+
+
+def group_to_dict(group: Group) -> dict[str, Any]:
+    return {"group_id": group.group_id, "task": task_to_dict(group.task),
+            "samples": [_sample_to_dict(s) for s in group.samples]}
+
+
+def group_from_dict(d: dict[str, Any]) -> Group:
+    task = task_from_dict(d["task"])
+    gid = d["group_id"]
+    samples = [_sample_from_dict(s, task, gid) for s in d["samples"]]
+    return Group(group_id=gid, task=task, samples=samples)
+
+
+def _sample_to_dict(s: Sample) -> dict[str, Any]:
+    if s.status is SampleStatus.RUNNING:
+        raise AssertionError(f"sample {s.uid} is RUNNING: interrupt it before a snapshot")
+    return {
+        "idx": s.sample_idx, "status": s.status.value, "reward": s.reward,
+        "finish_reason": s.finish_reason, "failure": s.failure, "engine_id": s.engine_id,
+        "num_interrupts": s.num_interrupts, "num_restored_tokens": s.num_restored_tokens,
+        "segments": [{"kind": g.kind.value, "token_ids": list(g.token_ids),  # copies: the
+                      "logprobs": list(g.logprobs), "versions": list(g.versions),  # sample
+                      "loss_mask": list(g.loss_mask)} for g in s.segments],  # grows on
+    }
+
+
+def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
+    segments = [Segment(kind=SegmentKind(g["kind"]), token_ids=list(g["token_ids"]),
+                        logprobs=list(g["logprobs"]), versions=list(g["versions"]),
+                        loss_mask=list(g["loss_mask"])) for g in d["segments"]]
+    sample = Sample(task=task, group_id=group_id, sample_idx=d["idx"], segments=segments,
+                    status=SampleStatus(d["status"]), reward=d["reward"],
+                    finish_reason=d["finish_reason"], failure=d["failure"],
+                    engine_id=d["engine_id"], num_interrupts=d["num_interrupts"],
+                    num_restored_tokens=d["num_restored_tokens"])
+    if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
+        sample.num_restored_tokens = sample.num_response_tokens
+    return sample

@@ -1,0 +1,162 @@
+"""Durable runs end to end: a real run as a subprocess is killed with SIGKILL at random
+moments and resumed each time, or stopped with SIGTERM and resumed; the ledger, the data
+cursor, the trained steps and the final model come out as if it had never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollstream.config import load_config
+from rollstream.data.ledger import read_ledger
+from rollstream.durable import checkpoint as durable
+from rollstream.durable.audit import audit_run
+from rollstream.models.warmstart import prepare_model
+
+pytestmark = pytest.mark.slow
+
+STEPS, GROUPS, GROUP = 12, 4, 8
+CONFIG = {
+    "name": "durable", "seed": 0,
+    "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 192,
+                       "max_position": 128},
+              "warm_start": {"steps": 200, "lr": 5e-3, "tokens_per_step": 2048}},
+    "tasks": {"sources": [{"kind": "tick", "max_items": 6}], "num_eval": 8},
+    "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
+    "sampling": {"max_new_tokens": 64},
+    "rollout": {"mode": "async", "max_staleness": 2, "group_size": GROUP},
+    "train": {"steps": STEPS, "groups_per_step": GROUPS, "checkpoint_every": 2, "lr": 3e-4,
+              "threads": 1},
+    "eval": {"samples_per_task": 2},
+    "monitor": {"progress": False, "report": False},
+}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("durable")
+    cfg = {**CONFIG, "run_root": str(root / "runs"),
+           "model": {**CONFIG["model"], "cache_dir": str(root / "cache")}}
+    path = root / "config.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    loaded = load_config(path, [])
+    prepare_model(loaded.model, loaded.tasks)  # the warm start, once, before the clock runs
+    return path
+
+
+def _start(config: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(config), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_checkpoint(run_dir: Path, after: int, proc: subprocess.Popen,
+                         timeout_s: float = 300) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ckpt = durable.latest(run_dir)
+        if ckpt is not None and ckpt.step > after:
+            return ckpt.step
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no checkpoint after step {after} within {timeout_s} s")
+
+
+def check_run(run_dir: Path) -> dict:
+    """What a run that never stopped would show."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and not summary["unfinished_samples"], summary
+    rows = read_ledger(run_dir / "ledger.jsonl")
+    uids = [r["sample_uid"] for r in rows]
+    assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
+    lines = defaultdict(int)
+    trained_groups: dict[int, set[str]] = defaultdict(set)
+    for r in rows:
+        gid = r["sample_uid"].rsplit("/", 1)[0]
+        lines[gid] += 1
+        if r["status"] == "trained":
+            trained_groups[r["trained_at_step"]].add(gid)
+    for gid, n in lines.items():  # evaluation groups hold eval.samples_per_task samples
+        assert n == (2 if "#eval" in gid else GROUP), f"group {gid}: {n} samples recorded"
+    assert sorted(trained_groups) == list(range(STEPS))
+    assert all(len(g) <= GROUPS for g in trained_groups.values()), "no trained step repeated"
+    audit = audit_run(run_dir, group_size=GROUP, eval_group_size=2, groups_per_step=GROUPS,
+                      steps=STEPS)
+    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
+    assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
+    cursor = durable.latest(run_dir).state["rollout"]["tasks"]["next_index"]["tick"]
+    drawn = {f"tick/train/{i}" for i in range(cursor)}
+    seen = {r["task_uid"] for r in rows if "#eval" not in r["sample_uid"]}
+    assert drawn <= seen, f"tasks of the cursor's range missing: {sorted(drawn - seen)[:5]}"
+    final = load_file(run_dir / "checkpoint" / "model.safetensors")
+    last = load_file(durable.latest(run_dir).model_dir / "model.safetensors")
+    assert durable.latest(run_dir).step == STEPS
+    assert final.keys() == last.keys()
+    assert all(torch.equal(final[k], last[k]) for k in final), "the final model is the last step's"
+    return {"summary": summary, "rows": rows, "audit": audit}
+
+
+def test_sigkill_at_random_moments_loses_nothing(config: Path) -> None:
+    seed = int(os.environ.get("ROLLSTREAM_KILL_SEED", random.randrange(1 << 30)))
+    print(f"kill seed {seed} (ROLLSTREAM_KILL_SEED={seed} repeats these kill moments)")
+    rng = random.Random(seed)
+    run_dir = Path(json.loads(config.read_text())["run_root"]) / "durable"
+    seen, kills = -1, 0
+    for attempt in range(6):
+        proc = _start(config, *(["--resume"] if attempt else []))
+        step = _wait_for_checkpoint(run_dir, seen, proc)
+        if step is None:  # it finished before the kill
+            break
+        seen = step
+        time.sleep(rng.uniform(0.0, 2.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            kills += 1
+            print(f"killed at a random moment after checkpoint {step}")
+        if kills == 3:
+            break
+    assert kills >= 3, f"only {kills} kills landed before the run finished"
+    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), "--resume"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = check_run(run_dir)
+    assert out["summary"]["resumed_from_step"] is not None
+    print(out["audit"])
+    assert out["audit"]["resumed_partial_tokens"] > 0, "a saved partial continued from its tokens"
+    assert (run_dir / "ledger.superseded.jsonl").exists(), "the lost work was written aside"
+
+
+def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
+    cfg = json.loads(config.read_text())
+    cfg["name"] = "durable"  # check_run reads run_root/durable
+    cfg["run_root"] = str(config.parent / "runs-term")
+    path = config.parent / "term.yaml"
+    path.write_text(json.dumps(cfg))
+    run_dir = Path(cfg["run_root"]) / "durable"
+    proc = _start(path)
+    assert _wait_for_checkpoint(run_dir, -1, proc) is not None
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    print(f"SIGTERM to exit: {time.monotonic() - t0:.1f} s")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "SIGTERM" in summary["stop_reason"] and summary["steps"] < STEPS, summary
+    assert durable.latest(run_dir).step == summary["steps"], "it checkpointed where it stopped"
+    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(path), "--resume"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    check_run(run_dir)
