@@ -276,3 +276,74 @@ def test_a_dead_local_engine_is_restarted_at_the_current_version(tmp_path):
     assert any(sp["t_start_s"] >= failed_at and sp["num_tokens"] for sp in spans), \
         "the restarted engine took work again"
     assert after.token_ids == want.token_ids and after.versions == [1] * len(want.token_ids)
+
+
+def test_a_drained_engine_hands_its_requests_to_the_other(tmp_path):
+    """Preemption: drain("a") mid-generation interrupts a's requests at a token boundary; they
+    continue on b from their tokens (spans add up, nothing starts on a afterwards); a drained
+    engine that is the only one left makes requests wait, not fail; undrain routes to it again."""
+    from rollstream.clock import WallClock
+    from rollstream.config import RewardConfig
+    from rollstream.config.schema import LocalEngineConfig
+    from rollstream.data.ledger import Ledger
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import SamplingParams
+    from rollstream.reward.pool import GraderPool
+    from rollstream.reward.registry import get_reward
+    from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.lifecycle import Lifecycle
+    from rollstream.trajectory import Group, SampleStatus, Task
+    from tests.engine.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m")
+    cfg = LocalEngineConfig(max_slots=8, max_seq_len=96, threads=1, device="cpu")
+    spans: list[dict] = []
+    clock = WallClock()
+
+    def groups(tag: str, n: int) -> list:
+        return [Group.new(Task(uid=f"{tag}/{i}", source="t", prompt_ids=(3 + i, 5, 7, 9),
+                               prompt_text="", reference=""), 2) for i in range(n)]
+
+    async def main():
+        a, b = LocalEngine(model, cfg, engine_id="a"), LocalEngine(model, cfg, engine_id="b")
+        reward = get_reward(_one_reward)
+        graders = GraderPool(RewardConfig(), lambda task: reward)
+        disp = Dispatcher(engines=[a, b], params=SamplingParams(max_new_tokens=60, seed=None),
+                          graders=graders, decode=lambda ids: "", clock=clock,
+                          lifecycle=Lifecycle(Ledger(), clock),
+                          span=lambda **kw: spans.append(kw))
+        first = groups("t", 8)
+        run = asyncio.gather(*(disp.run_group(g) for g in first))
+        while a.stats().generated_tokens < 40:
+            await asyncio.sleep(0.005)
+        handed_back = await disp.drain("a")
+        t_drain = clock.now()
+        await asyncio.wait_for(run, 120)
+        disp.undrain("b")  # no-op: b was never drained
+        await disp.drain("b")  # both drained: a new request waits instead of failing
+        waiting = asyncio.ensure_future(disp.run_group(groups("w", 1)[0]))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and disp.fatal is None
+        disp.undrain("a")
+        later = await asyncio.wait_for(waiting, 60)
+        await a.close()
+        await b.close()
+        graders.close()
+        return first, later, handed_back, t_drain
+
+    first, later, handed_back, t_drain = asyncio.run(main())
+    assert handed_back > 0
+    samples = [s for g in first for s in g.samples]
+    assert all(s.status is SampleStatus.GRADED for s in samples)
+    delivered: dict[str, int] = {}
+    for sp in spans:
+        delivered[sp["sample_uid"]] = delivered.get(sp["sample_uid"], 0) + sp["num_tokens"]
+    assert {s.uid: s.num_response_tokens for s in samples} == \
+        {u: n for u, n in delivered.items() if u.startswith("t/")}
+    assert not [sp for sp in spans if sp["engine_id"] == "a" and sp["t_start_s"] > t_drain
+                and sp["sample_uid"].startswith("t/")], "nothing started on a after the drain"
+    moved = {sp["sample_uid"] for sp in spans if sp["engine_id"] == "a" and sp["num_tokens"]} & \
+        {sp["sample_uid"] for sp in spans if sp["engine_id"] == "b"}
+    assert moved, "samples with tokens from the drained engine were finished on the other"
+    assert all(sp["engine_id"] == "a" for sp in spans if sp["sample_uid"].startswith("w/"))
+    assert all(s.status is SampleStatus.GRADED for s in later.samples)

@@ -14,7 +14,10 @@ A sample's life here (``run_sample``)::
       ERROR       -> FAILED with the engine's reason (the request's own fault: bad prompt)
 
 Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; when
-none is UP but one is RECOVERING, they wait until one is UP; never to a DEAD one. An engine that raises from ``generate`` is a fault like a dead stream: the attempt
+none is UP but one is RECOVERING, they wait until one is UP; never to a DEAD one.
+Preemption: :meth:`Dispatcher.drain` takes an engine out of routing and interrupts its
+requests at a token boundary; they come back with their tokens and continue on another engine
+(or wait for one), until :meth:`Dispatcher.undrain`. An engine that raises from ``generate`` is a fault like a dead stream: the attempt
 returns its partial tokens (none) and the sample is retried. A sample FAILS after
 ``MAX_ENGINE_RETRIES`` consecutive failed attempts that produced no token. When no engine is
 alive the dispatcher records why in ``fatal`` and stops dispatching; the rollout stops the run
@@ -107,6 +110,7 @@ class Dispatcher:
         self._gate.set()
         self._cancelled: set[str] = set()
         self._load = {id(e): 0 for e in self.engines}
+        self._drained: set[str] = set()  # engine ids taken out of routing (preemption)
         self._free_slots: list[int] = []
         self._next_slot = itertools.count()
         self._ids = itertools.count()
@@ -138,13 +142,15 @@ class Dispatcher:
             by_health: dict[EngineHealth, list[Engine]] = {}
             for e in self.engines:
                 by_health.setdefault(e.stats().health, []).append(e)
-            if up := by_health.get(EngineHealth.UP):
+            up = [e for e in by_health.get(EngineHealth.UP, []) if e.engine_id not in self._drained]
+            if up:
                 return min(up, key=lambda e: self._load[id(e)])
-            if not by_health.get(EngineHealth.RECOVERING):
+            if not by_health.get(EngineHealth.RECOVERING) and not any(
+                    e.engine_id in self._drained for e in by_health.get(EngineHealth.UP, [])):
                 reasons = "; ".join(f"{e.engine_id}: {e.stats().health_reason}"
                                     for e in self.engines)
                 raise NoEngineAlive(f"no engine is alive ({reasons})")
-            await asyncio.sleep(RECOVERY_POLL_S)  # one is being restarted
+            await asyncio.sleep(RECOVERY_POLL_S)  # one is being restarted, or drained
             await self._gate.wait()  # a weight sync may have paused dispatch meanwhile
 
     def _take_slot(self) -> int:
@@ -272,6 +278,28 @@ class Dispatcher:
         self._cancelled |= ids
         await self.interrupt([rid for rid, f in self.in_flight.items()
                               if f.sample.group_id in ids])
+
+    async def drain(self, engine_id: str) -> int:
+        """Preempt ``engine_id``: route nothing more to it and interrupt its requests at a
+        token boundary. Each returns its partial tokens (exact versions) and its sample
+        continues on another engine, or waits for one. Returns the requests handed back."""
+        engine = next((e for e in self.engines if e.engine_id == engine_id), None)
+        if engine is None:
+            raise ValueError(f"no engine {engine_id!r}; engines: "
+                             f"{[e.engine_id for e in self.engines]}")
+        self._drained.add(engine_id)
+        ids = [rid for rid, f in self.in_flight.items() if f.engine is engine]
+        if ids and engine.stats().health is not EngineHealth.DEAD:
+            await engine.interrupt(ids)
+        return len(ids)
+
+    def undrain(self, engine_id: str) -> None:
+        """Route to ``engine_id`` again."""
+        self._drained.discard(engine_id)
+
+    def forget(self, group_id: str) -> None:
+        """A group's life is over: drop what the dispatcher kept of it."""
+        self._cancelled.discard(group_id)
 
     def cancelled(self, group_id: str) -> bool:
         return group_id in self._cancelled

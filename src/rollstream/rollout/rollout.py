@@ -107,6 +107,7 @@ class Rollout:
     async def _group_life(self, group: Group) -> None:
         await self.dispatcher.run_group(group)
         del self.live[group.group_id]
+        self.dispatcher.forget(group.group_id)
         outcome = self._cancelled.pop(group.group_id, None)
         if outcome is None and self.dispatcher.fatal is not None:
             outcome = (S.ABORTED, self.dispatcher.fatal)
