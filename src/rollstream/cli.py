@@ -21,6 +21,7 @@ BENCHES = {
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
     "vllm": "local engine vs a real vLLM server; weight-sync time",
     "resume": "a run killed with SIGKILL 5 times and resumed: lost, duplicated, repeated",
+    "soak": "resident memory over a long run (--minutes, default 20): RSS slope in MB/h",
 }
 
 
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     b.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    b.add_argument("--minutes", type=float, default=None,
+                   help="length of `soak` (default 20 minutes; --quick: 2)")
     b.add_argument("--config", type=Path, default=None,
                    help="base YAML of `modes` (default examples/tick_long.yaml, the long-tail "
                    "shape; examples/tick.yaml is the demo's)")
@@ -88,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.name != "modes":
                     raise ValueError(f"bench {args.name}: --config is an option of `modes` only")
                 extra["config"] = args.config
+            if args.minutes is not None:
+                if args.name != "soak":
+                    raise ValueError(f"bench {args.name}: --minutes is an option of `soak` only")
+                extra["minutes"] = args.minutes
             mod = importlib.import_module(f"rollstream.bench.{args.name}")
             mod.main(json_out=args.json_out, quick=args.quick, **extra)
         elif args.command == "report":

@@ -2,7 +2,11 @@
 
 Append-only JSONL (``ledger.jsonl`` in the run directory), flushed per line, so a crash at
 any moment leaves a readable file and a resume knows what is done. The in-memory index
-enforces exactly-once: recording a sample uid twice is a bug and raises.
+enforces exactly-once: recording a sample uid twice, or dispatching one again, is a bug and
+raises. It holds the open samples and the newest ``RECENT`` terminal ones, so its memory stays
+flat over a long run; older uids cannot come back, because sample ids carry the admission
+index of their group (or the evaluation round), which only grows (``durable.audit`` checks
+the whole file).
 
 A ledger opened on an existing file (a resumed run, after ``durable.resume`` reconciled it)
 knows every sample that file records. :meth:`sync` flushes and fsyncs it and returns its line
@@ -17,25 +21,34 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import IO
 
 from rollstream.trajectory import Sample, SampleStatus
 
+RECENT = 1 << 16  # terminal sample uids kept in memory for the exactly-once check
+
 
 class Ledger:
     def __init__(self, path: Path | None = None) -> None:
-        self._terminal: dict[str, SampleStatus] = {}
+        self._terminal: OrderedDict[str, SampleStatus] = OrderedDict()  # the newest RECENT
+        self._rows: dict[str, SampleStatus] = {}  # rejected dataset rows (few)
         self._open: dict[str, Sample] = {}
         self.counts: Counter[str] = Counter()
         self.num_lines = 0
+        self.num_recorded = 0
         if path is not None and path.exists():
             for row in read_ledger(path):
-                self._terminal[row["sample_uid"]] = SampleStatus(row["status"])
-                self.counts["rejected_rows" if row["sample_uid"].endswith("#row")
-                            else row["status"]] += 1
+                uid = row["sample_uid"]
+                if uid.endswith("#row"):
+                    self._rows[uid] = SampleStatus.FAILED
+                    self.counts["rejected_rows"] += 1
+                else:
+                    self._remember(uid, SampleStatus(row["status"]))
+                    self.counts[row["status"]] += 1
                 self.num_lines += 1
+                self.num_recorded += 1
         self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
 
     def open(self, sample: Sample) -> None:
@@ -55,7 +68,8 @@ class Ledger:
                 f"sample {sample.uid} already recorded as {self._terminal[sample.uid].value}; "
                 f"cannot record it again as {status.value}"
             )
-        self._terminal[sample.uid] = status
+        self._remember(sample.uid, status)
+        self.num_recorded += 1
         self._open.pop(sample.uid, None)
         self.counts[status.value] += 1
         if self._fh is not None:
@@ -84,9 +98,10 @@ class Ledger:
     def record_rejected(self, task_uid: str, source: str, reason: str) -> None:
         """A dataset row that could not become a task: written as a failed task, once."""
         uid = f"{task_uid}#row"
-        if uid in self._terminal:
+        if uid in self._rows:
             raise AssertionError(f"row {task_uid} already recorded")
-        self._terminal[uid] = SampleStatus.FAILED
+        self._rows[uid] = SampleStatus.FAILED
+        self.num_recorded += 1
         self.counts["rejected_rows"] += 1
         if self._fh is not None:
             self._fh.write(json.dumps({
@@ -105,15 +120,18 @@ class Ledger:
             os.fsync(self._fh.fileno())
         return self.num_lines
 
+    def _remember(self, uid: str, status: SampleStatus) -> None:
+        self._terminal[uid] = status
+        if len(self._terminal) > RECENT:
+            self._terminal.popitem(last=False)
+
     def status_of(self, uid: str) -> SampleStatus | None:
-        return self._terminal.get(uid)
+        """A rejected row's status, or a recent sample's (None: not recorded, or long ago)."""
+        return self._rows.get(uid) or self._terminal.get(uid)
 
     def unfinished(self) -> list[Sample]:
         return list(self._open.values())
 
-    @property
-    def num_recorded(self) -> int:
-        return len(self._terminal)
 
     def close(self) -> None:
         if self._fh is not None:

@@ -40,6 +40,10 @@ from rollstream.monitor.runlog import RunDirReader, RunLog
 from rollstream.monitor.trackers import Tracker, build_trackers
 
 OUTCOMES = ("done", "interrupted", "failed")
+# metric lines and spans a live run keeps in memory for the dashboard (runlog.RunLog: the
+# newer half whole, older ones thinned; the files keep all), so memory stays flat however
+# long a run goes: the newest ~200 steps' records in full, 8,192 spans (the timeline's)
+LIVE_WINDOW, LIVE_SPANS = 2048, 8192
 
 
 def _open_append(path: Path) -> IO[str]:
@@ -87,10 +91,11 @@ class Metrics:
         self._reader: RunDirReader | None = None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._reader = RunDirReader(self.run_dir, check=False)
+            self._reader = RunDirReader(self.run_dir, check=False, window=LIVE_WINDOW,
+                                        span_window=LIVE_SPANS)
             self.log = self._reader.refresh()  # resume: start from what is on disk
         else:
-            self.log = RunLog()
+            self.log = RunLog(LIVE_WINDOW, LIVE_SPANS)
         self.prom = PromExporter(lambda: self.view().ledger_counts())
         self.prometheus_port: int | None = None
         if cfg.prometheus_port is not None:

@@ -9,6 +9,7 @@ Non-finite floats become ``null`` here, because browsers' JSON.parse rejects NaN
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import threading
@@ -89,13 +90,45 @@ class LedgerSummary:
         }
 
 
-class RunLog:
-    """Thread-safe, append-only copy of a run's metrics, spans and ledger summary."""
+class _Window:
+    """An append-only stream kept in bounded memory (all of it when ``limit`` is None).
 
-    def __init__(self) -> None:
+    Items are addressed by their index in the whole stream. When ``limit`` items are held,
+    the older half is thinned to every other item: the newer half stays whole, and the
+    rest spans the run at a resolution that halves with age, so a chart of the whole run
+    can still be drawn from a bounded number of points."""
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and limit < 4:
+            raise ValueError(f"a window holds at least 4 items, got {limit}")
+        self.limit = limit
+        self.items: list[tuple[int, dict[str, Any]]] = []  # (index in the stream, item)
+        self.total = 0  # items ever appended
+
+    def append(self, item: dict[str, Any]) -> None:
+        self.items.append((self.total, item))
+        self.total += 1
+        if self.limit is not None and len(self.items) >= self.limit:
+            half = len(self.items) // 2
+            self.items = self.items[:half:2] + self.items[half:]
+
+    def since(self, index: int) -> tuple[list[dict[str, Any]], int]:
+        first = bisect.bisect_left(self.items, index, key=lambda pair: pair[0])
+        return [item for _, item in self.items[first:]], self.total
+
+
+class RunLog:
+    """Thread-safe, append-only copy of a run's metrics, spans and ledger summary.
+
+    ``window`` bounds the metric lines and ``span_window`` the spans kept (at most N of each: the newest whole,
+    older ones thinned; cursors stay indexes into the whole stream): a live run's memory
+    stays flat however long it runs, while the files keep everything. None keeps all (the
+    report, read from the files)."""
+
+    def __init__(self, window: int | None = None, span_window: int | None = None) -> None:
         self._lock = threading.Lock()
-        self._records: list[dict[str, Any]] = []
-        self._spans: list[dict[str, Any]] = []
+        self._records = _Window(window)
+        self._spans = _Window(span_window if span_window is not None else window)
         self._ledger = LedgerSummary()
         self._latest: dict[str, dict[str, Any]] = {}  # kind -> merged latest values
         self._hists: dict[str, Hist] = {}  # name -> total over the run
@@ -142,8 +175,8 @@ class RunLog:
                 "step": max(steps, default=None),
                 "kinds": {k: dict(v) for k, v in self._latest.items()},
                 "hist": {n: finite(h.to_json()) for n, h in self._hists.items()},
-                "num_metric_lines": len(self._records),
-                "num_spans": len(self._spans),
+                "num_metric_lines": self._records.total,
+                "num_spans": self._spans.total,
                 "ledger": {"num_samples": self._ledger.num_samples,
                            "by_status": dict(self._ledger.by_status)},
             }
@@ -151,12 +184,12 @@ class RunLog:
     def records(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
         """Metric lines from index `since` on, and the next cursor."""
         with self._lock:
-            return self._records[since:], len(self._records)
+            return self._records.since(since)
 
     def spans(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
         """Timeline spans from index `since` on, and the next cursor."""
         with self._lock:
-            return self._spans[since:], len(self._spans)
+            return self._spans.since(since)
 
     def ledger_summary(self) -> dict[str, Any]:
         with self._lock:
@@ -221,12 +254,14 @@ STREAMS = ("metrics", "timeline", "ledger")
 class RunDirReader:
     """A RunLog that follows a run directory's files; `refresh()` reads what is new.
 
-    ``check=False`` accepts a directory that holds no run files yet (a run starting).
+    ``check=False`` accepts a directory that holds no run files yet (a run starting);
+    ``window``: see :class:`RunLog`.
     """
 
-    def __init__(self, run_dir: Path, *, check: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, check: bool = True, window: int | None = None,
+                 span_window: int | None = None) -> None:
         self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
-        self.log = RunLog()
+        self.log = RunLog(window, span_window)
         self._tails = {name: JsonlTail(self.run_dir / f"{name}.jsonl") for name in STREAMS}
         self._lock = threading.Lock()  # one reader at a time per tail
 

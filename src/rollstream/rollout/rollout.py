@@ -232,7 +232,7 @@ class Rollout:
         try:
             await self.dispatcher.interrupt(None)
             await self.dispatcher.wait_idle()
-            live = [g for g in self.live.values()]
+            live = list(self.live.values())
             buffered = self.buffer.groups()
             return {
                 "ledger_lines": self.lifecycle.ledger.sync(),

@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollstream.monitor.rollout_meter import RolloutMeter
@@ -51,16 +51,9 @@ class MetricsLike(Protocol):
 
 
 @dataclass(slots=True, kw_only=True)
-class StepLog:
-    step: int
-    values: dict[str, float]
-
-
-@dataclass(slots=True, kw_only=True)
 class ControllerResult:
     steps_done: int = 0
     trained_samples: int = 0
-    history: list[StepLog] = field(default_factory=list)
     stop_reason: str | None = None  # why the run ended before its steps; None = all done
     stalled: bool = False  # it ended because it could not train (stop_reason says why)
 
@@ -150,7 +143,6 @@ class Controller:
             values["gen_tok_s"] = rollout["gen_tok_s"]
             result.steps_done = step + 1
             result.trained_samples += len(trained)  # by this process
-            result.history.append(StepLog(step=step, values=values))
             self.metrics.record("train", step, values)
             if self.after_step is not None:
                 await self.after_step(step, values)

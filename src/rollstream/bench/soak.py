@@ -1,0 +1,126 @@
+"""Benchmark: resident memory over a long run.
+
+    rollstream bench soak [--json OUT] [--minutes M] [--quick]
+
+A real run (``rollstream train`` as a subprocess: the e2e test's tiny model on tick, async
+k=2 with partial rollout, 4 groups x 8 samples per step, a durable checkpoint every 50 steps,
+no step limit) for ``--minutes`` (default 20; ``--quick``: 2) of training, stopped by its
+``max_wall_s``. The resident set size (``VmRSS``) of the run's process and of its reward
+workers is sampled every 10 s (``--quick``: 2 s). Keys: ``rss_slope_mb_per_hour`` (least
+squares over the samples after the first 2 minutes, ``--quick``: 30 s; target <= 10),
+``rss_max_mb``, ``rss_start_mb`` / ``rss_end_mb`` (first and last sample after the warm-up),
+``workers_rss_max_mb``, ``trained_samples`` and ``ledger_lines`` (what the run did), and the
+samples themselves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollstream.config import load_config
+from rollstream.models.warmstart import prepare_model
+
+
+def _config(root: Path, seconds: float) -> dict[str, Any]:
+    return {
+        "name": "soak", "seed": 0, "run_root": str(root / "runs"), "max_wall_s": seconds,
+        "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 192,
+                           "max_position": 128},
+                  "warm_start": {"steps": 200, "lr": 5e-3, "tokens_per_step": 2048}},
+        "tasks": {"sources": [{"kind": "tick", "max_items": 6}], "num_eval": 8},
+        "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
+        "sampling": {"max_new_tokens": 64},
+        "rollout": {"mode": "async", "max_staleness": 2, "group_size": 8,
+                    "partial_rollout": True},
+        "train": {"steps": 1_000_000, "groups_per_step": 4, "checkpoint_every": 50,
+                  "lr": 3e-4, "threads": 1},
+        "eval": {"samples_per_task": 2},
+        "monitor": {"progress": False, "report": False},
+    }
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MB) points, in MB per hour."""
+    n = len(points)
+    if n < 2:
+        return float("nan")
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return 3600 * sum((t - mt) * (v - mv) for t, v in points) / var if var else float("nan")
+
+
+def main(json_out: Path | None = None, quick: bool = False, *, minutes: float | None = None,
+         cache_dir: Path | None = None) -> dict[str, Any]:
+    minutes = minutes if minutes is not None else (2.0 if quick else 20.0)
+    every_s, warmup_s = (2.0, 30.0) if quick else (10.0, 120.0)
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        root = Path(tmp)
+        cfg = _config(root, minutes * 60)
+        if cache_dir is not None:
+            cfg["model"]["cache_dir"] = str(cache_dir)
+        path = root / "config.yaml"
+        path.write_text(json.dumps(cfg))
+        loaded = load_config(path, [])
+        prepare_model(loaded.model, loaded.tasks)
+        proc = subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(path)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        t0, samples, workers_max = time.perf_counter(), [], 0.0
+        while proc.poll() is None:
+            rss = _rss_mb(proc.pid)
+            if rss is not None:
+                samples.append((round(time.perf_counter() - t0, 1), round(rss, 1)))
+                workers = [r for c in _children(proc.pid) if (r := _rss_mb(c)) is not None]
+                workers_max = max(workers_max, sum(workers))
+            time.sleep(every_s)
+        run_dir = Path(loaded.run_root) / loaded.name
+        summary = json.loads((run_dir / "summary.json").read_text()) \
+            if (run_dir / "summary.json").exists() else {}
+        ledger = run_dir / "ledger.jsonl"
+        ledger_lines = len(ledger.read_text().splitlines()) if ledger.exists() else 0
+    after = [(t, v) for t, v in samples if t >= warmup_s]
+    result = {
+        "benchmark": "soak", "quick": quick, "minutes": minutes,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "load_avg": os.getloadavg(), "exit_code": proc.returncode,
+        "rss_slope_mb_per_hour": slope_per_hour(after),
+        "rss_max_mb": max((v for _, v in samples), default=None),
+        "rss_start_mb": after[0][1] if after else None,
+        "rss_end_mb": after[-1][1] if after else None,
+        "workers_rss_max_mb": round(workers_max, 1),
+        "trained_samples": summary.get("trained_samples"), "steps": summary.get("steps"),
+        "ledger_lines": ledger_lines, "warmup_s": warmup_s, "every_s": every_s,
+        "samples": samples,
+    }
+    print(f"bench soak: {minutes:g} min, {result['steps']} steps, {ledger_lines} ledger lines; "
+          f"RSS {result['rss_start_mb']} -> {result['rss_end_mb']} MB after the warm-up, max "
+          f"{result['rss_max_mb']} MB, slope {result['rss_slope_mb_per_hour']:.1f} MB/h "
+          f"(target <= 10); reward workers {workers_max:.0f} MB", flush=True)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result

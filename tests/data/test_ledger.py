@@ -1,0 +1,42 @@
+"""The ledger's exactly-once index: flat memory over a long run, duplicates still caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollstream.data import ledger as ledger_mod
+from rollstream.data.ledger import Ledger, read_ledger
+from rollstream.trajectory import Group, SampleStatus, Task
+
+
+def _terminal_group(k: int) -> Group:
+    task = Task(uid="t/0", source="t", prompt_ids=(1, 2), prompt_text="", reference="")
+    group = Group.new(task, 2, k=k)
+    for s in group.samples:
+        s.status = SampleStatus.FILTERED
+    return group
+
+
+def test_memory_is_bounded_and_recent_duplicates_raise(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger_mod, "RECENT", 4)
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    groups = [_terminal_group(k) for k in range(10)]
+    for g in groups:
+        for s in g.samples:
+            ledger.open(s)
+            ledger.write(s)
+    assert len(ledger._terminal) == 4 and ledger.num_recorded == 20
+    assert ledger.counts["filtered"] == 20 and not ledger.unfinished()
+    last = groups[-1].samples[-1]
+    with pytest.raises(AssertionError, match="already recorded"):
+        ledger.write(last)
+    with pytest.raises(AssertionError, match="dispatched twice"):
+        ledger.open(last)
+    ledger.record_rejected("ds/line3", "ds", "not JSON")
+    assert ledger.status_of("ds/line3#row") is SampleStatus.FAILED
+    ledger.close()
+    assert len(read_ledger(tmp_path / "ledger.jsonl")) == 21
+    again = Ledger(tmp_path / "ledger.jsonl")  # a resumed run reads the file back
+    assert again.num_recorded == 21 and again.counts["rejected_rows"] == 1
+    assert len(again._terminal) == 4 and again.status_of("ds/line3#row") is SampleStatus.FAILED
+    again.close()

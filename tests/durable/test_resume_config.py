@@ -1,0 +1,43 @@
+"""A resume refuses a config that would make it another run, naming the fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollstream.config import ConfigError, RunConfig, load_config
+from rollstream.durable import checkpoint as durable
+from rollstream.durable.resume import config_changes
+from rollstream.runtime.train import resume_point
+
+
+def _dump(*overrides: str) -> dict:
+    return load_config(None, list(overrides)).model_dump(mode="json")
+
+
+def test_only_safe_changes_pass():
+    base = _dump("train.steps=10")
+    assert config_changes(base, _dump("train.steps=40", "max_wall_s=60", "eval.every=5",
+                                      "monitor.progress=false", "engine.local.threads=2",
+                                      "resume=true", "train.checkpoint_every=3")) == []
+    changed = config_changes(base, _dump("train.steps=10", "rollout.group_size=4",
+                                         "model.tiny.hidden_size=32", "train.lr=1e-3"))
+    assert changed == ["model.tiny.hidden_size", "rollout.group_size", "train.lr"]
+    tasks = config_changes(base, _dump("tasks.sources=[{kind: digits}]"))
+    assert any(f.startswith("tasks.sources") for f in tasks), tasks
+
+
+def test_resume_point_names_the_fields_and_the_allowed_ones(tmp_path):
+    run_dir = tmp_path / "r"
+    saved = RunConfig(name="r", run_root=str(tmp_path)).model_dump(mode="json")
+    durable.write(run_dir, 4, {"config": saved}, save_model=lambda p: p.mkdir(),
+                  save_trainer=lambda p: p.write_text(""), keep=2)
+    ok = load_config(None, ["name=r", f"run_root={tmp_path}", "resume=true", "train.steps=90"])
+    assert resume_point(ok, run_dir).step == 4
+    bad = load_config(None, ["name=r", f"run_root={tmp_path}", "resume=true",
+                             "rollout.group_size=4"])
+    with pytest.raises(ConfigError, match=r"differs in rollout\.group_size.*may change: resume"):
+        resume_point(bad, run_dir)
+    few = load_config(None, ["name=r", f"run_root={tmp_path}", "resume=true", "train.steps=2"])
+    with pytest.raises(ConfigError, match="trained 4 steps, more than train.steps = 2"):
+        resume_point(few, run_dir)
+    assert resume_point(ok, tmp_path / "none") is None  # no checkpoint: start at step 0
