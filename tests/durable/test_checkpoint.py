@@ -10,26 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rollstream.config.schema import TrainConfig
 from rollstream.durable import checkpoint as durable
 from rollstream.train.trainer import Trainer
+from tests.durable.batches import batch
 from tests.train.conftest import SYNC, tiny_model_path  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
-CFG = dict(lr=1e-2, updates_per_step=2, micro_batch_tokens=16)
+CFG = {"lr": 1e-2, "updates_per_step": 2, "micro_batch_tokens": 16}
 
-BATCHES = '''
-from tests.train.conftest import make_group
-def batch(step):
-    return [make_group(f"g{step}", [1, 2, 3 + step], [[4, 5, 6 + step], [8, 9]],
-                       rewards=[1.0, 0.0], logprobs=[[-2.0] * 3, [-1.5] * 2]),
-            make_group(f"h{step}", [11, 12], [[13 + step], [15, 16, 17, 18]],
-                       rewards=[0.0, 1.0], logprobs=[[-1.0], [-2.5] * 4])]
-'''
-FRESH = BATCHES + '''
+FRESH = '''
 import json, sys, torch
+from tests.durable.batches import batch
 from pathlib import Path
 from rollstream.config.schema import TrainConfig
 from rollstream.durable import checkpoint as durable
@@ -44,19 +37,14 @@ torch.save({"loss": loss, "params": trainer.state_dict()}, out)
 '''
 
 
-def _batch(step: int):
-    ns: dict = {}
-    exec(BATCHES, ns)
-    return ns["batch"](step)
-
-
-def test_a_fresh_process_takes_the_same_next_step(tiny_model_path: Path, tmp_path: Path) -> None:
+def test_a_fresh_process_takes_the_same_next_step(tiny_model_path: Path,  # noqa: F811
+                                                 tmp_path: Path) -> None:
     a = Trainer(TrainConfig(**CFG), tiny_model_path, staleness=SYNC)
     for step in range(2):  # the optimizer has moments to restore
-        a.step(_batch(step), step)
+        a.step(batch(step), step)
     durable.write(tmp_path, 2, {"note": "test"}, save_model=a.save_checkpoint,
                   save_trainer=a.save_training_state, keep=2)
-    want = a.step(_batch(2), 2).metrics["loss"]
+    want = a.step(batch(2), 2).metrics["loss"]
     out = tmp_path / "fresh.pt"
     subprocess.run([sys.executable, "-c", FRESH, str(tiny_model_path), str(tmp_path), str(out),
                     json.dumps(CFG)], cwd=REPO, check=True, timeout=300)
@@ -68,7 +56,7 @@ def test_a_fresh_process_takes_the_same_next_step(tiny_model_path: Path, tmp_pat
     b = Trainer(TrainConfig(**CFG), tiny_model_path, staleness=SYNC)
     ckpt = durable.latest(tmp_path)
     b.model.load_state_dict(load_weights(ckpt.model_dir))
-    other = b.step(_batch(2), 2)
+    other = b.step(batch(2), 2)
     diff = max((b.state_dict()[n] - p).abs().max().item() for n, p in a.state_dict().items())
     assert diff > 1e-4, (other.metrics["loss"], diff)
 
