@@ -4,7 +4,8 @@
 
 A real run (``rollstream train`` as a subprocess: the e2e test's tiny model on tick, async
 k=2 with partial rollout, 4 groups x 8 samples per step, a durable checkpoint every 50 steps,
-no step limit) for ``--minutes`` (default 20; ``--quick``: 2) of training, stopped by its
+no step limit, liveness stops off: the task saturates and most groups end filtered, which
+makes many ledger lines) for ``--minutes`` (default 20; ``--quick``: 2) of training, stopped by its
 ``max_wall_s``. The resident set size (``VmRSS``) of the run's process and of its reward
 workers is sampled every 10 s (``--quick``: 2 s). Keys: ``rss_slope_mb_per_hour`` (least
 squares over the samples after the first 2 minutes, ``--quick``: 30 s; target <= 10),
@@ -39,7 +40,10 @@ def _config(root: Path, seconds: float) -> dict[str, Any]:
         "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
         "sampling": {"max_new_tokens": 64},
         "rollout": {"mode": "async", "max_staleness": 2, "group_size": 8,
-                    "partial_rollout": True},
+                    "partial_rollout": True,
+                    # the task saturates (every group all-correct, filtered) long before the
+                    # end: a soak must keep going, so liveness never stops it
+                    "min_trainable_share": 0.0, "max_untrainable_streak": 1_000_000},
         "train": {"steps": 1_000_000, "groups_per_step": 4, "checkpoint_every": 50,
                   "lr": 3e-4, "threads": 1},
         "eval": {"samples_per_task": 2},

@@ -3,7 +3,7 @@
 Append-only JSONL (``ledger.jsonl`` in the run directory), flushed per line, so a crash at
 any moment leaves a readable file and a resume knows what is done. The in-memory index
 enforces exactly-once: recording a sample uid twice, or dispatching one again, is a bug and
-raises. It holds the open samples and the newest ``RECENT`` terminal ones, so its memory stays
+raises. It holds the open samples and the newest ``RECENT`` (16,384) terminal ones, so its memory stays
 flat over a long run; older uids cannot come back, because sample ids carry the admission
 index of their group (or the evaluation round), which only grows (``durable.audit`` checks
 the whole file).
@@ -27,7 +27,7 @@ from typing import IO
 
 from rollstream.trajectory import Sample, SampleStatus
 
-RECENT = 1 << 16  # terminal sample uids kept in memory for the exactly-once check
+RECENT = 1 << 14  # terminal sample uids kept in memory for the exactly-once check
 
 
 class Ledger:

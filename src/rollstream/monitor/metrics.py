@@ -42,8 +42,8 @@ from rollstream.monitor.trackers import Tracker, build_trackers
 OUTCOMES = ("done", "interrupted", "failed")
 # metric lines and spans a live run keeps in memory for the dashboard (runlog.RunLog: the
 # newer half whole, older ones thinned; the files keep all), so memory stays flat however
-# long a run goes: the newest ~200 steps' records in full, 8,192 spans (the timeline's)
-LIVE_WINDOW, LIVE_SPANS = 2048, 8192
+# long a run goes: the newest ~100 steps' records in full, 8,192 spans (the timeline's)
+LIVE_WINDOW, LIVE_SPANS = 1024, 8192
 
 
 def _open_append(path: Path) -> IO[str]:
