@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
 from rollstream.data.ledger import read_ledger
 from rollstream.durable import checkpoint as durable
@@ -26,28 +27,14 @@ from rollstream.models.warmstart import prepare_model
 
 pytestmark = pytest.mark.slow
 
-STEPS, GROUPS, GROUP = 12, 4, 8
-CONFIG = {
-    "name": "durable", "seed": 0,
-    "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 192,
-                       "max_position": 128},
-              "warm_start": {"steps": 200, "lr": 5e-3, "tokens_per_step": 2048}},
-    "tasks": {"sources": [{"kind": "tick", "max_items": 6}], "num_eval": 8},
-    "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
-    "sampling": {"max_new_tokens": 64},
-    "rollout": {"mode": "async", "max_staleness": 2, "group_size": GROUP},
-    "train": {"steps": STEPS, "groups_per_step": GROUPS, "checkpoint_every": 2, "lr": 3e-4,
-              "threads": 1},
-    "eval": {"samples_per_task": 2},
-    "monitor": {"progress": False, "report": False},
-}
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("durable")
-    cfg = {**CONFIG, "run_root": str(root / "runs"),
-           "model": {**CONFIG["model"], "cache_dir": str(root / "cache")}}
+    cfg = tiny_run_config("durable", root / "runs", steps=STEPS, checkpoint_every=2,
+                          cache_dir=root / "cache")
     path = root / "config.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     loaded = load_config(path, [])
@@ -89,10 +76,11 @@ def check_run(run_dir: Path) -> dict:
         if r["status"] == "trained":
             trained_groups[r["trained_at_step"]].add(gid)
     for gid, n in lines.items():  # evaluation groups hold eval.samples_per_task samples
-        assert n == (2 if "#eval" in gid else GROUP), f"group {gid}: {n} samples recorded"
+        assert n == (EVAL_SAMPLES if "#eval" in gid else GROUP), f"group {gid}: {n} recorded"
     assert sorted(trained_groups) == list(range(STEPS))
     assert all(len(g) <= GROUPS for g in trained_groups.values()), "no trained step repeated"
-    audit = audit_run(run_dir, group_size=GROUP, eval_group_size=2, groups_per_step=GROUPS,
+    audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES,
+                      groups_per_step=GROUPS,
                       steps=STEPS)
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit

@@ -2,9 +2,9 @@
 
     rollstream bench resume [--json OUT] [--quick]
 
-The run: the warm-started tiny model of the e2e test on tick (up to 6 items), async k=2
-with partial rollout, 4 groups x 8 samples per step, a durable checkpoint every 2 steps, 20
-steps (``--quick``: 8 steps, 2 kills). It runs as ``rollstream train`` subprocesses; after
+The run: ``bench/tiny_run.py``'s (the e2e test's tiny model on tick, async k=2 with partial
+rollout, 4 groups x 8 samples per step) with a durable checkpoint every 2 steps, 20 steps
+(``--quick``: 8 steps, 2 kills). It runs as ``rollstream train`` subprocesses; after
 each new checkpoint the bench waits a random 0-2 s (seeded; the seed is in the JSON) and
 sends SIGKILL, five times, then resumes once more to the end. The run directory is then
 audited (:func:`rollstream.durable.audit.audit_run`).
@@ -34,30 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.audit import audit_run
 from rollstream.models.warmstart import prepare_model
-
-GROUP, GROUPS = 8, 4
-
-
-def _config(root: Path, steps: int, cache_dir: Path | None) -> dict[str, Any]:
-    cache = {} if cache_dir is None else {"cache_dir": str(cache_dir)}
-    return {
-        "name": "resume", "seed": 0, "run_root": str(root / "runs"),
-        "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 192,
-                           "max_position": 128},
-                  "warm_start": {"steps": 200, "lr": 5e-3, "tokens_per_step": 2048}, **cache},
-        "tasks": {"sources": [{"kind": "tick", "max_items": 6}], "num_eval": 8},
-        "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
-        "sampling": {"max_new_tokens": 64},
-        "rollout": {"mode": "async", "max_staleness": 2, "group_size": GROUP},
-        "train": {"steps": steps, "groups_per_step": GROUPS, "checkpoint_every": 2,
-                  "lr": 3e-4, "threads": 1},
-        "eval": {"samples_per_task": 2},
-        "monitor": {"progress": False, "report": False},
-    }
 
 
 def _lines(path: Path) -> int:
@@ -73,7 +54,8 @@ def main(json_out: Path | None = None, quick: bool = False, *,
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
         root = Path(tmp)
         cfg_path = root / "config.yaml"
-        cfg_path.write_text(json.dumps(_config(root, steps, cache_dir)))
+        cfg_path.write_text(json.dumps(tiny_run_config(
+            "resume", root / "runs", steps=steps, checkpoint_every=2, cache_dir=cache_dir)))
         cfg = load_config(cfg_path, [])
         prepare_model(cfg.model, cfg.tasks)  # the warm start, before any clock
         run_dir = Path(cfg.run_root) / cfg.name
@@ -117,7 +99,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         if first_span is not None:
             resume_s.append(first_span)
         tail = proc.stdout.read()[-2000:] if proc.stdout else ""
-        audit = audit_run(run_dir, group_size=GROUP, eval_group_size=2, groups_per_step=GROUPS,
+        audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES, groups_per_step=GROUPS,
                           steps=steps)
         phases = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                   if "checkpoint_hold_s" in line]

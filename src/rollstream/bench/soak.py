@@ -2,8 +2,8 @@
 
     rollstream bench soak [--json OUT] [--minutes M] [--quick]
 
-A real run (``rollstream train`` as a subprocess: the e2e test's tiny model on tick, async
-k=2 with partial rollout, 4 groups x 8 samples per step, a durable checkpoint every 50 steps,
+A real run (``rollstream train`` as a subprocess: ``bench/tiny_run.py``'s, a durable
+checkpoint every 50 steps,
 no step limit, liveness stops off: the task saturates and most groups end filtered, which
 makes many ledger lines) for ``--minutes`` (default 20; ``--quick``: 2) of training, stopped by its
 ``max_wall_s``. The resident set size (``VmRSS``) of the run's process and of its reward
@@ -26,29 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.config import load_config
 from rollstream.models.warmstart import prepare_model
-
-
-def _config(root: Path, seconds: float) -> dict[str, Any]:
-    return {
-        "name": "soak", "seed": 0, "run_root": str(root / "runs"), "max_wall_s": seconds,
-        "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 192,
-                           "max_position": 128},
-                  "warm_start": {"steps": 200, "lr": 5e-3, "tokens_per_step": 2048}},
-        "tasks": {"sources": [{"kind": "tick", "max_items": 6}], "num_eval": 8},
-        "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
-        "sampling": {"max_new_tokens": 64},
-        "rollout": {"mode": "async", "max_staleness": 2, "group_size": 8,
-                    "partial_rollout": True,
-                    # the task saturates (every group all-correct, filtered) long before the
-                    # end: a soak must keep going, so liveness never stops it
-                    "min_trainable_share": 0.0, "max_untrainable_streak": 1_000_000},
-        "train": {"steps": 1_000_000, "groups_per_step": 4, "checkpoint_every": 50,
-                  "lr": 3e-4, "threads": 1},
-        "eval": {"samples_per_task": 2},
-        "monitor": {"progress": False, "report": False},
-    }
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -85,9 +65,12 @@ def main(json_out: Path | None = None, quick: bool = False, *, minutes: float | 
     every_s, warmup_s = (2.0, 30.0) if quick else (10.0, 120.0)
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
         root = Path(tmp)
-        cfg = _config(root, minutes * 60)
-        if cache_dir is not None:
-            cfg["model"]["cache_dir"] = str(cache_dir)
+        # the task saturates (every group all-correct, filtered) long before the end: a soak
+        # must keep going, so liveness never stops it
+        cfg = tiny_run_config("soak", root / "runs", steps=1_000_000, checkpoint_every=50,
+                              cache_dir=cache_dir, max_wall_s=minutes * 60,
+                              rollout={"min_trainable_share": 0.0,
+                                       "max_untrainable_streak": 1_000_000})
         path = root / "config.yaml"
         path.write_text(json.dumps(cfg))
         loaded = load_config(path, [])
