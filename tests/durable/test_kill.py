@@ -34,7 +34,7 @@ STEPS = 12
 def config(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("durable")
     cfg = tiny_run_config("durable", root / "runs", steps=STEPS, checkpoint_every=2,
-                          cache_dir=root / "cache")
+                          cache_dir=root / "cache", max_slots=8)  # engine-bound: partials
     path = root / "config.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     loaded = load_config(path, [])

@@ -13,8 +13,9 @@ EVAL_SAMPLES = 2
 
 def tiny_run_config(name: str, run_root: Path, *, steps: int, checkpoint_every: int,
                     cache_dir: Path | None = None, max_wall_s: float | None = None,
-                    rollout: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's config as a dict (write it as JSON: JSON is YAML)."""
+                    rollout: dict[str, Any] | None = None, max_slots: int = 96) -> dict[str, Any]:
+    """The run's config as a dict (write it as JSON: JSON is YAML). A small ``max_slots``
+    makes the engine the bottleneck, so every checkpoint catches samples mid-generation."""
     cache = {} if cache_dir is None else {"cache_dir": str(cache_dir)}
     cfg: dict[str, Any] = {
         "name": name, "seed": 0, "run_root": str(run_root),
@@ -22,7 +23,7 @@ def tiny_run_config(name: str, run_root: Path, *, steps: int, checkpoint_every: 
                            "max_position": 128},
                   "warm_start": {"steps": 200, "lr": 5e-3, "tokens_per_step": 2048}, **cache},
         "tasks": {"sources": [{"kind": "tick", "max_items": 6}], "num_eval": 8},
-        "engine": {"local": {"max_slots": 96, "max_seq_len": 128, "threads": 1}},
+        "engine": {"local": {"max_slots": max_slots, "max_seq_len": 128, "threads": 1}},
         "sampling": {"max_new_tokens": 64},
         "rollout": {"mode": "async", "max_staleness": 2, "group_size": GROUP, **(rollout or {})},
         "train": {"steps": steps, "groups_per_step": GROUPS,
