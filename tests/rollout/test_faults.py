@@ -9,6 +9,7 @@ import asyncio
 import time
 
 from rollstream.data.ledger import read_ledger
+from tests.engine.test_local_faults import _Decode
 
 from .fakes import RandomEngine
 from .test_controller import check_invariants, run_controller
@@ -151,15 +152,7 @@ def test_a_failing_local_engine_hands_its_samples_to_the_other(tmp_path):
 
     async def main():
         a, b = LocalEngine(model, cfg, engine_id="a"), LocalEngine(model, cfg, engine_id="b")
-        real, calls = a._runner.decode, []
-
-        def failing_decode():
-            calls.append(1)
-            if len(calls) == 12:
-                raise RuntimeError("injected: decode blew up")
-            return real()
-
-        a._runner.decode = failing_decode
+        _Decode(a, fail_at=12)  # a's step loop raises on its 12th decode
         reward = get_reward(_one_reward)
         graders = GraderPool(RewardConfig(), lambda task: reward)
         disp = Dispatcher(engines=[a, b], params=SamplingParams(max_new_tokens=40, seed=None),
@@ -223,14 +216,6 @@ def test_a_dead_local_engine_is_restarted_at_the_current_version(tmp_path):
 
     async def main():
         a = LocalEngine(model, cfg, engine_id="a")
-        real, calls = a._runner.decode, []
-
-        def failing_decode():
-            calls.append(1)
-            if len(calls) == 10:
-                raise RuntimeError("injected: decode blew up")
-            return real()
-
         reward = get_reward(_one_reward)
         graders = GraderPool(RewardConfig(), lambda task: reward)
         disp = Dispatcher(engines=[a], params=SamplingParams(max_new_tokens=40, seed=None),
@@ -244,7 +229,7 @@ def test_a_dead_local_engine_is_restarted_at_the_current_version(tmp_path):
         loops = [asyncio.create_task(sync.run()), asyncio.create_task(supervisor.run())]
         sync.publish(1, weights1)
         await sync.wait_applied()
-        a._runner.decode = failing_decode
+        _Decode(a, fail_at=10)  # after the load: its 10th decode raises
         groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, 5, 7, 9),
                                  prompt_text="", reference=""), 2) for i in range(6)]
         await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
