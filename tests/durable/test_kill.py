@@ -124,7 +124,12 @@ def test_sigkill_at_random_moments_loses_nothing(config: Path) -> None:
     assert out["summary"]["resumed_from_step"] is not None
     print(out["audit"])
     assert out["audit"]["resumed_partial_tokens"] > 0, "a saved partial continued from its tokens"
-    assert (run_dir / "ledger.superseded.jsonl").exists(), "the lost work was written aside"
+    # a kill that lands before any line follows its checkpoint leaves nothing to set aside;
+    # what was set aside is redone: each superseded sample has its line in the ledger again
+    superseded = run_dir / "ledger.superseded.jsonl"
+    if superseded.exists():
+        final = {r["sample_uid"] for r in out["rows"]}
+        assert {r["sample_uid"] for r in read_ledger(superseded)} <= final
 
 
 def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
