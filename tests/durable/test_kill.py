@@ -31,10 +31,10 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory) -> Path:
+def config(tmp_path_factory, tiny_run_cache: Path) -> Path:
     root = tmp_path_factory.mktemp("durable")
     cfg = tiny_run_config("durable", root / "runs", steps=STEPS, checkpoint_every=2,
-                          cache_dir=root / "cache", max_slots=8)  # engine-bound: partials
+                          cache_dir=tiny_run_cache, max_slots=8)  # engine-bound: partials
     path = root / "config.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     loaded = load_config(path, [])

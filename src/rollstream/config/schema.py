@@ -120,8 +120,6 @@ class LocalEngineConfig(Section):
     PipelineRL; the trainer's importance weights see the difference as mismatch)."""
     max_prefill_tokens: int = Field(2048, ge=1)
     """Prompt tokens prefilled together in one step (at least one prompt is always admitted)."""
-    seed: int = 0
-    """Seed of the random streams given to requests that carry no seed of their own."""
     max_restarts: int = Field(3, ge=0)
     """Times an engine whose step loop died is restarted (fresh cache and thread, the current
     weights) before it stays DEAD; its requests continue elsewhere meanwhile."""

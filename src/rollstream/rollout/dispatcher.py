@@ -27,11 +27,18 @@ The ``gate`` (``pause``/``resume``, the protocol weight sync uses) is closed whi
 swapped, so no request is submitted against half-published weights. ``cancel`` gives up on
 groups: their requests are interrupted and not resubmitted; the caller records their samples'
 terminal status. Every status change goes through :class:`Lifecycle`.
+
+Random streams: with a run ``seed``, a request without a seed of its own gets
+:func:`sample_seed` (run seed, sample uid), the same on every attempt of that sample. An
+engine that seeds by token position (the local engine) then draws a resumed sample's next
+tokens from the stream it was drawing from, whichever engine or process continues it: a
+checkpoint needs no engine RNG state, and a resumed run samples as the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -82,6 +89,13 @@ class DispatchStats:
 SpanSink = Callable[..., None]
 
 
+def sample_seed(seed: int, uid: str) -> int:
+    """The request seed of sample ``uid`` in a run seeded ``seed`` (62 bits, stable across
+    processes and Python versions)."""
+    digest = hashlib.blake2b(f"{seed}/{uid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -93,6 +107,7 @@ class Dispatcher:
         lifecycle: Lifecycle,
         clock: Clock,
         span: SpanSink | None = None,
+        seed: int | None = None,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -103,6 +118,7 @@ class Dispatcher:
         self.lifecycle = lifecycle
         self.clock = clock
         self.span = span or (lambda **_: None)
+        self.seed = seed  # per-sample random streams (None: the engines' own)
         self.in_flight: dict[str, InFlight] = {}
         self.stats = DispatchStats()
         self.fatal: str | None = None  # why nothing can be dispatched any more
@@ -203,6 +219,8 @@ class Dispatcher:
     async def _generate_once(self, sample: Sample, params: SamplingParams) -> GenerateOutput:
         engine = await self._pick_engine()
         request_id = f"{sample.uid}@{next(self._ids)}"
+        if params.seed is None and self.seed is not None:
+            params = replace(params, seed=sample_seed(self.seed, sample.uid))
         slot = self._take_slot()
         self.in_flight[request_id] = InFlight(
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),

@@ -106,7 +106,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     with their own engines and trainers at the process edges)."""
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
-                            lifecycle=lifecycle, clock=clock, span=span)
+                            lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed)
     rollout = Rollout(
         cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
         groups_per_step=cfg.train.groups_per_step,

@@ -105,6 +105,7 @@ class LocalEngine:
         *,
         engine_id: str = "local-0",
         version: int = 0,
+        seed: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.model_path = Path(model_path)
@@ -119,7 +120,7 @@ class LocalEngine:
         self._recompute_on_load = cfg.kv_on_load == "recompute"
         self._cpu_affinity = cfg.cpu_affinity
         self._version = version
-        self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self._seeds = torch.Generator().manual_seed(seed)  # requests without a seed
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # also orders puts into the inbox before a death
         self._num_queued = 0  # submitted, not yet seen by the engine thread
