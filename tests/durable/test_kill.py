@@ -88,6 +88,9 @@ def check_run(run_dir: Path) -> dict:
     drawn = {f"tick/train/{i}" for i in range(cursor)}
     seen = {r["task_uid"] for r in rows if "#eval" not in r["sample_uid"]}
     assert drawn <= seen, f"tasks of the cursor's range missing: {sorted(drawn - seen)[:5]}"
+    metrics = read_ledger(run_dir / "metrics.jsonl")  # JSON lines, torn ones skipped
+    assert sorted(r["step"] for r in metrics if r["kind"] == "train") == list(range(STEPS)), \
+        "metrics.jsonl records each trained step once"
     final = load_file(run_dir / "checkpoint" / "model.safetensors")
     last = load_file(durable.latest(run_dir).model_dir / "model.safetensors")
     assert durable.latest(run_dir).step == STEPS

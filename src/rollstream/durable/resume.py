@@ -15,6 +15,12 @@ were written by a process whose later state is lost; each is judged by its group
 ``ledger.jsonl`` is rewritten (atomically) as the head plus the standing lines, so it keeps
 exactly one terminal line per sample; superseded lines go to ``ledger.superseded.jsonl`` with
 the step the run resumed at, never dropped. Rejected dataset rows (``#row``) always stand.
+
+``metrics.jsonl`` and ``timeline.jsonl`` are reconciled the same way by the byte sizes the
+checkpoint stored (:func:`reconcile_logs`): what the lost process measured after the
+checkpoint (steps that are trained again, spans of tokens that were lost) moves to
+``<stream>.superseded.jsonl``, except the record of the checkpoint itself, so each step is
+recorded once.
 """
 
 from __future__ import annotations
@@ -103,6 +109,44 @@ def reconcile_ledger(run_dir: Path, ckpt: Checkpoint | None, *,
 
 
 _ROW = "#row"  # a rejected dataset row's ledger uid ends so (Ledger.record_rejected)
+
+
+def reconcile_logs(run_dir: Path, ckpt: Checkpoint | None) -> int:
+    """Move what ``metrics.jsonl`` and ``timeline.jsonl`` hold past ``ckpt``'s sizes (all of
+    it when None: the run starts at step 0) to ``<stream>.superseded.jsonl``; returns the
+    lines moved. A checkpoint's own record (its ``checkpoint_step`` phase line) stands."""
+    sizes = ckpt.state.get("logs") if ckpt is not None else {}
+    if sizes is None:  # written before checkpoints stored them: leave the files as they are
+        return 0
+    step = ckpt.step if ckpt is not None else 0
+    moved = 0
+    for stream in ("metrics", "timeline"):
+        path = run_dir / f"{stream}.jsonl"
+        if not path.exists():
+            continue
+        data = path.read_bytes()
+        size = int(sizes.get(stream, 0))
+        if len(data) <= size:
+            continue
+        kept, superseded = [], []
+        for line in data[size:].decode(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the line a kill tore
+                continue
+            stands = (stream == "metrics" and row.get("kind") == "phase"
+                      and row.get("checkpoint_step") is not None
+                      and row["checkpoint_step"] <= step)
+            (kept if stands else superseded).append(row)
+        with (run_dir / f"{stream}.superseded.jsonl").open("a") as f:
+            for r in superseded:
+                f.write(json.dumps({**r, "superseded_at_resume_step": step}) + "\n")
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(data[:size] + b"".join(
+            (json.dumps(r, separators=(",", ":")) + "\n").encode() for r in kept))
+        tmp.replace(path)
+        moved += len(superseded)
+    return moved
 
 
 def _key(sample_uid: str) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import threading
 import warnings
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from rollstream.monitor.runlog import RunDirReader, RunLog
 from rollstream.monitor.trackers import Tracker, build_trackers
 
 OUTCOMES = ("done", "interrupted", "failed")
+LOG_STREAMS = ("metrics", "timeline")  # the run directory's <stream>.jsonl files
 # metric lines and spans a live run keeps in memory for the dashboard (runlog.RunLog: the
 # newer half whole, older ones thinned; the files keep all), so memory stays flat however
 # long a run goes: the newest ~100 steps' records in full, 8,192 spans (the timeline's)
@@ -121,6 +123,23 @@ class Metrics:
             f = self._files[stream] = _open_append(self.run_dir / f"{stream}.jsonl")
         f.write(json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n")
         f.flush()
+
+    def sync(self) -> dict[str, int]:
+        """Flush and fsync ``metrics.jsonl`` and ``timeline.jsonl``; their sizes in bytes (a
+        checkpoint stores them: what a resume finds past them was written after it)."""
+        sizes: dict[str, int] = {}
+        with self._lock:
+            for stream in LOG_STREAMS:
+                f = self._files.get(stream)
+                if f is not None:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    sizes[stream] = f.tell()
+                elif self.run_dir is not None and (self.run_dir / f"{stream}.jsonl").exists():
+                    sizes[stream] = (self.run_dir / f"{stream}.jsonl").stat().st_size
+                else:
+                    sizes[stream] = 0
+        return sizes
 
     def record(self, kind: str, step: int, values: Mapping[str, float | int]) -> None:
         """Append ``{"kind", "step", "t_s", **values}`` and update gauges and trackers.

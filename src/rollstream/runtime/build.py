@@ -21,7 +21,7 @@ from rollstream.clock import Clock, WallClock
 from rollstream.config import RunConfig, SamplingConfig
 from rollstream.data.ledger import Ledger
 from rollstream.durable import checkpoint as durable
-from rollstream.durable.resume import reconcile_ledger
+from rollstream.durable.resume import reconcile_ledger, reconcile_logs
 from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.rollout.dispatcher import Dispatcher
@@ -80,7 +80,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         for stale in ("ledger.jsonl", "ledger.superseded.jsonl", "metrics.jsonl",
-                      "timeline.jsonl", "summary.json"):
+                      "metrics.superseded.jsonl", "timeline.jsonl", "timeline.superseded.jsonl",
+                      "summary.json"):
             (run_dir / stale).unlink(missing_ok=True)
         shutil.rmtree(durable.folder(run_dir), ignore_errors=True)
     dumped = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
@@ -192,6 +193,7 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     superseded = 0
     if cfg.resume:
         skip, superseded = reconcile_ledger(run_dir, resume, group_size=cfg.rollout.group_size)
+        reconcile_logs(run_dir, resume)
     metrics = Metrics(run_dir, cfg.monitor)
     ledger = Ledger(run_dir / "ledger.jsonl")
     for task_uid, source, reason in mix.rejected():

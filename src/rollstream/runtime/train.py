@@ -122,6 +122,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -
                  "eval_rounds": next_round, "totals": so_far(),
                  "rollout": await run.loop.rollout.snapshot()}
         held_s = time.perf_counter() - t_hold
+        state["logs"] = run.metrics.sync()  # what a resume finds past these was lost
         state["config_hash"] = durable.config_hash(state["config"])
         path = await controller.in_trainer(
             lambda: durable.write(run_dir, done, state, save_model=run.trainer.save_checkpoint,
