@@ -166,3 +166,71 @@ def test_a_partial_sample_continues_across_a_resume(tmp_path):
     assert partial, "the snapshot caught samples mid-generation"
     rows = read_ledger(tmp_path / "ledger.jsonl")
     assert any(r["restored_tokens"] > 0 for r in rows)
+
+
+def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_path):
+    """Both engines die mid-generation: the run stops (stalled) with its stranded samples
+    still holding their tokens, so the stop's snapshot saves them; only then are they
+    recorded ABORTED. A resume with working engines supersedes those lines, continues the
+    samples from their tokens and finishes every step: nothing the dead engines made is lost."""
+    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, partial=True, on_update="continue"),
+                    train=TrainConfig(steps=4, groups_per_step=2))
+    path = tmp_path / "ledger.jsonl"
+    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+    snap: dict = {}
+
+    async def first():
+        ledger = Ledger(path)
+        loop, graders = _loop(cfg, seed=3, ledger=ledger, tasks=Tasks(),
+                              trainer=CountingTrainer(3, policy))
+        for i, e in enumerate(loop.dispatcher.engines):
+            e.die_after_tokens = 30 + 20 * i
+
+        async def before_stop(res):
+            assert res.stalled and res.stop_reason.startswith("no engine is alive"), res
+            snap["step"] = res.steps_done
+            snap.update(await loop.rollout.snapshot())
+
+        loop.controller.before_stop = before_stop
+        try:
+            res = await loop.controller.run()
+        finally:
+            graders.close()
+            ledger.close()
+        return res
+
+    res = asyncio.run(first())
+    assert res.stalled and snap
+    held = {f"{g['group_id']}/{s['idx']}" for g in snap["live"] for s in g["samples"]}
+    saved = {f"{g['group_id']}/{s['idx']}": sum(len(seg["token_ids"]) for seg in s["segments"])
+             for g in snap["live"] for s in g["samples"]
+             if s["status"] == "interrupted" and s["segments"]}
+    assert saved, "the stranded samples kept their tokens"
+    aborted = {r["sample_uid"] for r in read_ledger(path) if r["status"] == "aborted"}
+    assert held <= aborted, "after the snapshot the stop records them ABORTED"
+
+    async def second():
+        step = snap.pop("step")
+        ckpt = Checkpoint(path=tmp_path, state={"step": step, "rollout": snap})
+        skip, superseded = reconcile_ledger(tmp_path, ckpt, group_size=GROUP)
+        assert superseded >= len(saved)
+        ledger = Ledger(path)
+        trainer = RecordingTrainer(4, policy)
+        loop, graders = _loop(cfg, seed=11, ledger=ledger, tasks=Tasks(), trainer=trainer,
+                              start_step=step)
+        loop.rollout.restore(snap, version=step)
+        loop.rollout.skip(skip)
+        try:
+            return await loop.controller.run(), ledger
+        finally:
+            graders.close()
+            ledger.close()
+
+    res, ledger = asyncio.run(second())
+    assert res.steps_done == 4 and not res.stalled
+    assert not ledger.unfinished()
+    rows = {r["sample_uid"]: r for r in read_ledger(path)}
+    assert len(rows) == len(read_ledger(path)), "one line per sample"
+    assert all(rows[uid]["status"] != "aborted" for uid in held)
+    for uid, n in saved.items():
+        assert rows[uid]["restored_tokens"] == n, (uid, rows[uid])

@@ -73,6 +73,9 @@ class Rollout:
         self._stopping = False
         self._pass: dict[str, list[float]] = {}  # source -> [reward sum, graded samples]
         self._restored: list[Group] = []  # in flight at the checkpoint: continued first
+        # generation stopped because no engine is alive: kept whole (tokens and all) for the
+        # stop's checkpoint, recorded ABORTED by stop()
+        self._stranded: dict[str, Group] = {}
         self._skip: set[str] = set()  # group ids the ledger already retired (resume)
 
     # ---- admission ---------------------------------------------------------------------
@@ -109,8 +112,11 @@ class Rollout:
         del self.live[group.group_id]
         self.dispatcher.forget(group.group_id)
         outcome = self._cancelled.pop(group.group_id, None)
-        if outcome is None and self.dispatcher.fatal is not None:
-            outcome = (S.ABORTED, self.dispatcher.fatal)
+        if outcome is None and self.dispatcher.fatal is not None and any(
+                s.status is not S.GRADED and not s.status.is_terminal() for s in group.samples):
+            self._stranded[group.group_id] = group
+            self.buffer.notify()  # take() sees the run cannot go on
+            return
         if outcome is not None:
             self._retire(group, *outcome)
             return
@@ -215,6 +221,9 @@ class Rollout:
             self._cancelled.update(dict.fromkeys(ids, (S.ABORTED, RUN_ENDED)))
             await self.dispatcher.cancel(list(self.live))  # again: a request may slip past
             await asyncio.sleep(0.01)
+        for group in self._stranded.values():
+            self._retire(group, S.ABORTED, self.dispatcher.fatal or RUN_ENDED)
+        self._stranded.clear()
         for group in self.buffer.drain():
             for s in group.samples:
                 if not s.status.is_terminal():
@@ -232,7 +241,7 @@ class Rollout:
         try:
             await self.dispatcher.interrupt(None)
             await self.dispatcher.wait_idle()
-            live = list(self.live.values())
+            live = [*self.live.values(), *self._stranded.values()]
             buffered = self.buffer.groups()
             return {
                 "ledger_lines": self.lifecycle.ledger.sync(),

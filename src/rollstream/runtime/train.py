@@ -12,7 +12,8 @@ raises :class:`RunStopped` after everything was written.
 Durable runs (``rollstream.durable``): a checkpoint holds generation only while the rollout
 snapshots its in-flight samples; the weights and optimizer are written on the trainer's
 thread while the engines go on. One is also written when the run ends or stops (its last
-step, ``max_wall_s``, SIGTERM), so ``resume=true`` continues any run that was not killed
+step, ``max_wall_s``, SIGTERM, no engine alive: the samples it was generating are kept with
+their tokens), so ``resume=true`` continues any run that was not killed
 with nothing lost, and a killed one from its newest checkpoint. SIGTERM stops at the next step
 boundary (at once while waiting for a batch), checkpoints, skips the final evaluation and
 exits 0.
@@ -143,7 +144,8 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -
             await checkpoint(done)
 
     async def before_stop(res: ControllerResult) -> None:
-        if not res.stalled and res.steps_done != last_ckpt:
+        # a stalled run (no engine alive) checkpoints its stranded partial samples too
+        if res.stalled or res.steps_done != last_ckpt:
             await checkpoint(res.steps_done)
 
     controller.after_step = after_step
