@@ -4,6 +4,7 @@
     rollstream train CONFIG.yaml --resume          continue runs/<name> from its checkpoint
     rollstream bench NAME [--json OUT]             run a benchmark: prints a table, writes JSON
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
+    rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
 
 Heavy modules are imported inside each command so that ``--help`` is instant.
 """
@@ -66,7 +67,58 @@ def _parser() -> argparse.ArgumentParser:
         "histogram, the rollout timeline, the resolved config and the ledger summary.",
     )
     r.add_argument("run_dir", type=Path)
+
+    e = sub.add_parser(
+        "engines",
+        help="list a live run's engines; drain one (preempt it) or route to it again",
+        description="Talks to the run's live dashboard (monitor.dashboard=true; its URL is in "
+        "RUN_DIR/dashboard.url). --drain takes the engine out of routing: its requests come "
+        "back with their tokens and continue on another engine; --undrain routes to it again.",
+    )
+    e.add_argument("run_dir", type=Path)
+    act = e.add_mutually_exclusive_group()
+    act.add_argument("--drain", metavar="ENGINE_ID", default=None)
+    act.add_argument("--undrain", metavar="ENGINE_ID", default=None)
     return p
+
+
+def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
+    import httpx
+
+    from rollstream.monitor.dashboard import URL_FILE
+
+    url_file = run_dir / URL_FILE
+    if not url_file.exists():
+        raise ValueError(f"{url_file} does not exist: is the run live, with "
+                         "monitor.dashboard=true?")
+    base = url_file.read_text().strip().rstrip("/")
+    try:
+        _talk(base, drain, undrain)
+    except httpx.TransportError as e:
+        raise ValueError(f"no run answers at {base} ({e}): it has ended, or was killed "
+                         f"(then {url_file} is left behind)") from None
+
+
+def _talk(base: str, drain: str | None, undrain: str | None) -> None:
+    import httpx
+
+    with httpx.Client(base_url=base, timeout=90.0) as client:
+        for engine_id, verb in ((drain, "drain"), (undrain, "undrain")):
+            if engine_id is not None:
+                r = client.post(f"/api/engines/{engine_id}/{verb}")
+                if r.status_code == 404:
+                    raise ValueError(r.json().get("detail", r.text))
+                r.raise_for_status()
+                extra = (f": {r.json()['handed_back']} requests handed back"
+                         if verb == "drain" else "")
+                print(f"{verb}ed {engine_id}{extra}")
+        r = client.get("/api/engines")
+        r.raise_for_status()
+        print(f"{'engine':12s} {'health':10s} {'version':>7s} {'drained':>7s} {'in flight':>9s}")
+        for row in r.json():
+            print(f"{row['engine_id']:12s} {row['health']:10s} {row['version']:7d} "
+                  f"{'yes' if row['drained'] else 'no':>7s} {row['in_flight']:9d}"
+                  + (f"  {row['health_reason']}" if row["health_reason"] else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             from rollstream.monitor.report import write_report
 
             print(write_report(args.run_dir))
+        elif args.command == "engines":
+            _engines(args.run_dir, args.drain, args.undrain)
     except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,16 @@ Routes (all JSON unless noted):
     GET /api/summary       summary.json or null
     GET /metrics           Prometheus text (when serving a live Metrics registry)
 
+Operating a live run (when it was given an ``EngineControl``; 404 otherwise):
+
+    GET  /api/engines                      [{engine_id, health, health_reason, version,
+                                             drained, in_flight}]
+    POST /api/engines/{engine_id}/drain    preempt it: {"engine_id", "handed_back": n}
+    POST /api/engines/{engine_id}/undrain  route to it again
+
+A live dashboard writes its URL to ``RUN_DIR/dashboard.url`` while it serves (what
+``rollstream engines RUN_DIR`` reads).
+
 With a `Metrics` registry the data is the registry's in-memory view (updated as the run
 goes); with ``metrics=None`` the dashboard follows the run directory's files instead, so a
 finished run or one written by another process can be browsed too.
@@ -24,10 +34,10 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rollstream.config.schema import MonitorConfig
@@ -36,15 +46,30 @@ from rollstream.monitor.page import payload, render_page
 from rollstream.monitor.runlog import RunDirReader, RunLog, read_config_text, read_summary
 
 
+class Control(Protocol):
+    """What the dashboard may do to a live run (``rollstream.runtime.control``)."""
+
+    def engines(self) -> list[dict[str, Any]]: ...
+
+    def drain(self, engine_id: str) -> int: ...
+
+    def undrain(self, engine_id: str) -> None: ...
+
+
+URL_FILE = "dashboard.url"
+
+
 class Dashboard:
     """Serves the live dashboard of a run. ``start()`` returns its URL; ``stop()`` ends it."""
 
-    def __init__(self, metrics: Metrics | None, run_dir: Path | None, cfg: MonitorConfig) -> None:
+    def __init__(self, metrics: Metrics | None, run_dir: Path | None, cfg: MonitorConfig, *,
+                 control: Control | None = None) -> None:
         if metrics is None and run_dir is None:
             raise ValueError("Dashboard needs a Metrics registry or a run directory")
         self.metrics = metrics
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.cfg = cfg
+        self.control = control
         self._reader = RunDirReader(self.run_dir) if metrics is None and self.run_dir else None
         self.name = self.run_dir.name if self.run_dir is not None else "run"
         self.url: str | None = None
@@ -117,6 +142,31 @@ class Dashboard:
             return Response(self.metrics.prom.text(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        def control() -> Control:
+            if self.control is None:
+                raise HTTPException(404, "this dashboard does not control a live run")
+            return self.control
+
+        @app.get("/api/engines")
+        def engines() -> JSONResponse:
+            return JSONResponse(control().engines())
+
+        @app.post("/api/engines/{engine_id}/drain")
+        def drain(engine_id: str) -> JSONResponse:
+            try:
+                n = control().drain(engine_id)
+            except ValueError as e:
+                raise HTTPException(404, str(e)) from None
+            return JSONResponse({"engine_id": engine_id, "handed_back": n})
+
+        @app.post("/api/engines/{engine_id}/undrain")
+        def undrain(engine_id: str) -> JSONResponse:
+            try:
+                control().undrain(engine_id)
+            except ValueError as e:
+                raise HTTPException(404, str(e)) from None
+            return JSONResponse({"engine_id": engine_id})
+
         return app
 
     def start(self, timeout_s: float = 10.0) -> str:
@@ -143,6 +193,8 @@ class Dashboard:
             time.sleep(0.02)
         self._server, self._thread, self._sock = server, thread, sock
         self.url = f"http://127.0.0.1:{port}/"
+        if self.metrics is not None and self.run_dir is not None:
+            (self.run_dir / URL_FILE).write_text(self.url + "\n")
         return self.url
 
     def stop(self) -> None:
@@ -153,6 +205,8 @@ class Dashboard:
         assert self._thread is not None
         self._thread.join(timeout=10)
         self._sock.close()
+        if self.metrics is not None and self.run_dir is not None:
+            (self.run_dir / URL_FILE).unlink(missing_ok=True)
         self._server = self._thread = None
         self.url = None
 

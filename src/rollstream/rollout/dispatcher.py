@@ -301,10 +301,7 @@ class Dispatcher:
         """Preempt ``engine_id``: route nothing more to it and interrupt its requests at a
         token boundary. Each returns its partial tokens (exact versions) and its sample
         continues on another engine, or waits for one. Returns the requests handed back."""
-        engine = next((e for e in self.engines if e.engine_id == engine_id), None)
-        if engine is None:
-            raise ValueError(f"no engine {engine_id!r}; engines: "
-                             f"{[e.engine_id for e in self.engines]}")
+        engine = self._engine(engine_id)
         self._drained.add(engine_id)
         ids = [rid for rid, f in self.in_flight.items() if f.engine is engine]
         if ids and engine.stats().health is not EngineHealth.DEAD:
@@ -313,7 +310,27 @@ class Dispatcher:
 
     def undrain(self, engine_id: str) -> None:
         """Route to ``engine_id`` again."""
+        self._engine(engine_id)
         self._drained.discard(engine_id)
+
+    def _engine(self, engine_id: str) -> Engine:
+        engine = next((e for e in self.engines if e.engine_id == engine_id), None)
+        if engine is None:
+            raise ValueError(f"no engine {engine_id!r}; engines: "
+                             f"{[e.engine_id for e in self.engines]}")
+        return engine
+
+    def engine_table(self) -> list[dict[str, object]]:
+        """Each engine as the operator sees it: id, health (and why), the weight version it
+        serves, whether it is drained, and the requests in flight on it."""
+        rows = []
+        for e in self.engines:
+            st = e.stats()
+            rows.append({"engine_id": e.engine_id, "health": st.health.value,
+                         "health_reason": st.health_reason, "version": st.version,
+                         "drained": e.engine_id in self._drained,
+                         "in_flight": self._load[id(e)]})
+        return rows
 
     def forget(self, group_id: str) -> None:
         """A group's life is over: drop what the dispatcher kept of it."""

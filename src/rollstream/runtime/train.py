@@ -92,8 +92,10 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -
     dashboard = None
     if cfg.monitor.dashboard:
         from rollstream.monitor.dashboard import Dashboard
+        from rollstream.runtime.control import EngineControl
 
-        dashboard = Dashboard(run.metrics, run_dir, cfg.monitor)
+        dashboard = Dashboard(run.metrics, run_dir, cfg.monitor, control=EngineControl(
+            run.loop.dispatcher, asyncio.get_running_loop()))
         print(f"dashboard: {dashboard.start()}", flush=True)
     saved = ckpt.state if ckpt is not None else {}
     next_round = saved.get("eval_rounds", 0)  # evaluation rounds (their group ids)
