@@ -37,6 +37,14 @@ def test_bench_modes_quick_writes_json(tmp_path):
         assert 0 <= row["reward_final"] <= 1, label
         for key in ("dropped_stale", "filtered", "aborted", "interrupts"):
             assert row[key] >= 0, (label, key)
+        tok = row["tokens"]  # the parts of the generated tokens add up
+        assert tok["generated"] == sum(v for k, v in tok.items() if k != "generated") > 0, tok
+        assert tok["kept"] == row["trained_tokens"], label
+        work = row["engine_work"]  # the engine's busy time splits into its kinds of work
+        assert work["prefill_count"] > 0 and work["decode_count"] > 0, work
+        parts = sum(work[k] for k in ("prefill_s", "recompute_s", "sort_s", "decode_s"))
+        assert 0 < parts <= work["busy_s"] + 1e-6, work
+        assert 0 <= row["engine_idle_share"] < 1 and 0 <= row["trainer_idle_share"] < 1
     assert written["rows"]["sync"]["max_staleness"] == 0
     assert written["rows"]["async_k4_drain"]["max_staleness"] == 4
     assert not written["rows"]["async_k4_drain"]["partial_rollout"]
@@ -46,6 +54,8 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["config"].endswith("examples/tick_long.yaml")
     assert 1 <= written["async_bound_vs_sync"] <= written["async_ceiling_vs_sync"] + 1e-9
     assert written["async_best_config"] in written["rows"]
+    assert written["async_best_async_config"] != "sync"
+    assert written["async_best_share_of_bound"] > 0 and written["async_partial_vs_drain"] > 0
     assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
     ages = {label: row["max_token_age"] for label, row in written["rows"].items()}
     assert ages == {label: row["max_staleness"] for label, row in written["rows"].items()}

@@ -70,6 +70,7 @@ from rollstream.trajectory import eval_group_id, is_eval_uid
 
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
+DRAIN_PAIR = "async_k2_drain"  # the same k without partial rollout
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -160,6 +161,10 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
     steps = [r for r in _metrics(run_dir) if r.get("kind") == "train"]
     wall = summary["train_wall_s"]
     counts = Counter(r["status"] for r in ledger)
+    work: Counter[str] = Counter()
+    for per_engine in summary["engines"].values():
+        work.update(per_engine)
+    trainer_busy = sum(s["train_s"] for s in steps) / wall
     return {
         "wall_s": summary["wall_s"],
         "train_wall_s": wall,
@@ -170,7 +175,11 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "trained_samples_per_s": summary["trained_samples"] / wall,
         "generated_tokens": generated,
         "gen_tok_s": generated / wall,
-        "trainer_busy": sum(s["train_s"] for s in steps) / wall,
+        "trainer_busy": trainer_busy,
+        "tokens": token_breakdown(ledger),
+        "engine_work": dict(work),
+        "engine_idle_share": max(0.0, 1.0 - work["busy_s"] / wall),
+        "trainer_idle_share": max(0.0, 1.0 - trainer_busy),
         "trainer_step_s": statistics.fmean(s["step_s"] for s in steps) if steps else math.nan,
         "wait_s_mean": statistics.fmean(s["wait_s"] for s in steps) if steps else math.nan,
         "staleness_mean": statistics.fmean(s["staleness_mean"] for s in steps) if steps else 0.0,
@@ -186,6 +195,27 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "runq_share": meter.runq_share(("engine", "trainer")),
         "load_after": os.getloadavg()[0],
     }
+
+
+def token_breakdown(ledger: list[dict[str, Any]]) -> dict[str, int]:
+    """Where a run's generated response tokens (evaluations excluded) went: ``kept`` by the
+    loss, ``masked`` (tokens of trained samples the loss left out: too old, truncated
+    support), and the tokens of samples ``dropped_stale``, ``filtered``, ``aborted`` or
+    ``failed``. The parts sum to ``generated``."""
+    out = dict.fromkeys(("generated", "kept", "masked", "dropped_stale", "filtered", "aborted",
+                         "failed"), 0)
+    for r in ledger:
+        if _is_eval(r):
+            continue
+        n = r["num_tokens"]
+        out["generated"] += n
+        if r["status"] == "trained":
+            kept = r["num_trained_tokens"]
+            out["kept"] += kept
+            out["masked"] += n - kept
+        elif r["status"] in out:
+            out[r["status"]] += n
+    return out
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -296,6 +326,11 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
     gen_step_s = sync["generated_tokens"] / sync["steps"] / best_rate
     bound = sync_step_s / max(sync["trainer_step_s"], gen_step_s)
     best = max(rows, key=lambda label: rows[label]["trained_tok_s"])
+    best_async = max((label for label in rows if label != "sync"),
+                     key=lambda label: rows[label]["trained_tok_s"])
+    share_of_bound = rows[best_async]["trained_tok_s"] / sync["trained_tok_s"] / bound
+    partial_vs_drain = (head["trained_samples_per_s"]
+                        / rows[DRAIN_PAIR]["trained_samples_per_s"])
     ratio = head["trained_tok_s"] / sync["trained_tok_s"]
     util = head["engine_utilization"]
     return {
@@ -326,6 +361,12 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "async_bound_vs_sync": bound,
         "async_best_config": best,
         "async_best_vs_sync_throughput": rows[best]["trained_tok_s"] / sync["trained_tok_s"],
+        # judged against this machine's own bound (machines differ)
+        "async_best_async_config": best_async,
+        "async_best_share_of_bound": share_of_bound,
+        # partial rollout vs drain at the same k (trained samples/s)
+        "async_partial_vs_drain": partial_vs_drain,
+        "reward_partial_minus_drain": head["reward_final"] - rows[DRAIN_PAIR]["reward_final"],
         # share of a synchronous step spent waiting for rollouts (published: 0.63-0.87)
         "rollout_share_sync": 1.0 - sync["trainer_busy"],
         "config": str(config_path),
@@ -342,6 +383,8 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
             "async_partial_vs_sync_throughput_ge_2": ratio >= 2.0,
             "engine_utilization_async_ge_0.85": util >= 0.85,
             "reward_async_within_noise_of_sync": abs(diff) <= noise,
+            "async_partial_vs_drain_ge_1": partial_vs_drain >= 1.0,
+            "async_best_share_of_bound_ge_0.9": share_of_bound >= 0.9,
         },
     }
 
@@ -361,7 +404,7 @@ def _print_tables(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    console = Console(width=None if sys.stdout.isatty() else 170)
     p = result["probe"]
     t = Table(title="engine saturation and contention (engine core "
               f"{result['settings']['engine_core']}, trainer core "
@@ -390,6 +433,31 @@ def _print_tables(result: dict[str, Any]) -> None:
                   str(r["dropped_stale"]), str(r["filtered"]), str(r["aborted"]),
                   str(r["interrupts"]))
     console.print(t)
+    t = Table(title="where generated tokens and engine time went (training phase; shares of "
+              "generated tokens; pf = prefill of admitted and resumed requests, engine seconds)")
+    cols = ("gen tok", "kept", "mask", "drop", "filt", "abort", "pf n", "pf tok", "pf s",
+            "recomp s", "sort n", "sort s", "dec s", "eng idle", "trn idle")
+    t.add_column("config", no_wrap=True)
+    for col in cols:
+        t.add_column(col, justify="right")
+    for label, r in result["rows"].items():
+        tok, w = r["tokens"], r["engine_work"]
+        gen = max(tok["generated"], 1)
+        t.add_row(label, f"{tok['generated']:,}",
+                  *(f"{tok[k] / gen:.3f}" for k in ("kept", "masked", "dropped_stale",
+                                                    "filtered", "aborted")),
+                  f"{w.get('prefill_count', 0):,.0f}", f"{w.get('prefill_tokens', 0):,.0f}",
+                  f"{w.get('prefill_s', 0):.1f}", f"{w.get('recompute_s', 0):.1f}",
+                  f"{w.get('sort_count', 0):,.0f}", f"{w.get('sort_s', 0):.2f}",
+                  f"{w.get('decode_s', 0):.1f}", f"{r['engine_idle_share']:.2f}",
+                  f"{r['trainer_idle_share']:.2f}")
+    console.print(t)
+    console.print(
+        f"best async ({result['async_best_async_config']}) reaches "
+        f"{result['async_best_share_of_bound']:.2f} of this machine's bound "
+        f"(x{result['async_bound_vs_sync']:.2f} vs sync); {HEADLINE_ASYNC} vs {DRAIN_PAIR}: "
+        f"trained samples/s x{result['async_partial_vs_drain']:.2f}, reward "
+        f"{result['reward_partial_minus_drain']:+.3f}")
     console.print(
         f"{result['async_config']} vs sync: trained tok/s x"
         f"{result['async_partial_vs_sync_throughput']:.2f} (ceiling if generation were free: "

@@ -115,6 +115,15 @@ class EngineStats:
     busy_s: float  # seconds spent in forward passes since start
     health: EngineHealth = EngineHealth.UP
     health_reason: str | None = None  # why it is not UP
+    # where busy_s went, totals since start (engines that can tell; names in WORK_KEYS)
+    work: dict[str, float] = field(default_factory=dict)
+
+
+# EngineStats.work: prefills of admitted requests (a resumed one re-prefills its partial
+# tokens), cache recomputes after weight loads, longest-first row re-sorts, decode steps
+WORK_KEYS = ("prefill_count", "prefill_tokens", "prefill_s", "recompute_count",
+             "recompute_tokens", "recompute_s", "sort_count", "sort_s", "decode_count",
+             "decode_s")
 
 
 @runtime_checkable

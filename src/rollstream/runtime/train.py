@@ -109,7 +109,9 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -
     result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
     last_ckpt = ckpt.step if ckpt is not None else -1
     t_train, tokens_before = time.perf_counter(), 0
+    work_before: dict[str, dict[str, float]] = {}
     done_totals: dict[str, Any] | None = None
+    work_done: dict[str, dict[str, float]] = {}
 
     def so_far() -> dict[str, Any]:
         return {"train_wall_s": totals["train_wall_s"] + time.perf_counter() - t_train,
@@ -167,8 +169,9 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -
                     print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
             t_train = time.perf_counter()
             tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
+            work_before = engine_work(run)
             result = await controller.run()
-            done_totals = so_far()
+            done_totals, work_done = so_far(), engine_work(run)
             if result.stop_reason is not None:
                 print(f"run stopped early: {result.stop_reason}", flush=True)
             if not result.stalled and result.stop_reason != stop_msg:
@@ -177,14 +180,17 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -
             result.stop_reason, result.stalled = str(e), True
         finally:
             if done_totals is None:
-                done_totals = so_far()
+                done_totals, work_done = so_far(), engine_work(run)
             progress.close()
             await run.close()
             if dashboard is not None:
                 dashboard.stop()
     final_dir = save_checkpoint(run.trainer, run_dir / "checkpoint")
     summary = _summary(run, result, initial, final, final_dir, time.perf_counter() - t_start,
-                       done_totals["train_wall_s"], done_totals["generated_tokens"])
+                       done_totals["train_wall_s"], done_totals["generated_tokens"],
+                       engines={k: {n: v - work_before.get(k, {}).get(n, 0.0)
+                                    for n, v in w.items()}
+                                for k, w in work_done.items()})
     run.ledger.close()
     run.metrics.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -244,9 +250,14 @@ def save_checkpoint(trainer: Any, final: Path) -> Path:
     return final
 
 
+def engine_work(run: Run) -> dict[str, dict[str, float]]:
+    """Each engine's busy seconds and where they went (``EngineStats.work``), totals so far."""
+    return {e.engine_id: {"busy_s": (st := e.stats()).busy_s, **st.work} for e in run.engines}
+
+
 def _summary(run: Run, result: ControllerResult, initial: dict[str, float],
              final: dict[str, float], ckpt: Path, wall_s: float, train_wall_s: float,
-             train_tokens: int) -> dict[str, Any]:
+             train_tokens: int, engines: dict[str, dict[str, float]]) -> dict[str, Any]:
     unfinished = run.ledger.unfinished()
     return {
         "name": run.cfg.name,
@@ -264,6 +275,7 @@ def _summary(run: Run, result: ControllerResult, initial: dict[str, float],
         "generated_tokens": train_tokens,
         "gen_tok_s": train_tokens / max(train_wall_s, 1e-9),
         "interrupts": run.loop.dispatcher.stats.num_interrupts,
+        "engines": engines,
         "ledger": dict(run.ledger.counts),
         "unfinished_samples": [s.uid for s in unfinished],
         "stop_reason": result.stop_reason,

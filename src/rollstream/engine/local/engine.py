@@ -69,6 +69,7 @@ from rollstream.engine.local.sampler import seed_key
 from rollstream.engine.local.scheduler import Scheduler, Sequence
 from rollstream.engine.local.weights import load_folder
 from rollstream.engine.protocol import (
+    WORK_KEYS,
     EngineHealth,
     EngineStats,
     FinishReason,
@@ -127,6 +128,7 @@ class LocalEngine:
         self._active: dict[str, Sequence] = {}  # the requests the engine thread holds
         self._generated_tokens = 0
         self._busy_s = 0.0
+        self._work = dict.fromkeys(WORK_KEYS, 0.0)  # where _busy_s went (EngineStats.work)
         self._death: str | None = None  # why it stopped serving (closed, or died)
         self._applying: Command | None = None  # answered by _die if applying it raises
         self._rows_moving = False  # scheduler and runner rows disagree meanwhile
@@ -244,6 +246,7 @@ class LocalEngine:
             capacity=self._scheduler.max_rows,
             generated_tokens=self._generated_tokens,
             busy_s=self._busy_s,
+            work=dict(self._work),
             health=(EngineHealth.UP if death is None else EngineHealth.RECOVERING
                     if self.needs_restart() else EngineHealth.DEAD),
             health_reason=death,
@@ -328,8 +331,11 @@ class LocalEngine:
                 t0 = time.perf_counter()
                 self._weights.copy_in(pairs)
                 self._version = version
-                if self._recompute_on_load:
+                if self._recompute_on_load and self._runner.num_rows:
+                    t1 = time.perf_counter()
                     self._runner.recompute_cache(self._scheduler.prefill_budget_tokens)
+                    self._count("recompute", time.perf_counter() - t1,
+                                tokens=int(self._runner.length_host[:self._runner.num_rows].sum()))
                 self._busy_s += time.perf_counter() - t0
                 for row, seq in enumerate(self._scheduler.running):
                     seq.mark_version(self._runner.num_generated(row, seq.prompt_len), version)
@@ -340,6 +346,13 @@ class LocalEngine:
                 resolve(done, None)
         self._applying = None
 
+    def _count(self, what: str, seconds: float, tokens: int | None = None) -> None:
+        work = self._work
+        work[f"{what}_count"] += 1
+        work[f"{what}_s"] += seconds
+        if tokens is not None:
+            work[f"{what}_tokens"] += tokens
+
     def _step(self) -> None:
         t0 = time.perf_counter()
         new = self._scheduler.admit()
@@ -347,18 +360,24 @@ class LocalEngine:
             for seq in new:
                 seq.mark_version(0, self._version)
             done = self._runner.prefill(new)
+            self._count("prefill", time.perf_counter() - t0,
+                        tokens=sum(len(s.request.prompt_ids) for s in new))
             self._generated_tokens += len(new)  # counted before anyone hears of it
             self._finish(done, FinishReason.LENGTH)
         if self._runner.num_rows:
             n = self._runner.num_rows
             self._rows_moving = True
+            t1 = time.perf_counter()
             if (order := self._runner.sort_rows()) is not None:
                 running = self._scheduler.running
                 self._scheduler.running = [running[i] for i in order]
+                self._count("sort", time.perf_counter() - t1)
             self._rows_moving = False
+            t1 = time.perf_counter()
             done = self._runner.decode()
             self._generated_tokens += n
             self._finish(done, FinishReason.LENGTH)
+            self._count("decode", time.perf_counter() - t1)
         self._busy_s += time.perf_counter() - t0
 
     def _finish(self, rows: list[int], reason: FinishReason, error: str | None = None) -> None:
