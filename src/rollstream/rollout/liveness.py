@@ -25,13 +25,18 @@ class Liveness:
         self.max_streak = cfg.max_untrainable_streak
         self.min_share = cfg.min_trainable_share
         self.window = cfg.trainable_share_window
-        # (trainable, reason key, example) per finished group, newest last
-        self._outcomes: deque[tuple[bool, str, str]] = deque(
-            maxlen=max(self.window, self.max_streak))
+        # (trainable, reason key, example) per finished group of the share window, newest
+        # last; the streak is kept as counts per reason key (and its first example), so
+        # memory stays bounded however large max_untrainable_streak is (bench soak: 10^6)
+        self._outcomes: deque[tuple[bool, str, str]] = deque(maxlen=self.window)
+        self._streak_counts: Counter[str] = Counter()
+        self._streak_examples: dict[str, str] = {}
         self.streak = 0
 
     def trainable(self) -> None:
         self.streak = 0
+        self._streak_counts.clear()
+        self._streak_examples.clear()
         self._outcomes.append((True, "", ""))
 
     def untrainable(self, group: Group) -> None:
@@ -45,28 +50,32 @@ class Liveness:
             key = f"{s.status.value}: {_NUMBER.sub('N', s.failure or 'no reason')[:160]}"
             example = f"{s.uid}: {s.failure}"
         self._outcomes.append((False, key, example))
+        self._streak_counts[key] += 1
+        self._streak_examples.setdefault(key, example)
 
     def verdict(self) -> str | None:
         """Why the run should stop, or None while it can still train."""
         if self.streak >= self.max_streak:
-            recent = list(self._outcomes)[-self.streak:]
             return (f"{self.streak} groups in a row could not be trained "
                     f"(rollout.max_untrainable_streak = {self.max_streak}); "
-                    + _diagnose(recent))
-        window = list(self._outcomes)[-self.window:]
-        if self.min_share > 0 and len(window) >= self.window:
+                    + _diagnose(self._streak_counts, self._streak_examples))
+        if self.min_share > 0 and len(self._outcomes) >= self.window:
+            window = list(self._outcomes)
             share = sum(t for t, _, _ in window) / len(window)
             if share < self.min_share:
+                counts: Counter[str] = Counter()
+                examples: dict[str, str] = {}
+                for trainable, key, example in window:
+                    if not trainable:
+                        counts[key] += 1
+                        examples.setdefault(key, example)
                 return (f"only {share:.1%} of the last {len(window)} groups could be trained "
                         f"(rollout.min_trainable_share = {self.min_share}); "
-                        + _diagnose([o for o in window if not o[0]]))
+                        + _diagnose(counts, examples))
         return None
 
 
-def _diagnose(outcomes: list[tuple[bool, str, str]]) -> str:
-    counts = Counter(key for _, key, _ in outcomes)
-    examples: dict[str, str] = {}
-    for _, key, example in outcomes:
-        examples.setdefault(key, example)
+def _diagnose(counts: Counter[str], examples: dict[str, str]) -> str:
+    """The five commonest reasons (first seen first among equals), each with an example."""
     lines = [f"{n} x {key} (e.g. {examples[key]})" for key, n in counts.most_common(5)]
     return "untrainable groups by reason: " + "; ".join(lines)
