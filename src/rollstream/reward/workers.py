@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 STARTUP_S = 120.0  # a worker's start-up, or its import of a reward's module, past this fails
+MAX_FAILED_STARTS = 3  # workers that die before "ready", in a row: the pool stops replacing
 
 
 class WorkerDied(Exception):
@@ -57,6 +58,7 @@ class _Worker:
                                 name="rollstream-reward")
         self.proc.start()
         child.close()
+        self.ready = False  # it said "ready" (a worker that dies before cannot start here)
         self.started: asyncio.Future[None] | None = None  # the current call began
         self.done: asyncio.Future[Any] | None = None  # its result
 
@@ -71,10 +73,14 @@ class ProcessWorkers:
         self._idle: asyncio.Queue[_Worker | None] | None = None  # None: closed
         self._all: list[_Worker] = []
         self._closed = False
+        self._failed_starts = 0  # workers in a row that died before they were ready
+        self.broken: WorkerDied | None = None  # workers cannot start: every call fails so
 
     async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
         """``fn(*args)`` in a worker; ``fn`` and ``args`` are pickled (functions by reference).
         Raises CallTimeout, WorkerDied, PoolClosed, or what unpickling the result raises."""
+        if self.broken is not None:
+            raise self.broken
         if self._closed:
             raise PoolClosed()
         if self._idle is None:
@@ -82,9 +88,9 @@ class ProcessWorkers:
             for _ in range(self.size):
                 self._start()
         worker = await self._idle.get()
-        if worker is None:  # closed while we waited: pass the word on to the next waiter
+        if worker is None:  # closed (or broken) while we waited: pass the word on
             self._idle.put_nowait(None)
-            raise PoolClosed()
+            raise self.broken or PoolClosed()
         assert self._loop is not None
         worker.started, worker.done = self._loop.create_future(), self._loop.create_future()
         try:
@@ -128,15 +134,35 @@ class ProcessWorkers:
             kind, value = worker.conn.recv()
         except (EOFError, OSError):  # the process exited: fail its call, start another
             worker.proc.join(timeout=5)
+            if not worker.ready:
+                self._failed_starts += 1
+                if self._failed_starts >= MAX_FAILED_STARTS:  # replacing it would loop forever
+                    self._break(worker)
+                    return
             self._replace(worker, WorkerDied(worker.proc.exitcode))
             return
         if kind == "ready":
             assert self._idle is not None
+            worker.ready, self._failed_starts = True, 0
             self._idle.put_nowait(worker)
         elif kind == "started" and worker.started is not None:
             worker.started.set_result(None)
         elif kind == "done" and worker.done is not None and not worker.done.done():
             worker.done.set_result(value)
+
+    def _break(self, worker: _Worker) -> None:
+        """Workers die before they can start (a ``__main__`` a spawned process cannot import,
+        an interpreter that fails at start-up): stop replacing them; every call fails with
+        the cause instead of waiting for a worker that never comes."""
+        self.broken = WorkerDied(
+            worker.proc.exitcode, f"processes died before they were ready, "
+            f"{self._failed_starts} in a row (is the program's __main__ importable by a "
+            f"spawned process? a script read from stdin is not)")
+        self._stop(worker, self.broken)
+        for other in list(self._all):
+            self._stop(other, self.broken)
+        if self._idle is not None:
+            self._idle.put_nowait(None)
 
     def _replace(self, worker: _Worker, error: BaseException | None = None) -> None:
         if worker in self._all:
