@@ -344,6 +344,73 @@ async def test_rows_resorted_longest_first_give_what_each_request_gives_alone(ti
         await e.close()
 
 
+async def test_prefill_fused_into_decode_gives_what_a_separate_prefill_gives(tiny_model_dir):
+    """New and resumed requests admitted while other rows decode are prefilled inside the
+    decode forward pass (``fuse_prefill``); every request, seeded or greedy, gives the same
+    tokens and logprobs (<= 1e-4) as with a prefill pass of its own, and a resumed request
+    (prompt + the partial tokens of an interrupted run, same seed) continues that run."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(3, 30))] for _ in range(14)]
+    kws = [dict(temperature=0.0) if i % 3 == 0 else dict(temperature=1.0, seed=200 + i)
+           for i in range(len(prompts))]
+    lengths = [rng.randint(4, 40) for _ in prompts]
+    ref = _local(tiny_model_dir, max_slots=16, fuse_prefill=False)
+    try:  # the uninterrupted runs of the requests that are resumed below
+        whole = await asyncio.gather(*(
+            ref.generate(_req(f"w{i}", prompts[i], max_new_tokens=40, **kws[i]))
+            for i in range(4)))
+    finally:
+        await ref.close()
+    cut = 15
+    requests = [_req(f"n{i}", p, max_new_tokens=n, **kw)
+                for i, (p, n, kw) in enumerate(zip(prompts, lengths, kws, strict=True))]
+    requests += [_req(f"r{i}", prompts[i] + whole[i].token_ids[:cut], max_new_tokens=40 - cut,
+                      **kws[i]) for i in range(4)]
+    rng.shuffle(requests)
+    outs = {}
+    for fuse in (True, False):  # 4 rows: requests join running rows as others finish
+        e = _local(tiny_model_dir, max_slots=4, fuse_prefill=fuse)
+        try:
+            outs[fuse] = await asyncio.gather(*(e.generate(r) for r in requests))
+            work = e.stats().work
+        finally:
+            await e.close()
+        assert (work["fused_prefill_count"] > 0) == fuse  # the path under test ran
+        assert (work["prefill_count"] == 1) == fuse  # the first admission has no rows to join
+    for req, fused, alone in zip(requests, outs[True], outs[False], strict=True):
+        assert fused.token_ids == alone.token_ids, req.request_id
+        assert max(abs(a - b) for a, b in zip(fused.logprobs, alone.logprobs)) < 1e-4
+        if req.request_id.startswith("r"):
+            full = whole[int(req.request_id[1:])]
+            assert fused.token_ids == full.token_ids[cut:]
+            assert max(abs(a - b) for a, b in zip(fused.logprobs, full.logprobs[cut:])) < 1e-4
+
+
+def test_move_rows_copies_each_row_as_far_as_it_holds():
+    """The cache rows a re-sort or a release moves: each destination gets its source's first
+    ``length`` positions in every layer (keys and values, every kv head), a permutation
+    included; beyond its length and in rows not moved nothing changes."""
+    from rollstream.engine.local.model import KVCache
+    from rollstream.engine.local.weights import ModelSpec
+
+    spec = ModelSpec(arch="qwen2", vocab_size=8, hidden_size=16, intermediate_size=8,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6,
+                     rope_theta=1e4, rope_scaling=None, qkv_bias=True, o_bias=False,
+                     mlp_bias=False, tied_embeddings=True)
+    cache = KVCache.allocate(spec, 6, 10, torch.device("cpu"), torch.float32)
+    cache.kv.copy_(torch.randn_like(cache.kv))
+    before = cache.kv.clone()
+    view = before.view(2, 2, 6, 2, 10, 4)  # layer, k|v, slot, head, pos, dim
+    src, dst, lengths = [3, 0, 5], [0, 5, 3], [7, 2, 10]  # a cycle: 3 -> 0 -> 5 -> 3
+    cache.move_rows(torch.tensor(src), torch.tensor(dst), torch.tensor(lengths))
+    after = cache.kv.view(2, 2, 6, 2, 10, 4)
+    for s, d, n in zip(src, dst, lengths, strict=True):
+        assert torch.equal(after[:, :, d, :, :n], view[:, :, s, :, :n])
+        assert torch.equal(after[:, :, d, :, n:], view[:, :, d, :, n:])
+    for slot in (1, 2, 4):
+        assert torch.equal(after[:, :, slot], view[:, :, slot])
+
+
 def test_attention_work_of_an_order():
     import numpy as np
 

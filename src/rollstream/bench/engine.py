@@ -9,6 +9,11 @@ top-k/top-p, no eos so lengths are fixed):
     HF generates a static batch that runs until its longest member finishes; the local engine
     admits all at once and each row leaves when done. Only useful tokens count on both sides.
 
+And the local engine against itself, ``refill``: 256 requests (long-tail lengths, prompts of
+16 to 160 tokens as resumed partial samples have) through 32 rows, so that requests keep
+joining running rows; with ``fuse_prefill`` on (their prefill inside the decode pass) and off
+(a prefill pass of its own), alternated. Key ``fused_vs_separate_prefill`` (tokens/s ratio).
+
 Each timing is the best of ``repeats`` runs (3, or 1 with --quick): the machines this runs
 on are shared, and the minimum is the least noisy estimate of what the code costs.
 
@@ -135,6 +140,53 @@ def _longtail_lengths(n: int, median: int, cap: int, seed: int) -> list[int]:
     return lengths
 
 
+def _prefill_fusion(folder: Path, quick: bool, repeats: int) -> dict:
+    """Requests that keep joining running rows, prefilled in the decode pass or apart."""
+    n, rows, cap = (48, 8, 64) if quick else (256, 32, 256)
+    rng = random.Random(7)
+    lengths = _longtail_lengths(n, 24, cap, seed=7)
+    engines = {fuse: LocalEngine(folder, LocalEngineConfig(
+        max_slots=rows, max_seq_len=160 + cap, threads=THREADS, device="cpu",
+        fuse_prefill=fuse)) for fuse in (True, False)}
+    try:
+        vocab = engines[True].spec.vocab_size
+        prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(16, 160))]
+                   for _ in range(n)]
+        best = dict.fromkeys(engines, math.inf)
+        for fuse, engine in engines.items():  # warm up
+            _time_requests(engine, prompts[:rows], [4] * rows, "w")
+        for rep in range(repeats):
+            for fuse, engine in engines.items():
+                best[fuse] = min(best[fuse], _time_requests(engine, prompts, lengths, f"r{rep}"))
+        work = {fuse: e.stats().work for fuse, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    return {
+        "requests": n, "rows": rows, "prompt_tokens": sum(map(len, prompts)),
+        "useful_tokens": sum(lengths),
+        "fused_tok_s": sum(lengths) / best[True], "separate_tok_s": sum(lengths) / best[False],
+        "fused_prefill_count": work[True]["fused_prefill_count"],
+        "prefill_count_fused_engine": work[True]["prefill_count"],
+        "prefill_count_separate_engine": work[False]["prefill_count"],
+        "prefill_s_separate_engine": work[False]["prefill_s"],
+        "busy_s": {"fused": sum(work[True][k] for k in ("prefill_s", "sort_s", "decode_s")),
+                   "separate": sum(work[False][k] for k in ("prefill_s", "sort_s", "decode_s"))},
+    }
+
+
+def _time_requests(engine: LocalEngine, prompts: list[list[int]], lengths: list[int],
+                   tag: str) -> float:
+    reqs = [GenerateRequest(request_id=f"{tag}-{i}", prompt_ids=p,
+                            params=SamplingParams(temperature=1.0, max_new_tokens=n, seed=i))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    t0 = time.perf_counter()
+    outs = engine.generate_many(reqs)
+    elapsed = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == lengths, "the engine lost tokens"
+    return elapsed
+
+
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -145,6 +197,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = _build_model(Path(tmp) / "model")
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
         engine = LocalEngine(
             folder,
             LocalEngineConfig(
@@ -189,6 +242,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
             )
         finally:
             engine.shutdown()
+        refill = _prefill_fusion(folder, quick, repeats)
     result = {
         "quick": quick,
         "threads": THREADS,
@@ -208,6 +262,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
         "cases": {c.name: {**asdict(c), "ratio": c.ratio} for c in cases},
         "local_vs_hf_batch64": cases[len(batches) - 1].ratio,  # the largest fixed batch
         "local_vs_hf_longtail": cases[-1].ratio,
+        "refill": refill,
+        "fused_vs_separate_prefill": refill["fused_tok_s"] / refill["separate_tok_s"],
     }
     _print_table(cases, result)
     if json_out is not None:
@@ -235,3 +291,8 @@ def _print_table(cases: list[Case], result: dict) -> None:
             f"{c.ratio:.2f}x",
         )
     Console().print(table)
+    r = result["refill"]
+    Console().print(
+        f"refill ({r['requests']} requests through {r['rows']} rows): prefill fused into "
+        f"decode {r['fused_tok_s']:,.0f} tok/s, separate {r['separate_tok_s']:,.0f} tok/s: "
+        f"[bold]{result['fused_vs_separate_prefill']:.2f}x[/bold]")

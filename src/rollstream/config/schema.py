@@ -120,6 +120,10 @@ class LocalEngineConfig(Section):
     PipelineRL; the trainer's importance weights see the difference as mismatch)."""
     max_prefill_tokens: int = Field(2048, ge=1)
     """Prompt tokens prefilled together in one step (at least one prompt is always admitted)."""
+    fuse_prefill: bool = True
+    """Prefill the prompts admitted in a step inside that step's decode forward pass (one
+    pass whose matmuls cover both, as vLLM's chunked prefill; a prompt is not split across
+    steps) instead of a separate prefill pass first."""
     max_restarts: int = Field(3, ge=0)
     """Times an engine whose step loop died is restarted (fresh cache and thread, the current
     weights) before it stays DEAD; its requests continue elsewhere meanwhile."""

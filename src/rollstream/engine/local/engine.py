@@ -119,6 +119,7 @@ class LocalEngine:
         self._build()
         self._threads = cfg.threads
         self._recompute_on_load = cfg.kv_on_load == "recompute"
+        self._fuse_prefill = cfg.fuse_prefill
         self._cpu_affinity = cfg.cpu_affinity
         self._version = version
         self._seeds = torch.Generator().manual_seed(seed)  # requests without a seed
@@ -354,28 +355,38 @@ class LocalEngine:
             work[f"{what}_tokens"] += tokens
 
     def _step(self) -> None:
+        """Admit waiting requests and decode one token for every live row. With
+        ``fuse_prefill`` the new prompts are prefilled inside the decode forward pass (their
+        first token sampled there); otherwise, and when no row is live, they are prefilled in
+        a pass of their own first (and then decoded with the others)."""
         t0 = time.perf_counter()
-        new = self._scheduler.admit()
-        if new:
-            for seq in new:
-                seq.mark_version(0, self._version)
-            done = self._runner.prefill(new)
-            self._count("prefill", time.perf_counter() - t0,
-                        tokens=sum(len(s.request.prompt_ids) for s in new))
-            self._generated_tokens += len(new)  # counted before anyone hears of it
-            self._finish(done, FinishReason.LENGTH)
-        if self._runner.num_rows:
-            n = self._runner.num_rows
+        runner = self._runner
+        if runner.num_rows:
             self._rows_moving = True
-            t1 = time.perf_counter()
-            if (order := self._runner.sort_rows()) is not None:
+            if (order := runner.sort_rows()) is not None:
                 running = self._scheduler.running
                 self._scheduler.running = [running[i] for i in order]
-                self._count("sort", time.perf_counter() - t1)
+                self._count("sort", time.perf_counter() - t0)
             self._rows_moving = False
+        n = runner.num_rows
+        new = self._scheduler.admit()
+        for seq in new:
+            seq.mark_version(0, self._version)
+        new_tokens = sum(len(s.request.prompt_ids) for s in new)
+        fused = new if self._fuse_prefill and n else []
+        if new and not fused:
             t1 = time.perf_counter()
-            done = self._runner.decode()
-            self._generated_tokens += n
+            done = runner.prefill(new)
+            self._count("prefill", time.perf_counter() - t1, tokens=new_tokens)
+            self._generated_tokens += len(new)  # counted before anyone hears of it
+            self._finish(done, FinishReason.LENGTH)
+        if runner.num_rows:
+            t1 = time.perf_counter()
+            done = runner.decode(fused)
+            self._generated_tokens += runner.num_rows  # one token each, finished ones too
+            if fused:  # its time is the decode step's
+                self._work["fused_prefill_count"] += 1
+                self._work["fused_prefill_tokens"] += new_tokens
             self._finish(done, FinishReason.LENGTH)
             self._count("decode", time.perf_counter() - t1)
         self._busy_s += time.perf_counter() - t0

@@ -1,9 +1,11 @@
 """The compact Llama/Qwen2 forward pass of the local engine, written as plain functions.
 
-Two entry points share one layer loop: ``prefill`` runs the new prompts of a step packed into
-one sequence (a block-diagonal causal mask keeps them apart, no padding) and ``decode`` runs
-one token for every live row against the preallocated KV cache. Both write the new keys and
-values of a layer into the cache with a single ``index_copy_``.
+One entry point, ``forward``, runs a step's two kinds of work in one layer loop: the decode
+rows (one token for every live row against the preallocated KV cache) and the prompts admitted
+this step, packed into one sequence (a block-diagonal causal mask keeps them apart, no
+padding). The matmuls of a layer run once over all of their tokens (vLLM's chunked prefill
+does the same; here a prompt is never split across steps) and attention runs per kind. New
+keys and values of a layer go into the cache with a single ``index_copy_``.
 
 Numerics follow ``transformers`` (RMSNorm, rotate-half rope from float32 tables computed the
 same way, grouped-query attention) so that logprobs match the trainer's to ~1e-6 in fp32.
@@ -59,10 +61,24 @@ class KVCache:
         """Flat cache rows for the k|v of tokens at (rows, pos), ordered (token, k|v, head)."""
         return (self.base[rows] + pos[:, None, None]).view(-1)
 
-    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, upto: int) -> None:
-        kvh, heads = self.kv_heads, torch.arange(self.kv_heads, device=src.device)
-        s, d = (src[:, None] * kvh + heads).view(-1), (dst[:, None] * kvh + heads).view(-1)
-        self.kv[:, :, d, :upto] = self.kv[:, :, s, :upto]
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Copy the first ``lengths[i]`` positions of slot ``src[i]`` into slot ``dst[i]``,
+        every layer, keys and values: each row only as far as it holds (a long row moved
+        with short ones does not make them copy its length). Gathered before written, so the
+        moves may be a permutation."""
+        if src.numel() == 0:
+            return
+        longest = int(lengths.max())
+        offsets = torch.arange(longest, device=src.device)
+        keep = (offsets[None, :] < lengths[:, None])  # [m, L]
+        width = self.base.shape[1] * self.base.shape[2]  # k|v x heads
+
+        def index(slots: torch.Tensor) -> torch.Tensor:
+            start = self.base[slots].view(-1, width, 1) + offsets  # [m, 2 * kvh, L]
+            return start[keep[:, None, :].expand_as(start)]
+
+        flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [layers, N, d]
+        flat.index_copy_(1, index(dst), flat.index_select(1, index(src)))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -149,34 +165,89 @@ def _logits(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.lm_head_t).float()
 
 
-def decode(
+@dataclass(slots=True, kw_only=True)
+class DecodeRows:
+    """One new token for each of the live rows 0..n-1, attending over the cache."""
+
+    tokens: torch.Tensor  # [n] the last token of each row
+    pos: torch.Tensor  # [n] its position
+    chunks: list[tuple[int, int, int]]  # (first row, end row, attention length), covering 0..n-1
+
+
+@dataclass(slots=True, kw_only=True)
+class PackedPrompts:
+    """Whole prompts packed into one sequence (a block-diagonal causal mask keeps them
+    apart, no padding); their keys and values go to their cache rows."""
+
+    tokens: torch.Tensor  # [T]
+    rows: torch.Tensor  # [T] cache row of each token
+    pos: torch.Tensor  # [T] its position in its row
+    last: torch.Tensor | None  # [m] index of each prompt's final token (None: no logits)
+
+
+def forward(
     spec: ModelSpec,
     w: Weights,
     cache: KVCache,
     rope: Rope,
-    tokens: torch.Tensor,
-    pos: torch.Tensor,
-    chunks: list[tuple[int, int, int]],
-) -> torch.Tensor:
-    """One token per live row: rows 0..n-1 of the cache; tokens, pos: [n]. Returns [n, vocab].
-
-    ``chunks``: (first row, end row, attention length) covering rows 0..n-1 in order; each
-    chunk attends over its own longest row only, so one long row does not make every row
-    pay for its length."""
-    n, kvh, d, h = tokens.shape[0], spec.num_kv_heads, spec.head_dim, spec.num_heads
-    group, scale = h // kvh, 1.0 / math.sqrt(d)
-    write = (cache.base[:n] + pos[:, None, None]).view(-1)
+    decode: DecodeRows | None = None,
+    prompts: PackedPrompts | None = None,
+) -> torch.Tensor | None:
+    """One forward pass over decode rows and packed prompts together (either may be None):
+    the matmuls of every layer run once over all their tokens, attention separately (decode
+    rows over the cache, prompts over themselves). Returns logits [n + m, vocab]: the decode
+    rows' next tokens, then each prompt's last token (None when there are none)."""
+    parts = [p for p in (decode, prompts) if p is not None]
+    if not parts:
+        raise ValueError("forward needs decode rows or prompts")
+    pos = torch.cat([p.pos for p in parts]) if len(parts) == 2 else parts[0].pos
+    tokens = torch.cat([p.tokens for p in parts]) if len(parts) == 2 else parts[0].tokens
     cos, sin = rope.tables(pos)
-    longest = max(length for _, _, length in chunks)
-    visible = torch.arange(longest, device=pos.device) <= pos.repeat_interleave(kvh)[:, None]
-    bias = torch.where(visible, 0.0, -math.inf).to(cos.dtype)[:, None]  # [n * kvh, 1, L]
+    attends, writes = [], []
+    if decode is not None:
+        n = decode.tokens.shape[0]
+        attends.append((n, _decode_attention(spec, cache, decode, cos.dtype)))
+        writes.append((cache.base[:n] + decode.pos[:, None, None]).view(-1))
+    if prompts is not None:
+        attends.append((prompts.tokens.shape[0], _prompt_attention(spec, prompts, cos.dtype)))
+        writes.append(cache.write_index(prompts.rows, prompts.pos))
+
+    def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+        if len(attends) == 1:
+            return attends[0][1](i, qkv)
+        (n, first), (_, second) = attends
+        return torch.cat((first(i, qkv[:n]), second(i, qkv[n:])))
+
+    write = torch.cat(writes) if len(writes) == 2 else writes[0]
+    x = _layers(spec, w, cache, F.embedding(tokens, w.embed), cos, sin, write, attend)
+    picks = []
+    if decode is not None:
+        picks.append(x[: decode.tokens.shape[0]])
+    if prompts is not None and prompts.last is not None:
+        offset = 0 if decode is None else decode.tokens.shape[0]
+        picks.append(x[prompts.last + offset])
+    if not picks:
+        return None
+    return _logits(spec, w, torch.cat(picks) if len(picks) == 2 else picks[0])
+
+
+def _decode_attention(
+    spec: ModelSpec, cache: KVCache, d: DecodeRows, dtype: torch.dtype
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """Attention of one new token per row over the cache rows 0..n-1, per chunk of rows
+    over each chunk's own longest row (one long row does not make every row pay)."""
+    n, kvh, hd, h = d.tokens.shape[0], spec.num_kv_heads, spec.head_dim, spec.num_heads
+    group, scale = h // kvh, 1.0 / math.sqrt(hd)
+    longest = max(length for _, _, length in d.chunks)
+    visible = torch.arange(longest, device=d.pos.device) <= d.pos.repeat_interleave(kvh)[:, None]
+    bias = torch.where(visible, 0.0, -math.inf).to(dtype)[:, None]  # [n * kvh, 1, L]
     window = cache.kv[:, :, : n * kvh, :longest]  # [layers, 2, n * kvh, L, d] view
     keys_t = window[:, 0].transpose(-1, -2).unbind(0)  # per layer [n * kvh, d, L]
     values = window[:, 1].unbind(0)  # per layer [n * kvh, L, d]
-    spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in chunks]
+    spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in d.chunks]
 
     def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-        q = qkv[:, :h].reshape(n * kvh, group, d)  # q heads grouped by their kv head
+        q = qkv[:, :h].reshape(n * kvh, group, hd)  # q heads grouped by their kv head
         out = []
         for a, b, length in spans:
             s = torch.baddbmm(bias[a:b, :, :length], q[a:b], keys_t[i][a:b, :, :length],
@@ -184,33 +255,19 @@ def decode(
             out.append(torch.bmm(s.softmax(dim=-1), values[i][a:b, :length]))
         return (out[0] if len(out) == 1 else torch.cat(out)).view(n, -1)
 
-    x = _layers(spec, w, cache, F.embedding(tokens, w.embed), cos, sin, write, attend)
-    return _logits(spec, w, x)
+    return attend
 
 
-def prefill(
-    spec: ModelSpec,
-    w: Weights,
-    cache: KVCache,
-    rope: Rope,
-    tokens: torch.Tensor,
-    rows: torch.Tensor,
-    pos: torch.Tensor,
-    last: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """Packed prompts: tokens, rows (cache row), pos: [T]; last: [m] index of each prompt's
-    final token in the packing. Returns logits at those tokens [m, vocab] (None if no last)."""
-    t, h, kvh = tokens.shape[0], spec.num_heads, spec.num_kv_heads
-    visible = (rows[:, None] == rows[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
-    mask = torch.where(visible, 0.0, -math.inf).to(rope.cos.dtype)
-    cos, sin = rope.tables(pos)
+def _prompt_attention(
+    spec: ModelSpec, p: PackedPrompts, dtype: torch.dtype
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    t, h, kvh = p.tokens.shape[0], spec.num_heads, spec.num_kv_heads
+    visible = (p.rows[:, None] == p.rows[None, :]) & (p.pos[None, :] <= p.pos[:, None])  # [T, T]
+    mask = torch.where(visible, 0.0, -math.inf).to(dtype)
 
     def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.transpose(0, 1)[None].split([h, kvh, kvh], dim=1)  # [1, heads, T, d]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(t, -1)
 
-    x = _layers(
-        spec, w, cache, F.embedding(tokens, w.embed), cos, sin, cache.write_index(rows, pos), attend
-    )
-    return None if last is None else _logits(spec, w, x[last])
+    return attend

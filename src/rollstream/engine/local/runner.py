@@ -104,18 +104,40 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Start ``seqs`` in rows n..n+m-1, sample their first token; returns finished rows."""
         lo, hi = self.num_rows, self.num_rows + len(seqs)
+        logits = model.forward(self.spec, self.weights, self.cache, self.rope,
+                               prompts=self._admit(seqs))
+        self.num_rows = hi
+        return self._sample_and_record(logits, lo, hi)
+
+    def decode(self, new: list[Sequence] = ()) -> list[int]:
+        """One token for every live row and, in the same forward pass, the prefill of
+        ``new`` into rows n..n+m-1 with their first token; returns the rows that finished."""
+        n, r = self.num_rows, self.rows
+        pos = r.length[:n] - 1
+        rows = model.DecodeRows(
+            tokens=r.tokens.view(-1).index_select(0, self.row_base[:n] + pos),
+            pos=pos,
+            chunks=attention_chunks(self.length_host[:n]),
+        )
+        prompts = self._admit(new) if new else None
+        logits = model.forward(self.spec, self.weights, self.cache, self.rope, rows, prompts)
+        self.num_rows = n + len(new)
+        return self._sample_and_record(logits, 0, self.num_rows)
+
+    def _admit(self, seqs: list[Sequence]) -> model.PackedPrompts:
+        """Write the prompts and sampling parameters of ``seqs`` into rows n..n+m-1 (not live
+        until their forward pass ran); the packed prompts to prefill."""
+        lo, hi = self.num_rows, self.num_rows + len(seqs)
         self._set_params(lo, seqs)
         prompts = [s.request.prompt_ids for s in seqs]
         lens = [len(p) for p in prompts]
-        rows = torch.repeat_interleave(torch.arange(lo, hi), torch.tensor(lens)).to(self.device)
-        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
-        self.rows.tokens[rows, pos] = flat
+        packed = self._packed(list(range(lo, hi)), lens, with_last=True)
+        self.rows.tokens[packed.rows, packed.pos] = flat
         self.rows.length[lo:hi] = torch.tensor(lens, device=self.device)
         self.length_host[lo:hi] = lens
-        logits = self._forward_rows(list(range(lo, hi)), lens, with_logits=True)
-        self.num_rows = hi
-        return self._sample_and_record(logits, lo, hi)
+        packed.tokens = flat
+        return packed
 
     def recompute_cache(self, budget_tokens: int) -> None:
         """Rebuild the KV cache of every live row with the current weights (after a weight
@@ -124,22 +146,20 @@ class ModelRunner:
         for row in range(self.num_rows):
             chunk.append(row)
             if int(self.length_host[chunk].sum()) >= budget_tokens or row == self.num_rows - 1:
-                self._forward_rows(
-                    chunk, [int(self.length_host[r]) - 1 for r in chunk], with_logits=False
-                )
+                lens = [int(self.length_host[r]) - 1 for r in chunk]  # the last is the input
+                packed = self._packed(chunk, lens, with_last=False)
+                packed.tokens = self.rows.tokens[packed.rows, packed.pos]
+                model.forward(self.spec, self.weights, self.cache, self.rope, prompts=packed)
                 chunk = []
 
-    def _forward_rows(self, rows: list[int], lens: list[int], *, with_logits: bool) -> torch.Tensor:
-        """Packed forward of the first ``lens[i]`` stored tokens of each row (writes the KV
-        cache); logits at each row's last token when asked."""
-        dev = self.device
-        counts = torch.tensor(lens)
-        row_of = torch.repeat_interleave(torch.tensor(rows), counts).to(dev)
-        pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
-        tokens = self.rows.tokens[row_of, pos]
-        last = (counts.cumsum(0) - 1).to(dev) if with_logits else None
-        return model.prefill(
-            self.spec, self.weights, self.cache, self.rope, tokens, row_of, pos, last
+    def _packed(self, rows: list[int], lens: list[int], *, with_last: bool) -> model.PackedPrompts:
+        """The first ``lens[i]`` positions of each row packed (tokens left to the caller)."""
+        dev, counts = self.device, torch.tensor(lens)
+        return model.PackedPrompts(
+            tokens=torch.empty(0, dtype=torch.int64, device=dev),
+            rows=torch.repeat_interleave(torch.tensor(rows), counts).to(dev),
+            pos=torch.cat([torch.arange(n) for n in lens]).to(dev),
+            last=(counts.cumsum(0) - 1).to(dev) if with_last else None,
         )
 
     def sort_rows(self) -> list[int] | None:
@@ -159,21 +179,12 @@ class ModelRunner:
         dst = torch.from_numpy(moved).to(self.device)
         for t in self.rows.all():
             t[dst] = t[src]
-        self.cache.move_rows(src, dst, int(lengths[order[moved]].max()))
+        self.cache.move_rows(src, dst, torch.from_numpy(lengths[order[moved]]).to(self.device))
         for a in (self.length_host, self.sampled_host, self.truncated_host):
             a[:n] = a[order]
         self.steps_since_sort = 0
         self.num_sorts += 1
         return order.tolist()
-
-    def decode(self) -> list[int]:
-        """One token for every live row; returns the rows that finished."""
-        n, r = self.num_rows, self.rows
-        pos = r.length[:n] - 1
-        inputs = r.tokens.view(-1).index_select(0, self.row_base[:n] + pos)
-        chunks = attention_chunks(self.length_host[:n])
-        logits = model.decode(self.spec, self.weights, self.cache, self.rope, inputs, pos, chunks)
-        return self._sample_and_record(logits, 0, n)
 
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
         r = self.rows
@@ -245,8 +256,7 @@ class ModelRunner:
             d = torch.tensor(dst, device=self.device)
             for t in self.rows.all():
                 t[d] = t[s]
-            upto = int(self.length_host[src].max())
-            self.cache.move_rows(s, d, upto)
+            self.cache.move_rows(s, d, torch.from_numpy(self.length_host[src]).to(self.device))
             for a in (self.length_host, self.sampled_host, self.truncated_host):
                 a[dst] = a[src]
         self.num_rows -= num_released
