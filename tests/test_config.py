@@ -75,8 +75,8 @@ def test_cross_field_check():
          ["train.max_token_age = 2", "rollout.max_staleness = 1"]),
         (["rollout.mode=sync", "train.max_token_age=1"], ["train.max_token_age = 1",
                                                           "rollout.mode = sync"]),
-        (["rollout.max_context_age=4"], ["rollout.max_context_age = 4",
-                                         "train.max_token_age"]),
+        (["rollout.max_context_age=1"], ["rollout.max_context_age = 1",
+                                         "rollout.max_staleness"]),
         (["rollout.max_staleness=3", "train.max_token_age=1", "rollout.max_context_age=2"],
          ["rollout.max_context_age = 2", "rollout.max_staleness"]),
         (["rollout.group_size=1"], ["rollout.group_size = 1",
@@ -97,6 +97,7 @@ def test_consistent_settings_load():
     load_config(None, ["rollout.partial_rollout=false"])
     load_config(None, ["rollout.group_size=1", "rollout.filter_zero_variance=false"])
     load_config(None, ["train.max_token_age=2", "rollout.max_context_age=5"])
+    load_config(None, ["rollout.max_context_age=4"])  # admission semantics (AReaL's)
     load_config(None, ["sampling.temperature=0.7", "eval.temperature=0"])
     load_config(EXAMPLES / "tick.yaml", ["rollout.mode=sync"])  # the README's override
     load_config(EXAMPLES / "tick.yaml", ["rollout.partial_rollout=false"])

@@ -29,7 +29,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
                 "reward_async", "async_ceiling_vs_sync", "reward_noise_2se", "reward_noise"):
         assert key in written and not isinstance(written[key], str), key
     assert written["async_config"] == HEADLINE_ASYNC
-    assert set(written["rows"]) == {label for label, _ in mode_configs()}
+    assert set(written["rows"]) == {label for label, _ in mode_configs(token_age=True)}
     samples = {r["trained_samples"] for r in written["rows"].values()}
     assert samples == {2 * 2 * 4}, samples  # steps x groups x group size, every config
     for label, row in written["rows"].items():
@@ -42,6 +42,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
         assert tok["kept"] == row["trained_tokens"], label
         work = row["engine_work"]  # the engine's busy time splits into its kinds of work
         assert work["prefill_count"] > 0 and work["decode_count"] > 0, work
+        assert work["fused_prefill_count"] >= 0
         parts = sum(work[k] for k in ("prefill_s", "recompute_s", "sort_s", "decode_s"))
         assert 0 < parts <= work["busy_s"] + 1e-6, work
         assert 0 <= row["engine_idle_share"] < 1 and 0 <= row["trainer_idle_share"] < 1
@@ -57,8 +58,15 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["async_best_async_config"] != "sync"
     assert written["async_best_share_of_bound"] > 0 and written["async_partial_vs_drain"] > 0
     assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
-    ages = {label: row["max_token_age"] for label, row in written["rows"].items()}
-    assert ages == {label: row["max_staleness"] for label, row in written["rows"].items()}
+    sem = written["staleness_semantics"]  # the long shape masks: each semantics has its row
+    assert set(sem) == {"drop", "mask", "admission"}
+    for rule, r in sem.items():
+        assert written["rows"][r["row"]]["staleness_rule"] == rule
+    assert sem["drop"]["masked_tokens"] == sem["admission"]["masked_tokens"] == 0
+    assert written["rows"][sem["admission"]["row"]]["max_context_age"] == 4
+    ages = {label: row["max_token_age"] for label, row in written["rows"].items()
+            if label not in (sem["drop"]["row"], sem["admission"]["row"])}
+    assert ages == {label: written["rows"][label]["max_staleness"] for label in ages}
 
 
 def test_bench_config_is_an_option_of_modes_only(capsys):

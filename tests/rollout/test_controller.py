@@ -97,9 +97,11 @@ def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None
     assert len(uids) == len(set(uids)), "no sample recorded twice"
     trained = [r for r in rows if r["status"] == "trained"]
     assert len(trained) == res.trained_samples > 0
-    bound = loop.rollout.policy.context_bound
+    policy = loop.rollout.policy
+    bound = policy.context_bound
+    kept = k if policy.rule != "admission" else bound  # admission: k bounds admission only
     for r in trained:  # the tokens the loss keeps are at most k (and max_token_age) old
-        assert r["trained_at_step"] - r["min_trained_version"] <= k, r
+        assert r["trained_at_step"] - r["min_trained_version"] <= min(kept, policy.kept_bound), r
         assert r["trained_at_step"] - r["min_version"] <= bound, r  # nor any token it saw
         assert r["num_trained_tokens"] > 0, r
         if max_token_age is None:
@@ -116,31 +118,37 @@ def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
        on_update=st.sampled_from(["interrupt", "continue"]),
-       max_token_age=st.sampled_from([None, 0, 1, 2, 3]))
+       max_token_age=st.sampled_from([None, 0, 1, 2, 3]), context_extra=st.integers(0, 2))
 def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, partial, on_update,
-                                                max_token_age):
+                                                max_token_age, context_extra):
+    """Every semantics (drop, mask, admission: max_context_age = k + context_extra without
+    max_token_age) keeps its written bounds and exactly-once recording."""
     assume(max_token_age is None or max_token_age <= k)  # else a config error (test_config)
     tmp = tmp_path_factory.mktemp("run")
+    extra = {"max_context_age": k + context_extra} if context_extra else {}
     loop, res, ledger, trainer = run_controller(tmp, mode="async", k=k, partial=partial,
                                                 on_update=on_update, seed=seed,
-                                                max_token_age=max_token_age)
+                                                max_token_age=max_token_age, **extra)
     check_invariants(tmp, loop, res, ledger, trainer, k, max_token_age)
 
 
 def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_factory):
-    """Partial rollout at k=1 drops samples whose oldest token is too old. With
+    """Partial rollout at k=1 drops samples whose oldest token is too old (drop). With
     max_token_age=1 their recent tokens are trained instead (old ones masked), and the only
-    samples dropped are those whose every token is too old. Three seeded runs each (the
+    samples dropped are those whose every token is too old (mask). With max_context_age=2
+    and no token age they are trained whole (admission). Three seeded runs each (the
     completion orders are random)."""
-    def run(max_token_age):
+    def run(max_token_age, rows_only=False, **extra):
         rows = []
         for seed in (11, 12, 13):
             tmp = tmp_path_factory.mktemp("run")
             loop, res, ledger, trainer = run_controller(
                 tmp, mode="async", k=1, partial=True, on_update="continue", seed=seed,
-                steps=20, max_token_age=max_token_age)
+                steps=20, max_token_age=max_token_age, **extra)
             check_invariants(tmp, loop, res, ledger, trainer, 1, max_token_age)
             rows += read_ledger(tmp / "ledger.jsonl")
+        if rows_only:
+            return rows
         dropped = [r["reason"] for r in rows if r["status"] == "dropped_stale"]
         masked = [r for r in rows if r["status"] == "trained"
                   and r["min_trained_version"] > r["min_version"]]
@@ -154,6 +162,13 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
     # dropped: every token masked, or seen context older than max_context_age (2 x k)
     assert all(reason.startswith(("every token older than max_token_age 1",
                                   "context age")) for reason in dropped), dropped
+    # admission (AReaL's): k=1 bounds admission only; samples up to 2 versions old train whole
+    rows = run(None, max_context_age=2, rows_only=True)
+    old = [r for r in rows if r["status"] == "trained"
+           and r["trained_at_step"] - r["min_version"] == 2]
+    assert old and all(r["min_trained_version"] == r["min_version"] for r in old)
+    assert all(r["reason"].startswith("context age 3 > max_context_age 2")
+               for r in rows if r["status"] == "dropped_stale")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -59,9 +59,11 @@ def _loop(cfg, *, seed, ledger, tasks, trainer, start_step=0):
 
 
 def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: int,
-                    steps: int, resume_at: int, lost: int, max_token_age: int | None):
+                    steps: int, resume_at: int, lost: int, max_token_age: int | None,
+                    max_context_age: int | None = None):
+    extra = {} if max_context_age is None else {"max_context_age": max_context_age}
     cfg = RunConfig(
-        rollout=rollout_cfg(mode="async", k=k, partial=partial, on_update=on_update),
+        rollout=rollout_cfg(mode="async", k=k, partial=partial, on_update=on_update, **extra),
         train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
     )
     path = tmp / "ledger.jsonl"
@@ -113,15 +115,18 @@ def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: i
 @given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
        on_update=st.sampled_from(["interrupt", "continue"]),
        max_token_age=st.sampled_from([None, 0, 1, 2]), resume_at=st.integers(1, 5),
-       lost=st.integers(0, 2))
+       lost=st.integers(0, 2), context_extra=st.integers(0, 2))
 def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, partial, on_update,
-                                                 max_token_age, resume_at, lost):
+                                                 max_token_age, resume_at, lost, context_extra):
+    """Each staleness semantics (drop, mask, admission) keeps its bounds across a resume."""
     assume(max_token_age is None or max_token_age <= k)
     steps = 7
     tmp = tmp_path_factory.mktemp("run")
+    h = k + context_extra if context_extra else None
     cfg, snap, res, ledger, trainer, tasks = run_with_resume(
         tmp, k=k, partial=partial, on_update=on_update, seed=seed, steps=steps,
-        resume_at=resume_at, lost=lost, max_token_age=max_token_age)
+        resume_at=resume_at, lost=lost, max_token_age=max_token_age, max_context_age=h)
+    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
     assert res.steps_done == steps
     assert not ledger.unfinished(), "every dispatched sample reaches a terminal status"
     rows = read_ledger(tmp / "ledger.jsonl")
@@ -131,7 +136,10 @@ def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, part
     by_step: dict[int, set[str]] = {}
     for r in trained:
         by_step.setdefault(r["trained_at_step"], set()).add(r["sample_uid"].rsplit("/", 1)[0])
-        assert r["trained_at_step"] - r["min_trained_version"] <= k, r
+        assert r["trained_at_step"] - r["min_trained_version"] <= policy.kept_bound, r
+        assert r["trained_at_step"] - r["min_version"] <= policy.context_bound, r
+        if policy.rule != "admission":
+            assert r["trained_at_step"] - r["min_trained_version"] <= k, r
         if max_token_age is not None:
             assert r["trained_at_step"] - r["min_trained_version"] <= max_token_age, r
     assert set(by_step) <= set(range(steps))

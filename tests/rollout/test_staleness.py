@@ -39,6 +39,11 @@ def test_from_config_maps_modes_and_defaults_the_context_bound():
     assert p.context_bound == 6  # 2 x k by default
     assert policy(mode="async", max_staleness=3, max_token_age=2,
                   max_context_age=4).context_bound == 4
+    assert policy(mode="async", max_staleness=3).rule == "drop"
+    assert policy(mode="async", max_staleness=3, max_token_age=2).rule == "mask"
+    p = policy(mode="async", max_staleness=3, max_context_age=5)
+    assert (p.rule, p.context_bound, p.kept_bound) == ("admission", 5, 5)
+    assert policy(mode="async", max_staleness=3, max_context_age=3).rule == "drop"
 
 
 def test_token_mask_and_kept_tokens():
@@ -73,6 +78,12 @@ def test_verdicts_and_reasons():
     # live groups: doomed as soon as a token is older than the context bound
     assert age.live_verdict(_group(0, [1], []), 5).ok
     assert not age.live_verdict(_group(0, [0], []), 5).ok
+    # admission: a sample older than k is trained whole while within H
+    adm = StalenessPolicy(max_staleness=2, max_context_age=4)
+    assert adm.sample_verdict(_group(0, [1, 2, 5]).samples[0], 5).ok
+    assert adm.kept_tokens(_group(0, [1, 2, 5]).samples[0], 5) == (3, 1)
+    v = adm.sample_verdict(_group(0, [0, 5]).samples[0], 5)
+    assert not v.ok and v.spoils_group and v.reason.startswith("context age 5 > max_context_age 4")
 
 
 def test_invalid_bounds():
@@ -83,13 +94,15 @@ def test_invalid_bounds():
 
 
 @pytest.mark.parametrize(("k", "m", "h"), [(0, None, None), (1, None, None), (2, None, None),
-                                           (2, 0, 4), (2, 1, 2), (2, 2, 3), (3, 2, 6)])
+                                           (2, 0, 4), (2, 1, 2), (2, 2, 3), (3, 2, 6),
+                                           (1, None, 3), (2, None, 4), (0, None, 2)])
 def test_written_guarantees_hold_exhaustively(k, m, h):
     """Every (versions, step) with versions in 0..5 (up to 3 tokens, non-decreasing as an
     engine stamps them) and steps 0..7: whatever the verdicts accept keeps no token older
-    than min(k, m) and has seen no token older than the context bound."""
+    than m (mask), k (drop) or H (admission), and has seen no token older than H; under
+    admission every sample within H is trained whole (its verdict never drops it)."""
     policy = StalenessPolicy(max_staleness=k, max_token_age=m, max_context_age=h)
-    bound_kept = k if m is None else min(k, m)
+    bound_kept = {"mask": m, "drop": k, "admission": h}[policy.rule]
     cases = [list(c) for n in (1, 2, 3)
              for c in itertools.combinations_with_replacement(range(6), n)]
     for versions in cases:
@@ -100,6 +113,8 @@ def test_written_guarantees_hold_exhaustively(k, m, h):
             if v.ok:
                 assert num > 0 and step - oldest_kept <= bound_kept, (versions, step)
                 assert step - min(versions) <= policy.context_bound, (versions, step)
+            if policy.rule == "admission" and step - min(versions) <= h:
+                assert v.ok and num == len(versions), (versions, step)
             live = policy.live_verdict(Group(group_id=sample.group_id, task=sample.task,
                                              samples=[sample]), step)
             if not live.ok:  # doomed now: never trainable at this or any later step

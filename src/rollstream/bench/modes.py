@@ -9,7 +9,12 @@ runs once), ``one_step`` and ``async`` with k = 1, 2, 4, each with partial rollo
 base YAML's ``on_update``: interrupt and resume, or continue in place) and off (drain before
 the swap). ``one_step`` is staleness 1, the same
 controller settings as ``async k=1``: the two differ only by run-to-run noise, which is what
-their difference measures.
+their difference measures. When the base YAML masks old tokens (``train.max_token_age``, the
+long shape), two more rows compare the staleness semantics for a long sample at async k=2
+with partial rollout: ``async_k2_partial_drop`` (no token age: a group holding a token older
+than k is dropped) and ``async_k2_partial_admission`` (AReaL's: k bounds admission only,
+samples trained whole up to ``max_context_age`` 4 with ``decoupled_ppo``), next to the
+headline row's ``mask``; key ``staleness_semantics``.
 
 The headline pair (``sync`` and ``async_k2_partial``, the examples' own rollout
 settings) runs first and again last, A B ... B A, so a drift in the machine's load hits both
@@ -66,11 +71,16 @@ import yaml
 
 from rollstream.bench.probe import ThreadMeter, probe
 from rollstream.config import RunConfig, apply_override, load_config, validate
+from rollstream.rollout.staleness import StalenessPolicy, context_age
 from rollstream.trajectory import eval_group_id, is_eval_uid
 
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
 DRAIN_PAIR = "async_k2_drain"  # the same k without partial rollout
+# async k=2 partial rollout under each staleness semantics (rollout/staleness.py): the
+# headline row is ``mask`` when the base YAML sets train.max_token_age (tick_long.yaml)
+STALENESS_ROWS = {"mask": HEADLINE_ASYNC, "drop": "async_k2_partial_drop",
+                  "admission": "async_k2_partial_admission"}
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -100,6 +110,12 @@ def mode_configs(token_age: bool = False) -> list[tuple[str, list[str]]]:
         for k in (1, 2, 4):
             out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
                                               f"rollout.partial_rollout={partial}", *age(k)]))
+    if token_age:  # the headline row masks old tokens; the other two staleness semantics
+        k2 = ["rollout.mode=async", "rollout.max_staleness=2", "rollout.partial_rollout=true",
+              "train.max_token_age=null"]
+        out.append((STALENESS_ROWS["drop"], k2))
+        out.append((STALENESS_ROWS["admission"],
+                    [*k2, "rollout.max_context_age=4", "train.loss=decoupled_ppo"]))
     return out
 
 
@@ -122,10 +138,10 @@ def row_config(config: Path, common: Sequence[str], row: Sequence[str]) -> RunCo
     return validate(data)
 
 
-def run_order(quick: bool) -> list[str]:
-    """Labels in run order. The headline pair runs first and again last (A B ... B A), so a
-    drift in the machine's load hits both alike; each keeps its faster run (quick: once)."""
-    labels = [label for label, _ in mode_configs()]
+def run_order(quick: bool, labels: Sequence[str]) -> list[str]:
+    """``labels`` in run order. The headline pair runs first and again last (A B ... B A), so
+    a drift in the machine's load hits both alike; each keeps its faster run (quick: once)."""
+    labels = list(labels)
     if quick:
         return labels
     middle = [x for x in labels if x not in ("sync", HEADLINE_ASYNC)]
@@ -286,7 +302,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     probed = probe(cfg0, folder, saturate_s=sizes.saturate_s, probe_steps=sizes.probe_steps)
     modes = dict(mode_configs(token_age=base.train.max_token_age is not None))
     runs: dict[str, list[dict[str, Any]]] = {}
-    for i, label in enumerate(run_order(quick)):
+    for i, label in enumerate(run_order(quick, modes)):
         print(f"bench modes: {label} ...", flush=True)
         cfg = row_config(config, common, [*modes[label], f"name={label}-{i}"])
         runs.setdefault(label, []).append(
@@ -294,6 +310,8 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
              "partial_rollout": cfg.rollout.partial_rollout,
              "on_update": cfg.rollout.on_update, "kv_on_load": cfg.engine.local.kv_on_load,
              "max_token_age": cfg.train.max_token_age,
+             "staleness_rule": StalenessPolicy.from_config(cfg.rollout, cfg.train).rule,
+             "max_context_age": context_age(cfg.rollout, cfg.train), "loss": cfg.train.loss,
              **run_config(cfg)})
     rows = {label: merge_repeats(runs[label]) for label in modes}
     for row in rows.values():
@@ -367,6 +385,15 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         # partial rollout vs drain at the same k (trained samples/s)
         "async_partial_vs_drain": partial_vs_drain,
         "reward_partial_minus_drain": head["reward_final"] - rows[DRAIN_PAIR]["reward_final"],
+        # a long sample that spans more than k versions: dropped, masked, or kept whole
+        "staleness_semantics": {
+            rule: {"row": label, **{key: rows[label][key] for key in (
+                "reward_final", "reward_final_se", "trained_samples_per_s", "trained_tok_s",
+                "train_wall_s", "dropped_stale", "staleness_mean")},
+                "masked_tokens": rows[label]["tokens"]["masked"],
+                "dropped_stale_tokens": rows[label]["tokens"]["dropped_stale"]}
+            for rule, label in STALENESS_ROWS.items() if label in rows
+            and rows[label]["staleness_rule"] == rule},
         # share of a synchronous step spent waiting for rollouts (published: 0.63-0.87)
         "rollout_share_sync": 1.0 - sync["trainer_busy"],
         "config": str(config_path),
@@ -434,8 +461,9 @@ def _print_tables(result: dict[str, Any]) -> None:
                   str(r["interrupts"]))
     console.print(t)
     t = Table(title="where generated tokens and engine time went (training phase; shares of "
-              "generated tokens; pf = prefill of admitted and resumed requests, engine seconds)")
-    cols = ("gen tok", "kept", "mask", "drop", "filt", "abort", "pf n", "pf tok", "pf s",
+              "generated tokens; pf = prefill of admitted and resumed requests: passes of their "
+              "own, fused into a decode step, tokens of both, seconds of the own passes)")
+    cols = ("gen tok", "kept", "mask", "drop", "filt", "abort", "pf n", "fused", "pf tok", "pf s",
             "recomp s", "sort n", "sort s", "dec s", "eng idle", "trn idle")
     t.add_column("config", no_wrap=True)
     for col in cols:
@@ -446,12 +474,25 @@ def _print_tables(result: dict[str, Any]) -> None:
         t.add_row(label, f"{tok['generated']:,}",
                   *(f"{tok[k] / gen:.3f}" for k in ("kept", "masked", "dropped_stale",
                                                     "filtered", "aborted")),
-                  f"{w.get('prefill_count', 0):,.0f}", f"{w.get('prefill_tokens', 0):,.0f}",
+                  f"{w.get('prefill_count', 0):,.0f}", f"{w.get('fused_prefill_count', 0):,.0f}",
+                  f"{w.get('prefill_tokens', 0) + w.get('fused_prefill_tokens', 0):,.0f}",
                   f"{w.get('prefill_s', 0):.1f}", f"{w.get('recompute_s', 0):.1f}",
                   f"{w.get('sort_count', 0):,.0f}", f"{w.get('sort_s', 0):.2f}",
                   f"{w.get('decode_s', 0):.1f}", f"{r['engine_idle_share']:.2f}",
                   f"{r['trainer_idle_share']:.2f}")
     console.print(t)
+    if sem := result["staleness_semantics"]:
+        t = Table(title="staleness semantics for long samples (async k=2, partial rollout)")
+        for col in ("rule", "row", "train s", "trained samples/s", "reward", "dropped stale",
+                    "masked tok", "staleness mean"):
+            t.add_column(col, justify="right")
+        for rule, r in sem.items():
+            t.add_row(rule, r["row"], f"{r['train_wall_s']:.1f}",
+                      f"{r['trained_samples_per_s']:.1f}",
+                      f"{r['reward_final']:.3f}±{r['reward_final_se']:.3f}",
+                      str(r["dropped_stale"]), f"{r['masked_tokens']:,}",
+                      f"{r['staleness_mean']:.2f}")
+        console.print(t)
     console.print(
         f"best async ({result['async_best_async_config']}) reaches "
         f"{result['async_best_share_of_bound']:.2f} of this machine's bound "

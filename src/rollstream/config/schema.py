@@ -186,14 +186,16 @@ class RolloutConfig(Section):
     """``sync``: generate a batch, train, repeat (on-policy). ``one_step``: rollout of step k+1
     overlaps training of step k. ``async``: continuous rollout bounded by max_staleness."""
     max_staleness: int = Field(2, ge=0)
-    """``async`` only: largest (trainer step - policy version) of a token the loss keeps; also
-    sizes admission (a group starts only while admitted <= (served version + k + 1) x
-    groups_per_step). ``sync`` means 0 and ``one_step`` 1: setting another value with them
-    is an error."""
+    """``async`` only: the staleness bound k. Sizes admission (a group starts only while
+    admitted <= (served version + k + 1) x groups_per_step) and, unless max_context_age or
+    train.max_token_age says otherwise, is the largest (trainer step - policy version) of a
+    trained token (older: the group is dropped stale). ``sync`` means 0 and ``one_step`` 1:
+    setting another value with them is an error."""
     max_context_age: int | None = Field(None, ge=0)
-    """With ``train.max_token_age``: largest (trainer step - policy version) of *any* token a
-    trained sample has seen, masked or not (null = 2 x the staleness bound). Without
-    max_token_age every token counts and the bound is max_staleness itself."""
+    """Largest (trainer step - policy version) of *any* token a trained sample has seen,
+    masked or not (>= the staleness bound k; null = 2k with ``train.max_token_age``, else k).
+    Above k without max_token_age: k bounds admission only and long samples are trained
+    whole up to this age (AReaL's semantics; the README's staleness table)."""
     partial_rollout: bool = True
     """On a weight update, interrupt in-flight samples and resume them on the new weights
     (keeping their tokens) instead of letting them finish on the old ones."""
@@ -433,17 +435,11 @@ def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
             f"{r.mode}, rollout.max_staleness = {r.max_staleness}): the loss would keep tokens "
             "older than the bound; use max_token_age <= max_staleness"
         )
-    if r.max_context_age is not None:
-        if m is None:
-            raise ValueError(
-                f"rollout.max_context_age = {r.max_context_age} needs train.max_token_age: "
-                "without it every token counts and the bound is rollout.max_staleness"
-            )
-        if r.max_context_age < k:
-            raise ValueError(
-                f"rollout.max_context_age = {r.max_context_age} is below the staleness bound "
-                f"{k} (rollout.max_staleness / rollout.mode); use max_context_age >= {k}"
-            )
+    if r.max_context_age is not None and r.max_context_age < k:
+        raise ValueError(
+            f"rollout.max_context_age = {r.max_context_age} is below the staleness bound "
+            f"{k} (rollout.max_staleness / rollout.mode); use max_context_age >= {k}"
+        )
     if r.group_size == 1 and r.filter_zero_variance:
         raise ValueError(
             "rollout.group_size = 1 with rollout.filter_zero_variance = true cannot train: a "

@@ -7,21 +7,33 @@ Three bounds (``s`` = the trainer step that would consume the sample, ``v`` = th
 version that sampled a token):
 
 * ``max_staleness`` ``k`` (``rollout.max_staleness``; 0 for ``mode: sync``, 1 for
-  ``one_step``): no token the loss keeps has ``s - v > k``. Admission sizes its capacity by
-  it (a group starts only while ``admitted <= (served version + k + 1) * groups_per_step``).
+  ``one_step``): admission sizes its capacity by it (a group starts only while
+  ``admitted <= (served version + k + 1) * groups_per_step``).
 * ``max_token_age`` ``m`` (``train.max_token_age``, ``m <= k``; null = off): the loss masks
   tokens with ``s - v > m``, and staleness counts only the tokens it keeps. A long sample
   resumed across many updates (partial rollout) trains on its recent tokens instead of being
   dropped. A sample whose every token is masked is DROPPED_STALE (its reward stays in its
   group's baseline).
-* ``max_context_age`` ``H`` (``rollout.max_context_age``; default ``2k``; ``H = k`` without
-  ``m``): no trained sample has *seen* a token with ``s - v > H``, masked or not. Without it a
-  masked prefix could be arbitrarily old, and the kept tokens were sampled conditioned on it.
+* ``max_context_age`` ``H`` (``rollout.max_context_age``, ``H >= k``): no trained sample has
+  *seen* a token with ``s - v > H``, masked or not. Default ``2k`` with ``m``, ``k``
+  without.
 
-Verdicts. A group is trained only when every graded sample is within ``k`` (kept tokens) and
-``H`` (all tokens) and at least one keeps a token; otherwise the whole group is DROPPED_STALE
-with the verdict's reason. A live group whose oldest token is already older than ``H`` behind
-the newest version can never be trained (steps only grow), so it is cancelled at once.
+Together they make three semantics for a long sample that spans several versions
+(:attr:`StalenessPolicy.rule`):
+
+* ``drop`` (no ``m``, ``H = k``, the default): every token the loss keeps is within ``k``;
+  a group holding an older token is DROPPED_STALE whole.
+* ``mask`` (``m`` set): the loss keeps only tokens within ``m``; every token seen is within
+  ``H``.
+* ``admission`` (no ``m``, ``H > k``; AReaL's bound): ``k`` bounds only admission (it stops
+  new samples, not old ones); a sample is trained whole, every token within ``H``, its older
+  tokens corrected by the decoupled-PPO importance weight against their behaviour logprobs.
+
+Verdicts. A group is trained only when every graded sample is within its bounds (kept
+tokens within ``m``, all tokens within ``H``) and at least one keeps a token; otherwise the
+whole group is DROPPED_STALE with the verdict's reason. A live group whose oldest token is
+already older than ``H`` behind the newest version can never be trained (steps only grow),
+so it is cancelled at once.
 
 Pure Python on :mod:`rollstream.trajectory` objects; the trainer applies the same rule to a
 tensor of versions through :meth:`StalenessPolicy.keeps`.
@@ -43,13 +55,11 @@ CONTEXT_AGE_PER_K = 2  # the default max_context_age, in multiples of the stalen
 
 
 def context_age(rollout: RolloutConfig, train: TrainConfig) -> int:
-    """The hard bound ``H`` a config means: ``k`` without token age, else the setting (or 2k)."""
+    """The hard bound ``H`` a config means: the setting, else 2k with token age and k without."""
+    if rollout.max_context_age is not None:
+        return rollout.max_context_age
     k = rollout.staleness_bound
-    if train.max_token_age is None:
-        return k
-    if rollout.max_context_age is None:
-        return CONTEXT_AGE_PER_K * k
-    return rollout.max_context_age
+    return k if train.max_token_age is None else CONTEXT_AGE_PER_K * k
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -87,6 +97,18 @@ class StalenessPolicy:
     def context_bound(self) -> int:
         return self.max_staleness if self.max_context_age is None else self.max_context_age
 
+    @property
+    def kept_bound(self) -> int:
+        """No token the loss keeps is older than this: ``m``, else ``H``."""
+        return self.context_bound if self.max_token_age is None else self.max_token_age
+
+    @property
+    def rule(self) -> str:
+        """``drop``, ``mask`` or ``admission`` (see the module docstring)."""
+        if self.max_token_age is not None:
+            return "mask"
+        return "admission" if self.context_bound > self.max_staleness else "drop"
+
     # ---- tokens ----------------------------------------------------------------------------
     def oldest_kept_version(self, step: int) -> int:
         """Tokens of a version below this are masked out of a loss at ``step``."""
@@ -119,8 +141,8 @@ class StalenessPolicy:
             return Verdict(ok=False, reason=(
                 f"every token older than max_token_age {self.max_token_age} (trainer step "
                 f"{step})"))
-        assert oldest_kept is not None and step - oldest_kept <= self.max_staleness, (
-            "kept tokens are within max_token_age <= max_staleness, or all tokens within H = k")
+        assert oldest_kept is not None and step - oldest_kept <= self.kept_bound, (
+            "kept tokens are within max_token_age, or all tokens within H")
         return _OK
 
     def group_verdict(self, group: Group, step: int) -> Verdict:
@@ -143,7 +165,7 @@ class StalenessPolicy:
         return _OK
 
     def _too_old(self, step: int, oldest: int) -> str:
-        if self.max_token_age is None:
+        if self.rule == "drop":
             return (f"staleness {step - oldest} > max_staleness {self.max_staleness} (oldest "
                     f"token version {oldest}, trainer step {step})")
         return (f"context age {step - oldest} > max_context_age {self.context_bound} (oldest "
