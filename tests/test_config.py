@@ -82,6 +82,8 @@ def test_cross_field_check():
         (["rollout.group_size=1"], ["rollout.group_size = 1",
                                     "rollout.filter_zero_variance = true"]),
         (["sampling.temperature=0"], ["sampling.temperature = 0", "eval.temperature"]),
+        (["engine.kind=vllm", "model.tiny.max_position=128"],
+         ["engine.vllm.max_model_len = 512", "model.tiny.max_position = 128"]),
     ],
 )
 def test_contradicting_or_untrainable_settings_fail_at_load_naming_both(overrides, fields):

@@ -380,6 +380,14 @@ class RunConfig(Section):
                 "model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads "
                 f"(got {self.model.tiny.num_heads} and {self.model.tiny.num_kv_heads})"
             )
+        tiny, vllm = self.model.tiny, self.engine.vllm
+        if self.model.path is None and self.engine.kind == "vllm" and \
+                vllm.max_model_len > tiny.max_position:
+            raise ValueError(
+                f"engine.vllm.max_model_len = {vllm.max_model_len} exceeds model.tiny."
+                f"max_position = {tiny.max_position} (the model's max_position_embeddings, "
+                "which vLLM refuses to exceed); lower max_model_len or raise max_position"
+            )
         _check_rollout(self.rollout, self.train)
         _check_train(self.train)
         if self.reward.name != "auto":

@@ -206,6 +206,9 @@ class VllmServer:
         tail = self.log_tail(200)
         if "Address already in use" in tail:
             return "Its port was taken by another process. "
+        if "is greater than the derived max_model_len" in tail:
+            return ("engine.vllm.max_model_len exceeds the model's max_position_embeddings "
+                    "(config.json). ")
         if "config.json" in tail or "Unrecognized model" in tail or "safetensors" in tail:
             return f"{self.model_path} does not look like a loadable model folder. "
         return ""
