@@ -33,7 +33,7 @@ class _Decode:
         self.held, self.go = threading.Event(), threading.Event()
         engine._runner.decode = self
 
-    def __call__(self) -> list[int]:
+    def __call__(self, new=()) -> list[int]:
         call = len(self.versions) + 1
         if call == self.fail_at:
             raise RuntimeError(BOOM)
@@ -41,7 +41,7 @@ class _Decode:
             self.held.set()
             assert self.go.wait(60)
         self.versions.append(self.engine._version)
-        return self.real()
+        return self.real(new)
 
 
 async def _submit_together(engine: LocalEngine, requests: list[GenerateRequest]):
@@ -178,18 +178,19 @@ async def test_a_weight_load_that_raises_kills_the_engine_and_fails_the_load(
 
 
 async def test_rows_not_prefilled_or_unreadable_return_without_tokens(tiny_model_dir):
-    """A prefill that raises: the rows already decoding keep their tokens, the rows being
-    admitted have none. Then a runner that cannot even be read: ABORT without tokens."""
+    """An admission that raises (the prompts' prefill, fused into the decode pass): the rows
+    already decoding keep their tokens, the rows being admitted have none. Then a runner that
+    cannot even be read: ABORT without tokens."""
     engine = _local(tiny_model_dir, max_restarts=0)
     decode = _Decode(engine, hold_at=2)
     first = await _submit_together(engine, _seeded(2, seed=24))
     assert await asyncio.to_thread(decode.held.wait, 60)
     second = [engine.submit(r) for r in _seeded(4, seed=25)[2:]]
 
-    def broken_prefill(seqs):
+    def broken_admit(seqs):
         raise RuntimeError(BOOM)
 
-    engine._runner.prefill = broken_prefill
+    engine._runner._admit = broken_admit
     decode.go.set()
     outs = await _outputs(first + second)
     assert [len(o.token_ids) for o in outs] == [3, 3, 0, 0]

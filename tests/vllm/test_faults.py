@@ -103,25 +103,11 @@ def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
-async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm_engine):
-    """Streams run at version 7, a reload to 8 lands mid-stream, then the server is killed:
-    each cut request keeps the tokens received before the reload resumed, all of version 7
-    (the same seeded streams on the version-7 weights begin with them); the engine is
-    RECOVERING, restarts the server with the version-8 weights, and is UP again."""
-    e = vllm_engine
-    g = torch.Generator().manual_seed(5)
-    original = shared.original_weights(shared.model_path())
-    weights7, weights8 = ({k: v + 0.3 * torch.randn(v.shape, generator=g)
-                           for k, v in original.items()} for _ in range(2))
-    greedy = dict(temperature=0.0, max_new_tokens=32)
-    await e.load_weights(8, weights8)
-    reference = await e.generate(_req("ref", [1, 2, 3], **greedy))  # what the v8 weights give
-    await e.load_weights(7, weights7)
-    old_pgid, restarts = e.server.proc.pid, e.num_restarts
-    shm_before = set(glob.glob("/dev/shm/psm_*")) - set(_segments_of(old_pgid))
-
+async def _streams_across_a_reload(e, weights8, life: int):
+    """Four long seeded streams at version 7, then a reload to 8 mid-stream: the tasks and
+    the engine's token count at the reload."""
     for attempt in range(3):
-        tasks = [asyncio.create_task(e.generate(_req(f"k{attempt}-{i}", [1, 2, 3 + i],
+        tasks = [asyncio.create_task(e.generate(_req(f"k{life}{attempt}-{i}", [1, 2, 3 + i],
                                                      max_new_tokens=3000, seed=100 + i)))
                  for i in range(4)]
         while e.stats().num_running < 4 and not any(t.done() for t in tasks):
@@ -141,7 +127,39 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
     while (e.stats().generated_tokens < tokens_at_resume + 64 and time.monotonic() < deadline
            and not any(t.done() for t in tasks)):
         await asyncio.sleep(0.001)  # let tokens of uncertain version arrive, if they come
-    assert e.stats().health is EngineHealth.UP
+    return tasks, tokens_at_resume
+
+
+async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm_engine):
+    """Streams run at version 7, a reload to 8 lands mid-stream, then the server is killed:
+    each cut request keeps the tokens received before the reload resumed, all of version 7
+    (the same seeded streams on the version-7 weights begin with them); the engine is
+    RECOVERING, restarts the server with the version-8 weights, and is UP again."""
+    e = vllm_engine
+    g = torch.Generator().manual_seed(5)
+    original = shared.original_weights(shared.model_path())
+    weights7, weights8 = ({k: v + 0.3 * torch.randn(v.shape, generator=g)
+                           for k, v in original.items()} for _ in range(2))
+    greedy = dict(temperature=0.0, max_new_tokens=32)
+    await e.load_weights(8, weights8)
+    reference = await e.generate(_req("ref", [1, 2, 3], **greedy))  # what the v8 weights give
+    for life in range(2):
+        await e.load_weights(7, weights7)
+        old_pgid, restarts = e.server.proc.pid, e.num_restarts
+        shm_before = set(glob.glob("/dev/shm/psm_*")) - set(_segments_of(old_pgid))
+        tasks, tokens_at_resume = await _streams_across_a_reload(e, weights8, life)
+        if e.stats().health is EngineHealth.UP:
+            break
+        # vLLM's EngineCore died by itself before the planned kill (seen once, in CI on a
+        # loaded machine): show why, let the engine recover, and run the scenario again
+        print(f"vLLM died before the planned kill: {e.stats().health_reason}\n"
+              f"{e.server.log_tail()}")
+        await asyncio.gather(*tasks)
+        recovered = await asyncio.wait_for(e.generate(_req(f"up{life}", [1, 2, 3], **greedy)),
+                                           300)
+        assert recovered.finish_reason is not FinishReason.ERROR, recovered.error
+    else:
+        pytest.fail("vLLM's EngineCore died by itself twice before the planned kill")
     os.kill(e.server.proc.pid, signal.SIGKILL)  # the API server; its children are orphaned
     outs = await asyncio.gather(*tasks)
     stats = e.stats()
