@@ -7,7 +7,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 # torch 2.13.0+cpu lies on disk on these machines; elsewhere pip resolves the range in pyproject.
 TORCH_WHEELS := $(wildcard /opt/wheels)
 
-.PHONY: setup setup-vllm demo test test-fast bench clean
+.PHONY: setup setup-vllm system-deps demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -34,7 +34,17 @@ $(VLLM_STAMP): $(STAMP)
 demo: setup
 	$(BIN)/rollstream train examples/tick.yaml
 
-test: setup-vllm
+# Debian packages the tests need: bubblewrap (sandboxes) and Chromium (browser tests).
+system-deps:
+	@missing=""; command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+		else echo "make test needs the packages:$$missing (install them, then rerun)"; exit 1; fi; \
+	fi
+
+test: setup-vllm system-deps
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: setup
