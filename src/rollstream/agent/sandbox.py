@@ -1,0 +1,308 @@
+"""Sandboxes: isolated, resettable execution of untrusted code (tool calls, code rewards).
+
+A sandbox is a bubblewrap (``bwrap``) process with its own PID, network, IPC and UTS
+namespaces: no network at all (a fresh network namespace has only its own loopback), the
+host's ``/usr`` and Python read-only, a private working directory at ``/work``, a private
+``/tmp``, and an optional read-only artifact cache at ``/artifacts`` shared by every sandbox.
+Inside it runs ``sandbox_executor.py``, which takes one program at a time, runs it in a fresh
+interpreter under CPU-time, memory, file-size and wall-time limits, and afterwards kills every
+process the program left and empties ``/work`` and ``/tmp``: a sandbox is warm (no start
+cost) and reset between uses.
+
+Processes: run as root (CI, containers), each sandbox's programs run under a uid of their own
+(``uid_base + slot``), so ``RLIMIT_NPROC`` counts only that sandbox's processes and a fork bomb
+stops at ``max_procs``. Run as another user, bwrap makes a user namespace instead and the
+process limit counts all of that user's processes (the limit is set that far above the
+current count). Cleanup is guaranteed by the kernel: the sandbox's init is bwrap, and when it
+dies (``--die-with-parent``: also when this process dies) every process of the namespace
+dies with it.
+
+``SandboxPool`` keeps ``size`` warm sandboxes and hands one to each ``run``; a sandbox that
+stops answering (its executor killed, or wedged past the wall limit) is killed and replaced,
+and that run returns with the reason. Not here yet: an allow-list for selective network
+access (a sandbox has none), and the ``unshare`` fallback for machines without bubblewrap
+(``make test`` installs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Self
+
+EXECUTOR = Path(__file__).with_name("sandbox_executor.py")
+READY_TIMEOUT_S = 30.0
+REPLY_GRACE_S = 10.0  # on top of the wall limit, for the executor's cleanup
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not be started (bubblewrap missing or refused)."""
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SandboxLimits:
+    """What one program may use."""
+
+    wall_s: float = 10.0
+    cpu_s: float = 5.0
+    memory_mb: int = 512  # address space of the program's interpreter
+    max_procs: int = 16  # processes and threads of the program together
+    file_size_mb: int = 16  # the largest file it may write
+    max_output_bytes: int = 65536  # of stdout and of stderr each; the rest is cut
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "cpu_s", "memory_mb", "max_procs", "file_size_mb",
+                     "max_output_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SandboxResult:
+    exit_code: int | None  # None: it was stopped before it exited
+    stdout: str
+    stderr: str
+    error: str | None  # why it was stopped or hit a limit (None: it ran and exited)
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.error is None
+
+
+def _bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxError("sandboxes need bubblewrap: install it (Debian: apt-get install "
+                           "bubblewrap); `make test` does so when it is missing")
+    return path
+
+
+def _system_mounts() -> list[str]:
+    """The host's programs and libraries, read-only; Python from wherever it lives."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib64", "sbin"):
+        path = Path("/") / top
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.exists():
+            args += ["--ro-bind", str(path), str(path)]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    prefix = Path(sys.base_prefix).resolve()
+    if not prefix.is_relative_to("/usr"):  # e.g. /root/.pyenv/...: its parents traversable
+        for parent in reversed(prefix.parents[:-1]):
+            args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    return args
+
+
+def _python() -> str:
+    """The base interpreter (a venv's python would need the venv, which holds our code)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                count += os.stat(f"/proc/{entry}").st_uid == uid
+    return count
+
+
+class Sandbox:
+    """One warm sandbox; runs one program at a time (``SandboxPool`` sees to that)."""
+
+    def __init__(self, *, slot: int, root: Path, limits: SandboxLimits,
+                 artifacts: Path | None, uid_base: int) -> None:
+        self.slot, self.limits = slot, limits
+        self.workdir = root / f"work-{slot}"
+        self.log_path = root / f"sandbox-{slot}.log"
+        self._artifacts = artifacts
+        self._as_root = os.geteuid() == 0
+        self._uid = uid_base + slot if self._as_root else os.geteuid()
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def _argv(self) -> list[str]:
+        argv = [_bwrap(), "--die-with-parent", "--new-session", "--unshare-pid",
+                "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        argv += _system_mounts()
+        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+                 "--bind", str(self.workdir), "/work", "--chdir", "/work"]
+        if self._artifacts is not None:
+            argv += ["--ro-bind", str(self._artifacts), "/artifacts"]
+        if self._as_root:  # bwrap keeps root; the program gets a uid of its own
+            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
+                     shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={self._uid}",
+                     f"--regid={self._uid}", "--clear-groups", "--inh-caps=-all",
+                     "--bounding-set=-all", "--"]
+        else:
+            argv += ["--unshare-user", "--"]
+        return argv + [_python(), "-I", "-S", "-c", EXECUTOR.read_text()]
+
+    def _limit_processes(self) -> None:
+        """In the child before exec: the process limit, inherited by the executor."""
+        import resource
+
+        extra = 0 if self._as_root else _processes_of(self._uid)
+        n = self.limits.max_procs + 1 + extra  # + 1: the executor itself
+        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self._as_root:
+            os.chown(self.workdir, self._uid, self._uid)
+        log = open(self.log_path, "ab")  # noqa: SIM115, ASYNC230 - the child holds it
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self._argv(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=log, start_new_session=True, preexec_fn=self._limit_processes,
+                limit=4 * self.limits.max_output_bytes + (1 << 20))
+        finally:
+            log.close()
+        try:
+            line = await asyncio.wait_for(self._proc.stdout.readline(), READY_TIMEOUT_S)
+        except TimeoutError:
+            line = b""
+        if not line.startswith(b'{"ready"'):
+            await self.close()
+            raise SandboxError(f"sandbox {self.slot} did not start: {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-2000:].strip() or "(no output)"
+        return "(no log)"
+
+    async def run(self, code: str, *, stdin: str = "") -> SandboxResult:
+        """Run ``code`` (a Python program) in the sandbox; a sandbox that does not answer is
+        killed (the caller replaces it) and the result says so."""
+        assert self.alive, "run() on a sandbox that is not running"
+        request = {"code": code, "stdin": stdin, "limits": asdict(self.limits)}
+        start = time.monotonic()
+        self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+        try:
+            await self._proc.stdin.drain()
+            line = await asyncio.wait_for(self._proc.stdout.readline(),
+                                          self.limits.wall_s + REPLY_GRACE_S)
+        except (TimeoutError, ConnectionError):
+            line = b""
+        except asyncio.CancelledError:  # its reply would be read as the next run's
+            await asyncio.shield(self.close())
+            raise
+        if not line:
+            why = "stopped answering" if self.alive else "died"
+            await self.close()
+            return SandboxResult(exit_code=None, stdout="", stderr="",
+                                 error=f"sandbox {why} (killed; a fresh one replaces it)",
+                                 duration_s=time.monotonic() - start)
+        reply = json.loads(line)
+        return SandboxResult(exit_code=reply["exit_code"], stdout=reply["stdout"],
+                             stderr=reply["stderr"], error=reply["error"],
+                             duration_s=reply["duration_s"])
+
+    async def close(self) -> None:
+        """Kill the sandbox and every process in it (the namespace dies with its init)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        if self._as_root:  # the namespace's processes die with its init: wait until they have
+            deadline = time.monotonic() + 10.0
+            while _processes_of(self._uid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+
+class SandboxPool:
+    """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy."""
+
+    def __init__(self, size: int = 2, *, limits: SandboxLimits | None = None,
+                 artifacts: Path | str | None = None, uid_base: int = 61000) -> None:
+        if size < 1:
+            raise ValueError(f"SandboxPool size must be >= 1, got {size}")
+        if artifacts is not None:
+            if not Path(artifacts).is_dir():
+                raise ValueError(f"sandbox artifacts {artifacts} is not a folder")
+            if os.geteuid() == 0 and Path(artifacts).stat().st_mode & 0o005 != 0o005:
+                raise ValueError(f"sandbox artifacts {artifacts} must be readable by others "
+                                 "(chmod o+rx): sandboxed programs run under uids of their own")
+        _bwrap()
+        self.limits = limits or SandboxLimits()
+        self._root = Path(tempfile.mkdtemp(prefix="rollstream-sandbox-"))
+        self._sandboxes = [
+            Sandbox(slot=i, root=self._root, limits=self.limits, uid_base=uid_base,
+                    artifacts=None if artifacts is None else Path(artifacts).resolve())
+            for i in range(size)
+        ]
+        self._free: asyncio.Queue[Sandbox] = asyncio.Queue()
+        for sandbox in self._sandboxes:
+            self._free.put_nowait(sandbox)
+        self.num_started = 0
+        self._closed = False
+
+    async def run(self, code: str, *, stdin: str = "") -> SandboxResult:
+        if self._closed:
+            raise RuntimeError("SandboxPool is closed")
+        sandbox = await self._free.get()
+        try:
+            if not sandbox.alive:  # first use, or it was killed: a fresh one
+                await sandbox.start()
+                self.num_started += 1
+            return await sandbox.run(code, stdin=stdin)
+        finally:
+            self._free.put_nowait(sandbox)
+
+    async def close(self) -> None:
+        self._closed = True
+        for sandbox in self._sandboxes:
+            await sandbox.close()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+@dataclass(slots=True, kw_only=True)
+class PythonTool:
+    """The built-in ``python`` tool: runs the model's program in a sandbox of ``pool``. What
+    the model reads is the program's stdout, then its stderr and why it was stopped, if so
+    (a traceback is an answer the model learns from, not a failed call)."""
+
+    pool: SandboxPool
+    name: str = "python"
+    description: str = ("Run a Python program in a sandbox (no network, limited time and "
+                        "memory) and return what it prints.")
+    parameters: dict = field(default_factory=lambda: {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "the program"}},
+        "required": ["code"],
+    })
+
+    async def __call__(self, code: str) -> str:
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a string, got {type(code).__name__}")
+        result = await self.pool.run(code)
+        parts = [result.stdout] if result.stdout else []
+        if result.stderr and not result.ok:
+            parts.append(result.stderr)
+        if result.error is not None:
+            parts.append(f"[stopped: {result.error}]")
+        elif result.exit_code:
+            parts.append(f"[exit code {result.exit_code}]")
+        return "\n".join(p.rstrip("\n") for p in parts)

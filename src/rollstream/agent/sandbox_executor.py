@@ -1,0 +1,188 @@
+"""The program that runs inside a sandbox (stdlib only; started by ``agent.sandbox``).
+
+It reads one JSON request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in
+a fresh interpreter with the limits applied (CPU time, address space, file size, a new process
+group), and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it
+was stopped, if it was. After every run it kills every other process of the sandbox (the
+sandbox has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and
+empties the working directory and /tmp: the next run starts from a clean sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import select
+import shutil
+import signal
+import sys
+import time
+
+WORKDIR = "/work"
+CLEAN = (WORKDIR, "/tmp")
+
+
+def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict) -> None:
+    """In the forked child: limits, redirections, then a fresh isolated interpreter."""
+    try:
+        os.setpgid(0, 0)
+        cpu_s = max(1, math.ceil(limits["cpu_s"]))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        memory = limits["memory_mb"] << 20
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        size = limits["file_size_mb"] << 20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.chdir(WORKDIR)
+        os.execv(sys.executable, [sys.executable, "-I", "-c", code])
+    except BaseException as e:  # noqa: BLE001 - the child must never return into the loop
+        os.write(err_w, f"sandbox: could not start the program: {e!r}\n".encode())
+    finally:
+        os._exit(127)
+
+
+def _read_until(proc_pid: int, fds: list[int], deadline: float, cap: int) -> tuple:
+    """Collect the child's output until it exits or ``deadline``; (status, outputs, timed out)."""
+    bufs = {fd: bytearray() for fd in fds}
+    open_fds, status = list(fds), None
+    while True:
+        if status is None:
+            pid, st = os.waitpid(proc_pid, os.WNOHANG)
+            if pid:
+                status = st
+        if status is not None and not open_fds:
+            return status, bufs, False
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            return status, bufs, status is None
+        if not open_fds:  # output closed; the child is about to exit
+            time.sleep(min(timeout, 0.002))
+            continue
+        ready, _, _ = select.select(open_fds, [], [], min(timeout, 0.1 if status is None else 0.05))
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.remove(fd)
+            elif len(bufs[fd]) < cap:
+                bufs[fd] += chunk[: cap - len(bufs[fd])]
+        if status is not None and not ready:
+            return status, bufs, False  # exited; a background process may hold the pipes
+
+
+def _kill_the_rest() -> None:
+    """Kill every process of the sandbox but init and this one, and reap our children."""
+    me = str(os.getpid())
+    for _ in range(50):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        others = [p for p in os.listdir("/proc") if p.isdigit() and p not in ("1", me)]
+        if not others:
+            return
+        time.sleep(0.01)
+
+
+def _clean() -> None:
+    for folder in CLEAN:
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
+def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_used_s: float):
+    """Why the run was stopped or failed on a limit (None: it ran and exited by itself)."""
+    if timed_out:
+        return f"timeout: wall time limit of {limits['wall_s']:g} s exceeded"
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used_s >= limits["cpu_s"]):
+            return f"cpu time limit of {limits['cpu_s']:g} s exceeded"
+        return f"killed by signal {signal.Signals(sig).name}"
+    tail = stderr[-2000:]
+    if "MemoryError" in tail or "Cannot allocate memory" in tail:
+        return f"memory limit of {limits['memory_mb']} MB exceeded"
+    if "File too large" in tail:
+        return f"file size limit of {limits['file_size_mb']} MB exceeded"
+    if "Resource temporarily unavailable" in tail and ("fork" in tail or "thread" in tail
+                                                        or "BlockingIOError" in tail):
+        return f"process limit of {limits['max_procs']} exceeded"
+    if "Network is unreachable" in tail:
+        return "network access refused: the sandbox has no network"
+    if "Read-only file system" in tail:
+        return "write refused: only /work and /tmp are writable"
+    return None
+
+
+def run_one(request: dict) -> dict:
+    limits = request["limits"]
+    stdin_path = "/tmp/.stdin"  # unlinked once open: the program sees only its stdin
+    with open(stdin_path, "w") as f:
+        f.write(request.get("stdin", ""))
+    stdin_fd = os.open(stdin_path, os.O_RDONLY)
+    os.unlink(stdin_path)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start, cpu_before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    pid = os.fork()
+    if pid == 0:
+        os.close(out_r)
+        os.close(err_r)
+        _child(request["code"], stdin_fd, out_w, err_w, limits)
+    os.close(out_w)
+    os.close(err_w)
+    os.close(stdin_fd)
+    status, bufs, timed_out = _read_until(
+        pid, [out_r, err_r], start + limits["wall_s"], limits["max_output_bytes"])
+    _kill_the_rest()
+    if status is None:
+        try:
+            status = os.waitpid(pid, 0)[1]
+        except ChildProcessError:
+            status = None
+    os.close(out_r)
+    os.close(err_r)
+    duration_s = time.monotonic() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_used_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime
+                                                                 - cpu_before.ru_stime)
+    stdout = bufs[out_r].decode(errors="replace")
+    stderr = bufs[err_r].decode(errors="replace")
+    exit_code = None
+    if status is not None and not timed_out:
+        exit_code = os.waitstatus_to_exitcode(status)
+    _clean()
+    return {"exit_code": exit_code, "stdout": stdout, "stderr": stderr,
+            "error": _why(status, timed_out, stderr, limits, cpu_used_s),
+            "duration_s": duration_s, "cpu_s": cpu_used_s}
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in sys.stdin:
+        reply = run_one(json.loads(line))
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
