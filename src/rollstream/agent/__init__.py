@@ -1,3 +1,3 @@
-"""Multi-turn, tool-using episodes (DESIGN.md, `agent/`): tool calls (``tools``) and sandboxes
-for untrusted code (``sandbox``). The agent loop, environments, chat-template rendering and the
-OpenAI-compatible proxy build on these."""
+"""Multi-turn, tool-using episodes (DESIGN.md, `agent/`): the agent loop (``loop``),
+environments (``environment``), token-exact chat rendering (``chat``), tool calls (``tools``)
+and sandboxes for untrusted code (``sandbox``)."""
