@@ -128,13 +128,16 @@ class AgentLoop:
         b = self.budgets
         budget = min(b.max_turn_tokens, b.max_total_tokens - len(ep.response_ids))
         t0 = time.monotonic()
-        segment, finish, error, interrupts, out_of_time = await self._generate(
-            ep.token_ids, budget, stop, f"{episode_id}/t{ep.num_model_turns}", deadline)
+        params = replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop)
+        out = await generate_turn(self.engine, ep.token_ids, params,
+                                  f"{episode_id}/t{ep.num_model_turns}", deadline)
+        segment, error, out_of_time = out.segment, out.error, out.out_of_time
         ep.segments.append(segment)
-        ep.turns.append(Turn(kind=SegmentKind.POLICY, num_tokens=len(segment), started_s=t0 - start,
-                             duration_s=time.monotonic() - t0, finish_reason=finish,
-                             num_interrupts=interrupts))
-        ended = finish is FinishReason.STOP
+        ep.turns.append(Turn(kind=SegmentKind.POLICY, num_tokens=len(segment),
+                             started_s=t0 - start, duration_s=time.monotonic() - t0,
+                             finish_reason=out.finish_reason,
+                             num_interrupts=out.num_interrupts))
+        ended = out.finish_reason is FinishReason.STOP
         ids = segment.token_ids[:-1] if ended else segment.token_ids
         text = await asyncio.to_thread(self.renderer.tokenizer.decode, ids)
         ep.messages.append({"role": "assistant", "content": text})
@@ -166,39 +169,51 @@ class AgentLoop:
                              duration_s=time.monotonic() - t1, tool_calls=obs.tool_calls,
                              tool_results=obs.tool_results))
 
-    async def _generate(self, ids: list[int], budget: int, stop: tuple[int, ...], rid: str,
-                        deadline: float | None):
-        """One model turn; continues after interrupts (weight updates) until it stops, hits
-        ``budget``, fails, or the wall deadline passes (then it is interrupted and kept)."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        interrupts, out_of_time = 0, False
-        while True:
-            params = replace(self.sampling, max_new_tokens=budget - len(tokens),
-                             stop_token_ids=stop)
-            request_id = f"{rid}/{interrupts}"
-            task = asyncio.ensure_future(self.engine.generate(
-                GenerateRequest(request_id=request_id, prompt_ids=ids + tokens, params=params)))
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = await asyncio.wait({task}, timeout=timeout)
-            if not done:
-                out_of_time = True
-                await self.engine.interrupt([request_id])
-            out = await task
-            tokens += out.token_ids
-            logprobs += out.logprobs
-            versions += out.versions
-            resumable = out.finish_reason is FinishReason.ABORT and out.error is None
-            if resumable and not out_of_time and len(tokens) < budget:
-                interrupts += 1
-                continue
-            # an ABORT without an error here: interrupted at our own wall deadline
-            error = out.error if out.finish_reason in (FinishReason.ERROR,
-                                                       FinishReason.ABORT) else None
-            segment = Segment(kind=SegmentKind.POLICY, token_ids=tokens, logprobs=logprobs,
-                              versions=versions, loss_mask=[True] * len(tokens))
-            return segment, out.finish_reason, error, interrupts, out_of_time
+
+@dataclass(slots=True, kw_only=True)
+class TurnOutput:
+    segment: Segment  # the turn's tokens as served, with their logprobs and versions
+    finish_reason: FinishReason
+    error: str | None  # the engine failed the turn (ERROR, or ABORT of a dying engine)
+    num_interrupts: int
+    out_of_time: bool  # interrupted at ``deadline``
+
+
+async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, rid: str,
+                        deadline: float | None = None) -> TurnOutput:
+    """One model turn on ``ids``: continues after interrupts (weight updates) until it stops,
+    reaches ``params.max_new_tokens``, fails, or ``deadline`` (``time.monotonic``) passes;
+    then it is interrupted and what it has is kept."""
+    budget = params.max_new_tokens
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    interrupts, out_of_time = 0, False
+    while True:
+        request_id = f"{rid}/{interrupts}"
+        request = GenerateRequest(request_id=request_id, prompt_ids=ids + tokens,
+                                  params=replace(params, max_new_tokens=budget - len(tokens)))
+        task = asyncio.ensure_future(engine.generate(request))
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            out_of_time = True
+            await engine.interrupt([request_id])
+        out = await task
+        tokens += out.token_ids
+        logprobs += out.logprobs
+        versions += out.versions
+        resumable = out.finish_reason is FinishReason.ABORT and out.error is None
+        if resumable and not out_of_time and len(tokens) < budget:
+            interrupts += 1
+            continue
+        # an ABORT without an error here: interrupted at our own deadline
+        error = out.error if out.finish_reason in (FinishReason.ERROR,
+                                                   FinishReason.ABORT) else None
+        segment = Segment(kind=SegmentKind.POLICY, token_ids=tokens, logprobs=logprobs,
+                          versions=versions, loss_mask=[True] * len(tokens))
+        return TurnOutput(segment=segment, finish_reason=out.finish_reason, error=error,
+                          num_interrupts=interrupts, out_of_time=out_of_time)
 
 
 def _loop_time(deadline: float | None) -> float | None:

@@ -1,0 +1,156 @@
+"""The OpenAI-compatible proxy with the official SDK against the real embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rollstream.agent.chat import ChatRenderer, check_alignment
+from rollstream.agent.proxy import AgentProxy, _sse
+from rollstream.config.schema import EngineConfig, LocalEngineConfig, TinyModelConfig
+from rollstream.engine import build_engine
+from rollstream.models.tiny import build_tiny_model
+from rollstream.models.tokenizer import build_char_tokenizer
+from rollstream.trajectory import SegmentKind
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "evaluate arithmetic",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=128, max_position=512, seed=5)
+    return build_tiny_model(cfg, build_char_tokenizer(), tmp_path_factory.mktemp("proxy-model"))
+
+
+@pytest.fixture
+async def proxy(model_dir):
+    cfg = EngineConfig(kind="local", local=LocalEngineConfig(max_slots=16, max_seq_len=512,
+                                                             threads=1, device="cpu"))
+    engine = build_engine(cfg, model_dir, engine_id="local-0")
+    async with AgentProxy([engine], build_char_tokenizer()) as proxy:
+        yield proxy
+    await engine.close()
+
+
+async def _agent(handle, index: int, *, stream: bool) -> list[str]:
+    """An ordinary SDK agent: ask, feed a tool result back, ask again; the replies it read."""
+    client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key)
+    messages = [{"role": "system", "content": "use tools"},
+                {"role": "user", "content": f"what is {index} + 1"}]
+    replies = []
+    for turn in range(3):
+        kwargs = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 12,
+                      "temperature": 1.0, "seed": index}
+        if stream:
+            text = ""
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        else:
+            reply = await client.chat.completions.create(**kwargs)
+            text = reply.choices[0].message.content or ""
+        replies.append(text)
+        messages.append({"role": "assistant", "content": text})
+        follow = ({"role": "tool", "tool_call_id": "call_0", "content": f"{index + 1}"}
+                  if turn == 0 else {"role": "user", "content": "and then"})
+        messages.append(follow)
+    await client.close()
+    return replies
+
+
+async def test_64_concurrent_sdk_sessions_each_stitch_into_one_exact_sample(proxy):
+    handles = [proxy.open_session(f"ep{i}") for i in range(64)]
+    replies = await asyncio.gather(*(_agent(h, i, stream=i % 2 == 1)
+                                     for i, h in enumerate(handles)))
+    renderer = ChatRenderer(build_char_tokenizer())
+    for handle, read in zip(handles, replies, strict=True):
+        samples = proxy.close_session(handle.api_key)
+        assert len(samples) == 1, [s.started_because for s in samples]
+        sample = samples[0]
+        assert sample.num_calls == 3 and sample.started_because is None
+        kinds = [s.kind for s in sample.segments]
+        assert kinds == [SegmentKind.POLICY, SegmentKind.ENV] * 2 + [SegmentKind.POLICY]
+        check_alignment(renderer, sample.messages, sample.token_ids)
+        served = [m["content"] for m in sample.messages if m["role"] == "assistant"]
+        assert served == read  # what the SDK read is what was trained
+        policy = [s for s in sample.segments if s.kind is SegmentKind.POLICY]
+        assert all(len(s) <= 12 and set(s.versions) == {0} for s in policy)
+
+
+async def test_a_harness_that_rewrites_history_starts_a_new_sample(proxy):
+    handle = proxy.open_session("rw")
+    client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key)
+    first = [{"role": "user", "content": "a"}]
+    reply = await client.chat.completions.create(model="t", messages=first, max_tokens=4)
+    text = reply.choices[0].message.content or ""
+    await client.chat.completions.create(  # continues: one sample
+        model="t", max_tokens=4,
+        messages=[*first, {"role": "assistant", "content": text}, {"role": "user", "content": "b"}])
+    await client.chat.completions.create(  # drops the history: a second sample
+        model="t", max_tokens=4, messages=[{"role": "user", "content": "summary"}])
+    await client.close()
+    samples = proxy.close_session(handle.api_key)
+    assert [s.num_calls for s in samples] == [2, 1]
+    assert samples[1].started_because == "history rewritten: 1 messages sent after 4 seen"
+
+
+async def test_missing_wrong_or_closed_keys_are_refused_and_only_loopback_is_bound(proxy):
+    assert proxy._server.servers[0].sockets[0].getsockname()[0] == "127.0.0.1"
+    url = f"{proxy.base_url}/chat/completions"
+    body = {"model": "t", "messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient() as http:
+        assert (await http.post(url, json=body)).status_code == 401
+        wrong = await http.post(url, json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+        handle = proxy.open_session("k")
+        proxy.close_session(handle.api_key)
+        closed = await http.post(url, json=body,
+                                 headers={"Authorization": f"Bearer {handle.api_key}"})
+        assert closed.status_code == 401
+        handle = proxy.open_session("n")
+        two = await http.post(url, json=body | {"n": 2},
+                              headers={"Authorization": f"Bearer {handle.api_key}"})
+        assert two.status_code == 400 and "n must be 1" in two.json()["error"]["message"]
+    client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(**body)
+    await client.close()
+
+
+async def test_run_harness_returns_the_samples_of_a_harness_that_times_out(proxy):
+    async def harness(handle):
+        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key)
+        await client.chat.completions.create(
+            model="t", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        await asyncio.sleep(60)
+
+    samples, outcome = await proxy.run_harness(harness, episode_id="slow", timeout_s=2.0)
+    assert isinstance(outcome, TimeoutError)
+    assert len(samples) == 1 and samples[0].num_calls == 1
+
+
+async def test_tool_calls_in_a_reply_are_openai_tool_calls(proxy):
+    handle = proxy.open_session("tc")
+    session = proxy._sessions[handle.api_key]
+    text = 'sure\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n' \
+           "</tool_call>"
+    message = proxy._message(text, session)
+    assert message["content"] == "sure"
+    call = message["tool_calls"][0]
+    assert call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "1+2"}
+    reply = {"id": "c", "created": 0, "model": "t",
+             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}
+    chunks = [line async for line in _sse(reply)]
+    assert chunks[-1] == "data: [DONE]\n\n"
+    deltas = [json.loads(c[6:])["choices"][0] for c in chunks[:-1]]
+    assert deltas[2]["delta"]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert deltas[-1]["finish_reason"] == "tool_calls"
