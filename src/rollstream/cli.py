@@ -5,6 +5,7 @@
     rollstream bench NAME [--json OUT]             run a benchmark: prints a table, writes JSON
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
     rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
+    rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
 
 Heavy modules are imported inside each command so that ``--help`` is instant.
 """
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 BENCHES = {
+    "agentic": "multi-turn episodes with slow heavy-tailed tools: batched by turn vs async",
     "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
@@ -79,6 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     act = e.add_mutually_exclusive_group()
     act.add_argument("--drain", metavar="ENGINE_ID", default=None)
     act.add_argument("--undrain", metavar="ENGINE_ID", default=None)
+
+    x = sub.add_parser(
+        "proxy",
+        help="serve a model folder through the OpenAI-compatible agent proxy",
+        description="The embedded engine on MODEL_DIR behind an OpenAI-compatible endpoint on "
+        "127.0.0.1: prints base_url and one api_key per session; an agent using the openai SDK "
+        "with them is recorded token by token. On Ctrl-C (or SIGTERM) each session's samples "
+        "are written to --out as JSON lines.",
+    )
+    x.add_argument("model_dir", type=Path)
+    x.add_argument("--port", type=int, default=0, help="default: a free port")
+    x.add_argument("--sessions", type=int, default=1, help="sessions (API keys) to open")
+    x.add_argument("--out", type=Path, default=None, help="write the samples here (JSONL)")
     return p
 
 
@@ -155,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(args.run_dir))
         elif args.command == "engines":
             _engines(args.run_dir, args.drain, args.undrain)
+        elif args.command == "proxy":
+            from rollstream.agent.proxy import serve
+
+            if args.sessions < 1:
+                raise ValueError(f"--sessions must be >= 1, got {args.sessions}")
+            serve(args.model_dir, port=args.port, num_sessions=args.sessions, out=args.out)
     except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2

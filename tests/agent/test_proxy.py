@@ -154,3 +154,35 @@ async def test_tool_calls_in_a_reply_are_openai_tool_calls(proxy):
     deltas = [json.loads(c[6:])["choices"][0] for c in chunks[:-1]]
     assert deltas[2]["delta"]["tool_calls"][0]["function"]["name"] == "calculator"
     assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_rollstream_proxy_command_serves_an_sdk_agent_and_writes_its_samples(model_dir,
+                                                                            tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "samples.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "rollstream", "proxy", str(model_dir),
+                             "--sessions", "2", "--out", str(out)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        base_url = proc.stdout.readline().split()[1]
+        keys = [proc.stdout.readline().split()[1] for _ in range(2)]
+        assert base_url.startswith("http://127.0.0.1:")
+        for key in keys:
+            client = openai.OpenAI(base_url=base_url, api_key=key)
+            reply = client.chat.completions.create(
+                model="kit", max_tokens=6, messages=[{"role": "user", "content": "hi"}])
+            assert reply.choices[0].finish_reason in ("stop", "length")
+            client.close()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "2 samples from 2 sessions" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["session"], r["num_calls"]) for r in records] == [(0, 1), (1, 1)]
+    assert all(r["segments"][0]["kind"] == "policy" for r in records)
