@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from rollstream.bench.modes import HEADLINE_ASYNC, main, mode_configs
 
 TINY = [
@@ -29,7 +31,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
                 "reward_async", "async_ceiling_vs_sync", "reward_noise_2se", "reward_noise"):
         assert key in written and not isinstance(written[key], str), key
     assert written["async_config"] == HEADLINE_ASYNC
-    assert set(written["rows"]) == {label for label, _ in mode_configs(token_age=True)}
+    assert set(written["rows"]) == {label for label, _ in mode_configs("admission")}
     samples = {r["trained_samples"] for r in written["rows"].values()}
     assert samples == {2 * 2 * 4}, samples  # steps x groups x group size, every config
     for label, row in written["rows"].items():
@@ -51,6 +53,9 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert not written["rows"]["async_k4_drain"]["partial_rollout"]
     assert written["probe"]["saturated_tok_s"] > 0
     assert math.isfinite(written["engine_utilization_async"])
+    head, probe = written["rows"][HEADLINE_ASYNC], written["probe"]
+    assert written["engine_utilization_async_contended"] == pytest.approx(
+        head["gen_tok_s"] / probe["engine_tok_s_with_trainer"])
     assert 0 <= written["rollout_share_sync"] <= 1
     assert written["config"].endswith("examples/tick_long.yaml")
     assert 1 <= written["async_bound_vs_sync"] <= written["async_ceiling_vs_sync"] + 1e-9
@@ -58,15 +63,19 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["async_best_async_config"] != "sync"
     assert written["async_best_share_of_bound"] > 0 and written["async_partial_vs_drain"] > 0
     assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
-    sem = written["staleness_semantics"]  # the long shape masks: each semantics has its row
+    sem = written["staleness_semantics"]  # each semantics has its row, the base's headlines
     assert set(sem) == {"drop", "mask", "admission"}
+    assert sem["admission"]["row"] == HEADLINE_ASYNC
     for rule, r in sem.items():
         assert written["rows"][r["row"]]["staleness_rule"] == rule
+        assert written["rows"][r["row"]]["loss"] == written["rows"][HEADLINE_ASYNC]["loss"]
     assert sem["drop"]["masked_tokens"] == sem["admission"]["masked_tokens"] == 0
     assert written["rows"][sem["admission"]["row"]]["max_context_age"] == 4
+    assert written["rows"][sem["drop"]["row"]]["max_context_age"] == 2
+    assert written["rows"][sem["mask"]["row"]]["max_token_age"] == 2
     ages = {label: row["max_token_age"] for label, row in written["rows"].items()
-            if label not in (sem["drop"]["row"], sem["admission"]["row"])}
-    assert ages == {label: written["rows"][label]["max_staleness"] for label in ages}
+            if label != sem["mask"]["row"]}
+    assert set(ages.values()) == {None}  # the base does not mask: no other row does
 
 
 def test_bench_config_is_an_option_of_modes_only(capsys):

@@ -118,14 +118,15 @@ def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
        on_update=st.sampled_from(["interrupt", "continue"]),
-       max_token_age=st.sampled_from([None, 0, 1, 2, 3]), context_extra=st.integers(0, 2))
+       max_token_age=st.sampled_from([None, 0, 1, 2, 3]),
+       context_extra=st.sampled_from([None, 0, 1, 2]))
 def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, partial, on_update,
                                                 max_token_age, context_extra):
-    """Every semantics (drop, mask, admission: max_context_age = k + context_extra without
-    max_token_age) keeps its written bounds and exactly-once recording."""
+    """Every semantics (drop, mask, admission: max_context_age = k + context_extra, or its
+    default 2k when None) keeps its written bounds and exactly-once recording."""
     assume(max_token_age is None or max_token_age <= k)  # else a config error (test_config)
     tmp = tmp_path_factory.mktemp("run")
-    extra = {"max_context_age": k + context_extra} if context_extra else {}
+    extra = {} if context_extra is None else {"max_context_age": k + context_extra}
     loop, res, ledger, trainer = run_controller(tmp, mode="async", k=k, partial=partial,
                                                 on_update=on_update, seed=seed,
                                                 max_token_age=max_token_age, **extra)
@@ -133,11 +134,11 @@ def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, parti
 
 
 def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_factory):
-    """Partial rollout at k=1 drops samples whose oldest token is too old (drop). With
-    max_token_age=1 their recent tokens are trained instead (old ones masked), and the only
-    samples dropped are those whose every token is too old (mask). With max_context_age=2
-    and no token age they are trained whole (admission). Three seeded runs each (the
-    completion orders are random)."""
+    """Partial rollout at k=1 with max_context_age=1 drops samples whose oldest token is too
+    old (drop). With max_token_age=1 their recent tokens are trained instead (old ones
+    masked), and the only samples dropped are those whose every token is too old (mask).
+    By default (max_context_age 2k = 2, no token age) they are trained whole (admission).
+    Three seeded runs each (the completion orders are random)."""
     def run(max_token_age, rows_only=False, **extra):
         rows = []
         for seed in (11, 12, 13):
@@ -154,7 +155,7 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
                   and r["min_trained_version"] > r["min_version"]]
         return dropped, masked
 
-    dropped, masked = run(None)
+    dropped, masked = run(None, max_context_age=1)
     assert dropped and all(reason.startswith("staleness") for reason in dropped)
     assert not masked
     dropped, masked = run(1)
@@ -163,7 +164,7 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
     assert all(reason.startswith(("every token older than max_token_age 1",
                                   "context age")) for reason in dropped), dropped
     # admission (AReaL's): k=1 bounds admission only; samples up to 2 versions old train whole
-    rows = run(None, max_context_age=2, rows_only=True)
+    rows = run(None, rows_only=True)
     old = [r for r in rows if r["status"] == "trained"
            and r["trained_at_step"] - r["min_version"] == 2]
     assert old and all(r["min_trained_version"] == r["min_version"] for r in old)

@@ -115,14 +115,14 @@ def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: i
 @given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
        on_update=st.sampled_from(["interrupt", "continue"]),
        max_token_age=st.sampled_from([None, 0, 1, 2]), resume_at=st.integers(1, 5),
-       lost=st.integers(0, 2), context_extra=st.integers(0, 2))
+       lost=st.integers(0, 2), context_extra=st.sampled_from([None, 0, 1, 2]))
 def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, partial, on_update,
                                                  max_token_age, resume_at, lost, context_extra):
     """Each staleness semantics (drop, mask, admission) keeps its bounds across a resume."""
     assume(max_token_age is None or max_token_age <= k)
     steps = 7
     tmp = tmp_path_factory.mktemp("run")
-    h = k + context_extra if context_extra else None
+    h = None if context_extra is None else k + context_extra  # None: the default 2k
     cfg, snap, res, ledger, trainer, tasks = run_with_resume(
         tmp, k=k, partial=partial, on_update=on_update, seed=seed, steps=steps,
         resume_at=resume_at, lost=lost, max_token_age=max_token_age, max_context_age=h)

@@ -33,13 +33,14 @@ def test_from_config_maps_modes_and_defaults_the_context_bound():
 
     assert policy(mode="sync").max_staleness == 0
     assert policy(mode="one_step").max_staleness == 1
-    p = policy(mode="async", max_staleness=3)
-    assert (p.max_staleness, p.max_token_age, p.context_bound) == (3, None, 3)
+    p = policy(mode="async", max_staleness=3)  # the default: admission, up to 2 x k
+    assert (p.max_staleness, p.max_token_age, p.context_bound, p.rule) == (3, None, 6,
+                                                                            "admission")
+    assert policy(mode="sync").rule == "drop"  # k = 0: nothing older than the step
     p = policy(mode="async", max_staleness=3, max_token_age=2)
     assert p.context_bound == 6  # 2 x k by default
     assert policy(mode="async", max_staleness=3, max_token_age=2,
                   max_context_age=4).context_bound == 4
-    assert policy(mode="async", max_staleness=3).rule == "drop"
     assert policy(mode="async", max_staleness=3, max_token_age=2).rule == "mask"
     p = policy(mode="async", max_staleness=3, max_context_age=5)
     assert (p.rule, p.context_bound, p.kept_bound) == ("admission", 5, 5)
