@@ -4,7 +4,6 @@ their reasons, and a turn interrupted for a weight update that resumes on the ne
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,30 +12,12 @@ from safetensors.torch import load_file
 from rollstream.agent.chat import ChatRenderer, check_alignment
 from rollstream.agent.environment import Observation, ThreadedEnvironment
 from rollstream.agent.loop import AgentLoop, Budgets, EpisodeEnd
-from rollstream.config.schema import EngineConfig, LocalEngineConfig, TinyModelConfig
-from rollstream.engine import FinishReason, GenerateRequest, SamplingParams, build_engine
-from rollstream.models.tiny import build_tiny_model
+from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.trajectory import SegmentKind
 
 GREEDY = SamplingParams(temperature=0.0)
 OPENING = [{"role": "system", "content": "sum the numbers"}, {"role": "user", "content": "3 4 5"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                          intermediate_size=128, max_position=512, seed=3)
-    return build_tiny_model(cfg, build_char_tokenizer(), tmp_path_factory.mktemp("agent-model"))
-
-
-@pytest.fixture
-async def engine(model_dir):
-    cfg = EngineConfig(kind="local", local=LocalEngineConfig(max_slots=4, max_seq_len=512,
-                                                             threads=1, device="cpu"))
-    eng = build_engine(cfg, model_dir, engine_id="local-0")
-    yield eng
-    await eng.close()
 
 
 class Scripted:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -12,9 +11,6 @@ import pytest
 
 from rollstream.agent.chat import ChatRenderer, check_alignment
 from rollstream.agent.proxy import AgentProxy, _sse
-from rollstream.config.schema import EngineConfig, LocalEngineConfig, TinyModelConfig
-from rollstream.engine import build_engine
-from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.trajectory import SegmentKind
 
@@ -24,21 +20,10 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["expression"]}}}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                          intermediate_size=128, max_position=512, seed=5)
-    return build_tiny_model(cfg, build_char_tokenizer(), tmp_path_factory.mktemp("proxy-model"))
-
-
 @pytest.fixture
-async def proxy(model_dir):
-    cfg = EngineConfig(kind="local", local=LocalEngineConfig(max_slots=16, max_seq_len=512,
-                                                             threads=1, device="cpu"))
-    engine = build_engine(cfg, model_dir, engine_id="local-0")
+async def proxy(engine):
     async with AgentProxy([engine], build_char_tokenizer()) as proxy:
         yield proxy
-    await engine.close()
 
 
 async def _agent(handle, index: int, *, stream: bool) -> list[str]:
