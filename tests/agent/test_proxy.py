@@ -171,3 +171,27 @@ def test_rollstream_proxy_command_serves_an_sdk_agent_and_writes_its_samples(mod
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["session"], r["num_calls"]) for r in records] == [(0, 1), (1, 1)]
     assert all(r["segments"][0]["kind"] == "policy" for r in records)
+
+
+async def test_a_session_whose_engine_went_away_continues_on_another(model_dir, engine):
+    from rollstream.config.schema import EngineConfig, LocalEngineConfig
+    from rollstream.engine import build_engine
+
+    other = build_engine(EngineConfig(kind="local", local=LocalEngineConfig(
+        max_slots=4, max_seq_len=512, threads=1, device="cpu")), model_dir, engine_id="local-1")
+    async with AgentProxy([engine, other], build_char_tokenizer()) as proxy:
+        handle = proxy.open_session("failover")
+        session = proxy._sessions[handle.api_key]
+        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key)
+        messages = [{"role": "user", "content": "a"}]
+        reply = await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+        first = session.engine
+        await first.close()  # DEAD from now on
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+        await client.close()
+        assert session.engine is not first
+        samples = proxy.close_session(handle.api_key)
+        assert len(samples) == 1 and samples[0].num_calls == 2  # the same sample goes on
+    await other.close()

@@ -8,8 +8,9 @@ trajectory by **dialogue-prefix matching**: a call whose messages are the previo
 messages plus the reply it got plus new ones (tool results, a user turn) continues the
 trajectory, the new messages rendered incrementally after the tokens already served
 (``ChatRenderer.extend``); a call that rewrote history (dropped, edited or reordered earlier
-messages) starts a new sample, recorded with the reason. A session sticks to the engine its
-first call went to (which holds its prefix).
+messages), or follows a call the engine failed, starts a new sample, recorded with the
+reason. A session sticks to the engine its first call went to (which holds its prefix) while
+that engine is UP, and moves to the least loaded one otherwise.
 
 Security: binds to 127.0.0.1 unless told otherwise, and every call needs the bearer key of an
 open session (401 otherwise). The run side opens a session, hands its URL and key to a
@@ -66,7 +67,8 @@ class _Session:
     key: str
     episode_id: str
     samples: list[ProxySample] = field(default_factory=list)
-    seen: list[Message] = field(default_factory=list)  # last request's messages + its reply
+    # the last request's messages + its reply (None: that call failed)
+    seen: list[Message] | None = field(default_factory=list)
     ended_turn: bool = True  # the last model turn ended with its stop token
     engine: Engine | None = None
     num_calls: int = 0
@@ -188,7 +190,12 @@ class AgentProxy:
         async with session.lock:
             session.num_calls += 1
             sample = session.samples[-1] if session.samples else None
-            at = _extends(session.seen, messages) if sample is not None else "the first call"
+            if sample is None:
+                at: int | str = "the first call"
+            elif session.seen is None:  # its tokens end where that call's prompt did
+                at = "the previous call failed"
+            else:
+                at = _extends(session.seen, messages)
             if isinstance(at, int):
                 new = [_templated(m) for m in messages[at:]]
                 if new:
@@ -209,10 +216,12 @@ class AgentProxy:
                 max_new_tokens=int(body.get("max_completion_tokens")
                                    or body.get("max_tokens") or DEFAULT_MAX_TOKENS),
                 stop_token_ids=stop, seed=body.get("seed"))
-            session.engine = session.engine or self._pick_engine()
+            if session.engine is None or session.engine.stats().health is not EngineHealth.UP:
+                session.engine = self._pick_engine()  # first call, or its engine went away
             out = await generate_turn(session.engine, sample.token_ids, params,
                                       f"{session.key[-8:]}/{session.num_calls}")
             if out.error is not None:
+                session.seen = None
                 raise EngineFailed(f"the engine failed the call: {out.error}")
             sample.segments.append(out.segment)
             sample.num_calls += 1
