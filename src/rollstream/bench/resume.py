@@ -45,6 +45,23 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+class _FirstSpan:
+    """When a started process's first engine span lands in ``timeline.jsonl``: the first time
+    the file holds more lines than the fewest seen since the start (a resumed run first cuts
+    the file back to its checkpoint, so the count before the start is no baseline)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.t0 = path, time.perf_counter()
+        self.fewest, self.seconds = _lines(path), None
+
+    def poll(self) -> None:
+        if self.seconds is None:
+            n = _lines(self.path)
+            if n > self.fewest:
+                self.seconds = time.perf_counter() - self.t0
+            self.fewest = min(self.fewest, n)
+
+
 def main(json_out: Path | None = None, quick: bool = False, *,
          cache_dir: Path | None = None) -> dict[str, Any]:
     """``cache_dir``: the warm-started model's cache (default: the config's, as other benches)."""
@@ -61,22 +78,19 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         run_dir = Path(cfg.run_root) / cfg.name
         kills, resume_s, seen, t_bench = [], [], -1, time.perf_counter()
         while len(kills) < num_kills:
-            spans_before = _lines(run_dir / "timeline.jsonl")
-            t0 = time.perf_counter()
+            first_span = _FirstSpan(run_dir / "timeline.jsonl")
             proc = subprocess.Popen(
                 [sys.executable, "-m", "rollstream", "train", str(cfg_path),
                  *(["--resume"] if seen >= 0 else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            first_span = None
             while proc.poll() is None:
-                if first_span is None and _lines(run_dir / "timeline.jsonl") > spans_before:
-                    first_span = time.perf_counter() - t0
+                first_span.poll()
                 ckpt = durable.latest(run_dir)
                 if ckpt is not None and ckpt.step > seen:
                     break
                 time.sleep(0.02)
-            if seen >= 0 and first_span is not None:
-                resume_s.append(first_span)
+            if seen >= 0 and first_span.seconds is not None:
+                resume_s.append(first_span.seconds)
             if proc.poll() is not None:
                 break  # it finished before a kill
             seen = durable.latest(run_dir).step
@@ -86,18 +100,15 @@ def main(json_out: Path | None = None, quick: bool = False, *,
             proc.wait()
             kills.append({"after_checkpoint": seen, "delay_s": round(delay, 3)})
             print(f"bench resume: killed {delay:.2f} s after checkpoint {seen}", flush=True)
-        spans_before = _lines(run_dir / "timeline.jsonl")
-        t0 = time.perf_counter()
+        first_span = _FirstSpan(run_dir / "timeline.jsonl")
         proc = subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(cfg_path),
                                  "--resume"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
-        first_span = None
         while proc.poll() is None:
-            if first_span is None and _lines(run_dir / "timeline.jsonl") > spans_before:
-                first_span = time.perf_counter() - t0
+            first_span.poll()
             time.sleep(0.02)
-        if first_span is not None:
-            resume_s.append(first_span)
+        if first_span.seconds is not None:
+            resume_s.append(first_span.seconds)
         tail = proc.stdout.read()[-2000:] if proc.stdout else ""
         audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES, groups_per_step=GROUPS,
                           steps=steps)
