@@ -134,11 +134,11 @@ def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, parti
 
 
 def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_factory):
-    """Partial rollout at k=1 with max_context_age=1 drops samples whose oldest token is too
-    old (drop). With max_token_age=1 their recent tokens are trained instead (old ones
+    """Partial rollout at k=1 drops samples whose oldest token is too old (drop, the
+    default). With max_token_age=1 their recent tokens are trained instead (old ones
     masked), and the only samples dropped are those whose every token is too old (mask).
-    By default (max_context_age 2k = 2, no token age) they are trained whole (admission).
-    Three seeded runs each (the completion orders are random)."""
+    With max_context_age=2 and no token age they are trained whole (admission). Three seeded
+    runs each (the completion orders are random)."""
     def run(max_token_age, rows_only=False, **extra):
         rows = []
         for seed in (11, 12, 13):
@@ -155,7 +155,7 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
                   and r["min_trained_version"] > r["min_version"]]
         return dropped, masked
 
-    dropped, masked = run(None, max_context_age=1)
+    dropped, masked = run(None)
     assert dropped and all(reason.startswith("staleness") for reason in dropped)
     assert not masked
     dropped, masked = run(1)
@@ -164,7 +164,7 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
     assert all(reason.startswith(("every token older than max_token_age 1",
                                   "context age")) for reason in dropped), dropped
     # admission (AReaL's): k=1 bounds admission only; samples up to 2 versions old train whole
-    rows = run(None, rows_only=True)
+    rows = run(None, max_context_age=2, rows_only=True)
     old = [r for r in rows if r["status"] == "trained"
            and r["trained_at_step"] - r["min_version"] == 2]
     assert old and all(r["min_trained_version"] == r["min_version"] for r in old)

@@ -33,10 +33,8 @@ def test_from_config_maps_modes_and_defaults_the_context_bound():
 
     assert policy(mode="sync").max_staleness == 0
     assert policy(mode="one_step").max_staleness == 1
-    p = policy(mode="async", max_staleness=3)  # the default: admission, up to 2 x k
-    assert (p.max_staleness, p.max_token_age, p.context_bound, p.rule) == (3, None, 6,
-                                                                            "admission")
-    assert policy(mode="sync").rule == "drop"  # k = 0: nothing older than the step
+    p = policy(mode="async", max_staleness=3)  # the default: drop
+    assert (p.max_staleness, p.max_token_age, p.context_bound, p.rule) == (3, None, 3, "drop")
     p = policy(mode="async", max_staleness=3, max_token_age=2)
     assert p.context_bound == 6  # 2 x k by default
     assert policy(mode="async", max_staleness=3, max_token_age=2,

@@ -9,9 +9,10 @@ runs once), ``one_step`` and ``async`` with k = 1, 2, 4, each with partial rollo
 base YAML's ``on_update``: interrupt and resume, or continue in place) and off (drain before
 the swap). ``one_step`` is staleness 1, the same
 controller settings as ``async k=1``: the two differ only by run-to-run noise, which is what
-their difference measures. Two more rows compare the staleness semantics for a long sample
-at async k=2 with partial rollout (rollout/staleness.py), next to the headline row's (the base
-YAML's rule: ``admission``, the default, for both examples): ``async_k2_partial_<rule>`` for
+their difference measures. Every row follows the base YAML's staleness rule at its own k.
+Two more rows compare the staleness semantics for a long sample at async k=2 with partial
+rollout (rollout/staleness.py), next to the headline row's (the base YAML's rule:
+``admission`` in both examples): ``async_k2_partial_<rule>`` for
 each other rule of ``drop`` (``max_context_age`` = k: a group holding a token older than k is
 dropped), ``mask`` (``train.max_token_age`` = k: older tokens masked) and ``admission`` (k
 bounds admission only, samples trained whole up to ``max_context_age`` 2k), all with the
@@ -79,11 +80,14 @@ HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
 DRAIN_PAIR = "async_k2_drain"  # the same k without partial rollout
 # async k=2 partial rollout under each staleness semantics (rollout/staleness.py): the
 # overrides that make a row follow the rule (the headline row follows the base YAML's)
-STALENESS_RULES = {
-    "drop": ["train.max_token_age=null", "rollout.max_context_age=2"],
-    "mask": ["train.max_token_age=2", "rollout.max_context_age=null"],
-    "admission": ["train.max_token_age=null", "rollout.max_context_age=null"],
-}
+def rule_settings(rule: str, k: int) -> list[str]:
+    """The overrides that make a row with staleness bound ``k`` follow ``rule``."""
+    return {"drop": ["train.max_token_age=null", f"rollout.max_context_age={k}"],
+            "mask": [f"train.max_token_age={k}", f"rollout.max_context_age={2 * k}"],
+            "admission": ["train.max_token_age=null", f"rollout.max_context_age={2 * k}"]}[rule]
+
+
+STALENESS_RULES = ("drop", "mask", "admission")
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -101,23 +105,23 @@ QUICK = Sizes(steps=2, num_eval=8, samples_per_task=1, saturate_s=2.0, probe_ste
 
 def mode_configs(base_rule: str = "admission") -> list[tuple[str, list[str]]]:
     """(label, overrides) of every benchmarked config. ``base_rule``: the staleness rule of
-    the base YAML (the headline row's); under ``mask`` every row sets ``train.max_token_age``
-    to its own staleness bound k, so a row's bound means the same with or without it."""
-    def age(k: int) -> list[str]:
-        return [f"train.max_token_age={k}"] if base_rule == "mask" else []
+    the base YAML (the headline row's); every row follows it at its own staleness bound k
+    (``max_token_age`` k, ``max_context_age`` 2k or k), so a row's bounds mean the same."""
+    def bounds(k: int) -> list[str]:
+        return rule_settings(base_rule, k)
 
-    out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true", *age(0)])]
+    out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true", *bounds(0)])]
     for partial in (True, False):
         tag = "partial" if partial else "drain"
         out.append((f"one_step_{tag}",
-                    ["rollout.mode=one_step", f"rollout.partial_rollout={partial}", *age(1)]))
+                    ["rollout.mode=one_step", f"rollout.partial_rollout={partial}", *bounds(1)]))
         for k in (1, 2, 4):
             out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
-                                              f"rollout.partial_rollout={partial}", *age(k)]))
+                                              f"rollout.partial_rollout={partial}", *bounds(k)]))
     k2 = ["rollout.mode=async", "rollout.max_staleness=2", "rollout.partial_rollout=true"]
-    for rule, settings in STALENESS_RULES.items():  # the other two staleness semantics
+    for rule in STALENESS_RULES:  # the other two staleness semantics
         if rule != base_rule:
-            out.append((f"{HEADLINE_ASYNC}_{rule}", [*k2, *settings]))
+            out.append((f"{HEADLINE_ASYNC}_{rule}", [*k2, *rule_settings(rule, 2)]))
     return out
 
 

@@ -187,15 +187,15 @@ class RolloutConfig(Section):
     overlaps training of step k. ``async``: continuous rollout bounded by max_staleness."""
     max_staleness: int = Field(2, ge=0)
     """``async`` only: the staleness bound k. Sizes admission (a group starts only while
-    admitted <= (served version + k + 1) x groups_per_step); how old a trained token may be is
-    max_context_age's (default 2k) and train.max_token_age's business (README: staleness).
-    ``sync`` means 0 and ``one_step`` 1: setting another value with them is an error."""
+    admitted <= (served version + k + 1) x groups_per_step) and, unless max_context_age or
+    train.max_token_age says otherwise, is the largest (trainer step - policy version) of a
+    trained token (older: the group is dropped stale). ``sync`` means 0 and ``one_step`` 1:
+    setting another value with them is an error."""
     max_context_age: int | None = Field(None, ge=0)
     """Largest (trainer step - policy version) of *any* token a trained sample has seen,
-    masked or not (>= the staleness bound k; null = 2k). Above k without max_token_age
-    (the default): k bounds admission only and long samples are trained whole up to this age
-    (AReaL's semantics); equal to k: a group holding a token older than k is dropped stale
-    (the README's staleness table)."""
+    masked or not (>= the staleness bound k; null = 2k with ``train.max_token_age``, else k).
+    Above k without max_token_age: k bounds admission only and long samples are trained
+    whole up to this age (AReaL's semantics; the README's staleness table)."""
     partial_rollout: bool = True
     """On a weight update, interrupt in-flight samples and resume them on the new weights
     (keeping their tokens) instead of letting them finish on the old ones."""

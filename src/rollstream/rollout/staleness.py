@@ -15,23 +15,27 @@ version that sampled a token):
   dropped. A sample whose every token is masked is DROPPED_STALE (its reward stays in its
   group's baseline).
 * ``max_context_age`` ``H`` (``rollout.max_context_age``, ``H >= k``): no trained sample has
-  *seen* a token with ``s - v > H``, masked or not. Default ``2k``.
+  *seen* a token with ``s - v > H``, masked or not. Default ``2k`` with ``m``, ``k``
+  without.
 
 Together they make three semantics for a long sample that spans several versions
 (:attr:`StalenessPolicy.rule`):
 
-* ``admission`` (no ``m``, ``H > k``; the default, AReaL's bound): ``k`` bounds only
-  admission (it stops new samples, not old ones); a sample is trained whole, every token
-  within ``H``, its older tokens weighted by the loss's importance ratio against their
-  behaviour logprobs (clipped by PPO-clip; decoupled PPO's behaviour weight).
-* ``drop`` (no ``m``, ``H = k``): every token the loss keeps is within ``k``; a group holding
-  an older token is DROPPED_STALE whole.
+* ``drop`` (no ``m``, ``H = k``, the default): every token the loss keeps is within ``k``;
+  a group holding an older token is DROPPED_STALE whole.
 * ``mask`` (``m`` set): the loss keeps only tokens within ``m``; every token seen is within
   ``H``.
+* ``admission`` (no ``m``, ``H > k``; AReaL's bound): ``k`` bounds only admission (it stops
+  new samples, not old ones); a sample is trained whole, every token within ``H``, its older
+  tokens weighted by the loss's importance ratio against their behaviour logprobs (clipped
+  by PPO-clip; decoupled PPO's behaviour weight).
 
-The default was picked by ``bench modes`` on the long-tail shape (docs/benchmarks.md,
-session 7): at equal reward (within noise) admission and drop trained ~10% more samples/s
-than mask, and admission dropped 8-56 samples where drop dropped ~520.
+``bench modes`` on the long-tail shape with PPO-clip (docs/benchmarks.md, session 7): reward
+within noise for the three, admission and drop ~10% more samples/s than mask, admission
+dropping the fewest samples; both examples use admission (with PPO-clip). It is not the
+library default because the default async loss (``decoupled_ppo``) was unstable with it and
+with mask on that shape (one collapse in each pair of runs), and ``drop`` is what the
+default loss was validated with.
 
 Verdicts. A group is trained only when every graded sample is within its bounds (kept
 tokens within ``m``, all tokens within ``H``) and at least one keeps a token; otherwise the
@@ -59,10 +63,11 @@ CONTEXT_AGE_PER_K = 2  # the default max_context_age, in multiples of the stalen
 
 
 def context_age(rollout: RolloutConfig, train: TrainConfig) -> int:
-    """The hard bound ``H`` a config means: the setting, else 2k."""
+    """The hard bound ``H`` a config means: the setting, else 2k with token age and k without."""
     if rollout.max_context_age is not None:
         return rollout.max_context_age
-    return CONTEXT_AGE_PER_K * rollout.staleness_bound
+    k = rollout.staleness_bound
+    return k if train.max_token_age is None else CONTEXT_AGE_PER_K * k
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
