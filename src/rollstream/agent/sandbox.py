@@ -193,17 +193,19 @@ class Sandbox:
         request = {"code": code, "stdin": stdin, "limits": asdict(self.limits)}
         start = time.monotonic()
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+        why = "died"  # its reply channel closed (EOF), or its stdin did
         try:
             await self._proc.stdin.drain()
             line = await asyncio.wait_for(self._proc.stdout.readline(),
                                           self.limits.wall_s + REPLY_GRACE_S)
-        except (TimeoutError, ConnectionError):
+        except TimeoutError:
+            line, why = b"", "stopped answering"
+        except ConnectionError:
             line = b""
         except asyncio.CancelledError:  # its reply would be read as the next run's
             await asyncio.shield(self.close())
             raise
         if not line:
-            why = "stopped answering" if self.alive else "died"
             await self.close()
             return SandboxResult(exit_code=None, stdout="", stderr="",
                                  error=f"sandbox {why} (killed; a fresh one replaces it)",
