@@ -245,7 +245,9 @@ async def test_requests_beyond_capacity_queue_and_complete(engine):
     assert stats.num_running <= capacity
     assert stats.num_running + stats.num_waiting >= n - capacity
     outs = await asyncio.gather(*tasks)
-    assert [o.finish_reason for o in outs] == [FinishReason.LENGTH] * n
+    assert [o.finish_reason for o in outs] == [FinishReason.LENGTH] * n, [
+        (o.request_id, o.finish_reason, len(o.token_ids), o.error)
+        for o in outs if o.finish_reason is not FinishReason.LENGTH]
     assert all(len(o.token_ids) == 50 for o in outs)
     stats = e.stats()
     assert stats.num_running == stats.num_waiting == 0
