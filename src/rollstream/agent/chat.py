@@ -23,7 +23,7 @@ fails it with the first differing position and both decodings around it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 Message = dict[str, Any]  # {"role": ..., "content": ...}: the chat-template schema
@@ -42,7 +42,6 @@ class ChatRenderer:
 
     tokenizer: Any
     tools: list[dict] | None = None  # the tool schemas the template shows the model
-    _closings: dict[bool, str] = field(default_factory=dict)
 
     def text(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -65,25 +64,25 @@ class ChatRenderer:
         return closed[len(opened):].split(PROBE, 1)[1]
 
     def stop_token_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The token that ends a model turn under this template (generation stops there):
-        the first special token the template closes an assistant turn with."""
-        tail = self._assistant_tail(messages)
+        """The token that ends a model turn under this template (generation stops there)."""
+        return [self._stop_in(self._assistant_tail(messages))]
+
+    def _stop_in(self, tail: str) -> int:
+        """The first special token the template closes an assistant turn with."""
         for token_id in self.encode(tail):
             if token_id in self.tokenizer.all_special_ids:
-                return [token_id]
+                return token_id
         raise TemplateError(f"the chat template closes an assistant turn with {tail!r}, "
                             "which holds no special token to end a turn on")
 
     def closing(self, messages: Sequence[Message], *, ended: bool) -> str:
         """What the template writes after an assistant turn's text: after its end-of-turn
         token when the model sampled it (``ended``), the whole closing text otherwise."""
-        if ended not in self._closings:
-            tail = self._assistant_tail(messages)
-            if ended:
-                stop = self.tokenizer.decode(self.stop_token_ids(messages))
-                tail = tail[tail.index(stop) + len(stop):]
-            self._closings[ended] = tail
-        return self._closings[ended]
+        tail = self._assistant_tail(messages)
+        if ended:
+            stop = self.tokenizer.decode([self._stop_in(tail)])
+            tail = tail[tail.index(stop) + len(stop):]
+        return tail
 
     def extend(self, messages: Sequence[Message], new: Sequence[Message], *,
                model_ended_turn: bool) -> list[int]:
