@@ -1,12 +1,14 @@
-"""The kit tokenizer: character round trip, specials, chat template, HF folder loading."""
+"""The kit tokenizer: character round trip, specials, chat template, HF folder loading (a
+tokenizer folder, and model folders of both architectures, where transformers 5's
+AutoTokenizer would swap in the architecture's byte-level pre-tokenizer)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
-
+from rollstream.config.schema import TinyModelConfig
+from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import (
     ALPHABET,
     EOS,
@@ -15,14 +17,22 @@ from rollstream.models.tokenizer import (
     PAD,
     UNK,
     build_char_tokenizer,
+    is_kit_tokenizer,
+    load_tokenizer,
     save_char_tokenizer,
 )
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tok")
-    save_char_tokenizer(folder)
+@pytest.fixture(scope="module", params=["tokenizer", "qwen2", "llama"])
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "tokenizer":
+        save_char_tokenizer(folder)
+    else:
+        cfg = TinyModelConfig(arch=request.param, hidden_size=16, num_layers=1, num_heads=2,
+                              num_kv_heads=1, intermediate_size=32, max_position=32)
+        build_tiny_model(cfg, build_char_tokenizer(), folder)
+    assert is_kit_tokenizer(folder)
     return folder
 
 
@@ -35,7 +45,7 @@ def test_vocab_is_small_and_one_token_per_character() -> None:
 
 
 def test_round_trip_keeps_every_character(saved: Path) -> None:
-    tok = AutoTokenizer.from_pretrained(saved)
+    tok = load_tokenizer(saved)
     text = ALPHABET + "T517#07= 517/07 518/06\n12+7*3=(33)?:.,"
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)
@@ -43,7 +53,7 @@ def test_round_trip_keeps_every_character(saved: Path) -> None:
 
 
 def test_special_tokens_and_their_ids(saved: Path) -> None:
-    tok = AutoTokenizer.from_pretrained(saved)
+    tok = load_tokenizer(saved)
     assert tok.eos_token == EOS and tok.pad_token == PAD
     assert tok.eos_token_id != tok.pad_token_id
     for special in (PAD, EOS, IM_START, IM_END):
@@ -54,7 +64,7 @@ def test_special_tokens_and_their_ids(saved: Path) -> None:
 
 
 def test_encoding_a_prompt_adds_no_special_tokens(saved: Path) -> None:
-    tok = AutoTokenizer.from_pretrained(saved)
+    tok = load_tokenizer(saved)
     plain = tok.encode("T517#07=", add_special_tokens=False)
     assert tok.encode("T517#07=") == plain
     assert tok("T517#07=")["input_ids"] == plain
@@ -68,7 +78,7 @@ def test_unknown_character_maps_to_unk() -> None:
 
 
 def test_chatml_template_with_generation_prompt(saved: Path) -> None:
-    tok = AutoTokenizer.from_pretrained(saved)
+    tok = load_tokenizer(saved)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (

@@ -3,8 +3,11 @@
 One token per character of a small alphabet (digits, letters, space, newline and the
 punctuation the synthetic tasks use) plus five special tokens. It is built with the
 ``tokenizers`` library (a WordLevel model behind a one-character Split pre-tokenizer and a Fuse
-decoder) and wrapped in ``transformers.PreTrainedTokenizerFast``, so ``AutoTokenizer`` loads
-the saved folder like any other, chat template included.
+decoder) and wrapped in ``transformers.PreTrainedTokenizerFast``; :func:`load_tokenizer` loads
+a saved folder, kit or not, chat template included. (transformers 5's ``AutoTokenizer``
+gives a kit folder the model type's own tokenizer class, whose byte-level pre-tokenizer
+silently drops spaces and newlines from this vocabulary when encoding: load through
+:func:`load_tokenizer`.)
 
 Simplifications: no byte fallback (a character outside the alphabet becomes ``<|unk|>``), no
 normalisation, and no BOS/EOS post-processor: encoding a prompt adds nothing, the task decides
@@ -13,7 +16,9 @@ where the EOS goes.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -64,3 +69,24 @@ def save_char_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
+
+
+def is_kit_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds the kit's character tokenizer (by its ``tokenizer.json``)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return False
+    spec = json.loads(path.read_text())
+    pre = spec.get("pre_tokenizer") or {}
+    return (spec.get("model", {}).get("type") == "WordLevel" and pre.get("type") == "Split"
+            and pre.get("pattern") == {"Regex": r"[\s\S]"})
+
+
+def load_tokenizer(folder: str | Path, **kwargs: Any) -> Any:
+    """The tokenizer of a model folder: the kit's exactly as saved, any other with
+    ``AutoTokenizer`` (module docstring)."""
+    from transformers import AutoTokenizer
+
+    if is_kit_tokenizer(Path(folder)):
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), **kwargs)
+    return AutoTokenizer.from_pretrained(str(folder), **kwargs)

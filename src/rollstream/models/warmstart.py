@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -46,7 +45,7 @@ from transformers import (
 from rollstream.config.schema import ModelConfig, RewardConfig, TasksConfig, WarmStartConfig
 from rollstream.data.sources import TaskMix, source_rewards
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
-from rollstream.models.tokenizer import build_char_tokenizer
+from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer
 from rollstream.reward import Response, build_resolver, decode_response
 from rollstream.trajectory import Task
 
@@ -272,7 +271,7 @@ def evaluate_accuracy(
     """
     if not tasks:
         raise ValueError("evaluate_accuracy needs at least one task")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     per_source = _accuracy_by_source(

@@ -178,6 +178,7 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
 
     from rollstream.data.sources import TaskMix, source_rewards
     from rollstream.engine.factory import build_engine
+    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
@@ -186,7 +187,7 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     hf_logging.disable_progress_bar()
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks))  # unknown rewards fail first
     model_path = Path(prepare_model(cfg.model, cfg.tasks))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     mix = TaskMix(cfg.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     prepare_run_dir(cfg, run_dir, resume=cfg.resume)
     skip: set[str] = set()
