@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SampleStatus(str, enum.Enum):
@@ -62,6 +63,47 @@ class SegmentKind(str, enum.Enum):
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
+class ToolCall:
+    """One tool call requested by the model."""
+
+    id: str  # "call_<i>", i = the block's index within the turn (malformed blocks count too)
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class ToolResult:
+    """Outcome of one call: ``ok`` exactly when ``error`` is None."""
+
+    call: ToolCall
+    content: str  # what the model reads: the tool's output, or "error: <error>"
+    ok: bool
+    error: str | None
+    duration_s: float  # from the moment the call had a concurrency slot
+
+    def __post_init__(self) -> None:
+        assert self.ok == (self.error is None), (self.ok, self.error)
+
+
+@dataclass(slots=True, kw_only=True)
+class Turn:
+    """One turn of a multi-turn episode, beside its segment (``Sample.turns[i]`` describes
+    ``Sample.segments[i]``): who produced its tokens, when, and the tool calls it answered."""
+
+    kind: SegmentKind  # POLICY: the model; ENV: the environment and its tools
+    num_tokens: int
+    started_s: float  # since the episode started (its current process, after a resume)
+    duration_s: float
+    finish_reason: str | None = None  # model turns: "stop" | "length" | "abort" | "error"
+    num_interrupts: int = 0  # model turns: continuations after engine interrupts
+    tool_calls: list[ToolCall] = field(default_factory=list)  # env turns: the calls answered
+    tool_results: list[ToolResult] = field(default_factory=list)
+
+
+SINGLE_TURN = "single_turn"  # Task.harness of a one-request task (prompt -> response)
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
 class Task:
     """A prompt and what its reward needs."""
 
@@ -70,6 +112,7 @@ class Task:
     prompt_ids: tuple[int, ...]
     prompt_text: str
     reference: str  # the answer its reward checks against
+    harness: str = SINGLE_TURN  # what runs its samples: one engine request, or an agent loop
 
     def __post_init__(self) -> None:
         if not self.uid:
@@ -143,7 +186,8 @@ class Sample:
     segments: list[Segment] = field(default_factory=list)
     status: SampleStatus = SampleStatus.PENDING
     reward: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" once generated
+    finish_reason: str | None = None  # "stop" | "length" once generated; an episode: its
+    # end ("done", "max_turns", "max_tokens", "max_wall": agent.loop.EpisodeEnd)
     failure: str | None = None  # why it FAILED / was FILTERED / DROPPED_STALE
     engine_id: str | None = None
     num_interrupts: int = 0
@@ -152,6 +196,7 @@ class Sample:
     num_trained_tokens: int | None = None  # tokens the loss kept (the trainer says: KeptTokens)
     taken_at_step: int | None = None  # the trainer step whose batch held it (any outcome)
     num_restored_tokens: int = 0  # partial tokens it continued from after a restart (resume)
+    turns: list[Turn] = field(default_factory=list)  # multi-turn episodes: one per segment
 
     @property
     def uid(self) -> str:
@@ -178,6 +223,17 @@ class Sample:
     def num_response_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
 
+    def answer(self) -> tuple[list[int], str | None]:
+        """What a reward reads, and how it ended: the whole response of a single-turn sample
+        (``finish_reason``); the last model turn of an episode (that turn's finish reason)."""
+        if not self.turns:
+            return self.response_ids, self.finish_reason
+        i = max((i for i, t in enumerate(self.turns) if t.kind is SegmentKind.POLICY),
+                default=None)
+        if i is None:
+            return [], None
+        return list(self.segments[i].token_ids), self.turns[i].finish_reason
+
     def min_version(self) -> int | None:
         """Oldest policy version among the sampled tokens (None: no sampled token yet)."""
         vs = [v for seg in self.segments if seg.kind is SegmentKind.POLICY for v in seg.versions]
@@ -187,23 +243,25 @@ class Sample:
         self, token_ids: list[int], logprobs: list[float], versions: list[int]
     ) -> None:
         """Append engine output, merging into the last policy segment (token-exact TITO)."""
-        if not token_ids:
-            return
-        seg = Segment(
-            kind=SegmentKind.POLICY,
-            token_ids=list(token_ids),
-            logprobs=list(logprobs),
-            versions=list(versions),
-            loss_mask=[True] * len(token_ids),
-        )
-        last = self.segments[-1] if self.segments else None
-        if last is not None and last.kind is SegmentKind.POLICY:
-            last.token_ids.extend(seg.token_ids)
-            last.logprobs.extend(seg.logprobs)
-            last.versions.extend(seg.versions)
-            last.loss_mask.extend(seg.loss_mask)
-        else:
-            self.segments.append(seg)
+        append_policy_tokens(self.segments, token_ids, logprobs, versions)
+
+
+def append_policy_tokens(segments: list[Segment], token_ids: list[int], logprobs: list[float],
+                         versions: list[int]) -> None:
+    """Append engine output to ``segments``, merging into a last policy segment (the tokens of
+    one request continued after an interrupt stay one run)."""
+    if not token_ids:
+        return
+    seg = Segment(kind=SegmentKind.POLICY, token_ids=list(token_ids), logprobs=list(logprobs),
+                  versions=list(versions), loss_mask=[True] * len(token_ids))
+    last = segments[-1] if segments else None
+    if last is not None and last.kind is SegmentKind.POLICY:
+        last.token_ids.extend(seg.token_ids)
+        last.logprobs.extend(seg.logprobs)
+        last.versions.extend(seg.versions)
+        last.loss_mask.extend(seg.loss_mask)
+    else:
+        segments.append(seg)
 
 
 @dataclass(slots=True, kw_only=True)

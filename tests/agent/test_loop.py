@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rollstream.agent.chat import ChatRenderer, check_alignment
 from rollstream.agent.environment import Observation, ThreadedEnvironment
-from rollstream.agent.loop import AgentLoop, Budgets, EpisodeEnd
+from rollstream.agent.loop import AgentLoop, Budgets, EngineTurns, EpisodeEnd
 from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.trajectory import SegmentKind
@@ -42,14 +42,13 @@ class Scripted:
 
 def _loop(engine, model_dir, **budgets) -> AgentLoop:
     renderer = ChatRenderer(build_char_tokenizer())
-    return AgentLoop(engine=engine, renderer=renderer, sampling=GREEDY,
-                     budgets=Budgets(**budgets))
+    return AgentLoop(renderer=renderer, sampling=GREEDY, budgets=Budgets(**budgets))
 
 
 async def test_episode_is_token_exact_and_alternates_model_and_environment(engine, model_dir):
     loop = _loop(engine, model_dir, max_turn_tokens=24)
     env = Scripted(replies=2)
-    ep = await loop.run(ThreadedEnvironment(env), episode_id="ep0")
+    ep = await loop.run(ThreadedEnvironment(env), episode_id="ep0", generate=EngineTurns(engine))
     assert ep.end is EpisodeEnd.DONE and ep.reward == float(len(env.turns[-1].text))
     kinds = [s.kind for s in ep.segments]
     assert kinds == [SegmentKind.POLICY, SegmentKind.ENV] * 2 + [SegmentKind.POLICY]
@@ -78,7 +77,8 @@ async def test_episode_is_token_exact_and_alternates_model_and_environment(engin
 async def test_budgets_end_the_episode_with_their_reason(engine, model_dir, budgets, end,
                                                          replies):
     ep = await _loop(engine, model_dir, **budgets).run(ThreadedEnvironment(Scripted(replies)),
-                                                       episode_id="b")
+                                                       episode_id="b",
+                                                       generate=EngineTurns(engine))
     assert ep.end is end
     assert ep.num_model_turns <= budgets.get("max_turns", 8)
     assert len(ep.response_ids) <= budgets.get("max_total_tokens", 2048)
@@ -88,19 +88,19 @@ async def test_budgets_end_the_episode_with_their_reason(engine, model_dir, budg
 
 async def test_wall_time_stops_a_slow_environment(engine, model_dir):
     loop = _loop(engine, model_dir, max_turn_tokens=8, max_wall_s=0.5)
-    ep = await loop.run(ThreadedEnvironment(Scripted(10, delay_s=0.3)), episode_id="w")
+    ep = await loop.run(ThreadedEnvironment(Scripted(10, delay_s=0.3)), episode_id="w", generate=EngineTurns(engine))
     assert ep.end is EpisodeEnd.MAX_WALL and ep.duration_s < 1.5
 
 
 async def test_a_turn_interrupted_for_new_weights_resumes_on_them(engine, model_dir):
     loop = _loop(engine, model_dir, max_turn_tokens=400, max_total_tokens=400)
     env = Scripted(replies=0)
-    ref = await loop.run(ThreadedEnvironment(env), episode_id="ref")
+    ref = await loop.run(ThreadedEnvironment(env), episode_id="ref", generate=EngineTurns(engine))
     first = ref.segments[0]
     assert len(first) > 120, "the reference turn should be long (greedy, this seed)"
 
     task = asyncio.create_task(loop.run(ThreadedEnvironment(Scripted(replies=0)),
-                                        episode_id="int"))
+                                        episode_id="int", generate=EngineTurns(engine)))
     start = engine.stats().generated_tokens
     while engine.stats().generated_tokens < start + 40:
         await asyncio.sleep(0.001)
@@ -115,7 +115,7 @@ async def test_a_turn_interrupted_for_new_weights_resumes_on_them(engine, model_
     k = seg.versions.index(1)
     assert seg.token_ids[:k] == first.token_ids[:k]  # the old weights' tokens, kept as served
     assert seg.token_ids != first.token_ids  # the new weights took over
-    assert turn.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert turn.finish_reason in (FinishReason.STOP.value, FinishReason.LENGTH.value)
 
 
 def test_bad_budgets_are_clear_errors():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import rollstream.models.warmstart as ws
 from rollstream.config.schema import (
@@ -90,10 +90,15 @@ def test_a_given_model_path_is_validated(tmp_path: Path) -> None:
     assert not (tmp_path / "cache").exists()  # nothing was built
 
 
-def test_collate_trains_on_response_tokens_only() -> None:
-    input_ids, labels = ws.collate([([5, 6, 7, 8, 1], 3), ([9, 10, 1], 2)], pad_id=0)
-    assert input_ids.tolist() == [[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]]
-    assert labels.tolist() == [[-100, -100, -100, 8, 1], [-100, -100, 1, -100, -100]]
+def test_collate_trains_on_target_tokens_only() -> None:
+    f, t = False, True
+    input_ids, labels = ws.collate([([5, 6, 7, 8, 1], [f, f, f, t, t]),
+                                    ([9, 10, 1], [f, f, t]),
+                                    ([5, 6, 7, 8], [f, t, f, t])],  # an episode: env between
+                                   pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7, 8, 1], [9, 10, 1, 0, 0], [5, 6, 7, 8, 0]]
+    assert labels.tolist() == [[-100, -100, -100, 8, 1], [-100, -100, 1, -100, -100],
+                               [-100, 6, -100, 8, -100]]
 
 
 def test_warm_start_learns_the_demonstrations() -> None:

@@ -101,6 +101,39 @@ class ChatRenderer:
         return self.encode(closing + after[len(done):])
 
 
+    def episode(self, opening: Sequence[Message],
+                turns: Sequence[Message]) -> tuple[list[int], list[bool]]:
+        """A whole conversation as the agent loop serves it: ``opening`` rendered as the
+        prompt, then each assistant message as the model's tokens with its end-of-turn token,
+        and the other messages after it as one environment delta (``extend``). Returns the
+        ids and, per id, whether the model produced it (the supervised targets of a
+        demonstration)."""
+        ids = self.prompt(opening)
+        mask = [False] * len(ids)
+        messages = list(opening)
+        stop = self.stop_token_ids(opening)
+        pending: list[Message] = []
+        for message in turns:
+            if message["role"] != "assistant":
+                pending.append(message)
+                continue
+            if pending:
+                delta = self.extend(messages, pending, model_ended_turn=True)
+                ids += delta
+                mask += [False] * len(delta)
+                messages += pending
+                pending = []
+            elif len(messages) > len(opening):
+                raise ValueError("episode(): two assistant messages in a row")
+            turn = self.encode(message["content"]) + stop
+            ids += turn
+            mask += [True] * len(turn)
+            messages.append(message)
+        if pending:
+            raise ValueError("episode(): the conversation must end with an assistant message")
+        return ids, mask
+
+
 def _require_prefix(shorter: str, longer: str, what: str) -> None:
     if not longer.startswith(shorter):
         at = next((i for i, (a, b) in enumerate(zip(shorter, longer)) if a != b), len(longer))

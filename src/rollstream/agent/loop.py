@@ -1,20 +1,28 @@
 """The agent loop: one multi-turn episode, model and environment alternating, token in / out.
 
     prompt = render(env.reset())
-    loop:  model turn  = engine.generate(ids)          -> policy segment (ids as served)
+    loop:  model turn  = generate(ids)                 -> policy segment (ids as served)
            observation = env.step(turn)                -> done? reward
            delta       = render.extend(new messages)   -> env segment (appended, never
                                                           re-tokenising what was served)
 
-Every model token keeps the logprob and the weight version that sampled it. A turn the engine
-interrupts for a weight update (ABORT without an error) continues from its partial tokens as a
-continuation request, so one turn may hold tokens of several versions. Budgets end an episode
+Every model token keeps the logprob and the weight version that sampled it. Where the tokens
+come from is a :class:`TurnGenerator`: :class:`EngineTurns` calls one engine directly (tests,
+benchmarks); in a training run the dispatcher generates each turn with its own routing, gate,
+retries and spans (``agent.harness``). A turn interrupted for a weight update continues from
+its partial tokens, so one turn may hold tokens of several versions. Budgets end an episode
 with an explicit reason (:class:`EpisodeEnd`): model turns, tokens per turn (a turn cut by it
 is closed by the template and the episode goes on), tokens in all (model + environment), and
 wall time; whichever comes first. Blocking work (tokenisation) runs off the event loop.
 
-Not here yet: dispatch through the rollout controller (admission, staleness, ledger),
-checkpointing an episode mid-flight, and routing a session to the engine holding its prefix.
+**Where an episode stands is read from its segments**, so an episode restored from a
+checkpoint continues where it was: after an environment segment (or none) a model turn
+starts; a policy segment that neither ended its turn nor reached the turn budget is a partial
+turn and continues; a finished one waits for the environment. A restored episode's
+environment is rebuilt by :meth:`AgentLoop.run` from ``env.reset()`` and the recorded model
+turns, each answered again while its tool calls are served from the recorded results
+(:class:`ReplayTools`: no recorded call is executed twice); the rendered answer must equal the
+saved environment tokens, else :class:`ReplayDiverged`.
 """
 
 from __future__ import annotations
@@ -22,13 +30,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-from rollstream.agent.chat import ChatRenderer, Message
-from rollstream.agent.environment import Environment, ModelTurn
+from rollstream.agent.chat import ChatRenderer, Message, TemplateError
+from rollstream.agent.environment import Environment, ModelTurn, Observation
 from rollstream.agent.tools import ToolCall, ToolResult
 from rollstream.engine import Engine, FinishReason, GenerateRequest, SamplingParams
-from rollstream.trajectory import Segment, SegmentKind
+from rollstream.rollout.dispatcher import TurnOutput
+from rollstream.trajectory import Segment, SegmentKind, Turn, append_policy_tokens
 
 
 class EpisodeEnd(str, enum.Enum):
@@ -37,6 +49,10 @@ class EpisodeEnd(str, enum.Enum):
     MAX_TOKENS = "max_tokens"  # the episode's token budget (model + environment)
     MAX_WALL = "max_wall"
     ENGINE_ERROR = "engine_error"  # the engine failed a turn (see Episode.error)
+
+
+class ReplayDiverged(RuntimeError):
+    """A restored episode's environment answered a recorded turn differently."""
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -55,25 +71,14 @@ class Budgets:
 
 
 @dataclass(slots=True, kw_only=True)
-class Turn:
-    """One turn: who produced its tokens, when, and the tool calls it made or answered."""
-
-    kind: SegmentKind  # POLICY: the model; ENV: the environment and its tools
-    num_tokens: int
-    started_s: float  # since the episode started
-    duration_s: float
-    finish_reason: FinishReason | None = None  # model turns
-    num_interrupts: int = 0  # model turns: continuations after engine interrupts
-    tool_calls: list[ToolCall] = field(default_factory=list)  # env turns: the calls answered
-    tool_results: list[ToolResult] = field(default_factory=list)
-
-
-@dataclass(slots=True, kw_only=True)
 class Episode:
+    """An episode as the loop sees it. ``segments`` and ``turns`` may be a training sample's
+    own lists (``Sample.segments``, ``Sample.turns``): the loop then writes into the sample."""
+
     prompt_ids: list[int]
-    messages: list[Message]  # the conversation as the template renders it
+    messages: list[Message] = field(default_factory=list)  # as the template renders them
     segments: list[Segment] = field(default_factory=list)  # alternating policy / env
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)  # turns[i] describes segments[i]
     end: EpisodeEnd | None = None
     reward: float | None = None
     error: str | None = None
@@ -89,32 +94,100 @@ class Episode:
 
     @property
     def num_model_turns(self) -> int:
-        return sum(t.kind is SegmentKind.POLICY for t in self.turns)
+        return sum(s.kind is SegmentKind.POLICY for s in self.segments)
+
+
+class TurnGenerator(Protocol):
+    async def __call__(self, episode: Episode, params: SamplingParams, *, rid: str,
+                       deadline: float | None) -> TurnOutput | None:
+        """Generate one model turn after ``episode.token_ids`` (``params.max_new_tokens`` is
+        what is left of the turn's budget), appending its tokens to ``episode.segments`` as
+        they come (a trailing policy segment is the same turn, continued). None: the episode
+        cannot go on (its sample failed or was cancelled; the generator's owner records why)."""
+
+
+@dataclass(slots=True)
+class EngineTurns:
+    """Turns generated by one engine, called directly."""
+
+    engine: Engine
+
+    async def __call__(self, episode: Episode, params: SamplingParams, *, rid: str,
+                       deadline: float | None) -> TurnOutput:
+        return await generate_turn(self.engine, episode.token_ids, params, rid,
+                                   episode.segments, deadline)
+
+
+@dataclass(slots=True)
+class ReplayTools:
+    """A tool runner for a rebuilt environment: the first calls are answered from ``recorded``
+    (one list of results per environment turn, as the checkpoint saved them) without running
+    anything; later ones go to ``tools``. A recorded turn whose calls differ from the ones
+    asked is :class:`ReplayDiverged`."""
+
+    tools: Any  # a ToolManager (``run`` and ``schemas``)
+    recorded: deque[list[ToolResult]] = field(default_factory=deque)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return self.tools.schemas()
+
+    async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        if not self.recorded:
+            return await self.tools.run(calls)
+        results = self.recorded.popleft()
+        asked = [(c.name, c.arguments) for c in calls]
+        saved = [(r.call.name, r.call.arguments) for r in results]
+        if asked != saved:
+            raise ReplayDiverged(f"the rebuilt environment asked for {asked}, the checkpoint "
+                                 f"recorded {saved}")
+        return results
 
 
 @dataclass(slots=True, kw_only=True)
 class AgentLoop:
-    engine: Engine
     renderer: ChatRenderer
     sampling: SamplingParams = field(default_factory=SamplingParams)
     budgets: Budgets = field(default_factory=Budgets)
 
-    async def run(self, env: Environment, *, episode_id: str) -> Episode:
+    async def run(self, env: Environment, *, episode_id: str, generate: TurnGenerator,
+                  episode: Episode | None = None) -> Episode:
+        """Run (or continue) an episode to its end. ``episode``: one to continue (a training
+        sample's, maybe restored with segments); its ``prompt_ids`` must be what the template
+        renders for ``env.reset()``. Its recorded turns are replayed into ``env`` first."""
         start = time.monotonic()
         deadline = None if self.budgets.max_wall_s is None else start + self.budgets.max_wall_s
         messages = await env.reset()
         prompt = await asyncio.to_thread(self.renderer.prompt, messages)
+        if episode is None:
+            episode = Episode(prompt_ids=prompt)
+        elif episode.prompt_ids != prompt:
+            raise TemplateError(f"episode {episode_id}: its prompt is not what the template "
+                                "renders for the environment's opening messages")
+        episode.messages = list(messages)
+        ep = episode
         stop = tuple(self.renderer.stop_token_ids(messages))
-        ep = Episode(prompt_ids=prompt, messages=list(messages))
+        await self._replay(ep, env, stop)
         while ep.end is None:
-            ep.end = self._out_of_budget(ep, deadline)
-            if ep.end is None:
-                await self._turn(ep, env, episode_id, stop, start, deadline)
+            last = ep.segments[-1] if ep.segments else None
+            if last is not None and last.kind is SegmentKind.POLICY and self._turn_over(ep):
+                await self._answer(ep, env, stop, start, deadline)
+            elif (end := self._out_of_budget(ep, deadline, partial=last)) is not None:
+                ep.end = end
+            elif not await self._model_turn(ep, generate, episode_id, stop, start, deadline):
+                break  # the generator gave up on the episode: its owner records why
         ep.duration_s = time.monotonic() - start
         return ep
 
-    def _out_of_budget(self, ep: Episode, deadline: float | None) -> EpisodeEnd | None:
-        if ep.num_model_turns >= self.budgets.max_turns:
+    @staticmethod
+    def _turn_over(ep: Episode) -> bool:
+        """The trailing model turn is over: the generator returned and its turn was recorded
+        (a turn interrupted by a checkpoint has tokens but no record yet: it goes on)."""
+        return len(ep.turns) == len(ep.segments)
+
+    def _out_of_budget(self, ep: Episode, deadline: float | None,
+                       partial: Segment | None) -> EpisodeEnd | None:
+        continuing = partial is not None and partial.kind is SegmentKind.POLICY
+        if ep.num_model_turns - continuing >= self.budgets.max_turns:
             return EpisodeEnd.MAX_TURNS
         if len(ep.response_ids) >= self.budgets.max_total_tokens:
             return EpisodeEnd.MAX_TOKENS
@@ -122,31 +195,42 @@ class AgentLoop:
             return EpisodeEnd.MAX_WALL
         return None
 
-    async def _turn(self, ep: Episode, env: Environment, episode_id: str,
-                    stop: tuple[int, ...], start: float, deadline: float | None) -> None:
-        """One model turn and the environment's answer to it."""
+    async def _model_turn(self, ep: Episode, generate: TurnGenerator, episode_id: str,
+                          stop: tuple[int, ...], start: float, deadline: float | None) -> bool:
+        """Generate (or continue) a model turn; False when the generator gave up."""
         b = self.budgets
-        budget = min(b.max_turn_tokens, b.max_total_tokens - len(ep.response_ids))
+        last = ep.segments[-1] if ep.segments else None
+        done = len(last) if last is not None and last.kind is SegmentKind.POLICY else 0
+        budget = min(b.max_turn_tokens - done, b.max_total_tokens - len(ep.response_ids))
         t0 = time.monotonic()
         params = replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop)
-        out = await generate_turn(self.engine, ep.token_ids, params,
-                                  f"{episode_id}/t{ep.num_model_turns}", deadline)
-        segment, error, out_of_time = out.segment, out.error, out.out_of_time
-        ep.segments.append(segment)
-        ep.turns.append(Turn(kind=SegmentKind.POLICY, num_tokens=len(segment),
-                             started_s=t0 - start, duration_s=time.monotonic() - t0,
-                             finish_reason=out.finish_reason,
-                             num_interrupts=out.num_interrupts))
-        ended = out.finish_reason is FinishReason.STOP
-        ids = segment.token_ids[:-1] if ended else segment.token_ids
-        text = await asyncio.to_thread(self.renderer.tokenizer.decode, ids)
-        ep.messages.append({"role": "assistant", "content": text})
-        if error is not None:
-            ep.end, ep.error = EpisodeEnd.ENGINE_ERROR, error
-            return
-        if out_of_time:
+        index = ep.num_model_turns - (done > 0)
+        out = await generate(ep, params, rid=f"{episode_id}/t{index}", deadline=deadline)
+        if out is None:
+            return False
+        if ep.segments and ep.segments[-1].kind is SegmentKind.POLICY:
+            ep.turns.append(Turn(kind=SegmentKind.POLICY, num_tokens=len(ep.segments[-1]),
+                                 started_s=t0 - start, duration_s=time.monotonic() - t0,
+                                 finish_reason=out.finish_reason.value,
+                                 num_interrupts=out.num_interrupts))
+        if out.error is not None:
+            ep.end, ep.error = EpisodeEnd.ENGINE_ERROR, out.error
+        elif out.out_of_time:
             ep.end = EpisodeEnd.MAX_WALL
-            return
+        elif not ep.segments or ep.segments[-1].kind is not SegmentKind.POLICY:
+            ep.end, ep.error = EpisodeEnd.ENGINE_ERROR, "the engine returned no token"
+        return True
+
+    async def _model_text(self, seg: Segment, stop: tuple[int, ...]) -> tuple[str, bool]:
+        ended = seg.token_ids[-1] in stop
+        ids = seg.token_ids[:-1] if ended else seg.token_ids
+        return await asyncio.to_thread(self.renderer.tokenizer.decode, ids), ended
+
+    async def _answer(self, ep: Episode, env: Environment, stop: tuple[int, ...], start: float,
+                      deadline: float | None) -> None:
+        """The environment's answer to the trailing model turn."""
+        text, ended = await self._model_text(ep.segments[-1], stop)
+        ep.messages.append({"role": "assistant", "content": text})
         t1 = time.monotonic()
         step = env.step(ModelTurn(text=text, ended=ended, turn_index=ep.num_model_turns - 1))
         try:
@@ -158,9 +242,8 @@ class AgentLoop:
         if obs.done:
             ep.end, ep.reward = EpisodeEnd.DONE, obs.reward
             return
-        delta = await asyncio.to_thread(self.renderer.extend, ep.messages, obs.messages,
-                                        model_ended_turn=ended)
-        if len(ep.response_ids) + len(delta) > b.max_total_tokens:
+        delta = await self._delta(ep, obs, ended)
+        if len(ep.response_ids) + len(delta) > self.budgets.max_total_tokens:
             ep.end = EpisodeEnd.MAX_TOKENS  # the environment's answer does not fit
             return
         ep.segments.append(Segment.env(delta))
@@ -169,50 +252,60 @@ class AgentLoop:
                              duration_s=time.monotonic() - t1, tool_calls=obs.tool_calls,
                              tool_results=obs.tool_results))
 
+    async def _delta(self, ep: Episode, obs: Observation, ended: bool) -> list[int]:
+        return await asyncio.to_thread(self.renderer.extend, ep.messages, obs.messages,
+                                       model_ended_turn=ended)
 
-@dataclass(slots=True, kw_only=True)
-class TurnOutput:
-    segment: Segment  # the turn's tokens as served, with their logprobs and versions
-    finish_reason: FinishReason
-    error: str | None  # the engine failed the turn (ERROR, or ABORT of a dying engine)
-    num_interrupts: int
-    out_of_time: bool  # interrupted at ``deadline``
+    async def _replay(self, ep: Episode, env: Environment, stop: tuple[int, ...]) -> None:
+        """Answer the recorded model turns again, so that ``env`` stands where the episode
+        does; each answer must render to the recorded environment tokens."""
+        for i in range(0, len(ep.segments) - 1, 2):
+            seg, saved = ep.segments[i], ep.segments[i + 1]
+            if seg.kind is not SegmentKind.POLICY or saved.kind is not SegmentKind.ENV:
+                raise ReplayDiverged(f"segments {i}, {i + 1} are not a model turn and its "
+                                     "answer")
+            text, ended = await self._model_text(seg, stop)
+            ep.messages.append({"role": "assistant", "content": text})
+            obs = await env.step(ModelTurn(text=text, ended=ended, turn_index=i // 2))
+            delta = [] if obs.done else await self._delta(ep, obs, ended)
+            if delta != saved.token_ids:
+                raise ReplayDiverged(
+                    f"turn {i // 2}: the rebuilt environment answered "
+                    f"{self.renderer.tokenizer.decode(delta)!r}, the episode recorded "
+                    f"{self.renderer.tokenizer.decode(saved.token_ids)!r}")
+            ep.messages.extend(obs.messages)
 
 
 async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, rid: str,
-                        deadline: float | None = None) -> TurnOutput:
-    """One model turn on ``ids``: continues after interrupts (weight updates) until it stops,
-    reaches ``params.max_new_tokens``, fails, or ``deadline`` (``time.monotonic``) passes;
-    then it is interrupted and what it has is kept."""
+                        segments: list[Segment], deadline: float | None = None) -> TurnOutput:
+    """One model turn on ``ids`` by ``engine``, appended to ``segments``: continues after
+    interrupts (weight updates) until it stops, reaches ``params.max_new_tokens``, fails, or
+    ``deadline`` (``time.monotonic``) passes; then it is interrupted and what it has is kept."""
     budget = params.max_new_tokens
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
+    done = 0
     interrupts, out_of_time = 0, False
     while True:
         request_id = f"{rid}/{interrupts}"
-        request = GenerateRequest(request_id=request_id, prompt_ids=ids + tokens,
-                                  params=replace(params, max_new_tokens=budget - len(tokens)))
+        request = GenerateRequest(request_id=request_id, prompt_ids=ids,
+                                  params=replace(params, max_new_tokens=budget - done))
         task = asyncio.ensure_future(engine.generate(request))
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
+        finished, _ = await asyncio.wait({task}, timeout=timeout)
+        if not finished:
             out_of_time = True
             await engine.interrupt([request_id])
         out = await task
-        tokens += out.token_ids
-        logprobs += out.logprobs
-        versions += out.versions
+        append_policy_tokens(segments, out.token_ids, out.logprobs, out.versions)
+        ids = ids + out.token_ids
+        done += len(out.token_ids)
         resumable = out.finish_reason is FinishReason.ABORT and out.error is None
-        if resumable and not out_of_time and len(tokens) < budget:
+        if resumable and not out_of_time and done < budget:
             interrupts += 1
             continue
         # an ABORT without an error here: interrupted at our own deadline
         error = out.error if out.finish_reason in (FinishReason.ERROR,
                                                    FinishReason.ABORT) else None
-        segment = Segment(kind=SegmentKind.POLICY, token_ids=tokens, logprobs=logprobs,
-                          versions=versions, loss_mask=[True] * len(tokens))
-        return TurnOutput(segment=segment, finish_reason=out.finish_reason, error=error,
+        return TurnOutput(finish_reason=out.finish_reason, error=error, num_tokens=done,
                           num_interrupts=interrupts, out_of_time=out_of_time)
 
 

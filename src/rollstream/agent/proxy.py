@@ -36,7 +36,7 @@ from fastapi import Request
 
 from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.loop import generate_turn
-from rollstream.agent.tools import HermesToolParser, ToolCall, ToolCallParser, render_tool_call
+from rollstream.agent.tools import HermesToolParser, ToolCall, ToolCallParser
 from rollstream.engine import Engine, EngineHealth, FinishReason, SamplingParams
 from rollstream.trajectory import Segment
 
@@ -197,14 +197,14 @@ class AgentProxy:
             else:
                 at = _extends(session.seen, messages)
             if isinstance(at, int):
-                new = [_templated(m) for m in messages[at:]]
+                new = [_templated(m, self.parser) for m in messages[at:]]
                 if new:
                     delta = await asyncio.to_thread(renderer.extend, sample.messages, new,
                                                     model_ended_turn=session.ended_turn)
                     sample.segments.append(Segment.env(delta))
                     sample.messages.extend(new)
             else:
-                templated = [_templated(m) for m in messages]
+                templated = [_templated(m, self.parser) for m in messages]
                 prompt = await asyncio.to_thread(renderer.prompt, templated)
                 sample = ProxySample(prompt_ids=prompt, messages=templated,
                                      started_because=None if not session.samples else at)
@@ -218,15 +218,17 @@ class AgentProxy:
                 stop_token_ids=stop, seed=body.get("seed"))
             if session.engine is None or session.engine.stats().health is not EngineHealth.UP:
                 session.engine = self._pick_engine()  # first call, or its engine went away
+            turn: list[Segment] = []
             out = await generate_turn(session.engine, sample.token_ids, params,
-                                      f"{session.key[-8:]}/{session.num_calls}")
+                                      f"{session.key[-8:]}/{session.num_calls}", turn)
             if out.error is not None:
                 session.seen = None
                 raise EngineFailed(f"the engine failed the call: {out.error}")
-            sample.segments.append(out.segment)
+            sample.segments += turn
             sample.num_calls += 1
             session.ended_turn = out.finish_reason is FinishReason.STOP
-            ids = out.segment.token_ids[:-1] if session.ended_turn else out.segment.token_ids
+            served = [t for seg in turn for t in seg.token_ids]
+            ids = served[:-1] if session.ended_turn else served
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
             sample.messages.append({"role": "assistant", "content": text})
             message = self._message(text, session)
@@ -237,8 +239,8 @@ class AgentProxy:
                 "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", "rollstream"),
                 "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(sample.token_ids) - len(out.segment),
-                          "completion_tokens": len(out.segment),
+                "usage": {"prompt_tokens": len(sample.token_ids) - out.num_tokens,
+                          "completion_tokens": out.num_tokens,
                           "total_tokens": len(sample.token_ids)}}
 
     def _message(self, text: str, session: _Session) -> dict:
@@ -277,10 +279,10 @@ def _arguments(raw: Any) -> Any:
     return raw
 
 
-def _templated(message: Message) -> Message:
+def _templated(message: Message, parser: ToolCallParser) -> Message:
     """A message as the chat template renders it: tool calls as the model writes them."""
     text = message["content"]
-    calls = [render_tool_call(ToolCall(id="", name=name, arguments=args))
+    calls = [parser.render(ToolCall(id="", name=name, arguments=args))
              for name, args in message.get("tool_calls", ())]
     if calls:
         text = "\n".join([text, *calls]) if text else "\n".join(calls)

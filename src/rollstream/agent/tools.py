@@ -47,14 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class ToolCall:
-    """One call requested by the model."""
-
-    id: str  # "call_<i>", i = the block's index within the turn (malformed blocks count too)
-    name: str
-    arguments: dict[str, Any]
+from rollstream.trajectory import ToolCall, ToolResult  # the data model defines them
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -68,6 +61,10 @@ class ParsedTurn:
 
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedTurn: ...
+
+    def render(self, call: ToolCall) -> str:
+        """The text the model writes for ``call`` (``parse`` reads it back)."""
+        ...
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -111,6 +108,58 @@ class HermesToolParser:
             pos = end + len(self.close_tag)
         prose.append(text[pos:])
         return ParsedTurn(content="".join(prose).strip(), calls=calls, errors=errors)
+
+    def render(self, call: ToolCall) -> str:
+        return render_tool_call(call, open_tag=self.open_tag, close_tag=self.close_tag)
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class CommandToolParser:
+    """One call per command: ``#name argument`` up to the end of its line, for tools of one
+    string argument (``commands`` maps each name to that argument's key). A compact format
+    for small vocabularies (the tiny-model kit's tokenizer has no ``<``, ``{`` or ``"``)::
+
+        c #calc 57+7          ->  calc(expression="57+7"), content "c"
+
+    A ``#`` followed by a name it does not know is an error naming the known ones.
+    """
+
+    commands: dict[str, str]  # tool name -> the key of its one argument
+    prefix: str = "#"
+
+    def __post_init__(self) -> None:
+        if not self.commands:
+            raise ValueError("CommandToolParser: commands must name at least one tool")
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"CommandToolParser: bad prefix {self.prefix!r}")
+
+    def parse(self, text: str) -> ParsedTurn:
+        prose: list[str] = []
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        index = 0
+        for line in text.split("\n"):
+            at = line.find(self.prefix)
+            if at == -1:
+                prose.append(line)
+                continue
+            prose.append(line[:at])
+            name, _, argument = line[at + len(self.prefix):].partition(" ")
+            if name not in self.commands:
+                errors.append(f"tool call {index}: unknown command {name!r} (known: "
+                              f"{', '.join(self.commands)})")
+            else:
+                calls.append(ToolCall(id=f"call_{index}", name=name,
+                                      arguments={self.commands[name]: argument.strip()}))
+            index += 1
+        return ParsedTurn(content="\n".join(prose).strip(), calls=calls, errors=errors)
+
+    def render(self, call: ToolCall) -> str:
+        key = self.commands.get(call.name)
+        if key is None or set(call.arguments) != {key}:
+            raise ValueError(f"CommandToolParser cannot write {call.name}({call.arguments}): "
+                             f"one argument of {sorted(self.commands.items())} expected")
+        return f"{self.prefix}{call.name} {call.arguments[key]}"
 
 
 def _decode_call(body: str, index: int) -> ToolCall | str:
@@ -182,20 +231,6 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
             "parameters": tool.parameters,
         },
     }
-
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class ToolResult:
-    """Outcome of one call: ``ok`` exactly when ``error`` is None."""
-
-    call: ToolCall
-    content: str  # what the model reads: the tool's output, or "error: <error>"
-    ok: bool
-    error: str | None
-    duration_s: float  # from the moment the call had a concurrency slot
-
-    def __post_init__(self) -> None:
-        assert self.ok == (self.error is None), (self.ok, self.error)
 
 
 class ToolManager:

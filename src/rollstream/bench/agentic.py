@@ -35,7 +35,7 @@ from typing import Any
 
 from rollstream.agent.chat import ChatRenderer
 from rollstream.agent.environment import Observation
-from rollstream.agent.loop import AgentLoop, Budgets, EpisodeEnd
+from rollstream.agent.loop import AgentLoop, Budgets, EngineTurns, EpisodeEnd
 from rollstream.config.schema import LocalEngineConfig, TinyModelConfig
 from rollstream.engine import GenerateRequest, SamplingParams
 from rollstream.engine.local.engine import LocalEngine
@@ -100,11 +100,12 @@ async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, n: int, concurr
                     seed: int, batched: bool) -> dict[str, Any]:
     """``n`` episodes, ``concurrency`` at a time: batched, in waves that each run to their
     end turn by turn; async, a new episode starting whenever one ends."""
-    loop = AgentLoop(engine=engine, renderer=renderer,
+    loop = AgentLoop(renderer=renderer,
                      sampling=SamplingParams(temperature=0.0),
                      budgets=Budgets(max_turns=MAX_TURNS + 1, max_turn_tokens=TURN_TOKENS,
                                      max_total_tokens=8192))
     tag = "b" if batched else "a"
+    turns = EngineTurns(engine)
     envs = [_ToolEpisode(i, seed, None) for i in range(n)]
     busy0, tokens0 = engine.stats().busy_s, engine.stats().generated_tokens
     t0 = time.perf_counter()
@@ -115,14 +116,14 @@ async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, n: int, concurr
             barrier = _TurnBarrier(len(wave))
             for env in wave:
                 env.barrier = barrier
-            episodes += await asyncio.gather(*(loop.run(env, episode_id=f"{tag}{env.index}")
+            episodes += await asyncio.gather(*(loop.run(env, episode_id=f"{tag}{env.index}", generate=turns)
                                                for env in wave))
     else:
         slots = asyncio.Semaphore(concurrency)
 
         async def one(env: _ToolEpisode):
             async with slots:
-                return await loop.run(env, episode_id=f"{tag}{env.index}")
+                return await loop.run(env, episode_id=f"{tag}{env.index}", generate=turns)
 
         episodes = await asyncio.gather(*(one(env) for env in envs))
     wall = time.perf_counter() - t0

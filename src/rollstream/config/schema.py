@@ -60,10 +60,12 @@ class ModelConfig(Section):
 
 
 class SourceConfig(Section):
-    kind: Literal["tick", "digits", "math", "jsonl"] = "tick"
+    kind: Literal["tick", "digits", "math", "jsonl", "tally"] = "tick"
     """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (count a
     fixed-width number down by 3, long-tailed), ``math`` (small arithmetic, graded by
-    math-verify), ``jsonl`` (a dataset file: one ``{"prompt", "answer"}`` object per line)."""
+    math-verify), ``jsonl`` (a dataset file: one ``{"prompt", "answer"}`` object per line),
+    ``tally`` (a multi-turn agent episode: sum a list with a calculator tool, one call per
+    item; run by the agent loop with the ``agent`` settings; docs/agents.md)."""
     path: str | None = None
     """The dataset file of a ``jsonl`` source."""
     reward: str | None = Field(None, min_length=1)
@@ -88,6 +90,22 @@ class SourceConfig(Section):
             raise ValueError(f"`path` is read only by a jsonl source; kind {self.kind} "
                              "generates its tasks (drop path or use kind: jsonl)")
         return self
+
+
+class AgentConfig(Section):
+    max_turns: int = Field(32, ge=1)
+    """Model turns of an agent episode (then it ends with ``max_turns``)."""
+    max_turn_tokens: int = Field(64, ge=1)
+    """Tokens of one model turn (a turn cut by it is closed by the chat template and the
+    episode goes on). An episode's tokens in all (model and environment) are capped by
+    ``sampling.max_new_tokens``."""
+    max_wall_s: float | None = Field(None, gt=0)
+    """Wall time of an episode (None = no limit); a turn or tool still running then is
+    stopped and the episode ends with ``max_wall``."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Per tool call: a call still running then ends with an error message to the model."""
+    max_tool_concurrency: int | None = Field(None, ge=1)
+    """Tool calls running at once per agent source, across its episodes (None = no bound)."""
 
 
 class TasksConfig(Section):
@@ -365,6 +383,8 @@ class RunConfig(Section):
     moved to ``ledger.superseded.jsonl``."""
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
+    agent: AgentConfig = AgentConfig()
+    """How agent episodes (sources of kind ``tally``) run: budgets and tool limits."""
     engine: EngineConfig = EngineConfig()
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()

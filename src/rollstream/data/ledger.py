@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import IO
 
-from rollstream.trajectory import Sample, SampleStatus
+from rollstream.trajectory import Sample, SampleStatus, SegmentKind
 
 RECENT = 1 << 14  # terminal sample uids kept in memory for the exactly-once check
 
@@ -85,6 +85,8 @@ class Ledger:
                 "min_version": min(versions) if versions else None,
                 "max_version": max(versions) if versions else None,
                 "num_interrupts": sample.num_interrupts,
+                "finish_reason": sample.finish_reason,
+                "num_turns": sum(t.kind is SegmentKind.POLICY for t in sample.turns),
                 "trained_at_step": sample.trained_at_step,
                 "min_trained_version": sample.min_trained_version,
                 "num_trained_tokens": sample.num_trained_tokens,

@@ -22,6 +22,8 @@ the previous item, the information the next token needs is close to it):
   heavier tail (reference tokens p50/p99 at the default config: tick 34/223, digits 14/159).
 * ``math``    ``12+7*3=`` -> ``33``: + - * with the usual precedence, graded by
   ``math_answer`` (a final value only, equal by math-verify).
+* ``tally``   an agent episode (``rollstream.agent.tally``): sum labelled numbers with a
+  calculator tool, one call per item; its tasks name the ``agent`` harness.
 
 The number of items is ``min(max_items, int(scale * Pareto(alpha)))``, a long tail capped by
 ``SourceConfig.max_items``. Each source's ``reward`` is ``SourceConfig.reward`` when set, else
@@ -74,8 +76,9 @@ class TaskSource(Protocol):
         """How many distinct tasks ``split`` holds (None: a generator without end)."""
         ...
 
-    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
-        """An answer for supervised warm start (no eos), wrong with a rate set by ``noise``."""
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str | list[dict]:
+        """An answer for supervised warm start (no eos), wrong with a rate set by ``noise``;
+        an agent source's: the conversation's turns after its opening (chat messages)."""
         ...
 
 
@@ -249,7 +252,7 @@ _KINDS: dict[str, type[_Synthetic]] = {
 
 
 _KIND_REWARDS = {"tick": "exact_match", "digits": "exact_match", "math": "math_answer",
-                 "jsonl": "exact_match"}
+                 "jsonl": "exact_match", "tally": "exact_match"}
 
 
 def source_name(cfg: SourceConfig) -> str:
@@ -273,6 +276,10 @@ def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> Ta
         from rollstream.data.jsonl import JsonlSource
 
         return JsonlSource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
+    if cfg.kind == "tally":  # an agent task: needs the chat template (agent/tally.py)
+        from rollstream.agent.tally import TallySource
+
+        return TallySource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
     return _KINDS[cfg.kind](name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
 
 

@@ -1,7 +1,8 @@
 """Groups and samples as JSON, token for token (what a checkpoint saves of the rollout).
 
 Every per-token field of every segment is kept (ids, behaviour logprobs, versions, loss
-mask), with the sample's status and what it has recorded so far, so that a restored sample
+mask), an episode's turns (tool calls and their results: what a resumed episode replays),
+with the sample's status and what it has recorded so far, so that a restored sample
 continues exactly where the saved one stood: ``prompt + tokens so far`` is resubmitted with
 the versions of the saved tokens unchanged.
 """
@@ -10,17 +11,55 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollstream.trajectory import Group, Sample, SampleStatus, Segment, SegmentKind, Task
+from rollstream.trajectory import (
+    SINGLE_TURN,
+    Group,
+    Sample,
+    SampleStatus,
+    Segment,
+    SegmentKind,
+    Task,
+    ToolCall,
+    ToolResult,
+    Turn,
+)
 
 
 def task_to_dict(task: Task) -> dict[str, Any]:
     return {"uid": task.uid, "source": task.source, "prompt_ids": list(task.prompt_ids),
-            "prompt_text": task.prompt_text, "reference": task.reference}
+            "prompt_text": task.prompt_text, "reference": task.reference,
+            "harness": task.harness}
 
 
 def task_from_dict(d: dict[str, Any]) -> Task:
     return Task(uid=d["uid"], source=d["source"], prompt_ids=tuple(d["prompt_ids"]),
-                prompt_text=d["prompt_text"], reference=d["reference"])
+                prompt_text=d["prompt_text"], reference=d["reference"],
+                harness=d.get("harness", SINGLE_TURN))
+
+
+def _call_to_dict(c: ToolCall) -> dict[str, Any]:
+    return {"id": c.id, "name": c.name, "arguments": c.arguments}
+
+
+def _turn_to_dict(t: Turn) -> dict[str, Any]:
+    return {"kind": t.kind.value, "num_tokens": t.num_tokens, "started_s": t.started_s,
+            "duration_s": t.duration_s, "finish_reason": t.finish_reason,
+            "num_interrupts": t.num_interrupts,
+            "tool_calls": [_call_to_dict(c) for c in t.tool_calls],
+            "tool_results": [{"call": _call_to_dict(r.call), "content": r.content, "ok": r.ok,
+                              "error": r.error, "duration_s": r.duration_s}
+                             for r in t.tool_results]}
+
+
+def _turn_from_dict(d: dict[str, Any]) -> Turn:
+    return Turn(kind=SegmentKind(d["kind"]), num_tokens=d["num_tokens"],
+                started_s=d["started_s"], duration_s=d["duration_s"],
+                finish_reason=d["finish_reason"], num_interrupts=d["num_interrupts"],
+                tool_calls=[ToolCall(**c) for c in d["tool_calls"]],
+                tool_results=[ToolResult(call=ToolCall(**r["call"]), content=r["content"],
+                                         ok=r["ok"], error=r["error"],
+                                         duration_s=r["duration_s"])
+                              for r in d["tool_results"]])
 
 
 def group_to_dict(group: Group) -> dict[str, Any]:
@@ -45,6 +84,7 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
         "segments": [{"kind": g.kind.value, "token_ids": list(g.token_ids),  # copies: the
                       "logprobs": list(g.logprobs), "versions": list(g.versions),  # sample
                       "loss_mask": list(g.loss_mask)} for g in s.segments],  # grows on
+        "turns": [_turn_to_dict(t) for t in s.turns],
     }
 
 
@@ -56,7 +96,8 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                     status=SampleStatus(d["status"]), reward=d["reward"],
                     finish_reason=d["finish_reason"], failure=d["failure"],
                     engine_id=d["engine_id"], num_interrupts=d["num_interrupts"],
-                    num_restored_tokens=d["num_restored_tokens"])
+                    num_restored_tokens=d["num_restored_tokens"],
+                    turns=[_turn_from_dict(t) for t in d.get("turns", ())])
     if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
         sample.num_restored_tokens = sample.num_response_tokens
     return sample

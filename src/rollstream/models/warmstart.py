@@ -47,7 +47,7 @@ from rollstream.data.sources import TaskMix, source_rewards
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
 from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer
 from rollstream.reward import Response, build_resolver, decode_response
-from rollstream.trajectory import Task
+from rollstream.trajectory import SINGLE_TURN, Task
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ def _build(model_cfg: ModelConfig, tasks_cfg: TasksConfig, out_dir: Path) -> Non
         model, tasks_cfg, model_cfg.warm_start, tokenizer, max_position=model_cfg.tiny.max_position
     )
     train_s = time.perf_counter() - t0
-    eval_tasks = eval_mix.eval_tasks()
+    # agent episodes are measured by the run's own evaluation (the agent loop), not here
+    eval_tasks = [t for t in eval_mix.eval_tasks() if t.harness == SINGLE_TURN]
     t1 = time.perf_counter()
     sampled = _accuracy_by_source(model, tokenizer, eval_tasks, 1.0, score)
     greedy = _accuracy_by_source(model, tokenizer, eval_tasks, 0.0, score)
@@ -171,18 +172,24 @@ def warm_start(
     model.train()
     num_tokens, last_loss = 0, float("nan")
     for step in range(cfg.steps):
-        batch: list[tuple[list[int], int]] = []  # (token ids, prompt length)
+        batch: list[tuple[list[int], list[bool]]] = []  # (token ids, which are targets)
         step_tokens = 0
         while step_tokens < cfg.tokens_per_step:
             task = mix.next_task()
-            demo = mix.source(task.source).demonstration(task, rng, cfg.noise)
-            ids = [*task.prompt_ids, *tokenizer.encode(demo, add_special_tokens=False), eos]
+            source = mix.source(task.source)
+            demo = source.demonstration(task, rng, cfg.noise)
+            if isinstance(demo, str):
+                response = [*tokenizer.encode(demo, add_special_tokens=False), eos]
+                ids = [*task.prompt_ids, *response]
+                targets = [False] * len(task.prompt_ids) + [True] * len(response)
+            else:  # an agent episode: the model's turns are the targets
+                ids, targets = source.renderer.episode(source.opening(task), demo)
             if len(ids) > max_position:
                 raise ValueError(
                     f"a {task.source!r} demonstration needs {len(ids)} tokens but "
                     f"model.tiny.max_position is {max_position}: raise it or lower max_items"
                 )
-            batch.append((ids, len(task.prompt_ids)))
+            batch.append((ids, targets))
             step_tokens += len(ids)
         last_loss = _train_step(model, opt, batch, pad_id=tokenizer.pad_token_id)
         sched.step()
@@ -205,13 +212,13 @@ def _lr_factor(step: int, total: int) -> float:
 def _train_step(
     model: PreTrainedModel,
     opt: torch.optim.Optimizer,
-    batch: list[tuple[list[int], int]],
+    batch: list[tuple[list[int], list[bool]]],
     *,
     pad_id: int,
 ) -> float:
-    """One optimizer step over ``batch``, micro-batched by length; mean loss per response token."""
+    """One optimizer step over ``batch``, micro-batched by length; mean loss per target token."""
     batch = sorted(batch, key=lambda b: len(b[0]))
-    num_targets = sum(len(ids) - plen for ids, plen in batch)
+    num_targets = sum(sum(targets) for _, targets in batch)
     opt.zero_grad(set_to_none=True)
     total = 0.0
     for micro in _micro_batches(batch):
@@ -232,21 +239,26 @@ def _train_step(
 
 
 def collate(
-    batch: Sequence[tuple[list[int], int]], *, pad_id: int
+    batch: Sequence[tuple[list[int], list[bool]]], *, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids`` [B, T] and ``labels`` [B, T]: -100 on prompt and pad tokens."""
+    """Right-padded ``input_ids`` [B, T] and ``labels`` [B, T]: -100 where a token is not a
+    target (the prompt, an environment's tokens, padding)."""
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    for row, (ids, prompt_len) in enumerate(batch):
+    for row, (ids, targets) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, prompt_len : len(ids)] = input_ids[row, prompt_len : len(ids)]
+        keep = torch.tensor(targets, dtype=torch.bool)
+        labels[row, : len(ids)] = torch.where(keep, input_ids[row, : len(ids)], -100)
     return input_ids, labels
 
 
-def _micro_batches(batch: list[tuple[list[int], int]]) -> list[list[tuple[list[int], int]]]:
+Demo = tuple[list[int], list[bool]]
+
+
+def _micro_batches(batch: list[Demo]) -> list[list[Demo]]:
     """Split a length-sorted batch so each padded micro-batch holds about _MICRO_BATCH_TOKENS."""
-    out: list[list[tuple[list[int], int]]] = [[]]
+    out: list[list[Demo]] = [[]]
     for item in batch:
         if out[-1] and (len(out[-1]) + 1) * len(item[0]) > _MICRO_BATCH_TOKENS:
             out.append([])

@@ -41,8 +41,9 @@ import asyncio
 import hashlib
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from rollstream.clock import Clock
 from rollstream.engine.protocol import (
@@ -56,7 +57,7 @@ from rollstream.engine.protocol import (
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
-from rollstream.trajectory import Group, Sample, SampleStatus
+from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
 RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
@@ -89,6 +90,26 @@ class DispatchStats:
 SpanSink = Callable[..., None]
 
 
+@dataclass(slots=True, kw_only=True, frozen=True)
+class TurnOutput:
+    """How one model turn ended (its tokens went into the sample or episode)."""
+
+    finish_reason: FinishReason  # STOP | LENGTH; ABORT when out of time or the engine failed
+    num_tokens: int  # the turn's tokens (a continued turn: with those it had before)
+    num_interrupts: int = 0  # continuations after engine interrupts
+    out_of_time: bool = False  # interrupted at the caller's deadline
+    error: str | None = None  # the engine failed the turn (direct engine calls only)
+
+
+class Harness(Protocol):
+    """What runs the samples of tasks whose ``Task.harness`` names it (an agent loop)."""
+
+    async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:
+        """Bring ``sample`` to GENERATED or GRADED, or FAILED with a reason; or leave it where
+        it is when its group is cancelled or no engine is alive (``generate_turn`` said None).
+        Generate every model turn with ``dispatcher.generate_turn``."""
+
+
 def sample_seed(seed: int, uid: str) -> int:
     """The request seed of sample ``uid`` in a run seeded ``seed`` (62 bits, stable across
     processes and Python versions)."""
@@ -108,6 +129,7 @@ class Dispatcher:
         clock: Clock,
         span: SpanSink | None = None,
         seed: int | None = None,
+        harnesses: Mapping[str, Harness] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -119,6 +141,7 @@ class Dispatcher:
         self.clock = clock
         self.span = span or (lambda **_: None)
         self.seed = seed  # per-sample random streams (None: the engines' own)
+        self.harnesses = dict(harnesses or {})  # Task.harness -> what runs its samples
         self.in_flight: dict[str, InFlight] = {}
         self.stats = DispatchStats()
         self.fatal: str | None = None  # why nothing can be dispatched any more
@@ -172,32 +195,69 @@ class Dispatcher:
     def _take_slot(self) -> int:
         return self._free_slots.pop() if self._free_slots else next(self._next_slot)
 
-    # ---- one sample --------------------------------------------------------------------
+    # ---- one sample ----------------------------------------------------------------------
     async def run_sample(self, sample: Sample, params: SamplingParams | None = None) -> None:
-        """Generate ``sample`` to GENERATED, or to FAILED; a cancelled group's sample, or any
-        sample once no engine is alive, is left where it is for the caller to record."""
+        """Generate ``sample`` to GENERATED (or GRADED, when its harness grades), or to
+        FAILED; a cancelled group's sample, or any sample once no engine is alive, is left
+        where it is for the caller to record. A task of another harness than a single
+        request (an agent episode) is run by that harness, which generates each model turn
+        with :meth:`generate_turn`."""
         params = params or self.params
-        failures = 0
+        if sample.task.harness != SINGLE_TURN:
+            harness = self.harnesses.get(sample.task.harness)
+            if harness is None:
+                self.lifecycle.move(sample, SampleStatus.FAILED,
+                                    f"no harness {sample.task.harness!r} in this run "
+                                    f"(known: {', '.join(sorted(self.harnesses)) or 'none'})")
+                return
+            await harness.run(sample, self, params)
+            return
+        out = await self.generate_turn(sample, params)
+        if out is not None:
+            self.finish(sample, out.finish_reason.value)
+
+    def finish(self, sample: Sample, finish_reason: str) -> None:
+        """``sample``'s generation is over: GENERATED, counted in the per-source lengths."""
+        sample.finish_reason = finish_reason
+        self.lifecycle.move(sample, SampleStatus.GENERATED)
+        self.stats.per_source_tokens.setdefault(sample.task.source, deque(maxlen=256)).append(
+            sample.num_response_tokens
+        )
+
+    async def generate_turn(self, sample: Sample, params: SamplingParams, *, turn_start: int = 0,
+                            deadline: float | None = None) -> TurnOutput | None:
+        """Generate one model turn of ``sample``, its tokens appended from response position
+        ``turn_start`` on (a single-turn sample: 0, the whole response), until it stops or has
+        ``params.max_new_tokens`` tokens. An interrupt (weight update, drain, dead engine)
+        keeps the partial tokens and resubmits prompt + response so far, on another engine
+        when this one died. ``deadline`` (``clock.now()`` time): the request is interrupted
+        then and the turn returns ``out_of_time``. None: the sample FAILED (engine error, or
+        ``MAX_ENGINE_RETRIES`` failed attempts in a row), its group was cancelled, or no
+        engine is alive; the caller leaves it as it is."""
+        failures = interrupts = 0
         while True:
             await self._gate.wait()
             if sample.group_id in self._cancelled or self.fatal is not None:
-                return
-            remaining = params.max_new_tokens - sample.num_response_tokens
+                return None
+            done = sample.num_response_tokens - turn_start
+            remaining = params.max_new_tokens - done
             if remaining <= 0:
-                sample.finish_reason = FinishReason.LENGTH.value
-                break
+                return TurnOutput(finish_reason=FinishReason.LENGTH, num_tokens=done,
+                                  num_interrupts=interrupts)
             try:
-                out = await self._generate_once(sample, replace(params, max_new_tokens=remaining))
+                out, out_of_time = await self._generate_once(
+                    sample, replace(params, max_new_tokens=remaining), deadline)
             except NoEngineAlive as e:
                 self.fatal = self.fatal or str(e)
-                return
+                return None
             sample.append_policy_tokens(out.token_ids, out.logprobs, out.versions)
-            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                sample.finish_reason = out.finish_reason.value
-                break
+            done += len(out.token_ids)
+            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) or out_of_time:
+                return TurnOutput(finish_reason=out.finish_reason, num_tokens=done,
+                                  num_interrupts=interrupts, out_of_time=out_of_time)
             if out.finish_reason is FinishReason.ERROR:
                 self.lifecycle.move(sample, SampleStatus.FAILED, f"engine error: {out.error}")
-                return
+                return None
             # ABORT: interrupted at a token boundary (weight update, cancel, or a dead engine)
             if out.error:
                 self.stats.num_engine_failures += 1
@@ -205,18 +265,17 @@ class Dispatcher:
                 if failures >= MAX_ENGINE_RETRIES:
                     self.lifecycle.move(sample, SampleStatus.FAILED,
                                         f"engine failed {failures} times: {out.error}")
-                    return
+                    return None
             sample.num_interrupts += 1
+            interrupts += 1
             self.lifecycle.move(sample, SampleStatus.INTERRUPTED)
             self.stats.num_interrupts += 1
             if sample.group_id not in self._cancelled:
                 self.stats.num_resumes += 1
-        self.lifecycle.move(sample, SampleStatus.GENERATED)
-        self.stats.per_source_tokens.setdefault(sample.task.source, deque(maxlen=256)).append(
-            sample.num_response_tokens
-        )
 
-    async def _generate_once(self, sample: Sample, params: SamplingParams) -> GenerateOutput:
+    async def _generate_once(self, sample: Sample, params: SamplingParams,
+                             deadline: float | None = None) -> tuple[GenerateOutput, bool]:
+        """One request; (its output, whether it was interrupted at ``deadline``)."""
         engine = await self._pick_engine()
         request_id = f"{sample.uid}@{next(self._ids)}"
         if params.seed is None and self.seed is not None:
@@ -233,9 +292,20 @@ class Dispatcher:
         self.stats.num_requests += 1
         request = GenerateRequest(request_id=request_id, params=params,
                                   prompt_ids=list(sample.task.prompt_ids) + sample.response_ids)
+        out_of_time = False
         try:
-            out = await engine.generate(request)
-        except Exception as e:  # fault boundary: an engine that raises failed this attempt
+            if deadline is None:
+                out = await engine.generate(request)
+            else:
+                task = asyncio.ensure_future(engine.generate(request))
+                timeout = max(0.0, deadline - self.clock.now())
+                finished, _ = await asyncio.wait({task}, timeout=timeout)
+                if not finished:
+                    out_of_time = True
+                    if engine.stats().health is not EngineHealth.DEAD:
+                        await engine.interrupt([request_id])
+                out = await task
+        except Exception as e:  # noqa: BLE001 - fault boundary: an engine that raises failed this attempt
             out = GenerateOutput(request_id=request_id, token_ids=[], logprobs=[], versions=[],
                                  finish_reason=FinishReason.ABORT,
                                  error=f"engine {engine.engine_id} raised {e!r}")
@@ -256,13 +326,15 @@ class Dispatcher:
             version_end=out.versions[-1] if out.versions else info.version_start,
             num_tokens=len(out.token_ids), outcome=outcome,
         )
-        return out
+        return out, out_of_time and out.finish_reason is FinishReason.ABORT
 
     async def grade(self, sample: Sample) -> None:
-        """Score a GENERATED sample; a failing reward marks it FAILED with the reason."""
-        ids = sample.response_ids
+        """Score a GENERATED sample with its source's reward: the response of a single-turn
+        sample, the last model turn of an episode (``Sample.answer``). A failing reward marks
+        it FAILED with the reason."""
+        ids, finish_reason = sample.answer()
         response = Response(text=self.decode(ids), token_ids=tuple(ids),
-                            finish_reason=sample.finish_reason or FinishReason.LENGTH.value)
+                            finish_reason=finish_reason or FinishReason.LENGTH.value)
         result = await self.graders.grade(sample.task, response)
         if result.error is not None:
             self.lifecycle.move(sample, SampleStatus.FAILED, f"reward: {result.error}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,13 +24,14 @@ from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import reconcile_ledger, reconcile_logs
 from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
-from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.dispatcher import Dispatcher, Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
 from rollstream.sync.weights import WeightSync, sync_policy
+from rollstream.trajectory import SINGLE_TURN
 
 if TYPE_CHECKING:
     from rollstream.data.sources import TaskMix
@@ -88,6 +89,26 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
     (run_dir / "config.yaml").write_text(dumped)
 
 
+def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, Harness]:
+    """The harnesses the run's task sources need: the agent loop when a source's tasks are
+    agent episodes (``cfg.agent`` sets its budgets; ``sampling.max_new_tokens`` caps an
+    episode's response tokens in all)."""
+    from rollstream.agent.chat import ChatRenderer
+    from rollstream.agent.harness import AGENT, AgentHarness
+    from rollstream.agent.loop import Budgets
+
+    agents = {name: src for name in mix.names
+              if getattr(src := mix.source(name), "harness", SINGLE_TURN) == AGENT}
+    if not agents:
+        return {}
+    a = cfg.agent
+    budgets = Budgets(max_turns=a.max_turns, max_turn_tokens=a.max_turn_tokens,
+                      max_total_tokens=cfg.sampling.max_new_tokens, max_wall_s=a.max_wall_s)
+    return {AGENT: AgentHarness(renderer=ChatRenderer(tokenizer), budgets=budgets,
+                                sources=agents, tool_timeout_s=a.tool_timeout_s,
+                                max_tool_concurrency=a.max_tool_concurrency)}
+
+
 @dataclass(slots=True, kw_only=True)
 class Loop:
     """The rollout side and the controller around given engines, trainer and tasks."""
@@ -102,12 +123,15 @@ class Loop:
 def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, tasks: TaskStream,
                graders: GraderPool, decode: Callable[[list[int]], str], ledger: Ledger,
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
-               span: Callable[..., None] | None = None, start_step: int = 0) -> Loop:
+               span: Callable[..., None] | None = None, start_step: int = 0,
+               harnesses: Mapping[str, Harness] | None = None) -> Loop:
     """Wire dispatcher, rollout, weight sync and controller as ``cfg`` says (tests use this
-    with their own engines and trainers at the process edges)."""
+    with their own engines and trainers at the process edges). ``harnesses``: what runs
+    tasks that are not one engine request (:func:`build_harnesses`)."""
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
-                            lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed)
+                            lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
+                            harnesses=harnesses)
     rollout = Rollout(
         cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
         groups_per_step=cfg.train.groups_per_step,
@@ -173,7 +197,6 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     """Every component of a run; with ``cfg.resume`` it continues from ``resume`` (the run's
     newest checkpoint; None: none was written, the run starts at step 0 keeping the ledger's
     record of what the lost process did in ``ledger.superseded.jsonl``)."""
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from rollstream.data.sources import TaskMix, source_rewards
@@ -214,7 +237,7 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       ledger=ledger, metrics=metrics, clock=WallClock(),
                       params=sampling_params(cfg.sampling, stop), span=metrics.span,
-                      start_step=version)
+                      start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer))
     if resume is not None:
         trainer.load_training_state(resume.model_dir, resume.trainer_file)
         loop.rollout.restore(resume.state["rollout"], version=version)

@@ -1,0 +1,124 @@
+"""``tally``: a multi-turn tool task for the tiny-model kit. Add numbers with a calculator.
+
+The environment deals the numbers one at a time; the model adds each to the running total
+with a calculator call, copying the last result and the new number, and answers when the
+environment says ``end``::
+
+    user       add 12
+    assistant  #calc 0+12           tool  12     user  add 45
+    assistant  #calc 12+45          tool  57     user  add 7
+    assistant  #calc 57+7           tool  64     user  end
+    assistant  =64                  (graded by exact_match against the reference "=64")
+
+Shaped to be learnable by a model of a few hundred thousand parameters (LEARNABILITY.md):
+everything a token needs is in the environment's last message, a few tokens back. The tiny
+model cannot add reliably, so the calculator matters; what RL improves is copying, turn after
+turn (one slip and the answer is wrong). The number of items is long-tailed
+(``pareto_items``, capped by ``SourceConfig.max_items``), so is the number of turns. Tool
+calls use :class:`CommandToolParser` (``#calc 57+7``): the kit's character vocabulary has no
+``<``, ``{`` or ``"`` for the Hermes format. Demonstrations for the warm start slip a copied
+number by one with probability ``noise``; later turns add on from the calculator's result,
+so a slip makes the answer wrong, as a sampling error does.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from rollstream.agent.chat import ChatRenderer, Message
+from rollstream.agent.environment import ModelTurn, Observation, ToolEnvironment
+from rollstream.agent.harness import AGENT
+from rollstream.agent.loop import ReplayTools
+from rollstream.agent.tools import Calculator, CommandToolParser, Tool, ToolCall
+from rollstream.data.sources import Split, _Synthetic, pareto_items
+from rollstream.trajectory import Task
+
+_SCALE = 2.0
+_MAX_VALUE = 99
+_PROMPT = re.compile(r"tally( \d+)+")
+
+
+@dataclass(slots=True, kw_only=True)
+class TallyEnvironment:
+    """Deals ``values`` one per turn; runs the model's calls; a turn without one answers."""
+
+    values: list[int]
+    tools: ReplayTools
+    parser: CommandToolParser
+    dealt: int = 1  # the opening deals the first value
+
+    async def reset(self) -> list[Message]:
+        self.dealt = 1
+        return [{"role": "user", "content": f"add {self.values[0]}"}]
+
+    async def step(self, turn: ModelTurn) -> Observation:
+        env = ToolEnvironment(messages=[], tools=self.tools, parser=self.parser)
+        obs = await env.step(turn)
+        if obs.done:
+            return obs
+        deal = f"add {self.values[self.dealt]}" if self.dealt < len(self.values) else "end"
+        self.dealt += 1
+        return Observation(messages=[*obs.messages, {"role": "user", "content": deal}],
+                           done=False, tool_calls=obs.tool_calls,
+                           tool_results=obs.tool_results)
+
+
+@dataclass(slots=True, kw_only=True)
+class TallySource(_Synthetic):
+    """Agent episodes: add dealt numbers with the ``calc`` tool (module docstring)."""
+
+    harness: str = field(init=False, default=AGENT)
+    renderer: ChatRenderer = field(init=False)
+    parser: CommandToolParser = field(init=False)
+
+    def __post_init__(self) -> None:
+        _Synthetic.__post_init__(self)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.parser = CommandToolParser(commands={"calc": "expression"})
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        n = pareto_items(rng, self.cfg.pareto_alpha, _SCALE, self.cfg.max_items)
+        values = [rng.randint(1, _MAX_VALUE) for _ in range(n)]
+        return "tally " + " ".join(map(str, values)), f"={sum(values)}"
+
+    def task(self, index: int, split: Split) -> Task:
+        """The task's text lists its numbers (``tally 12 45 7``: what makes it unique and
+        splits it); its prompt is the chat prompt of the opening, which deals the first."""
+        task = _Synthetic.task(self, index, split)
+        return Task(uid=task.uid, source=task.source, prompt_text=task.prompt_text,
+                    prompt_ids=tuple(self.renderer.prompt(self.opening(task))),
+                    reference=task.reference, harness=AGENT)
+
+    def values(self, task: Task) -> list[int]:
+        self._parse(_PROMPT, task)
+        return [int(v) for v in task.prompt_text.split()[1:]]
+
+    def opening(self, task: Task) -> list[Message]:
+        return [{"role": "user", "content": f"add {self.values(task)[0]}"}]
+
+    def tool_list(self) -> list[Tool]:
+        return [Calculator(name="calc")]
+
+    def environment(self, task: Task, tools: ReplayTools) -> TallyEnvironment:
+        return TallyEnvironment(values=self.values(task), tools=tools, parser=self.parser)
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> list[Message]:
+        """The turns after the opening: a call per number, its result and the next deal,
+        then the answer."""
+        values = self.values(task)
+        turns: list[Message] = []
+        total = 0
+        for i, v in enumerate(values):
+            copied_total, copied = total, v
+            if rng.random() < noise:
+                copied = max(0, v + rng.choice((-1, 1)))
+            call = ToolCall(id="", name="calc",
+                            arguments={"expression": f"{copied_total}+{copied}"})
+            turns.append({"role": "assistant", "content": self.parser.render(call)})
+            total = copied_total + copied
+            deal = f"add {values[i + 1]}" if i + 1 < len(values) else "end"
+            turns += [{"role": "tool", "content": str(total)}, {"role": "user", "content": deal}]
+        turns.append({"role": "assistant", "content": f"={total}"})
+        return turns

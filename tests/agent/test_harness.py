@@ -1,0 +1,285 @@
+"""Agent episodes through the dispatcher, on the real embedded engine: every model turn is a
+routed request (gate, interrupts, versions), environment tokens are masked, turns and tool
+calls are recorded, a checkpointed episode resumes without running a recorded call again, and
+a failing environment or an unknown harness fails only its own sample."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rollstream.agent.chat import ChatRenderer, check_alignment
+from rollstream.agent.environment import ModelTurn, Observation
+from rollstream.agent.harness import AGENT, AgentHarness
+from rollstream.agent.loop import Budgets, ReplayTools
+from rollstream.agent.tools import ToolCall
+from rollstream.clock import WallClock
+from rollstream.config.schema import RewardConfig
+from rollstream.data.ledger import Ledger, read_ledger
+from rollstream.durable.state import group_from_dict, group_to_dict
+from rollstream.engine import SamplingParams
+from rollstream.models.tokenizer import build_char_tokenizer
+from rollstream.reward.pool import GraderPool
+from rollstream.reward.registry import get_reward
+from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.trajectory import Group, SampleStatus, SegmentKind, Task
+
+TOKENIZER = build_char_tokenizer()
+RENDERER = ChatRenderer(TOKENIZER)
+
+
+class Counter:
+    """A tool with a side effect: every call is counted (what must not run twice)."""
+
+    name = "count"
+    description = "count a call"
+    parameters = {"type": "object", "properties": {"x": {"type": "integer"}}}
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    async def __call__(self, x: int) -> str:
+        self.calls.append(x)
+        return f"n{len(self.calls)}"
+
+
+@dataclasses.dataclass
+class Scripted:
+    """Calls ``count`` once per model turn, whatever the model wrote, for ``turns`` turns;
+    then ends (reward from the environment when ``reward`` is set, else the grader's)."""
+
+    tools: ReplayTools
+    turns: int
+    reward: float | None = None
+    fail_at: int | None = None
+
+    async def reset(self):
+        return [{"role": "user", "content": "go"}]
+
+    async def step(self, turn: ModelTurn) -> Observation:
+        if turn.turn_index == self.fail_at:
+            raise RuntimeError("the environment broke")
+        if turn.turn_index + 1 >= self.turns:
+            return Observation(messages=[], done=True, reward=self.reward)
+        calls = [ToolCall(id="call_0", name="count", arguments={"x": turn.turn_index})]
+        results = await self.tools.run(calls)
+        return Observation(messages=[{"role": "tool", "content": r.content} for r in results],
+                           done=False, tool_calls=calls, tool_results=results)
+
+
+@dataclasses.dataclass
+class ScriptedSource:
+    name: str = "s"
+    turns: int = 3
+    reward: float | None = None
+    fail_at: int | None = None
+    counter: Counter = dataclasses.field(default_factory=Counter)
+
+    def tool_list(self):
+        return [self.counter]
+
+    def environment(self, task: Task, tools: ReplayTools) -> Scripted:
+        return Scripted(tools=tools, turns=self.turns, reward=self.reward, fail_at=self.fail_at)
+
+
+def _task(i: int = 0, source: str = "s", harness: str = AGENT) -> Task:
+    prompt = RENDERER.prompt([{"role": "user", "content": "go"}])
+    return Task(uid=f"{source}/{i}", source=source, prompt_ids=tuple(prompt),
+                prompt_text="go", reference="zzz", harness=harness)
+
+
+def _dispatcher(engine, source: ScriptedSource, ledger: Ledger, *,
+                budgets: Budgets | None = None) -> tuple[Dispatcher, GraderPool]:
+    graders = GraderPool(RewardConfig(num_workers=1), lambda task: get_reward("exact_match"))
+    harness = AgentHarness(renderer=RENDERER, tool_timeout_s=5.0, sources={source.name: source},
+                           budgets=budgets or Budgets(max_turns=8, max_turn_tokens=12,
+                                                      max_total_tokens=400))
+    disp = Dispatcher(engines=[engine], params=SamplingParams(temperature=1.0, seed=None),
+                      graders=graders, decode=lambda ids: TOKENIZER.decode(
+                          ids, skip_special_tokens=True),
+                      lifecycle=Lifecycle(ledger, WallClock()), clock=WallClock(), seed=7,
+                      harnesses={AGENT: harness})
+    return disp, graders
+
+
+async def test_episodes_run_turn_by_turn_through_the_dispatcher(engine, tmp_path: Path):
+    source = ScriptedSource(turns=3)
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    disp, graders = _dispatcher(engine, source, ledger)
+    group = Group.new(_task(), 4)
+    try:
+        await asyncio.wait_for(disp.run_group(group), 120)
+    finally:
+        graders.close()
+    for s in group.samples:
+        assert s.status is SampleStatus.GRADED and s.reward == 0.0  # graded by exact_match
+        assert s.finish_reason == "done"
+        kinds = [seg.kind for seg in s.segments]
+        assert kinds == [SegmentKind.POLICY, SegmentKind.ENV] * 2 + [SegmentKind.POLICY]
+        assert [t.kind for t in s.turns] == kinds
+        for seg in s.segments:
+            if seg.kind is SegmentKind.ENV:
+                assert not any(seg.loss_mask) and set(seg.versions) == {-1}
+            else:
+                assert all(seg.loss_mask) and set(seg.versions) == {0} and len(seg) <= 12
+        env_turns = [t for t in s.turns if t.kind is SegmentKind.ENV]
+        assert [r.content for t in env_turns for r in t.tool_results] != []
+        # the trained ids are what the chat template renders for the conversation
+        messages = [{"role": "user", "content": "go"}]
+        for seg, turn in zip(s.segments, s.turns, strict=True):
+            if seg.kind is SegmentKind.POLICY:
+                ids = seg.token_ids[:-1] if turn.finish_reason == "stop" else seg.token_ids
+                messages.append({"role": "assistant", "content": TOKENIZER.decode(ids)})
+            else:
+                messages += [{"role": "tool", "content": r.content} for r in turn.tool_results]
+        check_alignment(RENDERER, messages, list(s.task.prompt_ids) + s.response_ids)
+    assert len(source.counter.calls) == 4 * 2  # one call per environment turn, no more
+    assert disp.stats.num_requests >= 4 * 3
+
+
+async def test_the_environment_reward_grades_the_episode(engine, tmp_path: Path):
+    disp, graders = _dispatcher(engine, ScriptedSource(turns=2, reward=0.75),
+                                Ledger(tmp_path / "l.jsonl"))
+    group = Group.new(_task(), 2)
+    try:
+        await asyncio.wait_for(disp.run_group(group), 120)
+    finally:
+        graders.close()
+    assert [s.reward for s in group.samples] == [0.75, 0.75]
+
+
+async def test_a_failing_environment_or_harness_fails_only_its_sample(engine, tmp_path: Path):
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    disp, graders = _dispatcher(engine, ScriptedSource(turns=3, fail_at=1), ledger)
+    broken = Group.new(_task(0), 2)
+    unknown = Group.new(_task(1, harness="nope"), 1)
+    orphan = Group.new(_task(2, source="elsewhere"), 1)
+    try:
+        await asyncio.wait_for(asyncio.gather(
+            disp.run_group(broken), disp.run_group(unknown), disp.run_group(orphan)), 120)
+    finally:
+        graders.close()
+    assert all(s.status is SampleStatus.FAILED for g in (broken, unknown, orphan)
+               for s in g.samples)
+    assert "the environment broke" in broken.samples[0].failure
+    assert "no harness 'nope'" in unknown.samples[0].failure
+    assert "has no agent environment" in orphan.samples[0].failure
+    ledger.close()
+    assert {e["status"] for e in read_ledger(tmp_path / "ledger.jsonl")} == {"failed"}
+
+
+async def _until_tokens(engine, n: int) -> None:
+    start = engine.stats().generated_tokens
+    while engine.stats().generated_tokens < start + n:
+        await asyncio.sleep(0.002)
+
+
+async def test_a_turn_interrupted_for_new_weights_continues_with_both_versions(engine, model_dir,
+                                                                               tmp_path: Path):
+    source = ScriptedSource(turns=2)
+    budgets = Budgets(max_turns=4, max_turn_tokens=200, max_total_tokens=400)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "l.jsonl"), budgets=budgets)
+    group = Group.new(_task(), 2)
+    run = asyncio.create_task(disp.run_group(group))
+    await _until_tokens(engine, 6)
+    disp.pause()
+    await disp.interrupt(None)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+           for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    await engine.load_weights(1, new)
+    disp.resume()
+    try:
+        await asyncio.wait_for(run, 120)
+    finally:
+        graders.close()
+    for s in group.samples:
+        assert s.status is SampleStatus.GRADED
+        versions = [v for seg in s.segments if seg.kind is SegmentKind.POLICY
+                    for v in seg.versions]
+        assert versions == sorted(versions) and versions[-1] == 1
+    interrupted = [s for s in group.samples if s.num_interrupts]
+    assert interrupted, "the interrupt should have caught a turn in flight"
+    for s in interrupted:
+        turn = next(t for t in s.turns if t.num_interrupts)
+        assert turn.kind is SegmentKind.POLICY
+
+
+async def test_a_checkpointed_episode_resumes_without_running_a_recorded_call(engine,
+                                                                               tmp_path: Path):
+    source = ScriptedSource(turns=5)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
+    group = Group.new(_task(), 1)
+    run = asyncio.create_task(disp.run_group(group))
+    while len(source.counter.calls) < 2:  # two environment turns recorded
+        await asyncio.sleep(0.002)
+    disp.pause()  # a checkpoint: hold the gate, interrupt, copy
+    await disp.interrupt(None)
+    await disp.wait_idle()
+    saved = group_to_dict(group)
+    disp.resume()
+    await asyncio.wait_for(run, 120)
+    graders.close()
+    done_before = len(source.counter.calls)
+    assert done_before == 4
+
+    # a new process: a fresh source (its tools have run nothing) continues the saved episode
+    restored = group_from_dict(saved)
+    sample = restored.samples[0]
+    recorded = sum(len(t.tool_results) for t in sample.turns if t.kind is SegmentKind.ENV)
+    assert recorded >= 2 and sample.status is SampleStatus.INTERRUPTED
+    fresh = ScriptedSource(turns=5)
+    disp2, graders2 = _dispatcher(engine, fresh, Ledger(tmp_path / "b.jsonl"))
+    try:
+        await asyncio.wait_for(disp2.run_group(restored), 120)
+    finally:
+        graders2.close()
+    assert sample.status is SampleStatus.GRADED
+    # the recorded calls were answered from the checkpoint; only later turns ran the tool
+    assert fresh.counter.calls == list(range(recorded, 4))
+    kinds = [seg.kind for seg in sample.segments]
+    assert kinds == [SegmentKind.POLICY, SegmentKind.ENV] * 4 + [SegmentKind.POLICY]
+    assert sample.segments[:2 * recorded] == group_from_dict(saved).samples[0].segments[
+        :2 * recorded]
+
+
+async def test_a_replay_that_diverges_fails_the_sample(engine, tmp_path: Path):
+    source = ScriptedSource(turns=4)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
+    group = Group.new(_task(), 1)
+    run = asyncio.create_task(disp.run_group(group))
+    while len(source.counter.calls) < 1:
+        await asyncio.sleep(0.002)
+    disp.pause()
+    await disp.interrupt(None)
+    await disp.wait_idle()
+    saved = group_to_dict(group)
+    disp.resume()
+    await asyncio.wait_for(run, 120)
+    graders.close()
+    env = next(s for s in saved["samples"][0]["segments"] if s["kind"] == "env")
+    env["token_ids"][-3] = TOKENIZER.convert_tokens_to_ids("q")  # the saved answer, altered
+    restored = group_from_dict(saved)
+    disp2, graders2 = _dispatcher(engine, ScriptedSource(turns=4), Ledger(tmp_path / "b.jsonl"))
+    try:
+        await asyncio.wait_for(disp2.run_group(restored), 120)
+    finally:
+        graders2.close()
+    sample = restored.samples[0]
+    assert sample.status is SampleStatus.FAILED and "ReplayDiverged" in sample.failure
+
+
+async def test_a_single_turn_task_still_runs_as_one_request(engine, tmp_path: Path):
+    disp, graders = _dispatcher(engine, ScriptedSource(), Ledger(tmp_path / "l.jsonl"))
+    group = Group.new(_task(harness="single_turn"), 2)
+    try:
+        await asyncio.wait_for(disp.run_group(group), 120)
+    finally:
+        graders.close()
+    for s in group.samples:
+        assert s.status is SampleStatus.GRADED and s.turns == []
+        assert [seg.kind for seg in s.segments] == [SegmentKind.POLICY]
