@@ -1,7 +1,7 @@
 """Sandboxes: isolated, resettable execution of untrusted code (tool calls, code rewards).
 
-A sandbox is a bubblewrap (``bwrap``) process with its own PID, network, IPC and UTS
-namespaces: no network at all (a fresh network namespace has only its own loopback), the
+A sandbox is a bubblewrap (``bwrap``) process (the command line is built in
+``sandbox_isolation``) with its own PID, network, IPC and UTS namespaces: no network at all (a fresh network namespace has only its own loopback), the
 host's ``/usr`` and Python read-only, a private working directory at ``/work``, a private
 ``/tmp``, and an optional read-only artifact cache at ``/artifacts`` shared by every sandbox.
 Inside it runs ``sandbox_executor.py``, which takes one program at a time, runs it in a fresh
@@ -32,20 +32,16 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Self
 
-EXECUTOR = Path(__file__).with_name("sandbox_executor.py")
+from rollstream.agent.sandbox_isolation import Isolation, SandboxError, SandboxSpec, pick_isolation
+
 READY_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 10.0  # on top of the wall limit, for the executor's cleanup
-
-
-class SandboxError(RuntimeError):
-    """A sandbox could not be started (bubblewrap missing or refused)."""
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -79,37 +75,6 @@ class SandboxResult:
         return self.exit_code == 0 and self.error is None
 
 
-def _bwrap() -> str:
-    path = shutil.which("bwrap")
-    if path is None:
-        raise SandboxError("sandboxes need bubblewrap: install it (Debian: apt-get install "
-                           "bubblewrap); `make test` does so when it is missing")
-    return path
-
-
-def _system_mounts() -> list[str]:
-    """The host's programs and libraries, read-only; Python from wherever it lives."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "lib", "lib64", "sbin"):
-        path = Path("/") / top
-        if path.is_symlink():
-            args += ["--symlink", os.readlink(path), str(path)]
-        elif path.exists():
-            args += ["--ro-bind", str(path), str(path)]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    prefix = Path(sys.base_prefix).resolve()
-    if not prefix.is_relative_to("/usr"):  # e.g. /root/.pyenv/...: its parents traversable
-        for parent in reversed(prefix.parents[:-1]):
-            args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", str(prefix), str(prefix)]
-    return args
-
-
-def _python() -> str:
-    """The base interpreter (a venv's python would need the venv, which holds our code)."""
-    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-
-
 def _processes_of(uid: int) -> int:
     count = 0
     for entry in os.listdir("/proc"):
@@ -122,9 +87,9 @@ def _processes_of(uid: int) -> int:
 class Sandbox:
     """One warm sandbox; runs one program at a time (``SandboxPool`` sees to that)."""
 
-    def __init__(self, *, slot: int, root: Path, limits: SandboxLimits,
+    def __init__(self, *, slot: int, root: Path, limits: SandboxLimits, isolation: Isolation,
                  artifacts: Path | None, uid_base: int) -> None:
-        self.slot, self.limits = slot, limits
+        self.slot, self.limits, self.isolation = slot, limits, isolation
         self.workdir = root / f"work-{slot}"
         self.log_path = root / f"sandbox-{slot}.log"
         self._artifacts = artifacts
@@ -137,21 +102,9 @@ class Sandbox:
         return self._proc is not None and self._proc.returncode is None
 
     def _argv(self) -> list[str]:
-        argv = [_bwrap(), "--die-with-parent", "--new-session", "--unshare-pid",
-                "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-        argv += _system_mounts()
-        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-                 "--bind", str(self.workdir), "/work", "--chdir", "/work"]
-        if self._artifacts is not None:
-            argv += ["--ro-bind", str(self._artifacts), "/artifacts"]
-        if self._as_root:  # bwrap keeps root; the program gets a uid of its own
-            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
-                     shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={self._uid}",
-                     f"--regid={self._uid}", "--clear-groups", "--inh-caps=-all",
-                     "--bounding-set=-all", "--"]
-        else:
-            argv += ["--unshare-user", "--"]
-        return argv + [_python(), "-I", "-S", "-c", EXECUTOR.read_text()]
+        return self.isolation.command(SandboxSpec(
+            workdir=self.workdir, artifacts=self._artifacts,
+            uid=self._uid if self._as_root else None))
 
     def _limit_processes(self) -> None:
         """In the child before exec: the process limit, inherited by the executor."""
@@ -232,7 +185,8 @@ class SandboxPool:
     """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy."""
 
     def __init__(self, size: int = 2, *, limits: SandboxLimits | None = None,
-                 artifacts: Path | str | None = None, uid_base: int = 61000) -> None:
+                 artifacts: Path | str | None = None, uid_base: int = 61000,
+                 backend: str = "auto") -> None:
         if size < 1:
             raise ValueError(f"SandboxPool size must be >= 1, got {size}")
         if artifacts is not None:
@@ -241,11 +195,12 @@ class SandboxPool:
             if os.geteuid() == 0 and Path(artifacts).stat().st_mode & 0o005 != 0o005:
                 raise ValueError(f"sandbox artifacts {artifacts} must be readable by others "
                                  "(chmod o+rx): sandboxed programs run under uids of their own")
-        _bwrap()
+        self.isolation = pick_isolation(backend)
         self.limits = limits or SandboxLimits()
         self._root = Path(tempfile.mkdtemp(prefix="rollstream-sandbox-"))
         self._sandboxes = [
-            Sandbox(slot=i, root=self._root, limits=self.limits, uid_base=uid_base,
+            Sandbox(slot=i, root=self._root, limits=self.limits, isolation=self.isolation,
+                    uid_base=uid_base,
                     artifacts=None if artifacts is None else Path(artifacts).resolve())
             for i in range(size)
         ]

@@ -1,11 +1,13 @@
 """The program that runs inside a sandbox (stdlib only; started by ``agent.sandbox``).
 
-It reads one JSON request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in
-a fresh interpreter with the limits applied (CPU time, address space, file size, a new process
-group), and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it
-was stopped, if it was. After every run it kills every other process of the sandbox (the
-sandbox has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and
-empties the working directory and /tmp: the next run starts from a clean sandbox.
+Its one argument is its layout (JSON): ``workdir`` (where programs run), ``scratch`` (the
+folders emptied after each run) and ``keep`` (paths in them never removed). It reads one JSON
+request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
+interpreter with the limits applied (CPU time, address space, file size, a new process group),
+and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it was
+stopped, if it was. After every run it kills every other process of the sandbox (the sandbox
+has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and empties the
+scratch folders: the next run starts from a clean sandbox.
 """
 
 from __future__ import annotations
@@ -20,11 +22,8 @@ import signal
 import sys
 import time
 
-WORKDIR = "/work"
-CLEAN = (WORKDIR, "/tmp")
 
-
-def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict) -> None:
+def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, workdir: str) -> None:
     """In the forked child: limits, redirections, then a fresh isolated interpreter."""
     try:
         os.setpgid(0, 0)
@@ -37,7 +36,7 @@ def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict) -> No
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.chdir(WORKDIR)
+        os.chdir(workdir)
         os.execv(sys.executable, [sys.executable, "-I", "-c", code])
     except BaseException as e:  # noqa: BLE001 - the child must never return into the loop
         os.write(err_w, f"sandbox: could not start the program: {e!r}\n".encode())
@@ -93,10 +92,12 @@ def _kill_the_rest() -> None:
         time.sleep(0.01)
 
 
-def _clean() -> None:
-    for folder in CLEAN:
+def _clean(layout: dict) -> None:
+    for folder in layout["scratch"]:
         for name in os.listdir(folder):
             path = os.path.join(folder, name)
+            if path in layout["keep"]:
+                continue
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -130,7 +131,7 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
     return None
 
 
-def run_one(request: dict) -> dict:
+def run_one(request: dict, layout: dict) -> dict:
     limits = request["limits"]
     stdin_path = "/tmp/.stdin"  # unlinked once open: the program sees only its stdin
     with open(stdin_path, "w") as f:
@@ -144,7 +145,7 @@ def run_one(request: dict) -> dict:
     if pid == 0:
         os.close(out_r)
         os.close(err_r)
-        _child(request["code"], stdin_fd, out_w, err_w, limits)
+        _child(request["code"], stdin_fd, out_w, err_w, limits, layout["workdir"])
     os.close(out_w)
     os.close(err_w)
     os.close(stdin_fd)
@@ -167,19 +168,20 @@ def run_one(request: dict) -> dict:
     exit_code = None
     if status is not None and not timed_out:
         exit_code = os.waitstatus_to_exitcode(status)
-    _clean()
+    _clean(layout)
     return {"exit_code": exit_code, "stdout": stdout, "stderr": stderr,
             "error": _why(status, timed_out, stderr, limits, cpu_used_s),
             "duration_s": duration_s, "cpu_s": cpu_used_s}
 
 
 def main() -> None:
+    layout = json.loads(sys.argv[1])
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
-        reply = run_one(json.loads(line))
+        reply = run_one(json.loads(line), layout)
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
