@@ -155,3 +155,110 @@ async def test_python_tool_runs_parsed_calls_concurrently_and_reports_limits(poo
         "45", "", "[stopped: cpu time limit of 1 s exceeded]"]
     assert "ZeroDivisionError" in results[3].content and "[exit code 1]" in results[3].content
     assert results[0].duration_s < 2.0
+
+
+class EchoServer:
+    """A TCP server on the host's loopback that answers in upper case and counts connections."""
+
+    def __init__(self) -> None:
+        self.num_connections = 0
+        self.closed = asyncio.Event()  # a connection it served has ended
+
+    async def _serve(self, reader, writer) -> None:
+        self.num_connections += 1
+        while data := await reader.read(1 << 16):
+            writer.write(data.upper())
+            await writer.drain()
+        writer.close()
+        self.closed.set()
+
+    async def __aenter__(self):
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+
+
+async def test_allow_net_reaches_the_allowed_endpoint_and_nothing_else():
+    async with EchoServer() as allowed, EchoServer() as other, SandboxPool(
+            1, limits=LIMITS, uid_base=62040, allow_net=[f"127.0.0.1:{allowed.port}"]) as pool:
+        out = await pool.run(
+            "import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {allowed.port}), 2)\n"
+            "s.sendall(b'ab' * 1_000_000)\n"
+            "s.shutdown(socket.SHUT_WR)\n"  # a half-close reaches the server as its end of file
+            "got = b''\n"
+            "while data := s.recv(1 << 16):\n"
+            "    got += data\n"
+            "print(len(got), got == b'AB' * 1_000_000)")
+        assert out.ok and out.stdout == "2000000 True\n", out.stderr[-300:]
+        out = await pool.run("import socket\n"
+                             f"socket.create_connection(('127.0.0.1', {other.port}), 2)")
+        assert out.exit_code == 1 and "ConnectionRefusedError" in out.stderr
+        assert other.num_connections == 0
+        out = await pool.run("import socket; socket.create_connection(('192.0.2.1', 80), 2)")
+        assert out.error == ("network access refused: the sandbox reaches only "
+                             f"127.0.0.1:{allowed.port}")
+        assert allowed.num_connections == 1
+
+
+async def test_allowed_connections_end_with_the_run_that_opened_them():
+    async with EchoServer() as server, SandboxPool(
+            1, limits=LIMITS, uid_base=62050, allow_net=[f"127.0.0.1:{server.port}"]) as pool:
+        holder = ("import socket, time\n"
+                  f"s = socket.create_connection(('127.0.0.1', {server.port}))\n"
+                  "s.sendall(b'held'); print(s.recv(4).decode(), flush=True); time.sleep(1000)")
+        out = await pool.run(
+            "import subprocess, sys\n"  # a process left behind, holding its connection open
+            f"p = subprocess.Popen([sys.executable, '-c', {holder!r}], stdout=subprocess.PIPE,"
+            " start_new_session=True)\n"
+            "print(p.stdout.readline().decode().strip())")
+        assert out.ok and out.stdout == "HELD\n", out.stderr[-300:]
+        await asyncio.wait_for(server.closed.wait(), 5.0)  # killed with the run: closed on the host
+        assert (await pool.run("print('next')")).stdout == "next\n"
+
+
+async def test_net_bridge_close_ends_its_connections_and_removes_its_sockets(tmp_path):
+    from rollstream.agent.sandbox_net import NetBridge, parse_allow_net
+
+    async with EchoServer() as server:
+        bridge = NetBridge(parse_allow_net([f"127.0.0.1:{server.port}"]), tmp_path / "net")
+        await bridge.start()
+        [(port, path)] = bridge.sockets()
+        assert port == server.port
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(b"hi")
+        assert await reader.readexactly(2) == b"HI"
+        await bridge.close()
+        assert await asyncio.wait_for(reader.read(), 5.0) == b""  # ended on both sides
+        await asyncio.wait_for(server.closed.wait(), 5.0)
+        assert not (tmp_path / "net").exists()
+        assert not [t for t in asyncio.all_tasks() if "NetBridge" in repr(t.get_coro())]
+        writer.close()
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ("127.0.0.1", r"allow_net\[1\] '127.0.0.1' has no port"),
+    ("127.0.0.1:", r"allow_net\[1\] '127.0.0.1:' has no port"),
+    ("::1:80", r"allow_net\[1\] '::1:80' has no port"),
+    ("127.0.0.1:70000", r"allow_net\[1\] '127.0.0.1:70000': port '70000' is not in 1..65535"),
+    ("127.0.0.1:0", r"port '0' is not in 1..65535"),
+    ("127.0.0.1:http", r"port 'http' is not in 1..65535"),
+    ("localhost:80", r"allow_net\[1\] 'localhost:80': 'localhost' is not an IP address"),
+    ("[127.0.0.1]:80", r"only IPv6 addresses go in brackets"),
+    ("127.0.0.2:9", r"allow_net\[1\] '127.0.0.2:9': port 9 is already allowed for 127.0.0.1:9"),
+])
+def test_bad_allow_net_entries_are_clear_errors(entry, message):
+    with pytest.raises(ValueError, match=message):
+        SandboxPool(1, allow_net=["127.0.0.1:9", entry])
+
+
+def test_allow_net_entries_parse_to_endpoints():
+    from rollstream.agent.sandbox_net import Endpoint, parse_allow_net
+
+    assert parse_allow_net(["127.0.0.1:8080", "[::1]:9000"]) == (
+        Endpoint(host="127.0.0.1", port=8080), Endpoint(host="::1", port=9000))
+    with pytest.raises(TypeError, match="allow_net must be a list of 'IP:PORT' strings, got str"):
+        SandboxPool(1, allow_net="127.0.0.1:8080")

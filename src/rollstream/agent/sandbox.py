@@ -1,13 +1,15 @@
 """Sandboxes: isolated, resettable execution of untrusted code (tool calls, code rewards).
 
 A sandbox is a bubblewrap (``bwrap``) process (the command line is built in
-``sandbox_isolation``) with its own PID, network, IPC and UTS namespaces: no network at all (a fresh network namespace has only its own loopback), the
-host's ``/usr`` and Python read-only, a private working directory at ``/work``, a private
-``/tmp``, and an optional read-only artifact cache at ``/artifacts`` shared by every sandbox.
-Inside it runs ``sandbox_executor.py``, which takes one program at a time, runs it in a fresh
-interpreter under CPU-time, memory, file-size and wall-time limits, and afterwards kills every
-process the program left and empties ``/work`` and ``/tmp``: a sandbox is warm (no start
-cost) and reset between uses.
+``sandbox_isolation``) with its own PID, network, IPC and UTS namespaces: no network (a fresh
+network namespace has only its own loopback) but the endpoints of its allow-list, if any
+(``allow_net``, ``sandbox_net``: reached inside at ``127.0.0.1:PORT``), the host's ``/usr``
+and Python read-only, a private working directory at ``/work``, a private ``/tmp``, and an
+optional read-only artifact cache at ``/artifacts`` shared by every sandbox. Inside it runs
+``sandbox_executor.py``, which takes one program at a time, runs it in a fresh interpreter
+under CPU-time, memory, file-size and wall-time limits, and afterwards kills every process the
+program left and empties ``/work`` and ``/tmp``: a sandbox is warm (no start cost) and reset
+between uses.
 
 Processes: run as root (CI, containers), each sandbox's programs run under a uid of their own
 (``uid_base + slot``), so ``RLIMIT_NPROC`` counts only that sandbox's processes and a fork bomb
@@ -19,9 +21,8 @@ dies with it.
 
 ``SandboxPool`` keeps ``size`` warm sandboxes and hands one to each ``run``; a sandbox that
 stops answering (its executor killed, or wedged past the wall limit) is killed and replaced,
-and that run returns with the reason. Not here yet: an allow-list for selective network
-access (a sandbox has none), and the ``unshare`` fallback for machines without bubblewrap
-(``make test`` installs it).
+and that run returns with the reason. Not here yet: the ``unshare`` fallback for machines
+without bubblewrap (``make test`` installs it).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Self
 
 from rollstream.agent.sandbox_isolation import Isolation, SandboxError, SandboxSpec, pick_isolation
+from rollstream.agent.sandbox_net import Endpoint, NetBridge, parse_allow_net
 
 READY_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 10.0  # on top of the wall limit, for the executor's cleanup
@@ -88,7 +91,7 @@ class Sandbox:
     """One warm sandbox; runs one program at a time (``SandboxPool`` sees to that)."""
 
     def __init__(self, *, slot: int, root: Path, limits: SandboxLimits, isolation: Isolation,
-                 artifacts: Path | None, uid_base: int) -> None:
+                 artifacts: Path | None, uid_base: int, allow_net: tuple[Endpoint, ...]) -> None:
         self.slot, self.limits, self.isolation = slot, limits, isolation
         self.workdir = root / f"work-{slot}"
         self.log_path = root / f"sandbox-{slot}.log"
@@ -96,21 +99,26 @@ class Sandbox:
         self._as_root = os.geteuid() == 0
         self._uid = uid_base + slot if self._as_root else os.geteuid()
         self._proc: asyncio.subprocess.Process | None = None
+        self._bridge = NetBridge(allow_net, root / f"net-{slot}") if allow_net else None
 
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
     def _argv(self) -> list[str]:
+        bridge = self._bridge
         return self.isolation.command(SandboxSpec(
             workdir=self.workdir, artifacts=self._artifacts,
-            uid=self._uid if self._as_root else None))
+            uid=self._uid if self._as_root else None,
+            netdir=None if bridge is None else bridge.folder,
+            sockets=() if bridge is None else tuple(bridge.sockets())))
 
     def _limit_processes(self) -> None:
         """In the child before exec: the process limit, inherited by the executor."""
         import resource
 
         extra = 0 if self._as_root else _processes_of(self._uid)
+        extra += self._bridge is not None  # the executor's thread for the allow-list
         n = self.limits.max_procs + 1 + extra  # + 1: the executor itself
         resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
 
@@ -118,6 +126,12 @@ class Sandbox:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self._as_root:
             os.chown(self.workdir, self._uid, self._uid)
+        if self._bridge is not None:
+            try:
+                await self._bridge.start()
+            except BaseException:
+                await self._bridge.close()
+                raise
         log = open(self.log_path, "ab")  # noqa: SIM115, ASYNC230 - the child holds it
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -175,6 +189,8 @@ class Sandbox:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+        if self._bridge is not None:  # after the sandbox: none of its connections is left
+            await self._bridge.close()
         if self._as_root:  # the namespace's processes die with its init: wait until they have
             deadline = time.monotonic() + 10.0
             while _processes_of(self._uid) and time.monotonic() < deadline:
@@ -182,11 +198,14 @@ class Sandbox:
 
 
 class SandboxPool:
-    """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy."""
+    """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy.
+
+    ``allow_net``: the ``IP:PORT`` endpoints its programs may connect to, each at
+    ``127.0.0.1:PORT`` inside (``sandbox_net``); empty: no network at all."""
 
     def __init__(self, size: int = 2, *, limits: SandboxLimits | None = None,
                  artifacts: Path | str | None = None, uid_base: int = 61000,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", allow_net: Sequence[str] = ()) -> None:
         if size < 1:
             raise ValueError(f"SandboxPool size must be >= 1, got {size}")
         if artifacts is not None:
@@ -195,12 +214,13 @@ class SandboxPool:
             if os.geteuid() == 0 and Path(artifacts).stat().st_mode & 0o005 != 0o005:
                 raise ValueError(f"sandbox artifacts {artifacts} must be readable by others "
                                  "(chmod o+rx): sandboxed programs run under uids of their own")
+        endpoints = parse_allow_net(allow_net)
         self.isolation = pick_isolation(backend)
         self.limits = limits or SandboxLimits()
         self._root = Path(tempfile.mkdtemp(prefix="rollstream-sandbox-"))
         self._sandboxes = [
             Sandbox(slot=i, root=self._root, limits=self.limits, isolation=self.isolation,
-                    uid_base=uid_base,
+                    uid_base=uid_base, allow_net=endpoints,
                     artifacts=None if artifacts is None else Path(artifacts).resolve())
             for i in range(size)
         ]

@@ -1,7 +1,8 @@
 """The program that runs inside a sandbox (stdlib only; started by ``agent.sandbox``).
 
 Its one argument is its layout (JSON): ``workdir`` (where programs run), ``scratch`` (the
-folders emptied after each run) and ``keep`` (paths in them never removed). It reads one JSON
+folders emptied after each run), ``keep`` (paths in them never removed) and ``forward``
+(``[port, unix socket]`` pairs: the network allow-list, see ``_forward_allowed``). It reads one JSON
 request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
 interpreter with the limits applied (CPU time, address space, file size, a new process group),
 and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it was
@@ -12,6 +13,8 @@ scratch folders: the next run starts from a clean sandbox.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import math
 import os
@@ -19,8 +22,11 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import sys
+import threading
 import time
+import warnings
 
 
 def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, workdir: str) -> None:
@@ -107,7 +113,83 @@ def _clean(layout: dict) -> None:
                     pass
 
 
-def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_used_s: float):
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter) -> None:
+    """Copy both ways until both sides are done (an end of file is passed on as one, so
+    half-closed connections work); a side that fails closes both. Used on both sides of the
+    allow-list: here, and on the host (``agent.sandbox_net``)."""
+
+    async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(1 << 16):
+                sink.write(data)
+                await sink.drain()
+            if sink.can_write_eof():
+                sink.write_eof()
+        except OSError:  # reset, or the other direction closed it: the connection is over
+            writer.close()
+            up_writer.close()
+
+    try:
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+    finally:
+        writer.close()
+        up_writer.close()
+
+
+async def _forward_one(path: str, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+    try:
+        up_reader, up_writer = await asyncio.open_unix_connection(path)
+    except OSError:
+        writer.close()
+        return
+    await relay(reader, writer, up_reader, up_writer)
+
+
+def _forward_allowed(forward: list) -> None:
+    """The allow-list, inside: 127.0.0.1:PORT of the sandbox's own loopback relays each
+    connection to its endpoint's Unix socket, on which the host connects it on to the endpoint
+    (and to nothing else). One thread of this process, for every endpoint: it lives as long as
+    the sandbox, which ``_kill_the_rest`` would not allow a process to (``Sandbox`` raises the
+    process limit by one for it)."""
+    if not forward:
+        return
+    warnings.filterwarnings("ignore", "This process .* is multi-threaded")  # we fork, then exec
+    listening, failed = threading.Event(), []
+
+    async def serve() -> None:
+        servers = []
+        for port, path in forward:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port))
+            servers.append(await asyncio.start_server(
+                functools.partial(_forward_one, path), sock=sock))
+        listening.set()
+        await asyncio.Event().wait()  # until the sandbox ends (a daemon thread)
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as e:  # noqa: BLE001 - reported by the thread that waits
+            failed.append(e)
+            listening.set()
+
+    threading.Thread(target=run, name="allow-net", daemon=True).start()
+    listening.wait()
+    if failed:
+        raise failed[0]
+
+
+def _no_route(layout: dict) -> str:
+    ports = [port for port, _ in layout["forward"]]
+    if not ports:
+        return "the sandbox has no network"
+    return "the sandbox reaches only " + ", ".join(f"127.0.0.1:{port}" for port in ports)
+
+
+def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_used_s: float,
+         no_route: str):
     """Why the run was stopped or failed on a limit (None: it ran and exited by itself)."""
     if timed_out:
         return f"timeout: wall time limit of {limits['wall_s']:g} s exceeded"
@@ -125,7 +207,7 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
                                                         or "BlockingIOError" in tail):
         return f"process limit of {limits['max_procs']} exceeded"
     if "Network is unreachable" in tail:
-        return "network access refused: the sandbox has no network"
+        return f"network access refused: {no_route}"
     if "Read-only file system" in tail:
         return "write refused: only /work and /tmp are writable"
     return None
@@ -170,12 +252,13 @@ def run_one(request: dict, layout: dict) -> dict:
         exit_code = os.waitstatus_to_exitcode(status)
     _clean(layout)
     return {"exit_code": exit_code, "stdout": stdout, "stderr": stderr,
-            "error": _why(status, timed_out, stderr, limits, cpu_used_s),
+            "error": _why(status, timed_out, stderr, limits, cpu_used_s, _no_route(layout)),
             "duration_s": duration_s, "cpu_s": cpu_used_s}
 
 
 def main() -> None:
     layout = json.loads(sys.argv[1])
+    _forward_allowed(layout["forward"])
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
     replies.write(json.dumps({"ready": True}) + "\n")

@@ -4,7 +4,8 @@ One backend so far, picked by ``pick_isolation(backend)``:
 
 * ``bwrap`` (bubblewrap): its own PID, network, IPC, UTS (and cgroup) namespaces, a root of its
   own with the host's ``/usr`` and Python read-only, the working directory at ``/work``, a
-  private ``/tmp``, the artifact cache read-only at ``/artifacts``.
+  private ``/tmp``, the artifact cache read-only at ``/artifacts``, the allow-list's sockets
+  read-only at ``/net``.
 
 A backend only builds the command line; the limits are the same for every backend, set by
 ``Sandbox`` (the process limit, before exec) and by the executor (CPU time, memory, file size,
@@ -36,6 +37,8 @@ class SandboxSpec:
     workdir: Path  # the program's private working directory
     artifacts: Path | None  # the read-only cache shared by all sandboxes
     uid: int | None  # the uid programs run under (root only); None: the caller's own
+    netdir: Path | None = None  # the allow-list's Unix sockets (``sandbox_net``)
+    sockets: tuple[tuple[int, Path], ...] = ()  # (port inside, its socket in ``netdir``)
 
 
 class Isolation(Protocol):
@@ -59,8 +62,11 @@ def _python() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
-def _executor(layout: dict) -> list[str]:
-    """The executor, told where its folders are (``sandbox_executor.main``)."""
+def _executor(spec: SandboxSpec, *, workdir: str, scratch: list[str], keep: list[str],
+              netdir: str) -> list[str]:
+    """The executor, told where its folders are, as seen inside (``sandbox_executor.main``)."""
+    forward = [[port, f"{netdir}/{path.name}"] for port, path in spec.sockets]
+    layout = {"workdir": workdir, "scratch": scratch, "keep": keep, "forward": forward}
     return [_python(), "-I", "-S", "-c", EXECUTOR.read_text(), json.dumps(layout)]
 
 
@@ -104,13 +110,16 @@ class Bubblewrap:
                  "--bind", str(spec.workdir), "/work", "--chdir", "/work"]
         if spec.artifacts is not None:
             argv += ["--ro-bind", str(spec.artifacts), "/artifacts"]
+        if spec.netdir is not None:
+            argv += ["--ro-bind", str(spec.netdir), "/net"]
         if spec.uid is not None:  # bwrap keeps root; the program gets a uid of its own
             assert self.setpriv is not None
             argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
                      *_drop_privileges(self.setpriv, spec.uid)]
         else:
             argv += ["--unshare-user", "--"]
-        return argv + _executor({"workdir": "/work", "scratch": ["/work", "/tmp"], "keep": []})
+        return argv + _executor(spec, workdir="/work", scratch=["/work", "/tmp"], keep=[],
+                                netdir="/net")
 
 
 BACKENDS = ("auto", "bwrap")
