@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -262,3 +263,74 @@ def test_allow_net_entries_parse_to_endpoints():
         Endpoint(host="127.0.0.1", port=8080), Endpoint(host="::1", port=9000))
     with pytest.raises(TypeError, match="allow_net must be a list of 'IP:PORT' strings, got str"):
         SandboxPool(1, allow_net="127.0.0.1:8080")
+
+
+async def test_unshare_backend_contains_limits_and_cleans_up(tmp_path):
+    async with EchoServer() as allowed, EchoServer() as other, SandboxPool(
+            1, limits=LIMITS, uid_base=62060, backend="unshare",
+            allow_net=[f"127.0.0.1:{allowed.port}"]) as pool:
+        assert pool.isolation.name == "unshare"
+        out = await pool.run("import os, sys; print(os.getcwd(), os.getuid(), sys.stdin.read())",
+                             stdin="abc")
+        assert out.ok and out.stdout == "/tmp/.sandbox/work 62060 abc\n", out.stderr[-300:]
+        # network: the allowed endpoint only
+        out = await pool.run("import socket\n"
+                             f"s = socket.create_connection(('127.0.0.1', {allowed.port}), 2)\n"
+                             "s.sendall(b'hi'); print(s.recv(2).decode())")
+        assert out.stdout == "HI\n", out.stderr[-300:]
+        out = await pool.run("import socket\n"
+                             f"socket.create_connection(('127.0.0.1', {other.port}), 2)")
+        assert "ConnectionRefusedError" in out.stderr and other.num_connections == 0
+        out = await pool.run("import socket; socket.create_connection(('192.0.2.1', 80), 2)")
+        assert out.error.startswith("network access refused: the sandbox reaches only")
+        # the limits, set by the same code as for bwrap
+        out = await pool.run("import os\nwhile True:\n    os.fork()")
+        assert out.error == "process limit of 8 exceeded", (out.error, out.stderr[-300:])
+        assert (await pool.run("x = bytearray(1 << 30)")).error == "memory limit of 256 MB exceeded"
+        assert (await pool.run("while True: pass")).error == "cpu time limit of 1 s exceeded"
+        out = await pool.run("open('big', 'wb').write(b'x' * (8 << 20))")
+        assert out.error == "file size limit of 4 MB exceeded"
+        # writes: private scratch folders; the host's own are neither seen nor written
+        name = f"rollstream-test-{os.getpid()}"
+        out = await pool.run(f"open('/tmp/{name}', 'w'); open('/dev/shm/{name}', 'w')\n"
+                             f"import os; print(os.path.exists({str(tmp_path)!r}))\n"
+                             "open('/usr/evil', 'w')")
+        assert out.stdout == "False\n" and "PermissionError" in out.stderr
+        assert not Path(f"/tmp/{name}").exists() and not Path(f"/dev/shm/{name}").exists()
+        # reset between uses: files and processes
+        out = await pool.run("import subprocess\nopen('left', 'w').write('x')\n"
+                             "subprocess.Popen(['sleep', '1000'], start_new_session=True)")
+        assert out.ok, out.stderr
+        out = await pool.run("import os\nprint(os.listdir('.'), os.listdir('/tmp'))\n"
+                             "print(len([p for p in os.listdir('/proc') if p.isdigit()]))")
+        assert out.stdout == "[] ['.sandbox']\n2\n"  # the executor (its init) and this program
+        # a run cancelled mid-way kills the whole namespace
+        task = asyncio.create_task(pool.run("import time; time.sleep(60)"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not _processes_in(range(62060, 62061))
+        assert (await pool.run("print('fresh')")).stdout == "fresh\n"
+        assert pool.num_started == 2
+    assert not _processes_in(range(62060, 62061))
+
+
+def test_backend_choice_and_its_errors(tmp_path, monkeypatch):
+    from rollstream.agent.sandbox_isolation import SandboxError, pick_isolation
+
+    assert pick_isolation("auto").name == "bwrap"  # installed here (make test installs it)
+    only_unshare = tmp_path / "bin"
+    only_unshare.mkdir()
+    for tool in ("unshare", "setpriv"):
+        (only_unshare / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(only_unshare))
+    assert pick_isolation("auto").name == "unshare"
+    with pytest.raises(SandboxError, match="need `bwrap`: install it"):
+        pick_isolation("bwrap")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SandboxError, match="need bubblewrap or util-linux's unshare"):
+        pick_isolation("auto")
+    with pytest.raises(ValueError, match="SandboxPool.backend must be one of auto, bwrap, "
+                                         "unshare, got 'docker'"):
+        SandboxPool(1, backend="docker")

@@ -1,7 +1,8 @@
 """Sandboxes: isolated, resettable execution of untrusted code (tool calls, code rewards).
 
-A sandbox is a bubblewrap (``bwrap``) process (the command line is built in
-``sandbox_isolation``) with its own PID, network, IPC and UTS namespaces: no network (a fresh
+A sandbox is a process in namespaces of its own (PID, network, IPC, UTS), made by bubblewrap
+(``bwrap``) or, where it is missing, util-linux's ``unshare`` (``backend``; the command lines
+and what ``unshare`` does not give are in ``sandbox_isolation``). With bwrap: no network (a fresh
 network namespace has only its own loopback) but the endpoints of its allow-list, if any
 (``allow_net``, ``sandbox_net``: reached inside at ``127.0.0.1:PORT``), the host's ``/usr``
 and Python read-only, a private working directory at ``/work``, a private ``/tmp``, and an
@@ -15,14 +16,14 @@ Processes: run as root (CI, containers), each sandbox's programs run under a uid
 (``uid_base + slot``), so ``RLIMIT_NPROC`` counts only that sandbox's processes and a fork bomb
 stops at ``max_procs``. Run as another user, bwrap makes a user namespace instead and the
 process limit counts all of that user's processes (the limit is set that far above the
-current count). Cleanup is guaranteed by the kernel: the sandbox's init is bwrap, and when it
-dies (``--die-with-parent``: also when this process dies) every process of the namespace
-dies with it.
+current count). Cleanup is guaranteed by the kernel: when the sandbox's init dies (bwrap's,
+or with ``unshare`` the executor itself) every process of the namespace dies with it, and it
+dies with this process (``--die-with-parent``; ``setpriv --pdeathsig`` and ``unshare
+--kill-child``).
 
 ``SandboxPool`` keeps ``size`` warm sandboxes and hands one to each ``run``; a sandbox that
 stops answering (its executor killed, or wedged past the wall limit) is killed and replaced,
-and that run returns with the reason. Not here yet: the ``unshare`` fallback for machines
-without bubblewrap (``make test`` installs it).
+and that run returns with the reason.
 """
 
 from __future__ import annotations
@@ -200,8 +201,10 @@ class Sandbox:
 class SandboxPool:
     """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy.
 
-    ``allow_net``: the ``IP:PORT`` endpoints its programs may connect to, each at
-    ``127.0.0.1:PORT`` inside (``sandbox_net``); empty: no network at all."""
+    ``backend``: ``auto`` (bubblewrap when on the PATH, else ``unshare``), ``bwrap`` or
+    ``unshare`` (``sandbox_isolation``). ``allow_net``: the ``IP:PORT`` endpoints its programs
+    may connect to, each at ``127.0.0.1:PORT`` inside (``sandbox_net``); empty: no network at
+    all."""
 
     def __init__(self, size: int = 2, *, limits: SandboxLimits | None = None,
                  artifacts: Path | str | None = None, uid_base: int = 61000,

@@ -9,6 +9,10 @@ and answers one JSON line on stdout: exit code, stdout and stderr (capped), and 
 stopped, if it was. After every run it kills every other process of the sandbox (the sandbox
 has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and empties the
 scratch folders: the next run starts from a clean sandbox.
+
+Run as ``--enter SETUP COMMAND...`` (the ``unshare`` backend), it first prepares the fresh
+namespaces as their root (``_enter``), then execs ``COMMAND``: the privilege drop and the
+executor proper.
 """
 
 from __future__ import annotations
@@ -181,6 +185,48 @@ def _forward_allowed(forward: list) -> None:
         raise failed[0]
 
 
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                  data and data.encode()) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
+
+
+def _loopback_up() -> None:
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = fcntl.ioctl(s, siocgifflags, struct.pack("16s24x", b"lo"))
+        flags = struct.unpack_from("16sH", ifreq)[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def _enter(setup: dict) -> None:
+    """The ``unshare`` backend, as root of the new namespaces (bwrap does the same itself): a
+    fresh tmpfs on each of ``tmpfs`` (``[folder, mode]``), the ``binds`` (``[source, target,
+    read_only]``, missing folders of the target made) and the loopback up."""
+    ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind = 1, 2, 4, 32, 4096
+    # opened before a tmpfs hides them: they may live under /tmp
+    sources = [(os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro)
+               for src, dst, ro in setup["binds"]]
+    for folder, mode in setup["tmpfs"]:
+        _mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
+    for fd, dst, read_only in sources:
+        os.makedirs(dst, 0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
+        if read_only:  # keeping the flags a user namespace may not drop (nosuid, nodev, ...)
+            locked = os.statvfs(dst).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC
+                                               | os.ST_NOATIME | os.ST_NODIRATIME)
+            _mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
+        os.close(fd)
+    _loopback_up()
+
+
 def _no_route(layout: dict) -> str:
     ports = [port for port, _ in layout["forward"]]
     if not ports:
@@ -189,7 +235,7 @@ def _no_route(layout: dict) -> str:
 
 
 def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_used_s: float,
-         no_route: str):
+         layout: dict):
     """Why the run was stopped or failed on a limit (None: it ran and exited by itself)."""
     if timed_out:
         return f"timeout: wall time limit of {limits['wall_s']:g} s exceeded"
@@ -199,6 +245,8 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
             return f"cpu time limit of {limits['cpu_s']:g} s exceeded"
         return f"killed by signal {signal.Signals(sig).name}"
     tail = stderr[-2000:]
+    *rest, last = layout["scratch"]
+    no_route, writable = _no_route(layout), f"{', '.join(rest)} and {last}"
     if "MemoryError" in tail or "Cannot allocate memory" in tail:
         return f"memory limit of {limits['memory_mb']} MB exceeded"
     if "File too large" in tail:
@@ -209,7 +257,7 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
     if "Network is unreachable" in tail:
         return f"network access refused: {no_route}"
     if "Read-only file system" in tail:
-        return "write refused: only /work and /tmp are writable"
+        return f"write refused: only {writable} are writable"
     return None
 
 
@@ -252,11 +300,14 @@ def run_one(request: dict, layout: dict) -> dict:
         exit_code = os.waitstatus_to_exitcode(status)
     _clean(layout)
     return {"exit_code": exit_code, "stdout": stdout, "stderr": stderr,
-            "error": _why(status, timed_out, stderr, limits, cpu_used_s, _no_route(layout)),
+            "error": _why(status, timed_out, stderr, limits, cpu_used_s, layout),
             "duration_s": duration_s, "cpu_s": cpu_used_s}
 
 
 def main() -> None:
+    if sys.argv[1] == "--enter":
+        _enter(json.loads(sys.argv[2]))
+        os.execv(sys.argv[3], sys.argv[3:])
     layout = json.loads(sys.argv[1])
     _forward_allowed(layout["forward"])
     replies = os.fdopen(os.dup(1), "w")

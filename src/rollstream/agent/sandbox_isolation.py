@@ -1,11 +1,25 @@
 """How a sandbox is isolated: the command that starts ``sandbox_executor.py`` inside namespaces.
 
-One backend so far, picked by ``pick_isolation(backend)``:
+Two backends, picked by ``pick_isolation(backend)`` (``auto``: bubblewrap when it is on the
+PATH, else ``unshare``):
 
 * ``bwrap`` (bubblewrap): its own PID, network, IPC, UTS (and cgroup) namespaces, a root of its
   own with the host's ``/usr`` and Python read-only, the working directory at ``/work``, a
   private ``/tmp``, the artifact cache read-only at ``/artifacts``, the allow-list's sockets
   read-only at ``/net``.
+* ``unshare`` (util-linux, for machines without bubblewrap): its own PID (with its own
+  ``/proc``), network (loopback up), IPC, UTS and mount namespaces, a user namespace too when
+  not run as root (``--map-root-user``). Before the executor drops its privileges, the
+  namespace's root mounts a fresh tmpfs on every folder all users may write to (``/tmp``,
+  ``/var/tmp``, ``/dev/shm``, ``/run/lock``, those that exist) and binds the sandbox's folders
+  under ``/tmp/.sandbox``: ``work`` (the working directory), ``artifacts`` and ``net``
+  (read-only); run as root with a Python under a folder others may not enter (``/root``), a
+  tmpfs on that folder holds only Python. What it does not give, compared with bwrap: the
+  rest of the host's file system is seen as it is, not a minimal read-only view (a program
+  reads what its uid may read, and writes where its uid may write: run as root, that is only
+  the folders above, which are private; run as another user, the program has that user's
+  rights on the host's files); no cgroup namespace; the executor is the namespace's init
+  (PID 1), so a program cannot kill it.
 
 A backend only builds the command line; the limits are the same for every backend, set by
 ``Sandbox`` (the process limit, before exec) and by the executor (CPU time, memory, file size,
@@ -122,13 +136,69 @@ class Bubblewrap:
                                 netdir="/net")
 
 
-BACKENDS = ("auto", "bwrap")
+UNSHARE_ROOT = "/tmp/.sandbox"  # where the sandbox's own folders are bound (unshare)
+SHARED_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # writable by all, if present
+
+
+@dataclass(slots=True, frozen=True)
+class Unshare:
+    """Namespaces from util-linux's ``unshare`` and a private tmpfs on every shared scratch
+    folder; the host's files otherwise seen as they are (see the module docstring)."""
+
+    unshare: str
+    setpriv: str
+    name: str = "unshare"
+
+    def command(self, spec: SandboxSpec) -> list[str]:
+        scratch = [d for d in SHARED_SCRATCH if os.path.isdir(d) and not os.path.islink(d)
+                   and os.stat(d).st_mode & 0o002]
+        assert scratch[0] == "/tmp", "the sandbox's folders are bound under /tmp"
+        tmpfs = [[folder, "1777"] for folder in scratch]
+        binds = [[str(spec.workdir), f"{UNSHARE_ROOT}/work", False]]
+        if spec.artifacts is not None:
+            binds.append([str(spec.artifacts), f"{UNSHARE_ROOT}/artifacts", True])
+        if spec.netdir is not None:
+            binds.append([str(spec.netdir), f"{UNSHARE_ROOT}/net", True])
+        prefix = Path(sys.base_prefix).resolve()
+        closed = [p for p in reversed(prefix.parents[:-1]) if not p.stat().st_mode & 0o001]
+        if closed and spec.uid is not None:
+            # Python under a folder others may not enter (a pyenv in /root, 0700): a tmpfs on
+            # that folder with only Python in it, as bwrap builds it (and /root's files hidden)
+            tmpfs.append([str(closed[0]), "0755"])
+            binds.append([str(prefix), str(prefix), True])
+        setup = {"tmpfs": tmpfs, "binds": binds}
+        # --pdeathsig: unshare dies with this process; --kill-child: the namespace with unshare
+        argv = [self.setpriv, "--pdeathsig", "KILL", "--", self.unshare, "--fork",
+                "--kill-child", "--pid", "--mount-proc", "--net", "--ipc", "--uts"]
+        if spec.uid is None:
+            argv.append("--map-root-user")
+        argv += ["--", _python(), "-I", "-S", "-c", EXECUTOR.read_text(), "--enter",
+                 json.dumps(setup)]
+        argv += _drop_privileges(self.setpriv, spec.uid)
+        return argv + _executor(spec, workdir=f"{UNSHARE_ROOT}/work",
+                                scratch=[f"{UNSHARE_ROOT}/work", *scratch], keep=[UNSHARE_ROOT],
+                                netdir=f"{UNSHARE_ROOT}/net")
+
+
+BACKENDS = ("auto", "bwrap", "unshare")
 
 
 def pick_isolation(backend: str) -> Isolation:
-    """The backend named; ``auto``: bubblewrap. A clear error when its tools are missing."""
+    """The backend named (``auto``: bubblewrap if found, else unshare); a clear error when its
+    tools are missing."""
     if backend not in BACKENDS:
         raise ValueError(f"SandboxPool.backend must be one of {', '.join(BACKENDS)}, "
                          f"got {backend!r}")
-    setpriv = _tool("setpriv", "util-linux") if os.geteuid() == 0 else None
-    return Bubblewrap(_tool("bwrap", "bubblewrap"), setpriv)
+    if backend == "auto":
+        if shutil.which("bwrap"):
+            backend = "bwrap"
+        elif shutil.which("unshare"):
+            backend = "unshare"
+        else:
+            raise SandboxError("sandboxes need bubblewrap or util-linux's unshare, and neither "
+                               "is on the PATH: install bubblewrap (Debian: apt-get install "
+                               "bubblewrap; `make test` does so)")
+    if backend == "bwrap":
+        setpriv = _tool("setpriv", "util-linux") if os.geteuid() == 0 else None
+        return Bubblewrap(_tool("bwrap", "bubblewrap"), setpriv)
+    return Unshare(_tool("unshare", "util-linux"), _tool("setpriv", "util-linux"))
