@@ -147,7 +147,8 @@ class Sandbox:
             line = b""
         if not line.startswith(b'{"ready"'):
             await self.close()
-            raise SandboxError(f"sandbox {self.slot} did not start: {self._log_tail()}")
+            raise SandboxError(f"sandbox {self.slot} ({self.isolation.name}) did not start: "
+                               f"{self._log_tail()}")
 
     def _log_tail(self) -> str:
         with contextlib.suppress(OSError):

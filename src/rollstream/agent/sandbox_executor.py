@@ -245,7 +245,7 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
             return f"cpu time limit of {limits['cpu_s']:g} s exceeded"
         return f"killed by signal {signal.Signals(sig).name}"
     tail = stderr[-2000:]
-    *rest, last = layout["scratch"]
+    *rest, last = [f for f in layout["scratch"] if f not in layout["keep"]]
     no_route, writable = _no_route(layout), f"{', '.join(rest)} and {last}"
     if "MemoryError" in tail or "Cannot allocate memory" in tail:
         return f"memory limit of {limits['memory_mb']} MB exceeded"

@@ -175,9 +175,11 @@ class Unshare:
         argv += ["--", _python(), "-I", "-S", "-c", EXECUTOR.read_text(), "--enter",
                  json.dumps(setup)]
         argv += _drop_privileges(self.setpriv, spec.uid)
-        return argv + _executor(spec, workdir=f"{UNSHARE_ROOT}/work",
-                                scratch=[f"{UNSHARE_ROOT}/work", *scratch], keep=[UNSHARE_ROOT],
-                                netdir=f"{UNSHARE_ROOT}/net")
+        # UNSHARE_ROOT is cleaned too: a program run as the namespace's root may write in it
+        mounts = [f"{UNSHARE_ROOT}/{name}" for name in ("work", "artifacts", "net")]
+        return argv + _executor(spec, workdir=mounts[0],
+                                scratch=[mounts[0], *scratch, UNSHARE_ROOT],
+                                keep=[UNSHARE_ROOT, *mounts], netdir=mounts[2])
 
 
 BACKENDS = ("auto", "bwrap", "unshare")
