@@ -152,9 +152,9 @@ async def _forward_one(path: str, reader: asyncio.StreamReader,
 
 
 def _forward_allowed(forward: list) -> None:
-    """The allow-list, inside: 127.0.0.1:PORT of the sandbox's own loopback relays each
-    connection to its endpoint's Unix socket, on which the host connects it on to the endpoint
-    (and to nothing else). One thread of this process, for every endpoint: it lives as long as
+    """The allow-list, inside: each connection to 127.0.0.1:PORT on the sandbox's own loopback
+    is relayed to that endpoint's Unix socket, whose host side relays it to the endpoint (and
+    to nothing else). One thread of this process, for every endpoint: it lives as long as
     the sandbox, which ``_kill_the_rest`` would not allow a process to (``Sandbox`` raises the
     process limit by one for it)."""
     if not forward:
