@@ -1,27 +1,29 @@
 """Sandboxes: isolated, resettable execution of untrusted code (tool calls, code rewards).
 
-A sandbox is a bubblewrap (``bwrap``) process with its own PID, network, IPC and UTS
-namespaces: no network at all (a fresh network namespace has only its own loopback), the
-host's ``/usr`` and Python read-only, a private working directory at ``/work``, a private
-``/tmp``, and an optional read-only artifact cache at ``/artifacts`` shared by every sandbox.
-Inside it runs ``sandbox_executor.py``, which takes one program at a time, runs it in a fresh
-interpreter under CPU-time, memory, file-size and wall-time limits, and afterwards kills every
-process the program left and empties ``/work`` and ``/tmp``: a sandbox is warm (no start
-cost) and reset between uses.
+A sandbox is a process in namespaces of its own (PID, network, IPC, UTS), made by bubblewrap
+(``bwrap``) or, where it is missing, util-linux's ``unshare`` (``backend``; the command lines
+and what ``unshare`` does not give are in ``sandbox_isolation``). With bwrap: no network (a fresh
+network namespace has only its own loopback) but the endpoints of its allow-list, if any
+(``allow_net``, ``sandbox_net``: reached inside at ``127.0.0.1:PORT``), the host's ``/usr``
+and Python read-only, a private working directory at ``/work``, a private ``/tmp``, and an
+optional read-only artifact cache at ``/artifacts`` shared by every sandbox. Inside it runs
+``sandbox_executor.py``, which takes one program at a time, runs it in a fresh interpreter
+under CPU-time, memory, file-size and wall-time limits, and afterwards kills every process the
+program left and empties ``/work`` and ``/tmp``: a sandbox is warm (no start cost) and reset
+between uses.
 
 Processes: run as root (CI, containers), each sandbox's programs run under a uid of their own
 (``uid_base + slot``), so ``RLIMIT_NPROC`` counts only that sandbox's processes and a fork bomb
 stops at ``max_procs``. Run as another user, bwrap makes a user namespace instead and the
 process limit counts all of that user's processes (the limit is set that far above the
-current count). Cleanup is guaranteed by the kernel: the sandbox's init is bwrap, and when it
-dies (``--die-with-parent``: also when this process dies) every process of the namespace
-dies with it.
+current count). Cleanup is guaranteed by the kernel: when the sandbox's init dies (bwrap's,
+or with ``unshare`` the executor itself) every process of the namespace dies with it, and it
+dies with this process (``--die-with-parent``; ``setpriv --pdeathsig`` and ``unshare
+--kill-child``).
 
 ``SandboxPool`` keeps ``size`` warm sandboxes and hands one to each ``run``; a sandbox that
 stops answering (its executor killed, or wedged past the wall limit) is killed and replaced,
-and that run returns with the reason. Not here yet: an allow-list for selective network
-access (a sandbox has none), and the ``unshare`` fallback for machines without bubblewrap
-(``make test`` installs it).
+and that run returns with the reason.
 """
 
 from __future__ import annotations
@@ -32,20 +34,18 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Self
 
-EXECUTOR = Path(__file__).with_name("sandbox_executor.py")
+from rollstream.agent.sandbox_isolation import Isolation, SandboxError, SandboxSpec, pick_isolation
+from rollstream.agent.sandbox_net import Endpoint, NetBridge, parse_allow_net
+
 READY_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 10.0  # on top of the wall limit, for the executor's cleanup
-
-
-class SandboxError(RuntimeError):
-    """A sandbox could not be started (bubblewrap missing or refused)."""
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -79,37 +79,6 @@ class SandboxResult:
         return self.exit_code == 0 and self.error is None
 
 
-def _bwrap() -> str:
-    path = shutil.which("bwrap")
-    if path is None:
-        raise SandboxError("sandboxes need bubblewrap: install it (Debian: apt-get install "
-                           "bubblewrap); `make test` does so when it is missing")
-    return path
-
-
-def _system_mounts() -> list[str]:
-    """The host's programs and libraries, read-only; Python from wherever it lives."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "lib", "lib64", "sbin"):
-        path = Path("/") / top
-        if path.is_symlink():
-            args += ["--symlink", os.readlink(path), str(path)]
-        elif path.exists():
-            args += ["--ro-bind", str(path), str(path)]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    prefix = Path(sys.base_prefix).resolve()
-    if not prefix.is_relative_to("/usr"):  # e.g. /root/.pyenv/...: its parents traversable
-        for parent in reversed(prefix.parents[:-1]):
-            args += ["--perms", "0755", "--dir", str(parent)]
-        args += ["--ro-bind", str(prefix), str(prefix)]
-    return args
-
-
-def _python() -> str:
-    """The base interpreter (a venv's python would need the venv, which holds our code)."""
-    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-
-
 def _processes_of(uid: int) -> int:
     count = 0
     for entry in os.listdir("/proc"):
@@ -122,42 +91,35 @@ def _processes_of(uid: int) -> int:
 class Sandbox:
     """One warm sandbox; runs one program at a time (``SandboxPool`` sees to that)."""
 
-    def __init__(self, *, slot: int, root: Path, limits: SandboxLimits,
-                 artifacts: Path | None, uid_base: int) -> None:
-        self.slot, self.limits = slot, limits
+    def __init__(self, *, slot: int, root: Path, limits: SandboxLimits, isolation: Isolation,
+                 artifacts: Path | None, uid_base: int, allow_net: tuple[Endpoint, ...]) -> None:
+        self.slot, self.limits, self.isolation = slot, limits, isolation
         self.workdir = root / f"work-{slot}"
         self.log_path = root / f"sandbox-{slot}.log"
         self._artifacts = artifacts
         self._as_root = os.geteuid() == 0
         self._uid = uid_base + slot if self._as_root else os.geteuid()
         self._proc: asyncio.subprocess.Process | None = None
+        self._bridge = NetBridge(allow_net, root / f"net-{slot}") if allow_net else None
 
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
     def _argv(self) -> list[str]:
-        argv = [_bwrap(), "--die-with-parent", "--new-session", "--unshare-pid",
-                "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-        argv += _system_mounts()
-        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-                 "--bind", str(self.workdir), "/work", "--chdir", "/work"]
-        if self._artifacts is not None:
-            argv += ["--ro-bind", str(self._artifacts), "/artifacts"]
-        if self._as_root:  # bwrap keeps root; the program gets a uid of its own
-            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
-                     shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={self._uid}",
-                     f"--regid={self._uid}", "--clear-groups", "--inh-caps=-all",
-                     "--bounding-set=-all", "--"]
-        else:
-            argv += ["--unshare-user", "--"]
-        return argv + [_python(), "-I", "-S", "-c", EXECUTOR.read_text()]
+        bridge = self._bridge
+        return self.isolation.command(SandboxSpec(
+            workdir=self.workdir, artifacts=self._artifacts,
+            uid=self._uid if self._as_root else None,
+            netdir=None if bridge is None else bridge.folder,
+            sockets=() if bridge is None else tuple(bridge.sockets())))
 
     def _limit_processes(self) -> None:
         """In the child before exec: the process limit, inherited by the executor."""
         import resource
 
         extra = 0 if self._as_root else _processes_of(self._uid)
+        extra += self._bridge is not None  # the executor's thread for the allow-list
         n = self.limits.max_procs + 1 + extra  # + 1: the executor itself
         resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
 
@@ -165,6 +127,12 @@ class Sandbox:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self._as_root:
             os.chown(self.workdir, self._uid, self._uid)
+        if self._bridge is not None:
+            try:
+                await self._bridge.start()
+            except BaseException:
+                await self._bridge.close()
+                raise
         log = open(self.log_path, "ab")  # noqa: SIM115, ASYNC230 - the child holds it
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -179,7 +147,8 @@ class Sandbox:
             line = b""
         if not line.startswith(b'{"ready"'):
             await self.close()
-            raise SandboxError(f"sandbox {self.slot} did not start: {self._log_tail()}")
+            raise SandboxError(f"sandbox {self.slot} ({self.isolation.name}) did not start: "
+                               f"{self._log_tail()}")
 
     def _log_tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -222,6 +191,8 @@ class Sandbox:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+        if self._bridge is not None:  # after the sandbox: none of its connections is left
+            await self._bridge.close()
         if self._as_root:  # the namespace's processes die with its init: wait until they have
             deadline = time.monotonic() + 10.0
             while _processes_of(self._uid) and time.monotonic() < deadline:
@@ -229,10 +200,16 @@ class Sandbox:
 
 
 class SandboxPool:
-    """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy."""
+    """``size`` warm sandboxes; ``run`` takes a free one, waiting when all are busy.
+
+    ``backend``: ``auto`` (bubblewrap when on the PATH, else ``unshare``), ``bwrap`` or
+    ``unshare`` (``sandbox_isolation``). ``allow_net``: the ``IP:PORT`` endpoints its programs
+    may connect to, each at ``127.0.0.1:PORT`` inside (``sandbox_net``); empty: no network at
+    all."""
 
     def __init__(self, size: int = 2, *, limits: SandboxLimits | None = None,
-                 artifacts: Path | str | None = None, uid_base: int = 61000) -> None:
+                 artifacts: Path | str | None = None, uid_base: int = 61000,
+                 backend: str = "auto", allow_net: Sequence[str] = ()) -> None:
         if size < 1:
             raise ValueError(f"SandboxPool size must be >= 1, got {size}")
         if artifacts is not None:
@@ -241,11 +218,13 @@ class SandboxPool:
             if os.geteuid() == 0 and Path(artifacts).stat().st_mode & 0o005 != 0o005:
                 raise ValueError(f"sandbox artifacts {artifacts} must be readable by others "
                                  "(chmod o+rx): sandboxed programs run under uids of their own")
-        _bwrap()
+        endpoints = parse_allow_net(allow_net)
+        self.isolation = pick_isolation(backend)
         self.limits = limits or SandboxLimits()
         self._root = Path(tempfile.mkdtemp(prefix="rollstream-sandbox-"))
         self._sandboxes = [
-            Sandbox(slot=i, root=self._root, limits=self.limits, uid_base=uid_base,
+            Sandbox(slot=i, root=self._root, limits=self.limits, isolation=self.isolation,
+                    uid_base=uid_base, allow_net=endpoints,
                     artifacts=None if artifacts is None else Path(artifacts).resolve())
             for i in range(size)
         ]

@@ -1,15 +1,24 @@
 """The program that runs inside a sandbox (stdlib only; started by ``agent.sandbox``).
 
-It reads one JSON request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in
-a fresh interpreter with the limits applied (CPU time, address space, file size, a new process
-group), and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it
-was stopped, if it was. After every run it kills every other process of the sandbox (the
-sandbox has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and
-empties the working directory and /tmp: the next run starts from a clean sandbox.
+Its one argument is its layout (JSON): ``workdir`` (where programs run), ``scratch`` (the
+folders emptied after each run), ``keep`` (paths in them never removed) and ``forward``
+(``[port, unix socket]`` pairs: the network allow-list, see ``_forward_allowed``). It reads one JSON
+request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
+interpreter with the limits applied (CPU time, address space, file size, a new process group),
+and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it was
+stopped, if it was. After every run it kills every other process of the sandbox (the sandbox
+has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and empties the
+scratch folders: the next run starts from a clean sandbox.
+
+Run as ``--enter SETUP COMMAND...`` (the ``unshare`` backend), it first prepares the fresh
+namespaces as their root (``_enter``), then execs ``COMMAND``: the privilege drop and the
+executor proper.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import math
 import os
@@ -17,14 +26,14 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import sys
+import threading
 import time
-
-WORKDIR = "/work"
-CLEAN = (WORKDIR, "/tmp")
+import warnings
 
 
-def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict) -> None:
+def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, workdir: str) -> None:
     """In the forked child: limits, redirections, then a fresh isolated interpreter."""
     try:
         os.setpgid(0, 0)
@@ -37,7 +46,7 @@ def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict) -> No
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.chdir(WORKDIR)
+        os.chdir(workdir)
         os.execv(sys.executable, [sys.executable, "-I", "-c", code])
     except BaseException as e:  # noqa: BLE001 - the child must never return into the loop
         os.write(err_w, f"sandbox: could not start the program: {e!r}\n".encode())
@@ -93,10 +102,12 @@ def _kill_the_rest() -> None:
         time.sleep(0.01)
 
 
-def _clean() -> None:
-    for folder in CLEAN:
+def _clean(layout: dict) -> None:
+    for folder in layout["scratch"]:
         for name in os.listdir(folder):
             path = os.path.join(folder, name)
+            if path in layout["keep"]:
+                continue
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -106,7 +117,125 @@ def _clean() -> None:
                     pass
 
 
-def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_used_s: float):
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter) -> None:
+    """Copy both ways until both sides are done (an end of file is passed on as one, so
+    half-closed connections work); a side that fails closes both. Used on both sides of the
+    allow-list: here, and on the host (``agent.sandbox_net``)."""
+
+    async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(1 << 16):
+                sink.write(data)
+                await sink.drain()
+            if sink.can_write_eof():
+                sink.write_eof()
+        except OSError:  # reset, or the other direction closed it: the connection is over
+            writer.close()
+            up_writer.close()
+
+    try:
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+    finally:
+        writer.close()
+        up_writer.close()
+
+
+async def _forward_one(path: str, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+    try:
+        up_reader, up_writer = await asyncio.open_unix_connection(path)
+    except OSError:
+        writer.close()
+        return
+    await relay(reader, writer, up_reader, up_writer)
+
+
+def _forward_allowed(forward: list) -> None:
+    """The allow-list, inside: each connection to 127.0.0.1:PORT on the sandbox's own loopback
+    is relayed to that endpoint's Unix socket, whose host side relays it to the endpoint (and
+    to nothing else). One thread of this process, for every endpoint: it lives as long as
+    the sandbox, which ``_kill_the_rest`` would not allow a process to (``Sandbox`` raises the
+    process limit by one for it)."""
+    if not forward:
+        return
+    warnings.filterwarnings("ignore", "This process .* is multi-threaded")  # we fork, then exec
+    listening, failed = threading.Event(), []
+
+    async def serve() -> None:
+        servers = []
+        for port, path in forward:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port))
+            servers.append(await asyncio.start_server(
+                functools.partial(_forward_one, path), sock=sock))
+        listening.set()
+        await asyncio.Event().wait()  # until the sandbox ends (a daemon thread)
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as e:  # noqa: BLE001 - reported by the thread that waits
+            failed.append(e)
+            listening.set()
+
+    threading.Thread(target=run, name="allow-net", daemon=True).start()
+    listening.wait()
+    if failed:
+        raise failed[0]
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                  data and data.encode()) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
+
+
+def _loopback_up() -> None:
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = fcntl.ioctl(s, siocgifflags, struct.pack("16s24x", b"lo"))
+        flags = struct.unpack_from("16sH", ifreq)[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def _enter(setup: dict) -> None:
+    """The ``unshare`` backend, as root of the new namespaces (bwrap does the same itself): a
+    fresh tmpfs on each of ``tmpfs`` (``[folder, mode]``), the ``binds`` (``[source, target,
+    read_only]``, missing folders of the target made) and the loopback up."""
+    ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind = 1, 2, 4, 32, 4096
+    # opened before a tmpfs hides them: they may live under /tmp
+    sources = [(os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro)
+               for src, dst, ro in setup["binds"]]
+    for folder, mode in setup["tmpfs"]:
+        _mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
+    for fd, dst, read_only in sources:
+        os.makedirs(dst, 0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
+        if read_only:  # keeping the flags a user namespace may not drop (nosuid, nodev, ...)
+            locked = os.statvfs(dst).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC
+                                               | os.ST_NOATIME | os.ST_NODIRATIME)
+            _mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
+        os.close(fd)
+    _loopback_up()
+
+
+def _no_route(layout: dict) -> str:
+    ports = [port for port, _ in layout["forward"]]
+    if not ports:
+        return "the sandbox has no network"
+    return "the sandbox reaches only " + ", ".join(f"127.0.0.1:{port}" for port in ports)
+
+
+def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_used_s: float,
+         layout: dict):
     """Why the run was stopped or failed on a limit (None: it ran and exited by itself)."""
     if timed_out:
         return f"timeout: wall time limit of {limits['wall_s']:g} s exceeded"
@@ -116,6 +245,8 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
             return f"cpu time limit of {limits['cpu_s']:g} s exceeded"
         return f"killed by signal {signal.Signals(sig).name}"
     tail = stderr[-2000:]
+    *rest, last = [f for f in layout["scratch"] if f not in layout["keep"]]
+    no_route, writable = _no_route(layout), f"{', '.join(rest)} and {last}"
     if "MemoryError" in tail or "Cannot allocate memory" in tail:
         return f"memory limit of {limits['memory_mb']} MB exceeded"
     if "File too large" in tail:
@@ -124,13 +255,13 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
                                                         or "BlockingIOError" in tail):
         return f"process limit of {limits['max_procs']} exceeded"
     if "Network is unreachable" in tail:
-        return "network access refused: the sandbox has no network"
+        return f"network access refused: {no_route}"
     if "Read-only file system" in tail:
-        return "write refused: only /work and /tmp are writable"
+        return f"write refused: only {writable} are writable"
     return None
 
 
-def run_one(request: dict) -> dict:
+def run_one(request: dict, layout: dict) -> dict:
     limits = request["limits"]
     stdin_path = "/tmp/.stdin"  # unlinked once open: the program sees only its stdin
     with open(stdin_path, "w") as f:
@@ -144,7 +275,7 @@ def run_one(request: dict) -> dict:
     if pid == 0:
         os.close(out_r)
         os.close(err_r)
-        _child(request["code"], stdin_fd, out_w, err_w, limits)
+        _child(request["code"], stdin_fd, out_w, err_w, limits, layout["workdir"])
     os.close(out_w)
     os.close(err_w)
     os.close(stdin_fd)
@@ -167,19 +298,24 @@ def run_one(request: dict) -> dict:
     exit_code = None
     if status is not None and not timed_out:
         exit_code = os.waitstatus_to_exitcode(status)
-    _clean()
+    _clean(layout)
     return {"exit_code": exit_code, "stdout": stdout, "stderr": stderr,
-            "error": _why(status, timed_out, stderr, limits, cpu_used_s),
+            "error": _why(status, timed_out, stderr, limits, cpu_used_s, layout),
             "duration_s": duration_s, "cpu_s": cpu_used_s}
 
 
 def main() -> None:
+    if sys.argv[1] == "--enter":
+        _enter(json.loads(sys.argv[2]))
+        os.execv(sys.argv[3], sys.argv[3:])
+    layout = json.loads(sys.argv[1])
+    _forward_allowed(layout["forward"])
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
-        reply = run_one(json.loads(line))
+        reply = run_one(json.loads(line), layout)
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 

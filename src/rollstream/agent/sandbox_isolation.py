@@ -1,0 +1,206 @@
+"""How a sandbox is isolated: the command that starts ``sandbox_executor.py`` inside namespaces.
+
+Two backends, picked by ``pick_isolation(backend)`` (``auto``: bubblewrap when it is on the
+PATH, else ``unshare``):
+
+* ``bwrap`` (bubblewrap): its own PID, network, IPC, UTS (and cgroup) namespaces, a root of its
+  own with the host's ``/usr`` and Python read-only, the working directory at ``/work``, a
+  private ``/tmp``, the artifact cache read-only at ``/artifacts``, the allow-list's sockets
+  read-only at ``/net``.
+* ``unshare`` (util-linux, for machines without bubblewrap): its own PID (with its own
+  ``/proc``), network (loopback up), IPC, UTS and mount namespaces, a user namespace too when
+  not run as root (``--map-root-user``). Before the executor drops its privileges, the
+  namespace's root mounts a fresh tmpfs on every folder all users may write to (``/tmp``,
+  ``/var/tmp``, ``/dev/shm``, ``/run/lock``, those that exist) and binds the sandbox's folders
+  under ``/tmp/.sandbox``: ``work`` (the working directory), ``artifacts`` and ``net``
+  (read-only); run as root with a Python under a folder others may not enter (``/root``), a
+  tmpfs on that folder holds only Python. What it does not give, compared with bwrap: the
+  rest of the host's file system is seen as it is, not a minimal read-only view (a program
+  reads what its uid may read, and writes where its uid may write: run as root, that is only
+  the folders above, which are private; run as another user, the program has that user's
+  rights on the host's files); no cgroup namespace; the executor is the namespace's init
+  (PID 1), so a program cannot kill it.
+
+A backend only builds the command line; the limits are the same for every backend, set by
+``Sandbox`` (the process limit, before exec) and by the executor (CPU time, memory, file size,
+wall time), and the executor does the cleaning after each run. Run as root, the program drops
+to a uid of its own through util-linux's ``setpriv``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+EXECUTOR = Path(__file__).with_name("sandbox_executor.py")
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not be started (its isolation tool missing or refused)."""
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SandboxSpec:
+    """What one sandbox is made of, in host paths."""
+
+    workdir: Path  # the program's private working directory
+    artifacts: Path | None  # the read-only cache shared by all sandboxes
+    uid: int | None  # the uid programs run under (root only); None: the caller's own
+    netdir: Path | None = None  # the allow-list's Unix sockets (``sandbox_net``)
+    sockets: tuple[tuple[int, Path], ...] = ()  # (port inside, its socket in ``netdir``)
+
+
+class Isolation(Protocol):
+    name: str
+
+    def command(self, spec: SandboxSpec) -> list[str]:
+        """The argv that starts the executor isolated as ``spec`` says."""
+        ...
+
+
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SandboxError(f"sandboxes need `{name}`: install it (Debian: apt-get install "
+                           f"{package})")
+    return path
+
+
+def _python() -> str:
+    """The base interpreter (a venv's python would need the venv, which holds our code)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def _executor(spec: SandboxSpec, *, workdir: str, scratch: list[str], keep: list[str],
+              netdir: str) -> list[str]:
+    """The executor, told where its folders are, as seen inside (``sandbox_executor.main``)."""
+    forward = [[port, f"{netdir}/{path.name}"] for port, path in spec.sockets]
+    layout = {"workdir": workdir, "scratch": scratch, "keep": keep, "forward": forward}
+    return [_python(), "-I", "-S", "-c", EXECUTOR.read_text(), json.dumps(layout)]
+
+
+def _drop_privileges(setpriv: str, uid: int | None) -> list[str]:
+    """As root: the program's own uid, no groups, no capabilities it could regain by exec."""
+    ids = [] if uid is None else [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    return [setpriv, *ids, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def _system_mounts() -> list[str]:
+    """The host's programs and libraries, read-only; Python from wherever it lives."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib64", "sbin"):
+        path = Path("/") / top
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.exists():
+            args += ["--ro-bind", str(path), str(path)]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    prefix = Path(sys.base_prefix).resolve()
+    if not prefix.is_relative_to("/usr"):  # e.g. /root/.pyenv/...: its parents traversable
+        for parent in reversed(prefix.parents[:-1]):
+            args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    return args
+
+
+@dataclass(slots=True, frozen=True)
+class Bubblewrap:
+    """A root of its own: only the system, Python and the sandbox's folders are there."""
+
+    bwrap: str
+    setpriv: str | None  # needed as root only
+    name: str = "bwrap"
+
+    def command(self, spec: SandboxSpec) -> list[str]:
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-pid",
+                "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        argv += _system_mounts()
+        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+                 "--bind", str(spec.workdir), "/work", "--chdir", "/work"]
+        if spec.artifacts is not None:
+            argv += ["--ro-bind", str(spec.artifacts), "/artifacts"]
+        if spec.netdir is not None:
+            argv += ["--ro-bind", str(spec.netdir), "/net"]
+        if spec.uid is not None:  # bwrap keeps root; the program gets a uid of its own
+            assert self.setpriv is not None
+            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
+                     *_drop_privileges(self.setpriv, spec.uid)]
+        else:
+            argv += ["--unshare-user", "--"]
+        return argv + _executor(spec, workdir="/work", scratch=["/work", "/tmp"], keep=[],
+                                netdir="/net")
+
+
+UNSHARE_ROOT = "/tmp/.sandbox"  # where the sandbox's own folders are bound (unshare)
+SHARED_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # writable by all, if present
+
+
+@dataclass(slots=True, frozen=True)
+class Unshare:
+    """Namespaces from util-linux's ``unshare`` and a private tmpfs on every shared scratch
+    folder; the host's files otherwise seen as they are (see the module docstring)."""
+
+    unshare: str
+    setpriv: str
+    name: str = "unshare"
+
+    def command(self, spec: SandboxSpec) -> list[str]:
+        scratch = [d for d in SHARED_SCRATCH if os.path.isdir(d) and not os.path.islink(d)
+                   and os.stat(d).st_mode & 0o002]
+        assert scratch[0] == "/tmp", "the sandbox's folders are bound under /tmp"
+        tmpfs = [[folder, "1777"] for folder in scratch]
+        binds = [[str(spec.workdir), f"{UNSHARE_ROOT}/work", False]]
+        if spec.artifacts is not None:
+            binds.append([str(spec.artifacts), f"{UNSHARE_ROOT}/artifacts", True])
+        if spec.netdir is not None:
+            binds.append([str(spec.netdir), f"{UNSHARE_ROOT}/net", True])
+        prefix = Path(sys.base_prefix).resolve()
+        closed = [p for p in reversed(prefix.parents[:-1]) if not p.stat().st_mode & 0o001]
+        if closed and spec.uid is not None:
+            # Python under a folder others may not enter (a pyenv in /root, 0700): a tmpfs on
+            # that folder with only Python in it, as bwrap builds it (and /root's files hidden)
+            tmpfs.append([str(closed[0]), "0755"])
+            binds.append([str(prefix), str(prefix), True])
+        setup = {"tmpfs": tmpfs, "binds": binds}
+        # --pdeathsig: unshare dies with this process; --kill-child: the namespace with unshare
+        argv = [self.setpriv, "--pdeathsig", "KILL", "--", self.unshare, "--fork",
+                "--kill-child", "--pid", "--mount-proc", "--net", "--ipc", "--uts"]
+        if spec.uid is None:
+            argv.append("--map-root-user")
+        argv += ["--", _python(), "-I", "-S", "-c", EXECUTOR.read_text(), "--enter",
+                 json.dumps(setup)]
+        argv += _drop_privileges(self.setpriv, spec.uid)
+        # UNSHARE_ROOT is cleaned too: a program run as the namespace's root may write in it
+        mounts = [f"{UNSHARE_ROOT}/{name}" for name in ("work", "artifacts", "net")]
+        return argv + _executor(spec, workdir=mounts[0],
+                                scratch=[mounts[0], *scratch, UNSHARE_ROOT],
+                                keep=[UNSHARE_ROOT, *mounts], netdir=mounts[2])
+
+
+BACKENDS = ("auto", "bwrap", "unshare")
+
+
+def pick_isolation(backend: str) -> Isolation:
+    """The backend named (``auto``: bubblewrap if found, else unshare); a clear error when its
+    tools are missing."""
+    if backend not in BACKENDS:
+        raise ValueError(f"SandboxPool.backend must be one of {', '.join(BACKENDS)}, "
+                         f"got {backend!r}")
+    if backend == "auto":
+        if shutil.which("bwrap"):
+            backend = "bwrap"
+        elif shutil.which("unshare"):
+            backend = "unshare"
+        else:
+            raise SandboxError("sandboxes need bubblewrap or util-linux's unshare, and neither "
+                               "is on the PATH: install bubblewrap (Debian: apt-get install "
+                               "bubblewrap; `make test` does so)")
+    if backend == "bwrap":
+        setpriv = _tool("setpriv", "util-linux") if os.geteuid() == 0 else None
+        return Bubblewrap(_tool("bwrap", "bubblewrap"), setpriv)
+    return Unshare(_tool("unshare", "util-linux"), _tool("setpriv", "util-linux"))
