@@ -5,6 +5,11 @@ The rollout puts finished, trainable groups here and takes batches out for train
 (:meth:`StalenessPolicy.group_verdict`, returned with their verdicts to be recorded
 DROPPED_STALE), then :meth:`pop_batch` hands out the oldest ``n``, so a group overtaken by
 faster ones is trained before it ages out.
+
+A buffered group is finished (its tokens no longer change), so its verdict at a step is
+final: :meth:`pop_stale` judges each group once per step, not on every call (the rollout
+calls it whenever a group arrives; re-judging every buffered group each time cost
+O(groups^2 x tokens) per step, most of a 512-engine simulation's time).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import asyncio
 
 from rollstream.rollout.staleness import StalenessPolicy, Verdict
 from rollstream.trajectory import Group
+
+_OK = Verdict(ok=True)
 
 
 def _age_key(group: Group) -> int:
@@ -25,6 +32,7 @@ class TrajectoryBuffer:
         self.policy = policy
         self._groups: list[Group] = []
         self._changed = asyncio.Event()
+        self._ok_at: dict[str, int] = {}  # group id -> the step it was last judged trainable at
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -47,8 +55,10 @@ class TrajectoryBuffer:
 
     def pop_stale(self, step: int) -> list[tuple[Group, Verdict]]:
         """Remove and return the groups that may not train at ``step``, with their verdicts."""
-        judged = [(g, self.policy.group_verdict(g, step)) for g in self._groups]
+        judged = [(g, _OK if self._ok_at.get(g.group_id) == step
+                   else self.policy.group_verdict(g, step)) for g in self._groups]
         self._groups = [g for g, v in judged if v.ok]
+        self._ok_at = {g.group_id: step for g in self._groups}
         return [(g, v) for g, v in judged if not v.ok]
 
     def pop_batch(self, n: int) -> list[Group] | None:
