@@ -19,8 +19,6 @@ import asyncio
 from rollstream.rollout.staleness import StalenessPolicy, Verdict
 from rollstream.trajectory import Group
 
-_OK = Verdict(ok=True)
-
 
 def _age_key(group: Group) -> int:
     v = group.min_version()
@@ -30,9 +28,10 @@ def _age_key(group: Group) -> int:
 class TrajectoryBuffer:
     def __init__(self, policy: StalenessPolicy) -> None:
         self.policy = policy
-        self._groups: list[Group] = []
+        self._groups: list[Group] = []  # in arrival order (pop_batch sorts it by age)
         self._changed = asyncio.Event()
-        self._ok_at: dict[str, int] = {}  # group id -> the step it was last judged trainable at
+        self._judged_at: int | None = None  # the step the groups were judged at
+        self._unjudged: list[Group] = []  # put since then
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -43,6 +42,7 @@ class TrajectoryBuffer:
 
     def put(self, group: Group) -> None:
         self._groups.append(group)
+        self._unjudged.append(group)
         self.notify()
 
     def notify(self) -> None:
@@ -55,11 +55,14 @@ class TrajectoryBuffer:
 
     def pop_stale(self, step: int) -> list[tuple[Group, Verdict]]:
         """Remove and return the groups that may not train at ``step``, with their verdicts."""
-        judged = [(g, _OK if self._ok_at.get(g.group_id) == step
-                   else self.policy.group_verdict(g, step)) for g in self._groups]
-        self._groups = [g for g, v in judged if v.ok]
-        self._ok_at = {g.group_id: step for g in self._groups}
-        return [(g, v) for g, v in judged if not v.ok]
+        todo = self._unjudged if step == self._judged_at else self._groups
+        judged = [(g, self.policy.group_verdict(g, step)) for g in todo]
+        self._judged_at, self._unjudged = step, []
+        stale = [(g, v) for g, v in judged if not v.ok]
+        if stale:
+            gone = {id(g) for g, _ in stale}
+            self._groups = [g for g in self._groups if id(g) not in gone]
+        return stale
 
     def pop_batch(self, n: int) -> list[Group] | None:
         """The ``n`` oldest groups, or None while fewer are buffered."""
@@ -67,8 +70,11 @@ class TrajectoryBuffer:
             return None
         self._groups.sort(key=_age_key)
         batch, self._groups = self._groups[:n], self._groups[n:]
+        if self._unjudged:
+            taken = {id(g) for g in batch}
+            self._unjudged = [g for g in self._unjudged if id(g) not in taken]
         return batch
 
     def drain(self) -> list[Group]:
-        out, self._groups = self._groups, []
+        out, self._groups, self._unjudged = self._groups, [], []
         return out
