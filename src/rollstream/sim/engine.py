@@ -76,6 +76,7 @@ class SimEngine:
         self._seg_limit = 0  # steps until the segment's next event
         self._context = 0  # real tokens of context of the running batch
         self._timer: asyncio.TimerHandle | None = None
+        self._stats: EngineStats | None = None  # rebuilt after an event (routing reads it a lot)
         self.busy_s = 0.0
         self.generated_tokens = 0  # real tokens
         self.num_preemptions = 0
@@ -113,12 +114,20 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         self._advance()  # blocks done so far carry the old version
         self.version = version
+        self._stats = None
         self._seg_t = max(self._seg_t, loop.time()) + self.profile.weight_sync_s
         ready_at = self._seg_t
         self._settle()
         await asyncio.sleep(ready_at - loop.time())
 
     def stats(self) -> EngineStats:
+        """As of the last event (busy time of a segment in progress is credited at its end).
+        The same object between two events: the dispatcher reads it per engine per request."""
+        if self._stats is None:
+            self._stats = self._build_stats()
+        return self._stats
+
+    def _build_stats(self) -> EngineStats:
         return EngineStats(engine_id=self.engine_id, version=self.version,
                            num_running=len(self._running), num_waiting=len(self._waiting),
                            capacity=self.profile.max_num_seqs,
@@ -131,6 +140,7 @@ class SimEngine:
         now = asyncio.get_running_loop().time()
         if now <= self._seg_t:
             return
+        self._stats = None
         if self._running:
             batch, decode = len(self._running), self.profile.decode
             n = decode.steps_in(batch, self._context, now - self._seg_t, self._seg_limit)
@@ -151,6 +161,7 @@ class SimEngine:
         """Finish, admit, preempt at the current boundary; schedule the next event."""
         loop = asyncio.get_running_loop()
         now, block, prof = loop.time(), self.block, self.profile
+        self._stats = None
         for req in [r for r in self._running if r.gen >= r.end_blocks * block]:
             self._drop(req)
             self._resolve(req, FinishReason.STOP if req.stop else FinishReason.LENGTH)
