@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import looptime
 
 T = TypeVar("T")
-IDLE_TIMEOUT_S = 5.0  # real-time-equivalent seconds before a deadlocked simulation fails
+IDLE_TIMEOUT_S = 1.0  # seconds a deadlocked simulation (no timer, nothing ready) waits before failing
 
 
 class VirtualExecutor(concurrent.futures.Executor):
