@@ -125,3 +125,27 @@ def test_workload_mean_under_the_cap_and_lengths_correlated_within_groups():
     assert within < statistics.pstdev([math.log(x) for x in flat]) * 0.8
     passes = [w.spec(t).pass_rate for t in range(400)]
     assert statistics.fmean(passes) == pytest.approx(0.4, abs=0.05)
+
+
+def test_an_interrupt_at_the_instant_a_request_finishes_returns_it_finished():
+    workload = Workload(WORKLOAD, seed=0, token_block=8)
+    profile = load_profile("gpu_h100_7b")
+    prompt = list(workload.task(7).prompt_ids)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        whole = await SimEngine("e0", profile, workload).generate(_request("a", prompt, 999, 1))
+        took = loop.time() - t0
+        engine = SimEngine("e1", profile, workload)
+
+        def interrupt_now():  # 2 ms before the end: the last step (~7 ms) is more than half
+            with pytest.raises(StopIteration):  # done, so it counts: the request is complete
+                engine.interrupt(None).send(None)
+
+        loop.call_at(loop.time() + took - 0.002, interrupt_now)
+        return whole, await engine.generate(_request("b", prompt, 999, 1))
+
+    whole, again = run_virtual(main())
+    assert whole.finish_reason is FinishReason.STOP
+    assert again.finish_reason is FinishReason.STOP and again.token_ids == whole.token_ids

@@ -104,3 +104,18 @@ def test_a_deadlocked_simulation_fails_instead_of_hanging():
     else:
         raise AssertionError("a deadlock must end the run")
     assert time.perf_counter() - t0 < 30
+
+
+def test_an_error_in_a_loop_callback_stops_the_simulation():
+    from rollstream.sim.vloop import SimulationError
+
+    async def main():
+        asyncio.get_running_loop().call_later(5.0, lambda: 1 / 0)
+        await asyncio.sleep(3600)
+
+    try:
+        run_virtual(main())
+    except SimulationError as e:
+        assert isinstance(e.__cause__, ZeroDivisionError)
+    else:
+        raise AssertionError("a failing callback must end the simulation")

@@ -86,6 +86,7 @@ class SimEngine:
     # ---- the Engine protocol --------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         done, total, correct = self.workload.outcome(request.prompt_ids, request.params.seed)
+        total = max(total, done + 1)  # never nothing to do: at least the answer's block
         end = min(total, done + request.params.max_new_tokens)
         fut: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
         req = _Request(rid=request.request_id, fut=fut, prompt_blocks=len(request.prompt_ids),
@@ -219,8 +220,9 @@ class SimEngine:
         if req.fut.done():
             return
         n = len(req.versions)  # whole blocks done (an interrupt, or the context limit)
-        if req.gen >= req.end_blocks * self.block:
-            n = req.end_blocks
+        if req.gen >= req.end_blocks * self.block:  # it finished at this boundary: that wins
+            n = req.end_blocks  # over an interrupt at the same instant
+            reason = FinishReason.STOP if req.stop else FinishReason.LENGTH
         tokens = [TOKEN] * n
         if reason is FinishReason.STOP:
             tokens[-1] = CORRECT if req.correct else WRONG

@@ -49,6 +49,8 @@ class VirtualTimeLoop(looptime.LoopTimeEventLoop, asyncio.SelectorEventLoop):
 
     def __init__(self) -> None:
         super().__init__(start=0.0, noop_cycles=0, idle_timeout=IDLE_TIMEOUT_S)
+        self.failure: BaseException | None = None
+        self.set_exception_handler(_fail_fast)
 
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
         if not isinstance(executor, VirtualExecutor):
@@ -61,6 +63,22 @@ class VirtualTimeLoop(looptime.LoopTimeEventLoop, asyncio.SelectorEventLoop):
             return fut
         self.call_at(self.time() + executor.duration(result), _resolve, fut, result)
         return fut
+
+
+class SimulationError(RuntimeError):
+    """A callback of the simulation raised (a bug: asyncio would only have logged it)."""
+
+
+def _fail_fast(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """An error in a loop callback (a simulated engine's timer) stops the simulation: left to
+    asyncio's default handler it would be logged and the requests it held would hang."""
+    exc = context.get("exception")
+    if exc is None or not isinstance(loop, VirtualTimeLoop):
+        loop.default_exception_handler(context)
+        return
+    if loop.failure is None:
+        loop.failure = exc
+    loop.stop()
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
@@ -84,4 +102,10 @@ class LoopClock:
 def run_virtual(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to completion on a fresh :class:`VirtualTimeLoop`."""
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        return runner.run(main)
+        try:
+            return runner.run(main)
+        except RuntimeError as e:
+            failure = getattr(runner.get_loop(), "failure", None)
+            if failure is None:
+                raise
+            raise SimulationError(f"the simulation failed: {failure!r}") from failure
