@@ -24,6 +24,8 @@ def _write(tmp_path, text: str):
     ("modes: [{name: a, mode: sync, max_staleness: 2}]\n",
      "modes.0 (a): rollout.max_staleness = 2 contradicts rollout.mode = sync"),
     ("modes: [{name: a}, {name: a}]\n", "names must be unique"),
+    ("modes: [{name: a, mode: async, max_staleness: 1, max_token_age: 2}]\n",
+     "modes.0 (a): train.max_token_age = 2 exceeds the staleness bound 1"),
     ("modes: [{name: a, mode: fast}]\n", "modes.0.mode = 'fast'"),
     ("- 1\n", "the top level must be a mapping"),
 ])

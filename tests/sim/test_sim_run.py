@@ -40,7 +40,9 @@ def test_the_simulation_is_built_from_the_real_components(small):
 
 def test_sync_is_on_policy_and_async_never_exceeds_its_bound(small):
     result = run_scenario(small)
-    bounds = {"sync": 0, "k1_partial": 1, "k3_partial": 3, "k2_continue": 2, "k2_drain": 2}
+    # the largest age of a token the loss keeps: k, or max_token_age, or max_context_age
+    bounds = {"sync": 0, "k1_partial": 1, "k3_partial": 3, "k2_continue": 2, "k2_drain": 2,
+              "k2_mask": 1, "k1_admission": 3}
     for name, row in result["rows"].items():
         assert row["steps_done"] == small.steps and row["stop_reason"] is None, name
         hist = {int(k): v for k, v in row["staleness_hist"].items()}
@@ -50,6 +52,7 @@ def test_sync_is_on_policy_and_async_never_exceeds_its_bound(small):
     assert set(result["rows"]["sync"]["staleness_hist"]) == {"0"}
     assert result["rows"]["sync"]["interrupts"] == 0
     assert result["rows"]["k1_partial"]["interrupts"] > 0  # weight updates interrupted samples
+    assert max(int(k) for k in result["rows"]["k1_admission"]["staleness_hist"]) > 1
     # async overlaps rollout with training: more trained tokens per simulated second
     assert result["rows"]["k3_partial"]["trained_tok_s"] > result["rows"]["sync"]["trained_tok_s"]
 

@@ -12,8 +12,10 @@ full, an interrupt, a weight load. At each event:
 2. finish the requests that reached their end (STOP with their answer token, or LENGTH at the
    request's ``max_new_tokens``);
 3. admit waiting requests while the batch has room (``max_num_seqs``) and the cache has their
-   context; the admitted ones are prefilled (prompt + partial tokens: a resumed sample
-   recomputes its cache) before decoding goes on;
+   context; the admitted ones are prefilled in one pass (prompt + partial tokens: a resumed
+   sample recomputes its cache) before decoding goes on. Requests that arrive at the same
+   instant are admitted together (one ``call_soon`` after the first), as an engine batches
+   the prompts that wait at a step boundary;
 4. preempt the newest running request while the next step would overflow the cache (it goes
    back to the head of the queue with its tokens and is recomputed when re-admitted);
 5. schedule a timer at the next event.
@@ -76,6 +78,7 @@ class SimEngine:
         self._seg_limit = 0  # steps until the segment's next event
         self._context = 0  # real tokens of context of the running batch
         self._timer: asyncio.TimerHandle | None = None
+        self._admit_soon: asyncio.Handle | None = None
         self._stats: EngineStats | None = None  # rebuilt after an event (routing reads it a lot)
         self.busy_s = 0.0
         self.generated_tokens = 0  # real tokens
@@ -93,7 +96,8 @@ class SimEngine:
                        end_blocks=end - done, stop=end == total, correct=correct)
         self._advance()
         self._waiting.append(req)
-        self._settle()
+        if self._admit_soon is None:  # requests arriving at this instant: one prefill pass
+            self._admit_soon = asyncio.get_running_loop().call_soon(self._on_arrivals)
         try:
             return await fut
         except asyncio.CancelledError:  # the caller gave up: forget the request
@@ -203,6 +207,11 @@ class SimEngine:
         self._seg_limit = max(1, min(to_end, to_full))
         t = max(self._seg_t, now) + prof.decode.steps_s(batch, self._context, self._seg_limit)
         self._timer = loop.call_at(t, self._on_timer)
+
+    def _on_arrivals(self) -> None:
+        self._admit_soon = None
+        self._advance()
+        self._settle()
 
     def _on_timer(self) -> None:
         self._timer = None

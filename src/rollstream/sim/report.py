@@ -36,19 +36,20 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     sc = result["scenario"]
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 180)
     t = Table(title=f"rollstream sim {sc['name']}: {sc['engines']} engines, profile "
               f"{result['profile']['name']}, {sc['steps']} steps x {sc['groups_per_step']} "
               f"groups x {sc['group_size']} (simulated; wall {result['wall_s']:.1f} s)")
     cols = ("mode", "step s", "engine util", "tail share", "trained tok/s", "vs first",
-            "gen tok/s", "staleness 0/1/2/3+", "dropped", "filtered", "interrupts", "wall s")
+            "gen tok/s", "stale 0/1/2/3+ (share)", "dropped", "filtered", "interrupts", "wall s")
     for col in cols:
         t.add_column(col, justify="right")
     for name, r in result["rows"].items():
         hist = {int(k): v for k, v in r["staleness_hist"].items()}
         n = max(sum(hist.values()), 1)
-        stale = "/".join(f"{hist.get(k, 0) / n:.2f}" for k in (0, 1, 2)) + \
-            f"/{sum(v for k, v in hist.items() if k >= 3) / n:.2f}"
+        shares = [hist.get(k, 0) / n for k in (0, 1, 2)]
+        shares.append(sum(v for k, v in hist.items() if k >= 3) / n)
+        stale = " ".join(f"{x:.2f}" for x in shares)
         tail = r["tail_share_mean"]
         t.add_row(name, f"{r['step_s_mean']:,.1f}", f"{r['engine_utilization']:.2f}",
                   "-" if tail is None else f"{tail:.2f}", f"{r['trained_tok_s']:,.0f}",

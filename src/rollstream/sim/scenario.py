@@ -58,6 +58,12 @@ class ModeConfig(_Section):
     """rollout.partial_rollout: interrupt and resume on a weight update (off: drain)."""
     on_update: Literal["interrupt", "continue"] | None = None
     """rollout.on_update with partial rollout (null: the library default, interrupt)."""
+    max_context_age: int | None = Field(None, ge=0)
+    """rollout.max_context_age (null: the library default; above the staleness bound: the
+    ``admission`` rule, samples trained whole up to this age)."""
+    max_token_age: int | None = Field(None, ge=0)
+    """train.max_token_age (null: off; set: the ``mask`` rule, older tokens left out of the
+    loss and of the trained tokens)."""
 
 
 class Scenario(_Section):
@@ -118,10 +124,13 @@ def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunCon
         rollout["max_staleness"] = mode.max_staleness
     if mode.on_update is not None:
         rollout["on_update"] = mode.on_update
+    if mode.max_context_age is not None:
+        rollout["max_context_age"] = mode.max_context_age
     try:
         return RunConfig(name=sc.name, seed=sc.seed, max_wall_s=sc.max_sim_s,
                          rollout=RolloutConfig(**rollout),
-                         train=TrainConfig(steps=sc.steps, groups_per_step=sc.groups_per_step))
+                         train=TrainConfig(steps=sc.steps, groups_per_step=sc.groups_per_step,
+                                           max_token_age=mode.max_token_age))
     except ValidationError as e:
         from rollstream.sim.profile import format_errors
 
