@@ -122,3 +122,18 @@ def test_an_error_in_a_loop_callback_stops_the_simulation():
         assert isinstance(e.__cause__, ZeroDivisionError)
     else:
         raise AssertionError("a failing callback must end the simulation")
+
+
+def test_tail_share_is_the_last_tenth_of_a_batch_over_its_rollout():
+    spans = sim_run.Spans()
+    rows = []
+    for i in range(20):  # step 0: finishes at 1..19, one straggler at 40, all start at 0
+        spans(sample_uid=f"a{i}", t_start_s=0.0, t_end_s=40.0 if i == 19 else float(i + 1))
+        rows.append({"sample_uid": f"a{i}", "taken_at_step": 0})
+    for i in range(10):  # step 1: start at 100, finish at 101..110, evenly
+        spans(sample_uid=f"b{i}", t_start_s=100.0, t_end_s=101.0 + i)
+        rows.append({"sample_uid": f"b{i}", "taken_at_step": 1})
+    rows.append({"sample_uid": "never-dispatched", "taken_at_step": 1})
+    # step 0: the 90th percentile finish is the 18th (18.0): (40 - 18) / 40; step 1: the 9th
+    # (109): (110 - 109) / 10
+    assert sim_run._tail_share(rows, spans) == (22 / 40 + 1 / 10) / 2
