@@ -147,7 +147,7 @@ def load_scenario(path: str | Path) -> Scenario:
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{p}: the top level must be a mapping")
+        raise ValueError(f"{p}: the top level must be a mapping")  # noqa: TRY004 (user input)
     try:
         return Scenario.model_validate(data)
     except ValidationError as e:

@@ -58,7 +58,7 @@ class VirtualTimeLoop(looptime.LoopTimeEventLoop, asyncio.SelectorEventLoop):
         fut: asyncio.Future[Any] = self.create_future()
         try:
             result = func(*args)
-        except Exception as e:  # the work's error travels to the awaiting task, as from a thread
+        except Exception as e:  # noqa: BLE001 (not swallowed: the awaiting task gets it)
             fut.set_exception(e)
             return fut
         self.call_at(self.time() + executor.duration(result), _resolve, fut, result)
@@ -104,7 +104,7 @@ def run_virtual(main: Coroutine[Any, Any, T]) -> T:
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         try:
             return runner.run(main)
-        except RuntimeError as e:
+        except RuntimeError:
             failure = getattr(runner.get_loop(), "failure", None)
             if failure is None:
                 raise
