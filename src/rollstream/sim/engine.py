@@ -174,7 +174,8 @@ class SimEngine:
         while self._waiting and len(self._running) < prof.max_num_seqs:
             req = self._waiting[0]
             ctx = req.context(block)
-            if self._context + ctx + 1 > prof.kv_capacity_tokens:
+            # room for its context and for one more step of the whole batch with it
+            if self._context + ctx + len(self._running) + 1 > prof.kv_capacity_tokens:
                 if not self._running:  # it can never fit: the context limit is reached
                     self._waiting.popleft()
                     self._resolve(req, FinishReason.LENGTH)
