@@ -6,6 +6,7 @@
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
     rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
     rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
+    rollstream sim SCENARIO.yaml [--json OUT]      the real schedulers on simulated engines
 
 Heavy modules are imported inside each command so that ``--help`` is instant.
 """
@@ -81,6 +82,16 @@ def _parser() -> argparse.ArgumentParser:
     act = e.add_mutually_exclusive_group()
     act.add_argument("--drain", metavar="ENGINE_ID", default=None)
     act.add_argument("--undrain", metavar="ENGINE_ID", default=None)
+
+    s = sub.add_parser(
+        "sim",
+        help="simulate a scenario's modes at cluster scale on virtual time (table + JSON)",
+        description="Run the real controller, rollout and weight sync against simulated "
+        "engines and a simulated trainer on virtual time, once per mode of the scenario, and "
+        "print a comparison table (docs/simulator.md; examples/sim/).",
+    )
+    s.add_argument("scenario", type=Path, help="scenario YAML (see examples/sim/)")
+    s.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
 
     x = sub.add_parser(
         "proxy",
@@ -170,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(args.run_dir))
         elif args.command == "engines":
             _engines(args.run_dir, args.drain, args.undrain)
+        elif args.command == "sim":
+            from rollstream.sim.report import main as sim_main
+
+            sim_main(args.scenario, json_out=args.json_out)
         elif args.command == "proxy":
             from rollstream.agent.proxy import serve
 

@@ -139,3 +139,21 @@ def test_buffer_drops_stale_with_reasons_and_serves_oldest_first():
         await asyncio.wait_for(waiter, 1)
 
     asyncio.run(main())
+
+
+def test_buffer_judges_each_group_once_per_step_and_again_at_a_later_step():
+    judged: list[str] = []
+
+    class Counting(StalenessPolicy):
+        def group_verdict(self, group, step):
+            judged.append(f"{group.task.uid}@{step}")
+            return super().group_verdict(group, step)
+
+    buf = TrajectoryBuffer(Counting(max_staleness=2))
+    buf.put(_group(0, [1], [1]))
+    assert buf.pop_stale(2) == []
+    buf.put(_group(1, [1], [1]))
+    assert buf.pop_stale(2) == []  # the rollout calls it as each group arrives
+    assert judged == ["t/0@2", "t/1@2"]  # group 0 not judged again at the same step
+    stale = buf.pop_stale(4)  # a later step: both judged again, both now too old
+    assert judged[2:] == ["t/0@4", "t/1@4"] and len(stale) == 2 and len(buf) == 0

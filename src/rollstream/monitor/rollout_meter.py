@@ -10,11 +10,11 @@ evaluation before it is not in the rates.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from rollstream.clock import Clock, WallClock
 from rollstream.engine.protocol import Engine
 
 
@@ -28,19 +28,21 @@ class DispatchCounters(Protocol):
 
 class RolloutMeter:
     def __init__(self, engines: Sequence[Engine], counters: DispatchCounters,
-                 in_flight: Callable[[], int], gauges: Callable[[], dict[str, float]]) -> None:
+                 in_flight: Callable[[], int], gauges: Callable[[], dict[str, float]],
+                 clock: Clock | None = None) -> None:
         self.engines, self.counters = list(engines), counters
         self.in_flight, self.gauges = in_flight, gauges
-        self._last = (time.perf_counter(), 0, 0.0)
+        self.clock = clock or WallClock()  # rates per second of this clock (virtual in `sim`)
+        self._last = (self.clock.now(), 0, 0.0)
 
     def _busy_s(self) -> float:
         return sum(e.stats().busy_s for e in self.engines)
 
     def start(self) -> None:
-        self._last = (time.perf_counter(), self.counters.generated_tokens, self._busy_s())
+        self._last = (self.clock.now(), self.counters.generated_tokens, self._busy_s())
 
     def read(self) -> dict[str, float]:
-        now, c = time.perf_counter(), self.counters
+        now, c = self.clock.now(), self.counters
         stats = [e.stats() for e in self.engines]
         busy = sum(s.busy_s for s in stats)
         last_t, last_tokens, last_busy = self._last

@@ -5,6 +5,11 @@ The rollout puts finished, trainable groups here and takes batches out for train
 (:meth:`StalenessPolicy.group_verdict`, returned with their verdicts to be recorded
 DROPPED_STALE), then :meth:`pop_batch` hands out the oldest ``n``, so a group overtaken by
 faster ones is trained before it ages out.
+
+A buffered group is finished (its tokens no longer change), so its verdict at a step is
+final: :meth:`pop_stale` judges each group once per step, not on every call (the rollout
+calls it whenever a group arrives; re-judging every buffered group each time cost
+O(groups^2 x tokens) per step, most of a 512-engine simulation's time).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ def _age_key(group: Group) -> int:
 class TrajectoryBuffer:
     def __init__(self, policy: StalenessPolicy) -> None:
         self.policy = policy
-        self._groups: list[Group] = []
+        self._groups: list[Group] = []  # in arrival order (pop_batch sorts it by age)
         self._changed = asyncio.Event()
+        self._judged_at: int | None = None  # the step the groups were judged at
+        self._unjudged: list[Group] = []  # put since then
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -35,6 +42,7 @@ class TrajectoryBuffer:
 
     def put(self, group: Group) -> None:
         self._groups.append(group)
+        self._unjudged.append(group)
         self.notify()
 
     def notify(self) -> None:
@@ -47,9 +55,14 @@ class TrajectoryBuffer:
 
     def pop_stale(self, step: int) -> list[tuple[Group, Verdict]]:
         """Remove and return the groups that may not train at ``step``, with their verdicts."""
-        judged = [(g, self.policy.group_verdict(g, step)) for g in self._groups]
-        self._groups = [g for g, v in judged if v.ok]
-        return [(g, v) for g, v in judged if not v.ok]
+        todo = self._unjudged if step == self._judged_at else self._groups
+        judged = [(g, self.policy.group_verdict(g, step)) for g in todo]
+        self._judged_at, self._unjudged = step, []
+        stale = [(g, v) for g, v in judged if not v.ok]
+        if stale:
+            gone = {id(g) for g, _ in stale}
+            self._groups = [g for g in self._groups if id(g) not in gone]
+        return stale
 
     def pop_batch(self, n: int) -> list[Group] | None:
         """The ``n`` oldest groups, or None while fewer are buffered."""
@@ -57,8 +70,11 @@ class TrajectoryBuffer:
             return None
         self._groups.sort(key=_age_key)
         batch, self._groups = self._groups[:n], self._groups[n:]
+        if self._unjudged:
+            taken = {id(g) for g in batch}
+            self._unjudged = [g for g in self._unjudged if id(g) not in taken]
         return batch
 
     def drain(self) -> list[Group]:
-        out, self._groups = self._groups, []
+        out, self._groups, self._unjudged = self._groups, [], []
         return out

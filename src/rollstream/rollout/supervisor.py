@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 
+from rollstream.clock import Clock, WallClock
 from rollstream.engine.protocol import Engine, Restartable
 from rollstream.sync.weights import WeightSync
 
@@ -24,11 +24,13 @@ POLL_S = 0.2
 
 class EngineSupervisor:
     def __init__(self, engines: Sequence[Engine], sync: WeightSync, *,
-                 on_restart: Callable[[str, float], None] | None = None) -> None:
+                 on_restart: Callable[[str, float], None] | None = None,
+                 clock: Clock | None = None) -> None:
         self.engines = list(engines)
         self.sync = sync
         self.on_restart = on_restart or (lambda engine_id, seconds: None)
         self.num_restarts = 0
+        self.clock = clock or WallClock()
 
     async def run(self) -> None:
         """The supervision loop (a named task of the controller)."""
@@ -39,11 +41,11 @@ class EngineSupervisor:
             await asyncio.sleep(POLL_S)
 
     async def _revive(self, engine: Restartable) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         try:
             await self.sync.revive(engine)
         except Exception:  # fault boundary: it stays down (its restart budget was spent)
             log.exception("restarting engine %s failed", getattr(engine, "engine_id", "?"))
             return
         self.num_restarts += 1
-        self.on_restart(getattr(engine, "engine_id", "?"), time.perf_counter() - t0)
+        self.on_restart(getattr(engine, "engine_id", "?"), self.clock.now() - t0)

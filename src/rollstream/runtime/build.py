@@ -145,20 +145,20 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         rollout.on_version(version)
 
     policy = sync_policy(cfg.rollout.partial_rollout, cfg.rollout.on_update)
-    sync = WeightSync(engines, dispatcher, policy, on_applied, version=start_step)
+    sync = WeightSync(engines, dispatcher, policy, on_applied, version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
         print(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s",
               flush=True)
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
-    supervisor = EngineSupervisor(engines, sync, on_restart=on_restart)
+    supervisor = EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
     meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
-                         rollout.stats)
+                         rollout.stats, clock=clock)
     controller = Controller(
         rollout=rollout, trainer=trainer, sync=sync, meter=meter, metrics=metrics,
         steps=cfg.train.steps, groups_per_step=cfg.train.groups_per_step,
-        max_wall_s=cfg.max_wall_s, start_step=start_step, supervisor=supervisor,
+        max_wall_s=cfg.max_wall_s, start_step=start_step, supervisor=supervisor, clock=clock,
     )
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
                 controller=controller)

@@ -25,12 +25,12 @@ checkpoint).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rollstream.clock import Clock, WallClock
 from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.rollout.rollout import Rollout, RolloutStopped
 from rollstream.rollout.supervisor import EngineSupervisor
@@ -66,12 +66,14 @@ class Controller:
     def __init__(self, *, rollout: Rollout, trainer: TrainerLike, sync: WeightSync,
                  meter: RolloutMeter, metrics: MetricsLike, steps: int, groups_per_step: int,
                  max_wall_s: float | None = None, after_step: AfterStep | None = None,
-                 start_step: int = 0, supervisor: EngineSupervisor | None = None) -> None:
+                 start_step: int = 0, supervisor: EngineSupervisor | None = None,
+                 clock: Clock | None = None) -> None:
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
         self.start_step = start_step
         self.supervisor = supervisor
+        self.clock = clock or WallClock()  # times wait_s / train_s (virtual in `sim`)
         self.after_step = after_step
         self.before_stop: BeforeStop | None = None
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
@@ -114,7 +116,7 @@ class Controller:
         deadline = None if self.max_wall_s is None else loop.time() + self.max_wall_s
         result.steps_done = self.start_step
         for step in range(self.start_step, self.steps):
-            t0 = time.perf_counter()
+            t0 = self.clock.now()
             try:
                 if self._stop_reason is not None or (deadline is not None
                                                      and loop.time() >= deadline):
@@ -130,12 +132,12 @@ class Controller:
                 break
             finally:
                 self._waiting = None
-            wait_s = time.perf_counter() - t0
+            wait_s = self.clock.now() - t0
             out = await self.in_trainer(self.trainer.step, batch, step)
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
             values = {**out.metrics, **_batch_stats(trained, step), "wait_s": wait_s,
-                      "train_s": time.perf_counter() - t0 - wait_s}
+                      "train_s": self.clock.now() - t0 - wait_s}
             for s in trained:
                 self.metrics.observe("staleness", float(step - (s.min_trained_version or step)))
             rollout = self.meter.read()

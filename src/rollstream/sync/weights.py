@@ -30,10 +30,10 @@ same lock as the loads: a revived engine never serves a version the others have 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from rollstream.clock import Clock, WallClock
 from rollstream.engine.protocol import Engine, EngineHealth, Restartable
 
 if TYPE_CHECKING:
@@ -69,13 +69,16 @@ class WeightSync:
         on_applied: Callable[[int, float], Awaitable[None] | None],
         *,
         version: int = 0,
+        clock: Clock | None = None,
     ) -> None:
-        """``version``: the one the engines serve at start (their model folder's weights)."""
+        """``version``: the one the engines serve at start (their model folder's weights);
+        ``clock`` times each sync (``sync_s``)."""
         self.engines = list(engines)
         self.gate = gate
         self.policy = policy
         self.on_applied = on_applied
         self.version = version
+        self.clock = clock or WallClock()
         self._tensors: dict[str, torch.Tensor] | None = None  # of `version`; None: the folder's
         self._lock = asyncio.Lock()  # one load or revival at a time
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -101,7 +104,7 @@ class WeightSync:
                 continue
             version, tensors = self._pending
             self._pending = None
-            t0 = time.perf_counter()
+            t0 = self.clock.now()
             async with self._lock:
                 engines = [e for e in self.engines if _serves(e)]
                 try:
@@ -115,7 +118,7 @@ class WeightSync:
                 finally:
                     self.gate.resume()
                 self.version, self._tensors = version, tensors
-            res = self.on_applied(version, time.perf_counter() - t0)
+            res = self.on_applied(version, self.clock.now() - t0)
             if res is not None:
                 await res
             if self._pending is None:

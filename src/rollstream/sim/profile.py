@@ -1,0 +1,157 @@
+"""Cost-model profiles: how long a simulated engine's forward passes and a simulated trainer's
+steps take. A profile is a YAML file (``profiles/*.yaml``, or any path) with its sources.
+
+Decode step of a batch of ``B`` running sequences holding ``C`` tokens of context in all::
+
+    memory_s  = weights_s + per_context_token_s * C     (read the weights and the KV cache)
+    compute_s = per_seq_s * B                            (the matmuls of B new tokens)
+    step_s    = overhead_s + max(memory_s, compute_s)    (combine: max, a GPU roofline)
+              | overhead_s + memory_s + compute_s        (combine: sum, a CPU that does both
+                                                          on the same cores)
+
+During ``n`` steps of one batch ``B`` stays fixed and ``C`` grows by ``B`` per step, so the
+time of ``n`` steps has a closed form (:meth:`DecodeCost.steps_s`), and the steps done in a
+span of time follow by bisection (:meth:`DecodeCost.steps_in`): the engine needs no event per
+token. Prefill of ``t`` tokens: ``overhead_s + per_token_s * t`` (no decode meanwhile, as an
+engine without chunked prefill). Weight sync: ``weight_sync_s`` per load, decode paused.
+Trainer step: ``step_overhead_s + tokens / (tokens_per_s_per_device * devices)`` over the
+prompt and response tokens of the samples it trains.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class DecodeCost(_Section):
+    overhead_s: float = Field(ge=0)
+    """Fixed cost of a decode step (kernel launches, sampling, scheduling)."""
+    weights_s: float = Field(ge=0)
+    """Reading the weights once per step (memory-bound part that does not grow with C)."""
+    per_context_token_s: float = Field(ge=0)
+    """Reading one token of KV cache (attention over the context), per step."""
+    per_seq_s: float = Field(ge=0)
+    """Compute of one sequence's new token (2 x parameters FLOPs at the achieved rate)."""
+    combine: Literal["max", "sum"] = "max"
+    """``max``: memory and compute overlap (GPU roofline); ``sum``: they add (CPU)."""
+
+    def step_s(self, batch: int, context: int) -> float:
+        """One decode step of ``batch`` sequences holding ``context`` tokens in all."""
+        mem = self.weights_s + self.per_context_token_s * context
+        comp = self.per_seq_s * batch
+        return self.overhead_s + (max(mem, comp) if self.combine == "max" else mem + comp)
+
+    def steps_s(self, batch: int, context: int, n: int) -> float:
+        """``n`` steps from ``context`` tokens, ``batch`` sequences each adding one per step."""
+        if n <= 0:
+            return 0.0
+        k, comp = self.per_context_token_s * batch, self.per_seq_s * batch
+        m0 = self.weights_s + self.per_context_token_s * context  # memory_s of step 0
+        if self.combine == "sum":
+            return n * (self.overhead_s + m0 + comp) + k * n * (n - 1) / 2
+        # steps before memory overtakes compute take comp each; the rest m0 + k*i
+        if k > 0:
+            first_mem = min(n, max(0, math.ceil((comp - m0) / k)))
+        else:
+            first_mem = n if comp > m0 else 0
+        rest = n - first_mem
+        mem_sum = rest * m0 + k * (first_mem * rest + rest * (rest - 1) / 2)
+        return n * self.overhead_s + first_mem * comp + mem_sum
+
+    def steps_in(self, batch: int, context: int, seconds: float, limit: int) -> int:
+        """Whole steps (at most ``limit``) done in ``seconds``, a step counted when more than
+        half of it is (so event times rounded by the clock land on the right step)."""
+        lo, hi = 0, limit  # invariant: midpoint of step lo done, of step hi+1 not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            half = (self.steps_s(batch, context, mid - 1) + self.steps_s(batch, context, mid)) / 2
+            if half <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class PrefillCost(_Section):
+    overhead_s: float = Field(ge=0)
+    """Fixed cost of a prefill pass."""
+    per_token_s: float = Field(ge=0)
+    """Compute per prompt token (a resumed sample re-prefills its partial tokens too)."""
+
+    def time_s(self, tokens: int) -> float:
+        return self.overhead_s + self.per_token_s * tokens
+
+
+class TrainerCost(_Section):
+    step_overhead_s: float = Field(ge=0)
+    """Fixed cost of a trainer step (optimizer step, gathers, checkpoint of the weights)."""
+    tokens_per_s_per_device: float = Field(gt=0)
+    """Trained tokens (prompt + response, forward + backward + logprob recompute) per second
+    per trainer device."""
+
+    def step_s(self, tokens: int, devices: int) -> float:
+        return self.step_overhead_s + tokens / (self.tokens_per_s_per_device * devices)
+
+
+class Profile(_Section):
+    name: str
+    """Short name shown in tables."""
+    source: str = Field(min_length=1)
+    """Where the numbers come from (published figures, a fit, assumptions): required."""
+    decode: DecodeCost
+    """Decode step cost (module docstring)."""
+    prefill: PrefillCost
+    """Prefill pass cost."""
+    kv_capacity_tokens: int = Field(ge=1)
+    """KV-cache capacity of one engine in tokens (prompt + response of running sequences);
+    a batch that would exceed it preempts its newest sequence (recomputed later)."""
+    max_num_seqs: int = Field(ge=1)
+    """Most sequences an engine runs at once (the continuous batch's width)."""
+    weight_sync_s: float = Field(ge=0)
+    """Seconds an engine spends loading a new weight version (decode paused)."""
+    trainer: TrainerCost
+    """Trainer step cost."""
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by built-in name (``gpu_h100_7b``) or YAML path; a bad field is a ValueError
+    naming it."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILES_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+        raise ValueError(f"profile {name_or_path!r}: no such file (built-in profiles: {known})")
+    data = yaml.safe_load(path.read_text())
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"profile {path}: {format_errors(e)}") from None
+
+
+def format_errors(err: ValidationError) -> str:
+    """Each problem as ``field.path = value: message`` (one line each)."""
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            out.append(f"unknown field {loc!r}")
+        elif e["type"] == "missing":
+            out.append(f"{loc}: missing (required)")
+        elif isinstance(e.get("input"), dict):  # a check across fields: its message says which
+            msg = e["msg"].removeprefix("Value error, ")
+            out.append(msg if loc == "<root>" else f"{loc}: {msg}")
+        else:
+            out.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
+    return "; ".join(out)

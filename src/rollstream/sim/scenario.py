@@ -1,0 +1,156 @@
+"""A simulation scenario: cluster, workload, cost profile and the modes to compare (YAML).
+
+Frozen pydantic models that forbid unknown keys, a docstring under every field (as
+``rollstream.config.schema``). :func:`load_scenario` reports a bad field by its path.
+Each mode becomes a real :class:`rollstream.config.RunConfig` (:func:`run_config`), so the
+rollout settings are validated by the same rules as a training run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollstream.config import RolloutConfig, RunConfig, TrainConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class WorkloadConfig(_Section):
+    prompt_tokens: int = Field(512, ge=1)
+    """Prompt length of every task, real tokens."""
+    mean_response_tokens: float = Field(22386, gt=0)
+    """Mean response length after the cap (Seer's Moonlight: 22,386)."""
+    max_response_tokens: int = Field(65536, ge=1)
+    """The sampling cap (max_new_tokens); a sample that reaches it is truncated and wrong."""
+    sigma_prompt: float = Field(0.8, gt=0)
+    """Log-scale spread of prompt difficulty (the median length of a prompt's samples)."""
+    sigma_within: float = Field(0.6, ge=0)
+    """Log-scale spread of lengths within a group; below sigma_prompt, lengths of a group are
+    correlated. sqrt(sigma_prompt^2 + sigma_within^2) = 1 gives p99 about 10x the median."""
+    pass_rate_mean: float = Field(0.4, gt=0, lt=1)
+    """Mean of the per-prompt pass rate p ~ Beta (MiMo: 41%)."""
+    pass_rate_concentration: float = Field(2.0, gt=0)
+    """alpha + beta of that Beta: small values make many prompts all-right or all-wrong
+    (zero-variance groups the rollout filters; 2.0 gives about 25% of groups of 8)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadConfig:
+        if self.mean_response_tokens >= self.max_response_tokens:
+            raise ValueError(f"mean_response_tokens ({self.mean_response_tokens:g}) must be "
+                             f"below max_response_tokens ({self.max_response_tokens})")
+        return self
+
+
+class ModeConfig(_Section):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Row label in the comparison table."""
+    mode: Literal["sync", "one_step", "async"] = "async"
+    """rollout.mode of the run."""
+    max_staleness: int | None = Field(None, ge=0)
+    """rollout.max_staleness (async only; null: the library default)."""
+    partial_rollout: bool = True
+    """rollout.partial_rollout: interrupt and resume on a weight update (off: drain)."""
+    on_update: Literal["interrupt", "continue"] | None = None
+    """rollout.on_update with partial rollout (null: the library default, interrupt)."""
+    max_context_age: int | None = Field(None, ge=0)
+    """rollout.max_context_age (null: the library default; above the staleness bound: the
+    ``admission`` rule, samples trained whole up to this age)."""
+    max_token_age: int | None = Field(None, ge=0)
+    """train.max_token_age (null: off; set: the ``mask`` rule, older tokens left out of the
+    loss and of the trained tokens)."""
+
+
+class Scenario(_Section):
+    name: str = Field("scenario", min_length=1)
+    """Shown in the table and the JSON."""
+    seed: int = 0
+    """Seeds the workload and the run (sample outcomes follow from it)."""
+    profile: str = "gpu_h100_7b"
+    """Cost profile: a built-in name (src/rollstream/sim/profiles) or a YAML path."""
+    engines: int = Field(8, ge=1)
+    """Number of simulated engines."""
+    token_block: int = Field(1, ge=1)
+    """Real tokens per simulated token (1: exact; at cluster scale e.g. 256, so the real
+    components' per-token lists stay small; interrupts then lose up to a block)."""
+    steps: int = Field(10, ge=1)
+    """Trainer steps per mode."""
+    groups_per_step: int = Field(16, ge=1)
+    """Groups per trainer step (train.groups_per_step)."""
+    group_size: int = Field(8, ge=1)
+    """Samples per group (rollout.group_size)."""
+    filter_zero_variance: bool = True
+    """rollout.filter_zero_variance: groups whose rewards are all equal are filtered and
+    replaced (the dynamic-sampling waste)."""
+    trainer_devices: int = Field(8, ge=1)
+    """Devices of the trainer (its step time divides by this)."""
+    max_sim_s: float | None = Field(None, gt=0)
+    """Stop a mode after this many simulated seconds (max_wall_s of the run; null: none)."""
+    workload: WorkloadConfig = WorkloadConfig()
+    """The task generator."""
+    modes: tuple[ModeConfig, ...] = (
+        ModeConfig(name="sync", mode="sync"),
+        ModeConfig(name="one_step", mode="one_step", partial_rollout=False),
+        ModeConfig(name="async_k2_partial", mode="async", max_staleness=2),
+        ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, partial_rollout=False),
+    )
+    """The modes to compare, in table order (the first is the baseline of the ratios)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        if not self.modes:
+            raise ValueError("modes: at least one mode is needed")
+        names = [m.name for m in self.modes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"modes: names must be unique, repeated: {dup}")
+        for i, m in enumerate(self.modes):
+            run_config(self, m, where=f"modes.{i} ({m.name})")
+        return self
+
+
+def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunConfig:
+    """The RunConfig of one mode: the real config rules check the combination."""
+    rollout = {"mode": mode.mode, "partial_rollout": mode.partial_rollout,
+               "group_size": sc.group_size, "filter_zero_variance": sc.filter_zero_variance,
+               # a long simulated run must not stop for a streak of filtered groups
+               "max_untrainable_streak": 1 << 30, "min_trainable_share": 0.0}
+    if mode.max_staleness is not None:
+        rollout["max_staleness"] = mode.max_staleness
+    if mode.on_update is not None:
+        rollout["on_update"] = mode.on_update
+    if mode.max_context_age is not None:
+        rollout["max_context_age"] = mode.max_context_age
+    try:
+        return RunConfig(name=sc.name, seed=sc.seed, max_wall_s=sc.max_sim_s,
+                         rollout=RolloutConfig(**rollout),
+                         train=TrainConfig(steps=sc.steps, groups_per_step=sc.groups_per_step,
+                                           max_token_age=mode.max_token_age))
+    except ValidationError as e:
+        from rollstream.sim.profile import format_errors
+
+        raise ValueError(f"{where}: {format_errors(e)}") from None
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario YAML; a bad field is a ValueError naming its path."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"scenario file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the top level must be a mapping")  # noqa: TRY004 (user input)
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        from rollstream.sim.profile import format_errors
+
+        raise ValueError(f"{p}: {format_errors(e)}") from None

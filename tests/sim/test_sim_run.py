@@ -1,0 +1,139 @@
+"""The simulator runs the real loop: real classes, staleness bounds, virtual time, seeds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import rollstream.sim.run as sim_run
+from rollstream.cli import main as cli_main
+from rollstream.engine.protocol import Engine
+from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.rollout.rollout import Rollout
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.runtime.build import build_loop
+from rollstream.runtime.controller import Controller
+from rollstream.sim.profile import load_profile
+from rollstream.sim.report import run_scenario
+from rollstream.sim.run import build_sim, simulate_mode
+from rollstream.sim.vloop import run_virtual
+from rollstream.sync.weights import WeightSync
+
+
+def test_the_simulation_is_built_from_the_real_components(small):
+    assert sim_run.build_loop is build_loop  # the run's own wiring, not a copy
+
+    async def main():
+        loop, engines, *_ = await build_sim(small, small.modes[1], load_profile(small.profile),
+                                            None)
+        return loop, engines
+
+    loop, engines = run_virtual(main())
+    assert type(loop.dispatcher) is Dispatcher and type(loop.rollout) is Rollout
+    assert type(loop.sync) is WeightSync and type(loop.controller) is Controller
+    assert type(loop.lifecycle) is Lifecycle and type(loop.rollout.policy) is StalenessPolicy
+    assert loop.rollout.dispatcher is loop.dispatcher and loop.controller.rollout is loop.rollout
+    assert loop.dispatcher.engines == engines and all(isinstance(e, Engine) for e in engines)
+
+
+def test_sync_is_on_policy_and_async_never_exceeds_its_bound(small):
+    result = run_scenario(small)
+    # the largest age of a token the loss keeps: k, or max_token_age, or max_context_age
+    bounds = {"sync": 0, "k1_partial": 1, "k3_partial": 3, "k2_continue": 2, "k2_drain": 2,
+              "k2_mask": 1, "k1_admission": 3}
+    for name, row in result["rows"].items():
+        assert row["steps_done"] == small.steps and row["stop_reason"] is None, name
+        hist = {int(k): v for k, v in row["staleness_hist"].items()}
+        assert sum(hist.values()) == row["trained_samples"] > 0
+        assert max(hist) <= bounds[name], (name, hist)
+        assert 0 < row["engine_utilization"] <= 1 and row["trained_tok_s"] > 0
+    assert set(result["rows"]["sync"]["staleness_hist"]) == {"0"}
+    assert result["rows"]["sync"]["interrupts"] == 0
+    assert result["rows"]["k1_partial"]["interrupts"] > 0  # weight updates interrupted samples
+    assert max(int(k) for k in result["rows"]["k1_admission"]["staleness_hist"]) > 1
+    # async overlaps rollout with training: more trained tokens per simulated second
+    assert result["rows"]["k3_partial"]["trained_tok_s"] > result["rows"]["sync"]["trained_tok_s"]
+
+
+def test_same_seed_same_result_other_seed_other_result(small):
+    profile = load_profile(small.profile)
+
+    def run(sc):
+        out = simulate_mode(sc, sc.modes[1], profile)
+        out.pop("wall_s")
+        return out
+
+    assert run(small) == run(small)
+    assert run(small.model_copy(update={"seed": 4})) != run(small)
+
+
+def test_virtual_time_advances_without_wall_time(small):
+    # long samples on 1 engine: over an hour of simulated time
+    sc = small.model_copy(update={
+        "engines": 1, "steps": 10, "modes": small.modes[:1],
+        "workload": small.workload.model_copy(update={"mean_response_tokens": 12000,
+                                                      "max_response_tokens": 32768})})
+    t0 = time.perf_counter()
+    out = simulate_mode(sc, sc.modes[0], load_profile(sc.profile))
+    wall = time.perf_counter() - t0
+    assert out["sim_s"] > 3600 and wall < 20, (out["sim_s"], wall)
+    assert out["sim_s"] > 100 * wall
+
+
+def test_cli_writes_the_comparison_as_json(tmp_path, small, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps(small.model_copy(update={"modes": small.modes[:2]})
+                               .model_dump(mode="json")))
+    assert cli_main(["sim", str(path), "--json", str(tmp_path / "out.json")]) == 0
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert list(data["rows"]) == ["sync", "k1_partial"]
+    for key in ("step_s_mean", "engine_utilization", "tail_share_mean", "staleness_hist",
+                "trained_tok_s", "vs_first"):
+        assert key in data["rows"]["sync"]
+    assert "k1_partial" in capsys.readouterr().out
+
+
+def test_a_deadlocked_simulation_fails_instead_of_hanging():
+    async def main():
+        await asyncio.Event().wait()  # nothing will ever set it, and no timer is due
+
+    t0 = time.perf_counter()
+    try:
+        run_virtual(main())
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("a deadlock must end the run")
+    assert time.perf_counter() - t0 < 30
+
+
+def test_an_error_in_a_loop_callback_stops_the_simulation():
+    from rollstream.sim.vloop import SimulationError
+
+    async def main():
+        asyncio.get_running_loop().call_later(5.0, lambda: 1 / 0)
+        await asyncio.sleep(3600)
+
+    try:
+        run_virtual(main())
+    except SimulationError as e:
+        assert isinstance(e.__cause__, ZeroDivisionError)
+    else:
+        raise AssertionError("a failing callback must end the simulation")
+
+
+def test_tail_share_is_the_last_tenth_of_a_batch_over_its_rollout():
+    spans = sim_run.Spans()
+    rows = []
+    for i in range(20):  # step 0: finishes at 1..19, one straggler at 40, all start at 0
+        spans(sample_uid=f"a{i}", t_start_s=0.0, t_end_s=40.0 if i == 19 else float(i + 1))
+        rows.append({"sample_uid": f"a{i}", "taken_at_step": 0})
+    for i in range(10):  # step 1: start at 100, finish at 101..110, evenly
+        spans(sample_uid=f"b{i}", t_start_s=100.0, t_end_s=101.0 + i)
+        rows.append({"sample_uid": f"b{i}", "taken_at_step": 1})
+    rows.append({"sample_uid": "never-dispatched", "taken_at_step": 1})
+    # step 0: the 90th percentile finish is the 18th (18.0): (40 - 18) / 40; step 1: the 9th
+    # (109): (110 - 109) / 10
+    assert sim_run._tail_share(rows, spans) == (22 / 40 + 1 / 10) / 2
