@@ -62,6 +62,45 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     assert not summary["unfinished_samples"]
 
 
+# The agent task (tally): the smallest shape seen to learn copying across turns in its warm
+# start (500 steps of 2048 tokens: loss 0.06, greedy 94%, sampled 50% on 4-item tasks; 400
+# steps of a 64-wide model stayed at loss 0.43 and 2% greedy). About 5 minutes on 2 cores.
+AGENT = [
+    "model.tiny.hidden_size=128", "model.tiny.num_layers=2", "model.tiny.max_position=256",
+    "model.warm_start.steps=500", "model.warm_start.tokens_per_step=2048",
+    "model.warm_start.noise=0.1", "tasks.sources=[{kind: tally, max_items: 4}]",
+    "agent.max_turns=6", "agent.max_turn_tokens=16", "engine.local.max_slots=64",
+    "engine.local.max_seq_len=256", "sampling.max_new_tokens=224", "rollout.group_size=8",
+    "rollout.max_context_age=4", "train.loss=ppo_clip", "train.groups_per_step=16",
+    "train.lr=3e-4", "monitor.progress=false",
+]
+
+
+@pytest.mark.slow
+def test_multi_turn_agent_run_raises_heldout_reward(tmp_path, cache_dir):
+    """Episodes of several turns with tool calls, every turn through the dispatcher: the
+    held-out reward rises, trained episodes kept only model tokens, and each recorded
+    episode's turns alternate model and tool."""
+    cfg = load_config(None, [*AGENT, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
+                             "name=agent", "train.steps=20", "rollout.mode=async",
+                             "tasks.num_eval=64", "eval.samples_per_task=8",
+                             "monitor.report=false"])
+    summary = run_training(cfg)
+    # measured with this config (and seeds 0, 1): +0.21, +0.19; with 8 groups per step the
+    # gain was +0.14 once and +0.01 once, too noisy to assert
+    assert summary["reward_final"] > summary["reward_initial"] + 0.08, summary
+    rows = read_ledger(tmp_path / "agent" / "ledger.jsonl")
+    trained = [r for r in rows if r["status"] == "trained"]
+    assert len(trained) == summary["trained_samples"] > 0
+    assert {r["finish_reason"] for r in rows if r["status"] in ("trained", "evaluated")} <= {
+        "done", "max_turns", "max_tokens"}
+    multi = [r for r in trained if r["num_turns"] >= 3]
+    assert multi, "episodes of several turns were trained"
+    # env tokens are masked: what the loss kept is at most the model's tokens of the episode
+    assert all(r["num_trained_tokens"] < r["num_tokens"] for r in multi)
+    assert not summary["unfinished_samples"]
+
+
 @register_reward("flaky_tick")
 def _flaky(task, text: str, *, finish_reason: str):
     """Correct answers score 1, except that every task whose index ends in 3 returns a string

@@ -13,6 +13,11 @@ A sample's life here (``run_sample``)::
                      another engine when this one died
       ERROR       -> FAILED with the engine's reason (the request's own fault: bad prompt)
 
+A task whose ``Task.harness`` is not ``single_turn`` (an agent episode) is handed to the
+harness registered under that name, which generates each model turn with
+:meth:`Dispatcher.generate_turn` (the loop above, for one turn) and so gets the same gate,
+routing, interrupts, retries and spans (``agent/harness.py``).
+
 Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; when
 none is UP but one is RECOVERING, they wait until one is UP; never to a DEAD one.
 Preemption: :meth:`Dispatcher.drain` takes an engine out of routing and interrupts its
