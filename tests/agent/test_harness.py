@@ -38,9 +38,8 @@ class Counter:
 
     name = "count"
     description = "count a call"
-    parameters = {"type": "object", "properties": {"x": {"type": "integer"}}}
-
     def __init__(self) -> None:
+        self.parameters = {"type": "object", "properties": {"x": {"type": "integer"}}}
         self.calls: list[int] = []
 
     async def __call__(self, x: int) -> str:
