@@ -17,7 +17,7 @@ def _write(tmp_path, text: str):
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("engines: 0\n", "engines = 0: Input should be greater than or equal to 1"),
-    ("engine: 4\n", "unknown field 'engine'"),
+    ("engine: 4\n", "unknown key 'engine'"),
     ("workload: {sigma_prompt: -1}\n", "workload.sigma_prompt = -1"),
     ("workload: {mean_response_tokens: 9000, max_response_tokens: 4096}\n",
      "mean_response_tokens (9000) must be below max_response_tokens (4096)"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -21,21 +21,36 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded or {}
+    data = {} if path is None else read_yaml_mapping(path, "config")
     for item in overrides:
         apply_override(data, item)
     return validate(data)
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (empty file: ``{}``); ConfigError otherwise,
+    naming ``what`` (config, scenario, profile) and the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} file not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(loaded).__name__}")
+    return loaded or {}
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate_model(model: type[M], data: dict[str, Any], what: str) -> M:
+    """``model`` from ``data``; a ConfigError listing every problem by field path otherwise."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, model, what)) from None
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -89,18 +104,30 @@ def _default_container(path: list[str]) -> Any:
 
 
 def validate(data: dict[str, Any]) -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+    return validate_model(RunConfig, data, "config")
 
 
-def _format(err: ValidationError) -> str:
-    lines = [f"invalid config ({err.error_count()} problem{'s' if err.error_count() > 1 else ''}):"]
+def format_validation_error(err: ValidationError, model: type[BaseModel], what: str) -> str:
+    """Each problem on a line (:func:`validation_problems`), under a heading naming ``what``."""
+    lines = validation_problems(err, model)
+    n = len(lines)
+    return "\n".join([f"invalid {what} ({n} problem{'s' if n > 1 else ''}):",
+                      *("  - " + line for line in lines)])
+
+
+def validation_problems(err: ValidationError, model: type[BaseModel]) -> list[str]:
+    """One line per problem: the field path, the value and what is allowed; an unknown key
+    with the known ones (and a close match); a check across fields with its own message."""
+    lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            msg = f"unknown key {loc!r}" + _did_you_mean(e["loc"])
+            msg = f"unknown key {loc!r}" + _did_you_mean(e["loc"], model)
+        elif e["type"] == "missing":
+            msg = f"{loc}: missing (required)"
+        elif isinstance(e.get("input"), dict) and e["msg"].startswith("Value error, "):
+            reason = e["msg"].removeprefix("Value error, ")  # a check across fields
+            msg = reason if loc == "<root>" else f"{loc}: {reason}"
         else:
             value = e.get("input")
             shown = repr(value) if not isinstance(value, dict) else "{...}"
@@ -108,8 +135,8 @@ def _format(err: ValidationError) -> str:
             allowed = _allowed(e)
             if allowed:
                 msg += f" (allowed: {allowed})"
-        lines.append("  - " + msg)
-    return "\n".join(lines)
+        lines.append(msg)
+    return lines
 
 
 def _allowed(e: dict[str, Any]) -> str:
@@ -120,8 +147,8 @@ def _allowed(e: dict[str, Any]) -> str:
     return ""
 
 
-def _did_you_mean(loc: tuple) -> str:
-    model: Any = RunConfig
+def _did_you_mean(loc: tuple, root: type[BaseModel]) -> str:
+    model: Any = root
     for part in loc[:-1]:
         if isinstance(part, int):
             continue

@@ -24,8 +24,9 @@ import math
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollstream.config.loader import read_yaml_mapping, validate_model
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 
@@ -133,25 +134,4 @@ def load_profile(name_or_path: str) -> Profile:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
         raise ValueError(f"profile {name_or_path!r}: no such file (built-in profiles: {known})")
-    data = yaml.safe_load(path.read_text())
-    try:
-        return Profile.model_validate(data)
-    except ValidationError as e:
-        raise ValueError(f"profile {path}: {format_errors(e)}") from None
-
-
-def format_errors(err: ValidationError) -> str:
-    """Each problem as ``field.path = value: message`` (one line each)."""
-    out = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            out.append(f"unknown field {loc!r}")
-        elif e["type"] == "missing":
-            out.append(f"{loc}: missing (required)")
-        elif isinstance(e.get("input"), dict):  # a check across fields: its message says which
-            msg = e["msg"].removeprefix("Value error, ")
-            out.append(msg if loc == "<root>" else f"{loc}: {msg}")
-        else:
-            out.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
-    return "; ".join(out)
+    return validate_model(Profile, read_yaml_mapping(path, "profile"), f"profile {path}")

@@ -11,10 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollstream.config import RolloutConfig, RunConfig, TrainConfig
+from rollstream.config.loader import (
+    ConfigError,
+    read_yaml_mapping,
+    validate_model,
+    validation_problems,
+)
 
 
 class _Section(BaseModel):
@@ -132,25 +137,9 @@ def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunCon
                          train=TrainConfig(steps=sc.steps, groups_per_step=sc.groups_per_step,
                                            max_token_age=mode.max_token_age))
     except ValidationError as e:
-        from rollstream.sim.profile import format_errors
-
-        raise ValueError(f"{where}: {format_errors(e)}") from None
+        raise ConfigError(f"{where}: " + "; ".join(validation_problems(e, RunConfig))) from None
 
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario YAML; a bad field is a ValueError naming its path."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"scenario file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{p}: the top level must be a mapping")  # noqa: TRY004 (user input)
-    try:
-        return Scenario.model_validate(data)
-    except ValidationError as e:
-        from rollstream.sim.profile import format_errors
-
-        raise ValueError(f"{p}: {format_errors(e)}") from None
+    return validate_model(Scenario, read_yaml_mapping(path, "scenario"), f"scenario {path}")
