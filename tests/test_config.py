@@ -125,3 +125,16 @@ def test_config_is_frozen_and_light():
     out = subprocess.run([sys.executable, "-c", "import sys, rollstream.config; "
                           "print('torch' in sys.modules)"], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_example_config_loads():
+    names = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+    assert {"tick.yaml", "agent.yaml", "agent_openai.yaml"} <= set(names)
+    for name in names:
+        load_config(EXAMPLES / name)
+    assert load_config(EXAMPLES / "agent_openai.yaml").tasks.sources[0].harness == "openai"
+
+
+def test_a_harness_on_a_single_turn_source_is_an_error():
+    with pytest.raises(ConfigError, match="`harness` is read only by agent sources"):
+        load_config(None, ["tasks.sources=[{kind: tick, harness: openai}]"])

@@ -23,6 +23,7 @@ so a slip makes the answer wrong, as a sampling error does.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.environment import ModelTurn, Observation, ToolEnvironment
 from rollstream.agent.harness import AGENT
 from rollstream.agent.loop import ReplayTools
-from rollstream.agent.tools import Calculator, CommandToolParser, Tool, ToolCall
+from rollstream.agent.proxy import SessionHandle
+from rollstream.agent.tools import Calculator, CommandToolParser, Tool, ToolCall, tool_schema
 from rollstream.data.sources import Split, _Synthetic, pareto_items
+from rollstream.engine import SamplingParams
 from rollstream.trajectory import Task
 
 _SCALE = 2.0
@@ -69,12 +72,13 @@ class TallyEnvironment:
 class TallySource(_Synthetic):
     """Agent episodes: add dealt numbers with the ``calc`` tool (module docstring)."""
 
-    harness: str = field(init=False, default=AGENT)
+    harness: str = field(init=False, default=AGENT)  # or OPENAI (SourceConfig.harness)
     renderer: ChatRenderer = field(init=False)
     parser: CommandToolParser = field(init=False)
 
     def __post_init__(self) -> None:
         _Synthetic.__post_init__(self)
+        self.harness = self.cfg.harness or AGENT
         self.renderer = ChatRenderer(self.tokenizer)
         self.parser = CommandToolParser(commands={"calc": "expression"})
 
@@ -89,7 +93,7 @@ class TallySource(_Synthetic):
         task = _Synthetic.task(self, index, split)
         return Task(uid=task.uid, source=task.source, prompt_text=task.prompt_text,
                     prompt_ids=tuple(self.renderer.prompt(self.opening(task))),
-                    reference=task.reference, harness=AGENT)
+                    reference=task.reference, harness=self.harness)
 
     def values(self, task: Task) -> list[int]:
         self._parse(_PROMPT, task)
@@ -103,6 +107,36 @@ class TallySource(_Synthetic):
 
     def environment(self, task: Task, tools: ReplayTools) -> TallyEnvironment:
         return TallyEnvironment(values=self.values(task), tools=tools, parser=self.parser)
+
+    async def openai_agent(self, session: SessionHandle, task: Task,
+                           sampling: SamplingParams) -> None:
+        """The same episode written as an ordinary agent with the ``openai`` SDK (the
+        ``openai`` harness): it keeps the conversation, runs the calculator itself and deals
+        the numbers; the proxy it talks to turns its calls into the training sample."""
+        import openai
+
+        values = self.values(task)
+        calc = Calculator(name="calc")
+        messages: list[dict] = list(self.opening(task))
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
+                                      max_retries=0) as client:
+            for dealt in range(1, len(values) + 2):
+                reply = await client.chat.completions.create(
+                    model="tally", messages=messages, tools=[tool_schema(calc)],
+                    temperature=sampling.temperature, top_p=sampling.top_p,
+                    max_tokens=sampling.max_new_tokens)
+                message = reply.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                if not message.tool_calls:
+                    return  # the answer
+                for call in message.tool_calls:
+                    try:
+                        result = await calc(**json.loads(call.function.arguments))
+                    except (ValueError, TypeError) as e:
+                        result = f"error: {e}"
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                deal = f"add {values[dealt]}" if dealt < len(values) else "end"
+                messages.append({"role": "user", "content": deal})
 
     def demonstration(self, task: Task, rng: random.Random, noise: float) -> list[Message]:
         """The turns after the opening: a call per number, its result and the next deal,

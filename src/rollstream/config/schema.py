@@ -77,15 +77,23 @@ class SourceConfig(Section):
     """Source name used in task uids and metrics (null = the kind); unique within a mix."""
     weight: float = Field(1.0, gt=0)
     """Share of training tasks drawn from this source."""
+    harness: Literal["agent", "openai"] | None = None
+    """What runs an agent source's episodes (kind ``tally``): ``agent`` (the built-in agent
+    loop, the default) or ``openai`` (the source's agent written with the ``openai`` SDK,
+    talking to rollstream's OpenAI-compatible proxy on 127.0.0.1). Not for single-turn
+    kinds."""
     max_items: int = Field(32, ge=1)
     """Upper bound on answer items (caps the long tail)."""
     pareto_alpha: float = Field(1.1, gt=0)
     """Shape of the Pareto distribution of the number of items (smaller = longer tail)."""
 
     @model_validator(mode="after")
-    def _path_iff_jsonl(self) -> SourceConfig:
+    def _fields_of_its_kind(self) -> SourceConfig:
         if self.kind == "jsonl" and self.path is None:
             raise ValueError("kind jsonl needs `path` (its dataset file)")
+        if self.harness is not None and self.kind != "tally":
+            raise ValueError(f"`harness` is read only by agent sources (kind tally); kind "
+                             f"{self.kind} is one request per sample (drop harness)")
         if self.kind != "jsonl" and self.path is not None:
             raise ValueError(f"`path` is read only by a jsonl source; kind {self.kind} "
                              "generates its tasks (drop path or use kind: jsonl)")

@@ -107,8 +107,10 @@ def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:
         "version": WARMSTART_VERSION,
         "tiny": model_cfg.tiny.model_dump(mode="json"),
         "warm_start": model_cfg.warm_start.model_dump(mode="json"),
-        # num_eval only sizes the measurement in warmstart.json, not the model
-        "tasks": tasks_cfg.model_dump(mode="json", exclude={"num_eval"}),
+        # num_eval only sizes the measurement in warmstart.json, not the model; a source's
+        # harness runs its episodes, it does not change their demonstrations
+        "tasks": tasks_cfg.model_dump(mode="json", exclude={
+            "num_eval": True, "sources": {"__all__": {"harness"}}}),
     }
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

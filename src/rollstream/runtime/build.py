@@ -90,23 +90,31 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
 
 
 def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, Harness]:
-    """The harnesses the run's task sources need: the agent loop when a source's tasks are
-    agent episodes (``cfg.agent`` sets its budgets; ``sampling.max_new_tokens`` caps an
-    episode's response tokens in all)."""
+    """The harnesses the run's task sources need: the agent loop, and the OpenAI-SDK agents
+    behind the proxy, for sources whose tasks are episodes (``cfg.agent`` sets their budgets;
+    ``sampling.max_new_tokens`` caps an episode's response tokens in all)."""
     from rollstream.agent.chat import ChatRenderer
     from rollstream.agent.harness import AGENT, AgentHarness
     from rollstream.agent.loop import Budgets
+    from rollstream.agent.proxy_harness import OPENAI, ProxyHarness
 
-    agents = {name: src for name in mix.names
-              if getattr(src := mix.source(name), "harness", SINGLE_TURN) == AGENT}
-    if not agents:
-        return {}
+    by_harness: dict[str, dict[str, Any]] = {}
+    for name in mix.names:
+        src = mix.source(name)
+        by_harness.setdefault(getattr(src, "harness", SINGLE_TURN), {})[name] = src
     a = cfg.agent
     budgets = Budgets(max_turns=a.max_turns, max_turn_tokens=a.max_turn_tokens,
                       max_total_tokens=cfg.sampling.max_new_tokens, max_wall_s=a.max_wall_s)
-    return {AGENT: AgentHarness(renderer=ChatRenderer(tokenizer), budgets=budgets,
-                                sources=agents, tool_timeout_s=a.tool_timeout_s,
-                                max_tool_concurrency=a.max_tool_concurrency)}
+    harnesses: dict[str, Harness] = {}
+    if AGENT in by_harness:
+        harnesses[AGENT] = AgentHarness(renderer=ChatRenderer(tokenizer), budgets=budgets,
+                                        sources=by_harness[AGENT],
+                                        tool_timeout_s=a.tool_timeout_s,
+                                        max_tool_concurrency=a.max_tool_concurrency)
+    if OPENAI in by_harness:
+        harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
+                                         budgets=budgets)
+    return harnesses
 
 
 @dataclass(slots=True, kw_only=True)
@@ -184,6 +192,10 @@ class Run:
     superseded_lines: int = 0  # ledger lines a resume moved to ledger.superseded.jsonl
 
     async def close(self) -> None:
+        for harness in self.loop.dispatcher.harnesses.values():
+            close = getattr(harness, "close", None)
+            if close is not None:
+                await close()
         for e in self.engines:
             close = getattr(e, "close", None)
             if close is not None:
