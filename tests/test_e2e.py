@@ -99,6 +99,10 @@ def test_multi_turn_agent_run_raises_heldout_reward(tmp_path, cache_dir):
     # env tokens are masked: what the loss kept is at most the model's tokens of the episode
     assert all(r["num_trained_tokens"] < r["num_tokens"] for r in multi)
     assert not summary["unfinished_samples"]
+    steps = [json.loads(line) for line in (tmp_path / "agent" / "metrics.jsonl").open()]
+    steps = [m for m in steps if m["kind"] == "train"]
+    assert len(steps) == 20 and all(m["turns_mean"] >= 2 for m in steps)
+    assert all(0 < m["model_token_share"] < 0.5 for m in steps)  # tally: env turns are longer
 
 
 @register_reward("flaky_tick")

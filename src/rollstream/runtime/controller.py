@@ -35,7 +35,7 @@ from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.rollout.rollout import Rollout, RolloutStopped
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.sync.weights import WeightSync
-from rollstream.trajectory import Group, Sample, StepResult
+from rollstream.trajectory import Group, Sample, SegmentKind, StepResult
 
 
 class TrainerLike(Protocol):
@@ -161,4 +161,19 @@ def _batch_stats(trained: list[Sample], step: int) -> dict[str, float]:
         "staleness_max": float(max(stale, default=0)),
         "len_mean": sum(s.num_response_tokens for s in trained) / n if n else 0.0,
         "version": float(step + 1),
+        **_episode_stats(trained),
     }
+
+
+def _episode_stats(trained: list[Sample]) -> dict[str, float]:
+    """Agent episodes of the batch: model turns and tool time per episode, and the share of
+    their tokens the model produced (the rest is the environment's, masked)."""
+    episodes = [s for s in trained if s.turns]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    model_turns = [t for s in episodes for t in s.turns if t.kind is SegmentKind.POLICY]
+    tool_s = sum(r.duration_s for s in episodes for t in s.turns for r in t.tool_results)
+    tokens = sum(s.num_response_tokens for s in episodes)
+    return {"turns_mean": len(model_turns) / n, "tool_s_mean": tool_s / n,
+            "model_token_share": sum(t.num_tokens for t in model_turns) / max(1, tokens)}
