@@ -156,3 +156,51 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     check_run(run_dir)
+
+
+def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_cache) -> None:
+    """Multi-turn agent episodes (tally) killed with SIGKILL after a checkpoint: the resumed
+    run continues the saved episodes from their turns (their environments rebuilt by replay)
+    and records every sample exactly once. The cheap warm start writes the tool-call format
+    but adds badly, so every reward is 0: zero-variance groups are trained anyway here."""
+    steps = 6
+    root = tmp_path_factory.mktemp("agent-kill")
+    cfg = tiny_run_config("agent", root / "runs", steps=steps, checkpoint_every=1,
+                          cache_dir=tiny_run_cache, max_slots=8)
+    cfg["model"]["tiny"]["max_position"] = 256
+    cfg["tasks"]["sources"] = [{"kind": "tally", "max_items": 4}]
+    cfg["engine"]["local"]["max_seq_len"] = 256
+    cfg["sampling"]["max_new_tokens"] = 224
+    cfg["agent"] = {"max_turns": 6, "max_turn_tokens": 16}
+    cfg["rollout"]["filter_zero_variance"] = False
+    config = root / "config.yaml"
+    config.write_text(json.dumps(cfg))
+    loaded = load_config(config, [])
+    prepare_model(loaded.model, loaded.tasks)
+    run_dir = root / "runs" / "agent"
+    proc = _start(config)
+    step = _wait_for_checkpoint(run_dir, 1, proc)
+    assert step is not None, "the run ended before its second checkpoint"
+    time.sleep(random.uniform(0.0, 1.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    saved = durable.latest(run_dir)
+    live = [s for g in saved.state["rollout"]["live"] for s in g["samples"]]
+    mid = [s for s in live if any(seg["kind"] == "env" for seg in s["segments"])]
+    assert mid, "the checkpoint should hold episodes between turns"
+    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), "--resume"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and not summary["unfinished_samples"], summary
+    rows = read_ledger(run_dir / "ledger.jsonl")
+    uids = [r["sample_uid"] for r in rows]
+    assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
+    audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES,
+                      groups_per_step=GROUPS, steps=steps)
+    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
+    assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
+    resumed = [r for r in rows if r["restored_tokens"] > 0 and r["num_turns"] >= 2]
+    assert resumed, "an episode saved between turns was continued, not started again"
+    assert not [r for r in rows if r["reason"] and "Replay" in r["reason"]], "replays agreed"
