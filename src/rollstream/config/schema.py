@@ -137,8 +137,9 @@ class SourceConfig(Section):
         if self.reads_dataset and self.path is None:
             raise ValueError(f"kind {self.kind} needs `path` (its dataset)")
         if not self.reads_dataset:
+            defaults = SourceConfig.model_fields
             for key in ("path", "columns", "reward_kwargs"):
-                if key in self.model_fields_set:
+                if getattr(self, key) != defaults[key].default:
                     raise ValueError(
                         f"`{key}` is read only by a jsonl, parquet or hf_dataset source; kind "
                         f"{self.kind} generates its tasks (drop {key} or use a dataset kind)")
