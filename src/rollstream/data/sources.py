@@ -8,9 +8,11 @@ eval are disjoint by construction: a prompt belongs to the eval split exactly wh
 its text falls in one bucket of ``_EVAL_BUCKETS``; each split redraws until the prompt lands on
 its own side.
 
-:func:`check_source_paths` checks that the dataset files a tasks config names exist and can
-be opened, reading nothing and needing no tokenizer, so a launcher can fail on a bad path
-before it touches the run directory (``TaskMix`` runs it too).
+Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) are built here and live in
+``rollstream.data.dataset``. :func:`check_source_paths` checks that the datasets a tasks
+config names exist and can be opened, reading nothing and needing no tokenizer, so a
+launcher can fail on a bad path before it touches the run directory (``TaskMix`` runs it
+too).
 
 Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
 the previous item, the information the next token needs is close to it):
@@ -27,8 +29,8 @@ the previous item, the information the next token needs is close to it):
 
 The number of items is ``min(max_items, int(scale * Pareto(alpha)))``, a long tail capped by
 ``SourceConfig.max_items``. Each source's ``reward`` is ``SourceConfig.reward`` when set, else
-its kind's: ``exact_match`` for tick and digits (the exact answer, properly ended), ``math_answer``
-for math.
+its kind's: ``math_answer`` for math, ``exact_match`` (the exact answer, properly ended) for
+the others.
 
 Simplifications: no natural-language tasks; math has no parentheses or division.
 """
