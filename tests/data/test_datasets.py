@@ -209,3 +209,18 @@ def test_a_tasks_reward_columns_survive_a_checkpoint() -> None:
     old = task_to_dict(task)
     del old["extra"]  # a checkpoint written before tasks carried columns
     assert task_from_dict(old).extra == {}
+
+
+def test_a_reward_column_that_is_not_a_json_value_rejects_its_row(tmp_path, tok) -> None:
+    import datetime
+
+    qs = _train_prompts(2)
+    when = datetime.datetime(2025, 1, 2)
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": q, "answer": "1", "meta": {"at": when}}
+                                         for q in qs]), path)
+    with pytest.raises(ValueError, match=r"no usable training rows \(0 held out, 2 rejected\); "
+                                         r"the first rejected: .*t.parquet row 0: reward_kwargs "
+                                         r"column 'meta' is not a JSON value"):
+        _source(tok, kind="parquet", path=str(path), reward_kwargs=("meta",))
+    assert _source(tok, kind="parquet", path=str(path)).num_tasks("train") == 2
