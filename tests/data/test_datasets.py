@@ -77,7 +77,7 @@ def test_jsonl_with_chat_messages_is_rendered_with_the_models_template(tmp_path,
     assert task.reference == "s0" and task.uid == "ds/line1" and task.extra == {}
 
 
-def test_verl_parquet_rows_load_without_conversion(tmp_path, tok) -> None:
+def test_verl_parquet_rows_load_without_conversion(tmp_path, tok, monkeypatch) -> None:
     qs = _train_prompts(3, system=True)
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([_verl_row(q, i) for i, q in enumerate(qs)]), path)
@@ -88,6 +88,8 @@ def test_verl_parquet_rows_load_without_conversion(tmp_path, tok) -> None:
     assert task.extra == {"data_source": "openai/gsm8k",
                           "extra_info": {"split": "train", "index": 1}}
     assert src.rejected == [] and src.num_tasks("train") == 3
+    monkeypatch.setenv("HOME", str(tmp_path))  # verl's examples write ~/data/...
+    assert _source(tok, kind="parquet", path="~/train.parquet").num_tasks("train") == 3
     named = _source(tok, kind="parquet", path=str(path),
                     columns={"id": "extra_info.index"}, reward_kwargs=("reward_model.style",))
     assert named.task(2, "train").uid == "ds/2" and named.task(2, "train").extra == {"style": "rule"}

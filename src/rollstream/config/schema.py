@@ -93,7 +93,8 @@ class SourceConfig(Section):
     e.g. verl's), ``hf_dataset`` (a folder written by Hugging Face ``datasets``'
     ``Dataset.save_to_disk``, one split)."""
     path: str | None = None
-    """The dataset of a ``jsonl``, ``parquet`` (a file) or ``hf_dataset`` (a folder) source."""
+    """The dataset of a ``jsonl``, ``parquet`` (a file) or ``hf_dataset`` (a folder) source
+    (``~`` is expanded)."""
     columns: ColumnsConfig = ColumnsConfig()
     """Which columns of a dataset source hold the prompt, the answer and the row id."""
     reward_kwargs: tuple[str, ...] = ()

@@ -48,7 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.config.schema import SourceConfig
-from rollstream.data.sources import PromptTokenizer, Split, dataset_problem, reward_name, split_of
+from rollstream.data.sources import (
+    PromptTokenizer,
+    Split,
+    dataset_path,
+    dataset_problem,
+    reward_name,
+    split_of,
+)
 from rollstream.trajectory import Task
 
 ANSWER_COLUMNS = ("answer", "solution", "reward_model.ground_truth")  # columns.answer: null
@@ -73,8 +80,7 @@ class DatasetSource:
         problem = dataset_problem(self.cfg)
         if problem is not None:
             raise ValueError(f"tasks source {self.name!r}: {problem}")
-        assert self.cfg.path is not None
-        path = Path(self.cfg.path)
+        path = dataset_path(self.cfg)
         self._rows = {"train": [], "eval": []}
         try:
             for position, row in self._read(path):
@@ -160,7 +166,7 @@ class DatasetSource:
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
         try:
             return ChatRenderer(self.tokenizer).text(msgs, add_generation_prompt=True)
-        except Exception as e:  # fault boundary: the template's error is this row's reason
+        except Exception as e:  # noqa: BLE001  (fault boundary: the template's error is the row's reason)
             raise _Rejected(f"{where}: the chat template cannot render its messages "
                             f"({type(e).__name__}: {e})") from None
 

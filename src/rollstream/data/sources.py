@@ -306,12 +306,18 @@ def path_problem(path: str) -> str | None:
 def dataset_problem(cfg: SourceConfig) -> str | None:
     """Why a dataset source's ``path`` cannot be read, or None: a ``jsonl`` or ``parquet``
     file that can be opened, an ``hf_dataset`` folder written by ``Dataset.save_to_disk``."""
-    assert cfg.path is not None, "SourceConfig: a dataset kind requires path"
+    path = dataset_path(cfg)
     if cfg.kind == "hf_dataset":
         from rollstream.data.tables import saved_dataset_problem
 
-        return saved_dataset_problem(Path(cfg.path))
-    return path_problem(cfg.path)
+        return saved_dataset_problem(path)
+    return path_problem(str(path))
+
+
+def dataset_path(cfg: SourceConfig) -> Path:
+    """A dataset source's ``path``, ``~`` expanded (verl's examples write ``~/data/...``)."""
+    assert cfg.path is not None, "SourceConfig: a dataset kind requires path"
+    return Path(cfg.path).expanduser()
 
 
 def check_source_paths(cfg: TasksConfig) -> None:
