@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.config import ConfigError, RunConfig, load_config
+from rollstream.config import ConfigError, RunConfig, load_config, validate
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -138,3 +138,43 @@ def test_every_example_config_loads():
 def test_a_harness_on_a_single_turn_source_is_an_error():
     with pytest.raises(ConfigError, match="`harness` is read only by agent sources"):
         load_config(None, ["tasks.sources=[{kind: tick, harness: openai}]"])
+
+
+def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(capsys):
+    import yaml
+    from pydantic import BaseModel
+
+    from rollstream.cli import main
+    from rollstream.config.describe import describe
+
+    assert main(["config"]) == 0
+    tree = capsys.readouterr().out
+    assert validate(yaml.safe_load(tree)) == RunConfig()  # the printout is the default config
+
+    def walk(model: type[BaseModel]) -> None:  # every documented field is shown with its doc
+        for name, info in model.model_fields.items():
+            assert f" {name}:" in tree or tree.startswith(f"{name}:") or f"\n{name}:" in tree
+            if info.description:
+                assert f"# {info.description.splitlines()[0]}".rstrip() in tree, name
+            inner = getattr(info.annotation, "model_fields", None)
+            args = getattr(info.annotation, "__args__", ())
+            if inner is not None:
+                walk(info.annotation)
+            elif args and hasattr(args[0], "model_fields"):
+                walk(args[0])
+
+    walk(RunConfig)
+    assert main(["config", "rollout"]) == 0
+    rollout = capsys.readouterr().out
+    assert rollout.startswith("rollout:\n") and "  max_staleness: 2  # >= 0\n" in rollout
+    assert "  mode: async  # one of: sync, one_step, async\n" in rollout
+    assert "train:" not in rollout
+    sources = describe("tasks.sources")
+    assert "  - kind: tick  # one of: tick, digits, math, jsonl, parquet, hf_dataset, tally" \
+        in sources and "      answer: null" in sources
+    assert describe("reward.timeout_s").endswith("timeout_s: 10.0  # > 0")
+    assert main(["config", "rollout.nope"]) == 2
+    err = capsys.readouterr().err
+    assert "config has no 'rollout.nope'; keys under rollout: mode, max_staleness" in err
+    assert main(["config", "reward.name.x"]) == 2
+    assert "'reward.name' has no keys under it" in capsys.readouterr().err

@@ -7,6 +7,7 @@
     rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
     rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
     rollstream sim SCENARIO.yaml [--json OUT]      the real schedulers on simulated engines
+    rollstream config [SECTION]                    the config tree: defaults and what each means
 
 Heavy modules are imported inside each command so that ``--help`` is instant.
 """
@@ -92,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("scenario", type=Path, help="scenario YAML (see examples/sim/)")
     s.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
+
+    c = sub.add_parser(
+        "config",
+        help="print the documented config tree with its defaults",
+        description="Print every config setting as YAML: its default, what it means and what "
+        "values are allowed (the whole tree is a valid config of the defaults).",
+    )
+    c.add_argument("section", nargs="?", default=None,
+                   help="a section or field, e.g. rollout, tasks.sources, reward.timeout_s")
 
     x = sub.add_parser(
         "proxy",
@@ -185,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             from rollstream.sim.report import main as sim_main
 
             sim_main(args.scenario, json_out=args.json_out)
+        elif args.command == "config":
+            from rollstream.config.describe import describe
+
+            print(describe(args.section))
         elif args.command == "proxy":
             from rollstream.agent.proxy import serve
 

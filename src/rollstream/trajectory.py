@@ -23,6 +23,7 @@ the ledger exactly once.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,9 @@ class Task:
     prompt_text: str
     reference: str  # the answer its reward checks against
     harness: str = SINGLE_TURN  # what runs its samples: one engine request, or an agent loop
+    # dataset columns its reward receives as keyword arguments (SourceConfig.reward_kwargs):
+    # keyword -> JSON value; read-only by convention (a frozen Task is never hashed by it)
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not self.uid:

@@ -199,7 +199,7 @@ def test_check_source_paths_reports_an_unreadable_file(tmp_path: Path,
 
 
 def test_path_and_kind_must_agree_at_load() -> None:
-    with pytest.raises(ConfigError, match=r"tasks.sources.0 .*kind jsonl needs `path`"):
+    with pytest.raises(ConfigError, match=r"tasks.sources.0: kind jsonl needs `path`"):
         load_config(None, ["tasks.sources=[{kind: jsonl}]"])
-    with pytest.raises(ConfigError, match=r"tasks.sources.1 .*`path` is read only by a jsonl"):
+    with pytest.raises(ConfigError, match=r"tasks.sources.1: `path` is read only by a jsonl"):
         load_config(None, ["tasks.sources=[{kind: tick}, {kind: digits, path: d.jsonl}]"])

@@ -117,9 +117,9 @@ def test_sources_name_their_reward_and_a_config_can_change_it() -> None:
     assert _src("tick", reward="math").reward == "math"
     cfg = TasksConfig(sources=(SourceConfig(kind="tick"), SourceConfig(kind="math", name="m"),
                                SourceConfig(kind="digits", reward="my_mod:fn")))
-    assert source_rewards(cfg) == {"tick": "exact_match", "m": "math_answer",
-                                   "digits": "my_mod:fn"}
-    assert {n: TaskMix(cfg, TOK).source(n).reward for n in ("tick", "m", "digits")} == \
+    assert source_rewards(cfg) == {"tick": ("exact_match", ()), "m": ("math_answer", ()),
+                                   "digits": ("my_mod:fn", ())}
+    assert {n: (TaskMix(cfg, TOK).source(n).reward, ()) for n in ("tick", "m", "digits")} == \
         source_rewards(cfg)
 
 

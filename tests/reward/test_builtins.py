@@ -104,11 +104,18 @@ def test_registry_checks_signatures_once_at_registration() -> None:
         register_reward("test_builtins.mine")(exact_match)
     with pytest.raises(TypeError, match="cannot be called as fn\\(task, text\\)"):
         register_reward("test_builtins.one_arg")(lambda task: 1.0)
-    with pytest.raises(TypeError, match="cannot be called as fn\\(task, text\\)"):
 
-        @register_reward("test_builtins.extra")
-        def extra(task: Task, text: str, *, rubric: str) -> float:
-            return 1.0
+    @register_reward("test_builtins.extra")  # a required keyword: a dataset column must give it
+    async def extra(task: Task, text: str, *, rubric: str) -> float:
+        return 1.0
+
+    assert get_reward("test_builtins.extra").needs == ("rubric",)
+    with pytest.raises(TypeError, match=r"needs keyword arguments \['rubric'\] that no dataset "
+                                        r"column gives"):
+        get_reward("test_builtins.extra").with_columns(())
+    assert get_reward("test_builtins.extra").with_columns(("rubric",)).columns == ("rubric",)
+    with pytest.raises(TypeError, match=r"cannot take the dataset columns \['rubric', 'x'\]"):
+        get_reward("test_builtins.extra").with_columns(("rubric", "x"))
 
     with pytest.raises(ValueError, match="without ':'"):
         register_reward("a:b")
@@ -126,10 +133,10 @@ def test_keywords_are_read_from_the_signature() -> None:
     ra = get_reward(a)
     assert ra.is_async and ra.wants == ("token_ids",)
     resp = Response(text="x", token_ids=(3, 4), finish_reason="length")
-    assert ra.kwargs(resp) == {"token_ids": (3, 4)}
+    assert ra.kwargs(task("x"), resp) == {"token_ids": (3, 4)}
     assert ra.score(task("x"), resp) == 1.0  # async, called in this process
     assert Reward.of(b, "b").wants == ("finish_reason",)
-    assert get_reward(worker_rewards.wants_everything).kwargs(resp) == {
+    assert get_reward(worker_rewards.wants_everything).kwargs(task("x"), resp) == {
         "finish_reason": "length", "token_ids": (3, 4)}
     assert get_reward(worker_rewards.pid).wants == ()
 
@@ -160,14 +167,15 @@ def test_import_paths() -> None:
 
 
 def test_build_resolver() -> None:
-    auto = build_resolver(RewardConfig(), {"tick": "exact_match", "math": "math_answer"})
+    auto = build_resolver(RewardConfig(), {"tick": ("exact_match", ()),
+                                                "math": ("math_answer", ())})
     assert auto(task("1", "tick")).fn is exact_match
     assert auto(task("1", "math")).fn is math_answer
     with pytest.raises(KeyError, match="no reward for task source 'other'"):
         auto(task("1", "other"))
-    one = build_resolver(RewardConfig(name="math"), {"tick": "exact_match"})
+    one = build_resolver(RewardConfig(name="math"), {"tick": ("exact_match", ())})
     assert one(task("1", "tick")).fn is math_reward and one(task("1", "x")).fn is math_reward
     with pytest.raises(ValueError, match="reward.name: unknown reward 'nope'; known rewards"):
         build_resolver(RewardConfig(name="nope"), {})
     with pytest.raises(ValueError, match="tasks source 'ds' .*unknown reward 'nope'"):
-        build_resolver(RewardConfig(), {"tick": "exact_match", "ds": "nope"})
+        build_resolver(RewardConfig(), {"tick": ("exact_match", ()), "ds": ("nope", ())})

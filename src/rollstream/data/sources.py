@@ -8,9 +8,11 @@ eval are disjoint by construction: a prompt belongs to the eval split exactly wh
 its text falls in one bucket of ``_EVAL_BUCKETS``; each split redraws until the prompt lands on
 its own side.
 
-:func:`check_source_paths` checks that the dataset files a tasks config names exist and can
-be opened, reading nothing and needing no tokenizer, so a launcher can fail on a bad path
-before it touches the run directory (``TaskMix`` runs it too).
+Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) are built here and live in
+``rollstream.data.dataset``. :func:`check_source_paths` checks that the datasets a tasks
+config names exist and can be opened, reading nothing and needing no tokenizer, so a
+launcher can fail on a bad path before it touches the run directory (``TaskMix`` runs it
+too).
 
 Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
 the previous item, the information the next token needs is close to it):
@@ -27,8 +29,8 @@ the previous item, the information the next token needs is close to it):
 
 The number of items is ``min(max_items, int(scale * Pareto(alpha)))``, a long tail capped by
 ``SourceConfig.max_items``. Each source's ``reward`` is ``SourceConfig.reward`` when set, else
-its kind's: ``exact_match`` for tick and digits (the exact answer, properly ended), ``math_answer``
-for math.
+its kind's: ``math_answer`` for math, ``exact_match`` (the exact answer, properly ended) for
+the others.
 
 Simplifications: no natural-language tasks; math has no parentheses or division.
 """
@@ -251,8 +253,7 @@ _KINDS: dict[str, type[_Synthetic]] = {
 }
 
 
-_KIND_REWARDS = {"tick": "exact_match", "digits": "exact_match", "math": "math_answer",
-                 "jsonl": "exact_match", "tally": "exact_match"}
+_KIND_REWARDS = {"math": "math_answer"}  # the other kinds: exact_match
 
 
 def source_name(cfg: SourceConfig) -> str:
@@ -261,21 +262,23 @@ def source_name(cfg: SourceConfig) -> str:
 
 def reward_name(cfg: SourceConfig) -> str:
     """The reward that grades a source's tasks: its ``reward``, else its kind's."""
-    return cfg.reward or _KIND_REWARDS[cfg.kind]
+    return cfg.reward or _KIND_REWARDS.get(cfg.kind, "exact_match")
 
 
-def source_rewards(cfg: TasksConfig) -> dict[str, str]:
-    """Source name -> reward name, from the config alone (no tokenizer, no dataset read), for
+def source_rewards(cfg: TasksConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Source name -> (reward name, the keyword arguments its tasks pass it from dataset
+    columns), from the config alone (no tokenizer, no dataset read), for
     ``rollstream.reward.build_resolver``: a run resolves its rewards before any other work."""
-    return {source_name(s): reward_name(s) for s in cfg.sources}
+    return {source_name(s): (reward_name(s), tuple(s.reward_kwarg_columns))
+            for s in cfg.sources}
 
 
 def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> TaskSource:
     """The source ``cfg.kind`` named ``cfg.name`` (default: the kind)."""
-    if cfg.kind == "jsonl":
-        from rollstream.data.jsonl import JsonlSource
+    if cfg.reads_dataset:
+        from rollstream.data.dataset import DatasetSource
 
-        return JsonlSource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
+        return DatasetSource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
     if cfg.kind == "tally":  # an agent task: needs the chat template (agent/tally.py)
         from rollstream.agent.tally import TallySource
 
@@ -300,15 +303,30 @@ def path_problem(path: str) -> str | None:
     return None
 
 
+def dataset_problem(cfg: SourceConfig) -> str | None:
+    """Why a dataset source's ``path`` cannot be read, or None: a ``jsonl`` or ``parquet``
+    file that can be opened, an ``hf_dataset`` folder written by ``Dataset.save_to_disk``."""
+    path = dataset_path(cfg)
+    if cfg.kind == "hf_dataset":
+        from rollstream.data.tables import saved_dataset_problem
+
+        return saved_dataset_problem(path)
+    return path_problem(str(path))
+
+
+def dataset_path(cfg: SourceConfig) -> Path:
+    """A dataset source's ``path``, ``~`` expanded (verl's examples write ``~/data/...``)."""
+    assert cfg.path is not None, "SourceConfig: a dataset kind requires path"
+    return Path(cfg.path).expanduser()
+
+
 def check_source_paths(cfg: TasksConfig) -> None:
-    """Raise ValueError naming ``tasks.sources.N.path`` for a dataset file that is missing or
+    """Raise ValueError naming ``tasks.sources.N.path`` for a dataset that is missing or
     unreadable. Cheap and tokenizer-free: call it before touching the run directory."""
     for i, src in enumerate(cfg.sources):
-        if src.kind == "jsonl":
-            assert src.path is not None, "SourceConfig: kind jsonl requires path"
-            problem = path_problem(src.path)
-            if problem is not None:
-                raise ValueError(f"tasks.sources.{i}.path: {problem}")
+        problem = dataset_problem(src) if src.reads_dataset else None
+        if problem is not None:
+            raise ValueError(f"tasks.sources.{i}.path: {problem}")
 
 
 class TaskMix:

@@ -28,13 +28,13 @@ from rollstream.trajectory import (
 def task_to_dict(task: Task) -> dict[str, Any]:
     return {"uid": task.uid, "source": task.source, "prompt_ids": list(task.prompt_ids),
             "prompt_text": task.prompt_text, "reference": task.reference,
-            "harness": task.harness}
+            "harness": task.harness, "extra": dict(task.extra)}
 
 
 def task_from_dict(d: dict[str, Any]) -> Task:
     return Task(uid=d["uid"], source=d["source"], prompt_ids=tuple(d["prompt_ids"]),
                 prompt_text=d["prompt_text"], reference=d["reference"],
-                harness=d.get("harness", SINGLE_TURN))
+                harness=d.get("harness", SINGLE_TURN), extra=d.get("extra", {}))
 
 
 def _call_to_dict(c: ToolCall) -> dict[str, Any]:

@@ -106,7 +106,7 @@ class GraderPool:
     async def _call_async(self, reward: Reward, task: Task, response: Response) -> object:
         try:
             async with asyncio.timeout(self._cfg.timeout_s) as deadline:
-                return await reward.fn(task, response.text, **reward.kwargs(response))
+                return await reward.fn(task, response.text, **reward.kwargs(task, response))
         except TimeoutError:
             if deadline.expired():
                 raise _Timeout() from None
@@ -117,7 +117,7 @@ class GraderPool:
     ) -> tuple[float | None, str | None]:
         if self._workers is None:
             self._workers = ProcessWorkers(self._cfg.num_workers)
-        args = (reward.fn, task, response.text, reward.kwargs(response))
+        args = (reward.fn, task, response.text, reward.kwargs(task, response))
         try:
             return await self._workers.call(call_in_worker, args, self._cfg.timeout_s)
         except CallTimeout:

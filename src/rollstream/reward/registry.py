@@ -10,6 +10,11 @@ A reward is a plain typed callable, sync or ``async``::
 ``<|endoftext|>``). A reward that needs more *asks* for it by declaring keyword parameters
 named ``finish_reason`` (``"stop"``: a stop token ended the response; ``"length"``: it was
 capped) and/or ``token_ids`` (the response tokens exactly as sampled, stop token included).
+A dataset source's ``reward_kwargs`` columns arrive as keyword arguments too (``task.extra``),
+as TRL passes dataset columns::
+
+    def score(task: Task, text: str, *, data_source: str, extra_info: dict) -> float: ...
+    def score(task: Task, text: str, **columns) -> float: ...
 
 Register one with ``@register_reward("name")``; a config names it by that name or by an import
 path ``module:function`` (imported when the run is built). :func:`get_reward` turns any of
@@ -29,7 +34,7 @@ import math
 import numbers
 import pickle
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar, Union
 
 from rollstream.trajectory import Task
@@ -88,6 +93,8 @@ class Reward:
     fn: RewardFn = field(repr=False)
     is_async: bool
     wants: tuple[str, ...]  # the keyword parameters it asked for, of _OPTIONAL_KWARGS
+    needs: tuple[str, ...] = ()  # keyword parameters without a default: columns must give them
+    columns: tuple[str, ...] = ()  # keywords it receives from task.extra (dataset columns)
 
     @classmethod
     def of(cls, fn: RewardFn, name: str) -> Reward:
@@ -103,27 +110,62 @@ class Reward:
             n for n in _OPTIONAL_KWARGS
             if n in sig.parameters and sig.parameters[n].kind in keyword_ok
         )
+        positional = [p for p in sig.parameters.values() if p.kind in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][:2]
+        needs = tuple(
+            p.name for p in sig.parameters.values()
+            if p.kind in keyword_ok and p.default is inspect.Parameter.empty
+            and p not in positional and p.name not in wants
+        )
         try:
-            sig.bind(None, None, **dict.fromkeys(wants))
+            sig.bind(None, None, **dict.fromkeys((*wants, *needs)))
         except TypeError as e:
             raise TypeError(
                 f"reward {name!r}{sig} cannot be called as fn(task, text) (plus keyword "
-                f"parameters finish_reason and/or token_ids when it declares them): {e}"
+                f"parameters finish_reason and/or token_ids when it declares them, and "
+                f"dataset columns): {e}"
             ) from None
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(type(fn), "__call__", None)
         )
-        return cls(name=name, fn=fn, is_async=is_async, wants=wants)
+        return cls(name=name, fn=fn, is_async=is_async, wants=wants, needs=needs)
 
-    def kwargs(self, response: Response) -> dict[str, object]:
-        """The keyword arguments this reward asked for."""
-        return {n: getattr(response, n) for n in self.wants}
+    def with_columns(self, columns: Sequence[str]) -> Reward:
+        """This reward, also called with the keyword arguments ``columns`` (from
+        ``task.extra``); a signature that cannot take them, or that needs a keyword they do not
+        give, is a TypeError naming them."""
+        missing = [n for n in self.needs if n not in columns]
+        if missing:
+            raise TypeError(
+                f"reward {self.name!r} needs keyword arguments {missing} that no dataset column "
+                f"gives (passed: {list(columns)}): list the columns in the source's "
+                "reward_kwargs, or give the parameters defaults"
+            )
+        if not columns:
+            return self
+        sig = inspect.signature(self.fn)
+        try:
+            sig.bind(None, None, **dict.fromkeys((*self.wants, *columns)))
+        except TypeError as e:
+            raise TypeError(
+                f"reward {self.name!r}{sig} cannot take the dataset columns {list(columns)} as "
+                f"keyword arguments ({e}): declare them (or **kwargs), or drop them from "
+                "reward_kwargs"
+            ) from None
+        return replace(self, columns=tuple(columns))
+
+    def kwargs(self, task: Task, response: Response) -> dict[str, object]:
+        """The keyword arguments this reward asked for, and its dataset columns."""
+        kw: dict[str, object] = {n: getattr(response, n) for n in self.wants}
+        for n in self.columns:
+            kw[n] = task.extra[n]
+        return kw
 
     def score(self, task: Task, response: Response) -> float:
         """Call the reward here, in this process, without a timeout (for measurements outside
         a run, such as the warm start's accuracy; a run grades through ``GraderPool``). A value
         that is not a finite number is a ValueError."""
-        value = self.fn(task, response.text, **self.kwargs(response))
+        value = self.fn(task, response.text, **self.kwargs(task, response))
         if self.is_async:
             with concurrent.futures.ThreadPoolExecutor(1) as ex:  # safe inside a running loop
                 value = ex.submit(asyncio.run, value).result()  # type: ignore[arg-type]
@@ -215,29 +257,34 @@ def known_rewards() -> list[str]:
 
 
 def build_resolver(
-    cfg: RewardConfig, source_rewards: Mapping[str, str]
+    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str, Sequence[str]]]
 ) -> Callable[[Task], Reward]:
-    """The grader pool's ``resolve``: ``reward.name: auto`` grades each task with its source's
-    reward (``source_rewards``: source name -> reward name), any other name grades every task
-    with that reward. Every reward is resolved and checked here, once; an unknown name fails
-    here, naming the config field and the known rewards."""
+    """The grader pool's ``resolve``. ``source_rewards``: source name -> (reward name, the
+    keyword arguments its tasks pass from dataset columns). ``reward.name: auto`` grades each
+    task with its source's reward, any other name grades every task with that reward (still
+    given each source's columns). Every reward is resolved and checked here, once, signature
+    against columns included; an unknown name fails here, naming the config field and the
+    known rewards."""
+    one = None
     if cfg.name != "auto":
         try:
             one = get_reward(cfg.name)
         except (ValueError, TypeError) as e:
             raise type(e)(f"reward.name: {e}") from None
-        return lambda task: one
     by_source: dict[str, Reward] = {}
-    for source, name in source_rewards.items():
+    for source, (name, columns) in source_rewards.items():
         try:
-            by_source[source] = get_reward(name)
+            by_source[source] = (one or get_reward(name)).with_columns(columns)
         except (ValueError, TypeError) as e:
-            raise type(e)(f"tasks source {source!r} (its `reward`): {e}") from None
+            what = "reward.name" if one is not None else "its `reward`"
+            raise type(e)(f"tasks source {source!r} ({what}): {e}") from None
 
     def resolve(task: Task) -> Reward:
         try:
             return by_source[task.source]
         except KeyError:
+            if one is not None:  # a task of no configured source (a test's): no columns
+                return one
             raise KeyError(
                 f"no reward for task source {task.source!r}; sources: {sorted(by_source)}"
             ) from None
