@@ -208,20 +208,28 @@ async def test_a_turn_interrupted_for_new_weights_continues_with_both_versions(e
         assert turn.kind is SegmentKind.POLICY
 
 
-async def test_a_checkpointed_episode_resumes_without_running_a_recorded_call(engine,
-                                                                               tmp_path: Path):
-    source = ScriptedSource(turns=5)
-    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
-    group = Group.new(_task(), 1)
+async def _checkpoint_after(disp: Dispatcher, group: Group, source: ScriptedSource, *,
+                            calls: int) -> dict:
+    """Run ``group``; once ``calls`` tool calls were recorded, copy it as a checkpoint does
+    (hold the gate, interrupt, wait for no request in flight); let it finish; the copy."""
     run = asyncio.create_task(disp.run_group(group))
-    while len(source.counter.calls) < 2:  # two environment turns recorded
+    while len(source.counter.calls) < calls:
         await asyncio.sleep(0.002)
-    disp.pause()  # a checkpoint: hold the gate, interrupt, copy
+    disp.pause()
     await disp.interrupt(None)
     await disp.wait_idle()
     saved = group_to_dict(group)
     disp.resume()
     await asyncio.wait_for(run, 120)
+    return saved
+
+
+async def test_a_checkpointed_episode_resumes_without_running_a_recorded_call(engine,
+                                                                               tmp_path: Path):
+    source = ScriptedSource(turns=5)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
+    group = Group.new(_task(), 1)
+    saved = await _checkpoint_after(disp, group, source, calls=2)
     graders.close()
     done_before = len(source.counter.calls)
     assert done_before == 4
@@ -250,15 +258,7 @@ async def test_a_replay_that_diverges_fails_the_sample(engine, tmp_path: Path):
     source = ScriptedSource(turns=4)
     disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
     group = Group.new(_task(), 1)
-    run = asyncio.create_task(disp.run_group(group))
-    while len(source.counter.calls) < 1:
-        await asyncio.sleep(0.002)
-    disp.pause()
-    await disp.interrupt(None)
-    await disp.wait_idle()
-    saved = group_to_dict(group)
-    disp.resume()
-    await asyncio.wait_for(run, 120)
+    saved = await _checkpoint_after(disp, group, source, calls=1)
     graders.close()
     env = next(s for s in saved["samples"][0]["segments"] if s["kind"] == "env")
     env["token_ids"][-3] = TOKENIZER.convert_tokens_to_ids("q")  # the saved answer, altered

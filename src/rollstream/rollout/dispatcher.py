@@ -62,7 +62,7 @@ from rollstream.engine.protocol import (
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
-from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus
+from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
 RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
@@ -112,7 +112,7 @@ class Harness(Protocol):
     async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:
         """Bring ``sample`` to GENERATED or GRADED, or FAILED with a reason; or leave it where
         it is when its group is cancelled or no engine is alive (``generate_turn`` said None).
-        Generate every model turn with ``dispatcher.generate_turn``."""
+        Generate every model turn with ``dispatcher.episode_turn``."""
 
 
 def sample_seed(seed: int, uid: str) -> int:
@@ -228,6 +228,20 @@ class Dispatcher:
         self.stats.per_source_tokens.setdefault(sample.task.source, deque(maxlen=256)).append(
             sample.num_response_tokens
         )
+
+    async def episode_turn(self, sample: Sample, params: SamplingParams, *,
+                           deadline: float | None = None) -> TurnOutput | None:
+        """One model turn of a multi-turn episode (harnesses call this): a trailing policy
+        segment is the same turn, continued (one cut by a checkpoint); otherwise a new turn
+        starts after the response so far. Afterwards the sample is INTERRUPTED: no request is
+        in flight while its environment or agent answers, so a checkpoint may be taken."""
+        last = sample.segments[-1] if sample.segments else None
+        ongoing = len(last) if last is not None and last.kind is SegmentKind.POLICY else 0
+        out = await self.generate_turn(sample, params, deadline=deadline,
+                                       turn_start=sample.num_response_tokens - ongoing)
+        if out is not None and sample.status is SampleStatus.RUNNING:
+            self.lifecycle.move(sample, SampleStatus.INTERRUPTED)
+        return out
 
     async def generate_turn(self, sample: Sample, params: SamplingParams, *, turn_start: int = 0,
                             deadline: float | None = None) -> TurnOutput | None:
