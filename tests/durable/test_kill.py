@@ -163,7 +163,7 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     run continues the saved episodes from their turns (their environments rebuilt by replay)
     and records every sample exactly once. The cheap warm start writes the tool-call format
     but adds badly, so every reward is 0: zero-variance groups are trained anyway here."""
-    steps = 6
+    steps = 8
     root = tmp_path_factory.mktemp("agent-kill")
     cfg = tiny_run_config("agent", root / "runs", steps=steps, checkpoint_every=1,
                           cache_dir=tiny_run_cache, max_slots=8)
@@ -178,17 +178,20 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     loaded = load_config(config, [])
     prepare_model(loaded.model, loaded.tasks)
     run_dir = root / "runs" / "agent"
-    proc = _start(config)
-    step = _wait_for_checkpoint(run_dir, 1, proc)
-    assert step is not None, "the run ended before its second checkpoint"
-    time.sleep(random.uniform(0.0, 1.0))
+    proc, seen = _start(config), 0
+    while True:  # kill after the first checkpoint that holds episodes between turns
+        step = _wait_for_checkpoint(run_dir, seen, proc)
+        assert step is not None, "the run ended before a checkpoint held an episode mid-way"
+        proc.send_signal(signal.SIGSTOP)  # frozen: no newer checkpoint while we look
+        saved = durable.latest(run_dir)
+        live = [s for g in saved.state["rollout"]["live"] for s in g["samples"]]
+        if any(seg["kind"] == "env" for s in live for seg in s["segments"]):
+            break
+        seen = saved.step
+        proc.send_signal(signal.SIGCONT)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    saved = durable.latest(run_dir)
-    live = [s for g in saved.state["rollout"]["live"] for s in g["samples"]]
-    mid = [s for s in live if any(seg["kind"] == "env" for seg in s["segments"])]
-    assert mid, "the checkpoint should hold episodes between turns"
     done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), "--resume"],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
