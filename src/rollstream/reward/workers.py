@@ -95,12 +95,17 @@ class ProcessWorkers:
         worker.started, worker.done = self._loop.create_future(), self._loop.create_future()
         try:
             worker.conn.send((fn, args))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result and
+            # drops a cancellation that arrives as the future completes (a cancelled caller
+            # then waited for the call to time out instead of killing its worker)
             try:
-                await asyncio.wait_for(asyncio.shield(worker.started), STARTUP_S)
+                async with asyncio.timeout(STARTUP_S):
+                    await asyncio.shield(worker.started)
             except TimeoutError:
                 raise WorkerDied(worker.proc.exitcode, "did not start the call") from None
             try:
-                return await asyncio.wait_for(asyncio.shield(worker.done), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    return await asyncio.shield(worker.done)
             except TimeoutError:
                 raise CallTimeout() from None
         except (WorkerDied, CallTimeout, asyncio.CancelledError):
