@@ -8,14 +8,17 @@ back here.
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic import Field, NonNegativeInt, model_validator
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+from rollstream.config.section import Section
+from rollstream.config.tasks import (  # the whole tree stays importable from here
+    AgentConfig,
+    ColumnsConfig,  # noqa: F401
+    SourceConfig,  # noqa: F401
+    TasksConfig,
+)
 
 
 class TinyModelConfig(Section):
@@ -58,131 +61,6 @@ class ModelConfig(Section):
     """Supervised warm start applied to a kit-built model."""
     cache_dir: str = ".cache/rollstream"
     """Where built models and warm starts are cached."""
-
-
-_DATASET_KINDS = ("jsonl", "parquet", "hf_dataset")  # the kinds that read a dataset at `path`
-_COLUMN_PATH = r"^[^.\s]+(\.[^.\s]+)*$"  # dotted path into nested fields: reward_model.ground_truth
-# keyword names a reward already receives from the response (rollstream.reward.registry)
-_RESPONSE_KWARGS = ("finish_reason", "token_ids")
-
-
-class ColumnsConfig(Section):
-    """Which dataset columns mean what (dotted paths reach into nested fields, e.g.
-    ``reward_model.ground_truth``)."""
-
-    prompt: str = Field("prompt", pattern=_COLUMN_PATH)
-    """The prompt: a string (tokenized as is) or chat messages, a list of ``{role, content}``
-    (rendered with the model's chat template and its generation prompt, as TRL and verl do)."""
-    answer: str | None = Field(None, pattern=_COLUMN_PATH)
-    """The reference answer (``task.reference``; a number is turned into its text). Null =
-    the first of ``answer``, ``solution``, ``reward_model.ground_truth`` (verl) that the row
-    has."""
-    id: str | None = Field(None, pattern=_COLUMN_PATH)
-    """A row id naming the task ``<source>/<id>`` (a non-empty string or an integer). Null
-    = ``id`` when the row has one; a row without an id is named by its line (JSONL) or row
-    number."""
-
-
-class SourceConfig(Section):
-    kind: Literal["tick", "digits", "math", "jsonl", "parquet", "hf_dataset", "tally"] = "tick"
-    """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (count a
-    fixed-width number down by 3, long-tailed), ``math`` (small arithmetic, graded by
-    math-verify), ``tally`` (a multi-turn agent episode: sum a list with a calculator tool, one
-    call per item; run by the agent loop with the ``agent`` settings; docs/agents.md); or a
-    dataset at ``path``: ``jsonl`` (one JSON object per line), ``parquet`` (a Parquet file,
-    e.g. verl's), ``hf_dataset`` (a folder written by Hugging Face ``datasets``'
-    ``Dataset.save_to_disk``, one split)."""
-    path: str | None = None
-    """The dataset of a ``jsonl``, ``parquet`` (a file) or ``hf_dataset`` (a folder) source
-    (``~`` is expanded)."""
-    columns: ColumnsConfig = ColumnsConfig()
-    """Which columns of a dataset source hold the prompt, the answer and the row id."""
-    reward_kwargs: tuple[str, ...] = ()
-    """Columns of a dataset source passed to its reward as keyword arguments, each named by
-    its last path segment (``extra_info`` -> ``extra_info=...``, ``reward_model.style`` ->
-    ``style=...``); values must be JSON values (a checkpoint keeps them). The reward's
-    signature is checked against them when the run is built."""
-    reward: str | None = Field(None, min_length=1)
-    """The reward that grades this source's tasks: a registered reward name (``exact_match``,
-    ``math``, ``math_answer``, or one registered with ``@register_reward``) or an import path
-    ``module:function``. Null = the kind's own (math: ``math_answer``; the others:
-    ``exact_match``). Only with ``reward.name: auto``; checked when the run is built."""
-    name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Source name used in task uids and metrics (null = the kind); unique within a mix."""
-    weight: float = Field(1.0, gt=0)
-    """Share of training tasks drawn from this source."""
-    harness: Literal["agent", "openai"] | None = None
-    """What runs an agent source's episodes (kind ``tally``): ``agent`` (the built-in agent
-    loop, the default) or ``openai`` (the source's agent written with the ``openai`` SDK,
-    talking to rollstream's OpenAI-compatible proxy on 127.0.0.1). Not for single-turn
-    kinds."""
-    max_items: int = Field(32, ge=1)
-    """Upper bound on answer items (caps the long tail)."""
-    pareto_alpha: float = Field(1.1, gt=0)
-    """Shape of the Pareto distribution of the number of items (smaller = longer tail)."""
-
-    @property
-    def reads_dataset(self) -> bool:
-        return self.kind in _DATASET_KINDS
-
-    @property
-    def reward_kwarg_columns(self) -> dict[str, str]:
-        """Keyword name -> column path of ``reward_kwargs``."""
-        return {c.rsplit(".", 1)[-1]: c for c in self.reward_kwargs}
-
-    @model_validator(mode="after")
-    def _fields_of_its_kind(self) -> SourceConfig:
-        if self.harness is not None and self.kind != "tally":
-            raise ValueError(f"`harness` is read only by agent sources (kind tally); kind "
-                             f"{self.kind} is one request per sample (drop harness)")
-        if self.reads_dataset and self.path is None:
-            raise ValueError(f"kind {self.kind} needs `path` (its dataset)")
-        if not self.reads_dataset:
-            defaults = SourceConfig.model_fields
-            for key in ("path", "columns", "reward_kwargs"):
-                if getattr(self, key) != defaults[key].default:
-                    raise ValueError(
-                        f"`{key}` is read only by a jsonl, parquet or hf_dataset source; kind "
-                        f"{self.kind} generates its tasks (drop {key} or use a dataset kind)")
-        for col in self.reward_kwargs:
-            if not re.fullmatch(_COLUMN_PATH, col):
-                raise ValueError(f"reward_kwargs: {col!r} is not a column path (names joined "
-                                 "by dots, e.g. extra_info or reward_model.style)")
-        names = [c.rsplit(".", 1)[-1] for c in self.reward_kwargs]
-        clash = sorted({n for n in names if names.count(n) > 1})
-        if clash:
-            raise ValueError(f"reward_kwargs {list(self.reward_kwargs)} pass more than one "
-                             f"column as keyword {clash}; a keyword is a column's last segment")
-        taken = sorted(set(names) & set(_RESPONSE_KWARGS))
-        if taken:
-            raise ValueError(f"reward_kwargs: keyword {taken} is the response's, which a "
-                             "reward receives by declaring it; drop it from reward_kwargs")
-        return self
-
-
-class AgentConfig(Section):
-    max_turns: int = Field(32, ge=1)
-    """Model turns of an agent episode (then it ends with ``max_turns``)."""
-    max_turn_tokens: int = Field(64, ge=1)
-    """Tokens of one model turn (a turn cut by it is closed by the chat template and the
-    episode goes on). An episode's tokens in all (model and environment) are capped by
-    ``sampling.max_new_tokens``."""
-    max_wall_s: float | None = Field(None, gt=0)
-    """Wall time of an episode (None = no limit); a turn or tool still running then is
-    stopped and the episode ends with ``max_wall``."""
-    tool_timeout_s: float = Field(10.0, gt=0)
-    """Per tool call: a call still running then ends with an error message to the model."""
-    max_tool_concurrency: int | None = Field(None, ge=1)
-    """Tool calls running at once per agent source, across its episodes (None = no bound)."""
-
-
-class TasksConfig(Section):
-    sources: tuple[SourceConfig, ...] = (SourceConfig(),)
-    """Task sources mixed by weight."""
-    num_eval: int = Field(64, ge=0)
-    """Held-out prompts scored at the start and the end of a run."""
-    seed: int = 0
-    """Seed of task generation (train and eval streams are disjoint)."""
 
 
 class LocalEngineConfig(Section):
