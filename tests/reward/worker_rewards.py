@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rollstream.reward.registry import group_reward
 from rollstream.trajectory import Task
 
 VALUES: dict[str, object] = {
@@ -91,3 +92,24 @@ def wants_everything(task: Task, text: str, *, finish_reason: str, token_ids: tu
                      ) -> float:
     """Proves what arrives: len(token_ids) when it stopped, minus that when capped."""
     return float(len(token_ids)) * (1 if finish_reason == "stop" else -1)
+
+
+@group_reward
+def shortest_wins(task: Task, texts: list[str], *, finish_reason: list[str]) -> list[float]:
+    """1 for the shortest response that stopped (ties: all of them), 0 for the others; a
+    value per response, in order (runs in a worker process)."""
+    stopped = [len(t) for t, f in zip(texts, finish_reason, strict=True) if f == "stop"]
+    best = min(stopped, default=None)
+    return [1.0 if f == "stop" and len(t) == best else 0.0
+            for t, f in zip(texts, finish_reason, strict=True)]
+
+
+@group_reward
+def group_value_named(task: Task, texts: list[str]) -> object:
+    """Returns ``GROUP_VALUES[task.reference]`` whatever the group."""
+    return GROUP_VALUES[task.reference]
+
+
+GROUP_VALUES: dict[str, object] = {
+    "short": [1.0], "scalar": 1.0, "str": "1.0", "nan_at_1": [0.0, math.nan], "ok": (0.5, 1),
+}

@@ -10,6 +10,7 @@ from rollstream.reward.registry import (
     build_resolver,
     decode_response,
     get_reward,
+    group_reward,
     known_rewards,
     register_reward,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "build_resolver",
     "decode_response",
     "get_reward",
+    "group_reward",
     "known_rewards",
     "register_reward",
 ]

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollstream.reward.registry import Response, Reward, checked_value
+from rollstream.reward.registry import Call, Response, Reward
 from rollstream.reward.workers import CallTimeout, PoolClosed, ProcessWorkers, WorkerDied
 from rollstream.trajectory import Task
 
@@ -72,13 +72,33 @@ class GraderPool:
         self._closed = False
 
     async def grade(self, task: Task, response: Response) -> GradeResult:
-        """Grade one response; never raises for a reward's failure."""
+        """Grade one response; never raises for a reward's failure. A group reward sees a
+        group of one."""
+        return (await self._grade(task, [response]))[0]
+
+    def grades_groups(self, task: Task) -> bool:
+        """Whether ``task``'s reward is a group reward (grade its group with
+        :meth:`grade_group`, once every sample has finished)."""
+        return self._resolve(task).group
+
+    async def grade_group(self, task: Task, responses: Sequence[Response]) -> list[GradeResult]:
+        """Grade the responses of one group with ``task``'s group reward: one call, one slot,
+        one result per response. A failed call fails every response with its reason."""
+        if not self.grades_groups(task):
+            raise ValueError(f"grade_group: the reward of task {task.uid} grades one response "
+                             "at a time; use grade()")
+        return await self._grade(task, responses)
+
+    async def _grade(self, task: Task, responses: Sequence[Response]) -> list[GradeResult]:
         if self._closed:
             raise RuntimeError("GraderPool is closed")
         async with self._slots:
             t0 = time.perf_counter()
-            reward, error = await self._call(task, response)
-            return GradeResult(reward=reward, error=error, elapsed_s=time.perf_counter() - t0)
+            rewards, error = await self._call(task, responses)
+            elapsed = time.perf_counter() - t0
+        if rewards is None:
+            return [GradeResult(reward=None, error=error, elapsed_s=elapsed)] * len(responses)
+        return [GradeResult(reward=r, error=None, elapsed_s=elapsed) for r in rewards]
 
     def close(self) -> None:
         """Stop accepting calls and stop the worker processes (nothing is left running)."""
@@ -88,12 +108,14 @@ class GraderPool:
 
     # -- internals ----------------------------------------------------------------------------
 
-    async def _call(self, task: Task, response: Response) -> tuple[float | None, str | None]:
+    async def _call(self, task: Task,
+                    responses: Sequence[Response]) -> tuple[list[float] | None, str | None]:
         try:
             reward = self._resolve(task)
+            call = reward.call_args(task, responses)
             if reward.is_async:
-                return checked_value(await self._call_async(reward, task, response))
-            return await self._call_sync(reward, task, response)
+                return call.checked(await self._call_async(reward, call))
+            return await self._call_sync(reward, call)
         except _Timeout:
             return None, f"timeout after {self._cfg.timeout_s:g}s"
         except _Closed:
@@ -103,23 +125,22 @@ class GraderPool:
         except Exception as e:  # fault boundary: the reward's failure becomes the sample's
             return None, f"{type(e).__name__}: {e}"
 
-    async def _call_async(self, reward: Reward, task: Task, response: Response) -> object:
+    async def _call_async(self, reward: Reward, call: Call) -> object:
         try:
             async with asyncio.timeout(self._cfg.timeout_s) as deadline:
-                return await reward.fn(task, response.text, **reward.kwargs(task, response))
+                return await reward.fn(call.task, call.text, **call.kwargs)
         except TimeoutError:
             if deadline.expired():
                 raise _Timeout() from None
             raise  # the reward's own TimeoutError: report it as an error like any other
 
-    async def _call_sync(
-        self, reward: Reward, task: Task, response: Response
-    ) -> tuple[float | None, str | None]:
+    async def _call_sync(self, reward: Reward,
+                         call: Call) -> tuple[list[float] | None, str | None]:
         if self._workers is None:
             self._workers = ProcessWorkers(self._cfg.num_workers)
-        args = (reward.fn, task, response.text, reward.kwargs(task, response))
         try:
-            return await self._workers.call(call_in_worker, args, self._cfg.timeout_s)
+            return await self._workers.call(call_in_worker, (reward.fn, call),
+                                            self._cfg.timeout_s)
         except CallTimeout:
             raise _Timeout() from None
         except PoolClosed:
@@ -134,13 +155,12 @@ class _Closed(Exception):
     """The pool was closed while the call waited."""
 
 
-def call_in_worker(
-    fn: Callable[..., object], task: Task, text: str, kwargs: dict[str, object]
-) -> tuple[float | None, str | None]:
-    """Runs in a worker process: the reward's outcome as (reward, error), never an exception
+def call_in_worker(fn: Callable[..., object],
+                   call: Call) -> tuple[list[float] | None, str | None]:
+    """Runs in a worker process: the reward's outcome as (rewards, error), never an exception
     (so nothing unpicklable travels back, and a TimeoutError here is never the reward's)."""
     try:
-        value = fn(task, text, **kwargs)
+        value = fn(call.task, call.text, **call.kwargs)
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"
-    return checked_value(value)
+    return call.checked(value)

@@ -16,6 +16,14 @@ as TRL passes dataset columns::
     def score(task: Task, text: str, *, data_source: str, extra_info: dict) -> float: ...
     def score(task: Task, text: str, **columns) -> float: ...
 
+A **group reward** grades the samples of one group together (a ranking, a pairwise
+preference, a diversity bonus): mark it with ``@group_reward``; it is called once per group,
+when every sample of the group has finished generating, with lists in place of ``text`` and
+the response keywords, and returns one number per response, in order::
+
+    @group_reward
+    def shortest_correct(task: Task, texts: list[str], *, finish_reason: list[str]) -> list[float]: ...
+
 Register one with ``@register_reward("name")``; a config names it by that name or by an import
 path ``module:function`` (imported when the run is built). :func:`get_reward` turns any of
 these into a :class:`Reward`: its signature is inspected once, there, never per call, and a
@@ -49,6 +57,7 @@ RewardFn = Union[SyncRewardFn, AsyncRewardFn]
 F = TypeVar("F", bound=Callable[..., object])
 
 _OPTIONAL_KWARGS = ("finish_reason", "token_ids")
+_GROUP_MARK = "__rollstream_group_reward__"
 _FINISH_REASONS = ("stop", "length")
 
 
@@ -95,6 +104,7 @@ class Reward:
     wants: tuple[str, ...]  # the keyword parameters it asked for, of _OPTIONAL_KWARGS
     needs: tuple[str, ...] = ()  # keyword parameters without a default: columns must give them
     columns: tuple[str, ...] = ()  # keywords it receives from task.extra (dataset columns)
+    group: bool = False  # a group reward (``@group_reward``): lists in, one number per response
 
     @classmethod
     def of(cls, fn: RewardFn, name: str) -> Reward:
@@ -117,18 +127,20 @@ class Reward:
             if p.kind in keyword_ok and p.default is inspect.Parameter.empty
             and p not in positional and p.name not in wants
         )
+        group = bool(getattr(fn, _GROUP_MARK, False))
         try:
             sig.bind(None, None, **dict.fromkeys((*wants, *needs)))
         except TypeError as e:
+            shape = "fn(task, texts)" if group else "fn(task, text)"
             raise TypeError(
-                f"reward {name!r}{sig} cannot be called as fn(task, text) (plus keyword "
+                f"reward {name!r}{sig} cannot be called as {shape} (plus keyword "
                 f"parameters finish_reason and/or token_ids when it declares them, and "
                 f"dataset columns): {e}"
             ) from None
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(type(fn), "__call__", None)
         )
-        return cls(name=name, fn=fn, is_async=is_async, wants=wants, needs=needs)
+        return cls(name=name, fn=fn, is_async=is_async, wants=wants, needs=needs, group=group)
 
     def with_columns(self, columns: Sequence[str]) -> Reward:
         """This reward, also called with the keyword arguments ``columns`` (from
@@ -161,18 +173,71 @@ class Reward:
             kw[n] = task.extra[n]
         return kw
 
+    def call_args(self, task: Task, responses: Sequence[Response]) -> Call:
+        """How to call this reward on ``responses`` (all of one group for a group reward,
+        exactly one otherwise): ``fn(task, text_or_texts, **kwargs)``, expecting ``count``
+        numbers back (None: one number)."""
+        if not self.group:
+            if len(responses) != 1:
+                raise ValueError(f"reward {self.name!r} grades one response at a time, got "
+                                 f"{len(responses)} (mark group rewards with @group_reward)")
+            return Call(task, responses[0].text, self.kwargs(task, responses[0]), None)
+        kw: dict[str, object] = {n: [getattr(r, n) for r in responses] for n in self.wants}
+        for n in self.columns:
+            kw[n] = task.extra[n]
+        return Call(task, [r.text for r in responses], kw, len(responses))
+
     def score(self, task: Task, response: Response) -> float:
         """Call the reward here, in this process, without a timeout (for measurements outside
-        a run, such as the warm start's accuracy; a run grades through ``GraderPool``). A value
-        that is not a finite number is a ValueError."""
-        value = self.fn(task, response.text, **self.kwargs(task, response))
+        a run, such as the warm start's accuracy; a run grades through ``GraderPool``); a group
+        reward sees a group of one. A value that is not a finite number is a ValueError."""
+        call = self.call_args(task, [response])
+        value = self.fn(call.task, call.text, **call.kwargs)
         if self.is_async:
             with concurrent.futures.ThreadPoolExecutor(1) as ex:  # safe inside a running loop
                 value = ex.submit(asyncio.run, value).result()  # type: ignore[arg-type]
-        reward, error = checked_value(value)
+        rewards, error = call.checked(value)
         if error is not None:
             raise ValueError(f"reward {self.name!r}: {error}")
-        return reward  # type: ignore[return-value]
+        return rewards[0]  # type: ignore[index]
+
+
+@dataclass(slots=True, frozen=True)
+class Call:
+    """One reward call: ``fn(task, text, **kwargs)``; ``count``: how many numbers a group
+    reward must return (None: a single number)."""
+
+    task: Task
+    text: str | list[str]
+    kwargs: dict[str, object]
+    count: int | None
+
+    def checked(self, value: object) -> tuple[list[float] | None, str | None]:
+        """The call's rewards, one per response, or (None, why the value is not that)."""
+        if self.count is None:
+            reward, error = checked_value(value)
+            return (None, error) if error is not None else ([reward], None)  # type: ignore[list-item]
+        if inspect.iscoroutine(value):
+            value.close()
+        items = value.tolist() if hasattr(value, "tolist") else value  # numpy, torch
+        if not isinstance(items, (list, tuple)):
+            return None, (f"group reward returned {_shown(value)}, expected a list of "
+                          f"{self.count} numbers")
+        if len(items) != self.count:
+            return None, (f"group reward returned {len(items)} values for {self.count} "
+                          "responses")
+        rewards = []
+        for i, item in enumerate(items):
+            reward, error = checked_value(item)
+            if error is not None:
+                return None, f"group reward, response {i}: {error}"
+            rewards.append(reward)
+        return rewards, None  # type: ignore[return-value]
+
+
+def _shown(value: object) -> str:
+    shown = repr(value)
+    return shown[:200] + "..." if len(shown) > 200 else shown
 
 
 def checked_value(value: object) -> tuple[float | None, str | None]:
@@ -182,10 +247,7 @@ def checked_value(value: object) -> tuple[float | None, str | None]:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if ok and math.isfinite(value):  # type: ignore[arg-type]
         return float(value), None  # type: ignore[arg-type]
-    shown = repr(value)
-    if len(shown) > 200:
-        shown = shown[:200] + "..."
-    return None, f"reward returned {shown}, expected a finite number"
+    return None, f"reward returned {_shown(value)}, expected a finite number"
 
 
 _REGISTRY: dict[str, Reward] = {}
@@ -204,6 +266,21 @@ def register_reward(name: str) -> Callable[[F], F]:
         return fn
 
     return decorate
+
+
+def group_reward(fn: F) -> F:
+    """Decorator marking ``fn`` a group reward (module docstring): called once per group with
+    every response of it, returning one number per response. Stack it under or over
+    ``@register_reward``."""
+    try:
+        setattr(fn, _GROUP_MARK, True)
+    except AttributeError:
+        raise TypeError(f"@group_reward cannot mark {fn!r} (it takes no attributes); wrap it "
+                        "in a function") from None
+    for name, reward in list(_REGISTRY.items()):  # registered before it was marked
+        if reward.fn is fn:
+            _REGISTRY[name] = Reward.of(fn, name)
+    return fn
 
 
 def get_reward(spec: str | RewardFn) -> Reward:

@@ -59,7 +59,7 @@ from rollstream.engine.protocol import (
     GenerateRequest,
     SamplingParams,
 )
-from rollstream.reward.pool import GraderPool
+from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
@@ -351,10 +351,14 @@ class Dispatcher:
         """Score a GENERATED sample with its source's reward: the response of a single-turn
         sample, the last model turn of an episode (``Sample.answer``). A failing reward marks
         it FAILED with the reason."""
+        self._graded(sample, await self.graders.grade(sample.task, self._response(sample)))
+
+    def _response(self, sample: Sample) -> Response:
         ids, finish_reason = sample.answer()
-        response = Response(text=self.decode(ids), token_ids=tuple(ids),
-                            finish_reason=finish_reason or FinishReason.LENGTH.value)
-        result = await self.graders.grade(sample.task, response)
+        return Response(text=self.decode(ids), token_ids=tuple(ids),
+                        finish_reason=finish_reason or FinishReason.LENGTH.value)
+
+    def _graded(self, sample: Sample, result: GradeResult) -> None:
         if result.error is not None:
             self.lifecycle.move(sample, SampleStatus.FAILED, f"reward: {result.error}")
             return
@@ -363,22 +367,38 @@ class Dispatcher:
 
     # ---- groups ------------------------------------------------------------------------
     async def run_group(self, group: Group, params: SamplingParams | None = None) -> Group:
-        """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes.
+        """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes,
+        or, when the source's reward is a group reward, grade the generated ones together
+        once every sample has finished.
 
         A group restored from a checkpoint goes on where each sample stood: a partial sample
         continues from its tokens, a generated one is graded, a graded or terminal one waits."""
         for s in group.samples:
             if not s.status.is_terminal():
                 self.lifecycle.open(s)
+        together = self.graders.grades_groups(group.task)
 
         async def one(s: Sample) -> None:
             if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
                 await self.run_sample(s, params)
-            if s.status is SampleStatus.GENERATED and group.group_id not in self._cancelled:
+            if (not together and s.status is SampleStatus.GENERATED
+                    and group.group_id not in self._cancelled):
                 await self.grade(s)
 
         await asyncio.gather(*(one(s) for s in group.samples))
+        if together and group.group_id not in self._cancelled:
+            await self.grade_together(group)
         return group
+
+    async def grade_together(self, group: Group) -> None:
+        """Score the GENERATED samples of ``group`` with one call of its group reward; a
+        failing call marks each of them FAILED with the reason."""
+        samples = [s for s in group.samples if s.status is SampleStatus.GENERATED]
+        if not samples:
+            return
+        results = await self.graders.grade_group(group.task, [self._response(s) for s in samples])
+        for s, result in zip(samples, results, strict=True):
+            self._graded(s, result)
 
     async def cancel(self, group_ids: Iterable[str]) -> None:
         """Give up on groups: interrupt their requests at the next token boundary and never
