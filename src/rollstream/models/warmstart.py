@@ -46,7 +46,7 @@ from rollstream.config.schema import ModelConfig, RewardConfig, TasksConfig, War
 from rollstream.data.sources import TaskMix, source_rewards
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
 from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer
-from rollstream.reward import Response, build_resolver, decode_response
+from rollstream.reward import Response, Reward, build_resolver, decode_response
 from rollstream.trajectory import SINGLE_TURN, Task
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,11 @@ _MIN_LR_FRACTION = 0.1
 ScoreFn = Callable[[Task, Response], float]
 
 
-def prepare_model(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> Path:
-    """The HF folder the run loads: ``model.path`` if set, else the cached warm-started kit."""
+def prepare_model(model_cfg: ModelConfig, tasks_cfg: TasksConfig,
+                  resolve: Callable[[Task], Reward] | None = None) -> Path:
+    """The HF folder the run loads: ``model.path`` if set, else the cached warm-started kit.
+    ``resolve``: the run's rewards, which score the accuracy a new warm start reports (None:
+    the sources' named rewards)."""
     if model_cfg.path is not None:
         return validate_model_folder(Path(model_cfg.path))
     folder = Path(model_cfg.cache_dir) / cache_key(model_cfg, tasks_cfg)
@@ -70,7 +73,7 @@ def prepare_model(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        _build(model_cfg, tasks_cfg, tmp)
+        _build(model_cfg, tasks_cfg, tmp, resolve)
         try:
             tmp.rename(folder)
         except OSError:  # another process finished the same entry first: keep theirs
@@ -116,8 +119,10 @@ def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _build(model_cfg: ModelConfig, tasks_cfg: TasksConfig, out_dir: Path) -> None:
-    resolve = build_resolver(RewardConfig(), source_rewards(tasks_cfg))
+def _build(model_cfg: ModelConfig, tasks_cfg: TasksConfig, out_dir: Path,
+           resolve: Callable[[Task], Reward] | None) -> None:
+    if resolve is None:
+        resolve = build_resolver(RewardConfig(), source_rewards(tasks_cfg))
 
     def score(task: Task, response: Response) -> float:
         return resolve(task).score(task, response)

@@ -334,16 +334,27 @@ def known_rewards() -> list[str]:
 
 
 def build_resolver(
-    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str, Sequence[str]]]
+    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str, Sequence[str]]],
+    given: Mapping[str, RewardFn] | None = None,
 ) -> Callable[[Task], Reward]:
     """The grader pool's ``resolve``. ``source_rewards``: source name -> (reward name, the
     keyword arguments its tasks pass from dataset columns). ``reward.name: auto`` grades each
     task with its source's reward, any other name grades every task with that reward (still
-    given each source's columns). Every reward is resolved and checked here, once, signature
-    against columns included; an unknown name fails here, naming the config field and the
-    known rewards."""
+    given each source's columns). ``given``: source name -> a reward callable passed as an
+    object (the Python API), in place of its source's named one. Every reward is resolved and
+    checked here, once, signature against columns included; an unknown name fails here, naming
+    the config field and the known rewards."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(source_rewards))
+    if unknown:
+        raise ValueError(f"rewards given for {unknown}, which are not task sources of this run "
+                         f"(sources: {sorted(source_rewards)})")
     one = None
     if cfg.name != "auto":
+        if given:
+            raise ValueError(f"reward.name is {cfg.name!r} (one reward for every source) and "
+                             f"rewards were given for sources {sorted(given)}; use one or the "
+                             "other (reward.name: auto)")
         try:
             one = get_reward(cfg.name)
         except (ValueError, TypeError) as e:
@@ -351,9 +362,11 @@ def build_resolver(
     by_source: dict[str, Reward] = {}
     for source, (name, columns) in source_rewards.items():
         try:
-            by_source[source] = (one or get_reward(name)).with_columns(columns)
+            reward = get_reward(given[source]) if source in given else (one or get_reward(name))
+            by_source[source] = reward.with_columns(columns)
         except (ValueError, TypeError) as e:
-            what = "reward.name" if one is not None else "its `reward`"
+            what = ("reward.name" if one is not None else
+                    "the reward given for it" if source in given else "its `reward`")
             raise type(e)(f"tasks source {source!r} ({what}): {e}") from None
 
     def resolve(task: Task) -> Reward:

@@ -37,13 +37,15 @@ if TYPE_CHECKING:
     from rollstream.data.sources import TaskMix
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
+    from rollstream.reward.registry import RewardFn
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Task
 
 
-def check_inputs(cfg: RunConfig) -> None:
-    """Fail early, naming the setting, when a model folder, a dataset file or a reward name is
-    unusable (runs call this before touching their run directory)."""
+def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
+    """Fail early, naming the setting, when a model folder, a dataset file or a reward (a name,
+    or a callable in ``rewards``) is unusable (runs call this before touching their run
+    directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
     from rollstream.models.warmstart import validate_model_folder
     from rollstream.reward.registry import build_resolver
@@ -51,7 +53,7 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.model.path is not None:
         validate_model_folder(Path(cfg.model.path))
     check_source_paths(cfg.tasks)
-    build_resolver(cfg.reward, source_rewards(cfg.tasks))
+    build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)
 
 
 def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
@@ -205,10 +207,12 @@ class Run:
             await res
 
 
-def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | None = None) -> Run:
+def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | None = None,
+              rewards: Mapping[str, RewardFn] | None = None) -> Run:
     """Every component of a run; with ``cfg.resume`` it continues from ``resume`` (the run's
     newest checkpoint; None: none was written, the run starts at step 0 keeping the ledger's
-    record of what the lost process did in ``ledger.superseded.jsonl``)."""
+    record of what the lost process did in ``ledger.superseded.jsonl``). ``rewards``: source
+    name -> a reward callable given as an object (the Python API, ``rollstream.train``)."""
     from transformers.utils import logging as hf_logging
 
     from rollstream.data.sources import TaskMix, source_rewards
@@ -220,8 +224,8 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     from rollstream.reward.registry import build_resolver
 
     hf_logging.disable_progress_bar()
-    resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks))  # unknown rewards fail first
-    model_path = Path(prepare_model(cfg.model, cfg.tasks))
+    resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)  # fail first
+    model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
     tokenizer = load_tokenizer(model_path)
     mix = TaskMix(cfg.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     prepare_run_dir(cfg, run_dir, resume=cfg.resume)

@@ -30,8 +30,9 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollstream.config import ConfigError, RunConfig
 from rollstream.durable import checkpoint as durable
@@ -41,21 +42,27 @@ from rollstream.runtime.build import Run, build_run, check_inputs
 from rollstream.runtime.controller import ControllerResult
 from rollstream.runtime.evaluate import evaluate
 
+if TYPE_CHECKING:
+    from rollstream.reward.registry import RewardFn
+
 
 class RunStopped(RuntimeError):
     """The run ended before its steps because it could not train; the message says why."""
 
 
-def run_training(cfg: RunConfig) -> dict[str, Any]:
-    """Run one training job; returns (and writes) the summary."""
+def run_training(cfg: RunConfig, *,
+                 rewards: Mapping[str, RewardFn] | None = None) -> dict[str, Any]:
+    """Run one training job; returns (and writes) the summary. ``rewards``: source name -> a
+    reward callable given as an object, in place of its source's named reward (the Python API,
+    :func:`rollstream.train`)."""
     import torch
 
-    check_inputs(cfg)
+    check_inputs(cfg, rewards)
     run_dir = Path(cfg.run_root) / cfg.name
     ckpt = resume_point(cfg, run_dir) if cfg.resume else None
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    summary = asyncio.run(_run(cfg, run_dir, ckpt))
+    summary = asyncio.run(_run(cfg, run_dir, ckpt, rewards))
     if summary["stalled"]:
         raise RunStopped(summary["stop_reason"])
     return summary
@@ -83,11 +90,12 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
     return ckpt
 
 
-async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None) -> dict[str, Any]:
+async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
+               rewards: Mapping[str, RewardFn] | None = None) -> dict[str, Any]:
     from rollstream.monitor.progress import Progress
 
     t_start = time.perf_counter()
-    run = build_run(cfg, run_dir, resume=ckpt)
+    run = build_run(cfg, run_dir, resume=ckpt, rewards=rewards)
     progress = Progress(cfg.monitor, cfg.train.steps)
     dashboard = None
     if cfg.monitor.dashboard:
