@@ -169,6 +169,13 @@ class RolloutConfig(Section):
     it with ``partial_rollout: false`` is an error (in-flight samples drain instead)."""
     group_size: int = Field(8, ge=1)
     """Samples per task (the GRPO group)."""
+    dispatch: Literal["engine", "fifo", "longest_first"] = "engine"
+    """Where requests wait when the engines are full: ``engine`` (each request goes to the
+    least-loaded engine at once and waits in its queue), or in the dispatcher, an engine
+    taking at most its capacity, the next free slot on any engine going to the request that
+    waited longest (``fifo``) or that has the most predicted tokens left (``longest_first``:
+    lengths predicted from the source's recent lengths and the finished samples of the same
+    group; ``len_pred_err`` in the metrics). docs/dispatch.md."""
     filter_zero_variance: bool = True
     """Mark groups whose rewards are all equal FILTERED (no learning signal)."""
     max_untrainable_streak: int = Field(256, ge=1)

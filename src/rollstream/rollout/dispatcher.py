@@ -48,7 +48,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rollstream.clock import Clock
 from rollstream.engine.protocol import (
@@ -62,6 +62,8 @@ from rollstream.engine.protocol import (
 from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.rollout.predict import LengthPredictor
+from rollstream.rollout.queue import DispatchQueue
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
@@ -79,6 +81,7 @@ class InFlight:
     slot: int
     t_start_s: float
     version_start: int
+    work: float = 0.0  # predicted tokens left when dispatched (held in the dispatch queue)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -135,6 +138,7 @@ class Dispatcher:
         span: SpanSink | None = None,
         seed: int | None = None,
         harnesses: Mapping[str, Harness] | None = None,
+        dispatch: Literal["engine", "fifo", "longest_first"] = "engine",
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -160,6 +164,10 @@ class Dispatcher:
         self._ids = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.predictor = LengthPredictor(self.stats.per_source_tokens,
+                                         default=max(params.max_new_tokens / 2, 1.0))
+        # rollout.dispatch: engine = submit at once (engines queue); else wait here in order
+        self.queue = None if dispatch == "engine" else DispatchQueue(dispatch, self._routable)
 
     # ---- the gate (weight sync's pause protocol) ----------------------------------------
     def pause(self) -> None:
@@ -181,21 +189,35 @@ class Dispatcher:
         return [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
 
     # ---- routing -----------------------------------------------------------------------
-    async def _pick_engine(self) -> Engine:
+    def _routable(self) -> list[Engine]:
+        """Engines that may take a request now: UP and not drained."""
+        return [e for e in self.engines
+                if e.engine_id not in self._drained and e.stats().health is EngineHealth.UP]
+
+    async def _pick_engine(self, work: float = 0.0) -> Engine:
+        """The engine for the next request (its slot in the dispatch queue taken when there is
+        one, for ``work`` predicted tokens): the least loaded UP engine; waits while engines
+        recover or are drained, raises NoEngineAlive when every engine is DEAD."""
         while True:
-            by_health: dict[EngineHealth, list[Engine]] = {}
-            for e in self.engines:
-                by_health.setdefault(e.stats().health, []).append(e)
-            up = [e for e in by_health.get(EngineHealth.UP, []) if e.engine_id not in self._drained]
-            if up:
+            await self._gate.wait()
+            up = self._routable()
+            if up and self.queue is None:
                 return min(up, key=lambda e: self._load[id(e)])
-            if not by_health.get(EngineHealth.RECOVERING) and not any(
-                    e.engine_id in self._drained for e in by_health.get(EngineHealth.UP, [])):
+            if up:
+                engine = await self.queue.acquire(work)
+                if engine is None:  # the engines went away while it waited: look again
+                    continue
+                if self._gate.is_set():
+                    return engine
+                self.queue.release(engine, work)  # a weight sync closed the gate meanwhile
+                continue
+            if not any(e.stats().health is EngineHealth.RECOVERING for e in self.engines) and \
+                    not any(e.engine_id in self._drained and e.stats().health is EngineHealth.UP
+                            for e in self.engines):
                 reasons = "; ".join(f"{e.engine_id}: {e.stats().health_reason}"
                                     for e in self.engines)
                 raise NoEngineAlive(f"no engine is alive ({reasons})")
             await asyncio.sleep(RECOVERY_POLL_S)  # one is being restarted, or drained
-            await self._gate.wait()  # a weight sync may have paused dispatch meanwhile
 
     def _take_slot(self) -> int:
         return self._free_slots.pop() if self._free_slots else next(self._next_slot)
@@ -225,6 +247,7 @@ class Dispatcher:
         """``sample``'s generation is over: GENERATED, counted in the per-source lengths."""
         sample.finish_reason = finish_reason
         self.lifecycle.move(sample, SampleStatus.GENERATED)
+        self.predictor.observe(sample, sample.num_response_tokens)
         self.stats.per_source_tokens.setdefault(sample.task.source, deque(maxlen=256)).append(
             sample.num_response_tokens
         )
@@ -264,11 +287,14 @@ class Dispatcher:
                 return TurnOutput(finish_reason=FinishReason.LENGTH, num_tokens=done,
                                   num_interrupts=interrupts)
             try:
-                out, out_of_time = await self._generate_once(
+                once = await self._generate_once(
                     sample, replace(params, max_new_tokens=remaining), deadline)
             except NoEngineAlive as e:
                 self.fatal = self.fatal or str(e)
                 return None
+            if once is None:  # cancelled while it waited for an engine
+                return None
+            out, out_of_time = once
             sample.append_policy_tokens(out.token_ids, out.logprobs, out.versions)
             done += len(out.token_ids)
             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) or out_of_time:
@@ -293,16 +319,25 @@ class Dispatcher:
                 self.stats.num_resumes += 1
 
     async def _generate_once(self, sample: Sample, params: SamplingParams,
-                             deadline: float | None = None) -> tuple[GenerateOutput, bool]:
-        """One request; (its output, whether it was interrupted at ``deadline``)."""
-        engine = await self._pick_engine()
+                             deadline: float | None = None) -> tuple[GenerateOutput, bool] | None:
+        """One request; (its output, whether it was interrupted at ``deadline``); None when
+        its group was cancelled while it waited for an engine."""
+        work = 0.0
+        if self.queue is not None:
+            left = self.predictor.predict(sample) - sample.num_response_tokens
+            work = float(min(max(left, 1.0), params.max_new_tokens))
+        engine = await self._pick_engine(work)
+        if sample.group_id in self._cancelled:
+            if self.queue is not None:
+                self.queue.release(engine, work)
+            return None
         request_id = f"{sample.uid}@{next(self._ids)}"
         if params.seed is None and self.seed is not None:
             params = replace(params, seed=sample_seed(self.seed, sample.uid))
         slot = self._take_slot()
         self.in_flight[request_id] = InFlight(
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
-            version_start=engine.stats().version,
+            version_start=engine.stats().version, work=work,
         )
         self._load[id(engine)] += 1
         self._idle.clear()
@@ -332,6 +367,8 @@ class Dispatcher:
             info = self.in_flight.pop(request_id)
             self._load[id(engine)] -= 1
             self._free_slots.append(slot)
+            if self.queue is not None:
+                self.queue.release(engine, work)
             if not self.in_flight:
                 self._idle.set()
         self.stats.generated_tokens += len(out.token_ids)
@@ -423,6 +460,8 @@ class Dispatcher:
         """Route to ``engine_id`` again."""
         self._engine(engine_id)
         self._drained.discard(engine_id)
+        if self.queue is not None:
+            self.queue.wake()
 
     def _engine(self, engine_id: str) -> Engine:
         engine = next((e for e in self.engines if e.engine_id == engine_id), None)
@@ -443,9 +482,22 @@ class Dispatcher:
                          "in_flight": self._load[id(e)]})
         return rows
 
+    def gauges(self) -> dict[str, float]:
+        """For the step metrics: ``len_pred_err`` (mean ``|predicted - actual| / actual`` of
+        the samples finished since the last call, when any) and ``dispatch_waiting`` (requests
+        waiting in the dispatch queue)."""
+        out: dict[str, float] = {}
+        errors = self.predictor.take_errors()
+        if errors:
+            out["len_pred_err"] = sum(errors) / len(errors)
+        if self.queue is not None:
+            out["dispatch_waiting"] = float(self.queue.num_waiting)
+        return out
+
     def forget(self, group_id: str) -> None:
         """A group's life is over: drop what the dispatcher kept of it."""
         self._cancelled.discard(group_id)
+        self.predictor.forget(group_id)
 
     def cancelled(self, group_id: str) -> bool:
         return group_id in self._cancelled

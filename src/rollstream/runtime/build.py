@@ -141,7 +141,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
-                            harnesses=harnesses)
+                            harnesses=harnesses, dispatch=cfg.rollout.dispatch)
     rollout = Rollout(
         cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
         groups_per_step=cfg.train.groups_per_step,
@@ -164,7 +164,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
 
     supervisor = EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
     meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
-                         rollout.stats, clock=clock)
+                         lambda: {**rollout.stats(), **dispatcher.gauges()}, clock=clock)
     controller = Controller(
         rollout=rollout, trainer=trainer, sync=sync, meter=meter, metrics=metrics,
         steps=cfg.train.steps, groups_per_step=cfg.train.groups_per_step,

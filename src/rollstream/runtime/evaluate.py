@@ -34,6 +34,8 @@ async def evaluate(
     groups = [Group.new(t, samples_per_task, group_id=eval_group_id(t.uid, round_index))
               for t in tasks]
     await asyncio.gather(*(dispatcher.run_group(g, params) for g in groups))
+    for g in groups:
+        dispatcher.forget(g.group_id)
     move = dispatcher.lifecycle.move
     scores: dict[str, list[float]] = {}
     for g in groups:

@@ -304,6 +304,7 @@
       ["staleness", stale],
       ["trained samples", led.trained || 0],
       ["in flight", last("rollout", "in_flight")],
+      ["length pred. error", last("rollout", "len_pred_err")],
     ];
     $("tiles").innerHTML = tiles.map(([k, v]) =>
       `<div class="tile" data-tile="${esc(k)}"><div class="k">${esc(k)}</div><div class="v">${esc(fmt(v))}</div></div>`).join("");

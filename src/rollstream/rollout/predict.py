@@ -1,0 +1,65 @@
+"""Response-length prediction for dispatch (longest predicted first).
+
+A sample's length is predicted from two things the run already sees:
+
+* its **source's recent lengths** (the prior: the mean of the last finished responses of that
+  source, the same record the meters' ``len_mean`` reads, ``DispatchStats.per_source_tokens``);
+* its **finished siblings** (the samples of its group share the prompt, so their lengths are
+  the strongest evidence): their mean, shrunk toward the prior as if the prior were
+  ``prior_weight`` more siblings.
+
+``predict = (sum(siblings) + prior_weight * prior) / (len(siblings) + prior_weight)``; with
+no history at all the prior is ``default`` (half the token budget). The prediction a sample
+got when it was first dispatched is compared with its final length when it finishes:
+``len_pred_err`` = ``|predicted - actual| / actual``, one value per finished sample.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import MutableMapping
+
+from rollstream.trajectory import Sample
+
+
+class LengthPredictor:
+    def __init__(self, history: MutableMapping[str, deque[int]], *, default: float,
+                 prior_weight: float = 1.0) -> None:
+        if default <= 0 or prior_weight <= 0:
+            raise ValueError(f"default ({default}) and prior_weight ({prior_weight}) must be > 0")
+        self._history = history  # source -> recent finished lengths (owned by DispatchStats)
+        self.default = default
+        self.prior_weight = prior_weight
+        self._siblings: dict[str, list[int]] = {}  # group id -> finished lengths
+        self._first: dict[str, dict[str, float]] = {}  # group id -> uid -> first prediction
+        self.errors: list[float] = []  # |predicted - actual| / actual, drained by the meters
+
+    def prior(self, source: str) -> float:
+        recent = self._history.get(source)
+        return sum(recent) / len(recent) if recent else self.default
+
+    def predict(self, sample: Sample) -> float:
+        """Predicted response length of ``sample`` (tokens, whole response); the first
+        prediction of each sample is kept for its error."""
+        sib = self._siblings.get(sample.group_id, ())
+        w = self.prior_weight
+        guess = (sum(sib) + w * self.prior(sample.task.source)) / (len(sib) + w)
+        self._first.setdefault(sample.group_id, {}).setdefault(sample.uid, guess)
+        return guess
+
+    def observe(self, sample: Sample, length: int) -> None:
+        """``sample`` finished with ``length`` response tokens (the source's history is
+        appended by its owner)."""
+        self._siblings.setdefault(sample.group_id, []).append(length)
+        first = self._first.get(sample.group_id, {}).pop(sample.uid, None)
+        if first is not None:
+            self.errors.append(abs(first - length) / max(length, 1))
+
+    def forget(self, group_id: str) -> None:
+        """A group's life is over: drop its siblings and the predictions of its samples."""
+        self._siblings.pop(group_id, None)
+        self._first.pop(group_id, None)
+
+    def take_errors(self) -> list[float]:
+        errors, self.errors = self.errors, []
+        return errors

@@ -1,0 +1,184 @@
+"""Predictive dispatch: the length predictor, the dispatch queue's order and placement, and a
+dispatcher that holds requests beyond each engine's capacity on a real embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rollstream.engine.protocol import EngineHealth
+from rollstream.rollout.predict import LengthPredictor
+from rollstream.rollout.queue import DispatchQueue
+from rollstream.trajectory import Group, Task
+
+
+def _group(i: int, size: int = 8, source: str = "s") -> Group:
+    task = Task(uid=f"{source}/{i}", source=source, prompt_ids=(1,), prompt_text="", reference="")
+    return Group.new(task, size)
+
+
+def test_the_prediction_error_falls_as_siblings_finish() -> None:
+    """Lengths share a per-group scale (one prompt) with noise around it, as sampled responses
+    to one prompt do; the source prior knows only the mix."""
+    rng = random.Random(0)
+    history: dict[str, deque[int]] = {}
+    predictor = LengthPredictor(history, default=64.0)
+    err_by_known: dict[int, list[float]] = {}
+    for i in range(200):
+        group = _group(i)
+        scale = rng.lognormvariate(4.0, 0.8)
+        lengths = [max(1, round(scale * rng.uniform(0.8, 1.2))) for _ in group.samples]
+        for known, (s, n) in enumerate(zip(group.samples, lengths, strict=True)):
+            guess = predictor.predict(s)  # after `known` siblings finished
+            err_by_known.setdefault(known, []).append(abs(guess - n) / n)
+            predictor.observe(s, n)
+            history.setdefault("s", deque(maxlen=256)).append(n)
+        predictor.forget(group.group_id)
+    mean = {k: sum(v) / len(v) for k, v in err_by_known.items()}
+    assert mean[1] < 0.7 * mean[0]  # one sibling already beats the source prior
+    assert mean[4] < mean[1] and mean[7] < 0.4 * mean[0]
+    errors = predictor.take_errors()  # the first prediction of each sample, when it finished
+    assert len(errors) == 200 * 8 and predictor.take_errors() == []
+
+
+def test_a_source_without_history_is_predicted_at_the_default_and_forget_drops_a_group() -> None:
+    predictor = LengthPredictor({"a": deque([10, 30])}, default=50.0)
+    g = _group(0, size=2, source="b")
+    assert predictor.predict(g.samples[0]) == 50.0
+    assert predictor.predict(_group(1, source="a").samples[0]) == 20.0
+    predictor.forget(g.group_id)
+    predictor.observe(g.samples[0], 7)  # its first prediction was forgotten: no error
+    assert predictor.take_errors() == []
+    with pytest.raises(ValueError):
+        LengthPredictor({}, default=0.0)
+
+
+@dataclass
+class _Stats:
+    capacity: int
+    health: EngineHealth = EngineHealth.UP
+
+
+@dataclass
+class _Slots:
+    """The two things the queue reads of an engine: its id and its capacity."""
+
+    engine_id: str
+    capacity: int
+
+    def stats(self) -> _Stats:
+        return _Stats(self.capacity)
+
+
+@pytest.mark.parametrize(("order", "granted"), [("fifo", [1.0, 9.0, 3.0]),
+                                                ("longest_first", [9.0, 3.0, 1.0])])
+async def test_a_freed_slot_goes_to_the_next_request_in_order(order: str,
+                                                              granted: list[float]) -> None:
+    engine = _Slots("a", capacity=1)
+    queue = DispatchQueue(order, lambda: [engine])  # type: ignore[arg-type, list-item]
+    first = await queue.acquire(5.0)
+    assert first is engine
+    got: list[float] = []
+
+    async def want(work: float) -> None:
+        e = await queue.acquire(work)
+        got.append(work)
+        await asyncio.sleep(0)
+        queue.release(e, work)  # type: ignore[arg-type]
+
+    waiters = [asyncio.create_task(want(w)) for w in (1.0, 9.0, 3.0)]
+    await asyncio.sleep(0)
+    assert queue.num_waiting == 3
+    queue.release(engine, 5.0)  # type: ignore[arg-type]
+    await asyncio.gather(*waiters)
+    assert got == granted
+
+
+async def test_placement_balances_predicted_tokens_not_request_counts() -> None:
+    a, b = _Slots("a", capacity=4), _Slots("b", capacity=4)
+    queue = DispatchQueue("longest_first", lambda: [a, b])  # type: ignore[arg-type, list-item]
+    placed = [(await queue.acquire(w)).engine_id for w in (100.0, 10.0, 10.0, 10.0, 50.0)]
+    # 100 -> a; then b holds the short ones until it passes a's 100; 50 goes to the lighter b
+    assert placed == ["a", "b", "b", "b", "b"]
+
+
+async def test_a_cancelled_waiter_gives_its_slot_on_and_no_engine_wakes_everyone() -> None:
+    engine = _Slots("a", capacity=1)
+    routable = [engine]
+    queue = DispatchQueue("longest_first", lambda: list(routable))  # type: ignore[arg-type]
+    held = await queue.acquire(1.0)
+    gone = asyncio.create_task(queue.acquire(9.0))
+    kept = asyncio.create_task(queue.acquire(2.0))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    queue.release(held, 1.0)  # type: ignore[arg-type]
+    assert await kept is engine  # the cancelled request's turn passed to the next one
+    late = asyncio.create_task(queue.acquire(3.0))
+    await asyncio.sleep(0)
+    routable.clear()  # the engine died: waiters are woken to look at health again
+    queue.wake()
+    assert await late is None
+
+
+def test_the_dispatcher_holds_requests_beyond_capacity_and_grades_every_sample(
+        tmp_path: Path) -> None:
+    from rollstream.clock import WallClock
+    from rollstream.config.schema import LocalEngineConfig, RewardConfig
+    from rollstream.data.ledger import Ledger
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import SamplingParams
+    from rollstream.reward.pool import GraderPool
+    from rollstream.reward.registry import get_reward
+    from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.lifecycle import Lifecycle
+    from rollstream.trajectory import SampleStatus
+    from tests.engine.helpers import make_tiny_model
+
+    async def one(task: Task, text: str) -> float:
+        return 1.0
+
+    model = make_tiny_model(tmp_path / "m")
+    cfg = LocalEngineConfig(max_slots=3, max_seq_len=96, threads=1, device="cpu")
+    spans: list[dict] = []
+    groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, 5, 7),
+                             prompt_text="", reference=""), 4) for i in range(4)]
+
+    async def main() -> tuple[Dispatcher, int]:
+        engines = [LocalEngine(model, cfg, engine_id=f"e{i}") for i in range(2)]
+        graders = GraderPool(RewardConfig(), lambda _: get_reward(one))
+        disp = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=24, seed=None),
+                          graders=graders, decode=lambda ids: "", clock=WallClock(),
+                          lifecycle=Lifecycle(Ledger(), WallClock()),
+                          span=lambda **kw: spans.append(kw), dispatch="longest_first")
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, max(e.stats().num_running + e.stats().num_waiting
+                                     for e in engines))
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
+        finally:
+            watcher.cancel()
+            for e in engines:
+                await e.close()
+            graders.close()
+        return disp, peak
+
+    disp, peak = asyncio.run(main())
+    assert all(s.status is SampleStatus.GRADED for g in groups for s in g.samples)
+    assert peak <= 3  # an engine never held more than its 3 slots: the rest waited here
+    assert disp.queue is not None and disp.queue.num_waiting == 0
+    assert len(spans) == 16 and {sp["engine_id"] for sp in spans} == {"e0", "e1"}
+    gauges = disp.gauges()
+    assert gauges["dispatch_waiting"] == 0.0 and gauges["len_pred_err"] >= 0.0
