@@ -34,7 +34,7 @@ from rollstream.sync.weights import WeightSync, sync_policy
 from rollstream.trajectory import SINGLE_TURN
 
 if TYPE_CHECKING:
-    from rollstream.data.sources import TaskMix
+    from rollstream.data.mix import TaskMix
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
     from rollstream.train.trainer import Trainer
@@ -211,7 +211,8 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     record of what the lost process did in ``ledger.superseded.jsonl``)."""
     from transformers.utils import logging as hf_logging
 
-    from rollstream.data.sources import TaskMix, source_rewards
+    from rollstream.data.mix import TaskMix
+    from rollstream.data.sources import source_rewards
     from rollstream.engine.factory import build_engine
     from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model

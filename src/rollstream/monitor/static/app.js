@@ -304,6 +304,8 @@
       ["staleness", stale],
       ["trained samples", led.trained || 0],
       ["in flight", last("rollout", "in_flight")],
+      ["gen/trained tokens", last("train", "gen_tokens_per_trained_token")],
+      ["mixture error pp", last("train", "mixture_error_pp")],
     ];
     $("tiles").innerHTML = tiles.map(([k, v]) =>
       `<div class="tile" data-tile="${esc(k)}"><div class="k">${esc(k)}</div><div class="v">${esc(fmt(v))}</div></div>`).join("");
