@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rollstream.config import load_config
-from rollstream.data.sources import TaskMix, source_rewards
+from rollstream.data.mix import TaskMix
+from rollstream.data.sources import source_rewards
 from rollstream.models.tokenizer import load_tokenizer, save_char_tokenizer
 from rollstream.reward import GraderPool, build_resolver, decode_response
 

@@ -26,6 +26,17 @@ def test_only_safe_changes_pass():
     assert any(f.startswith("tasks.sources") for f in tasks), tasks
 
 
+def test_a_field_added_since_the_checkpoint_is_not_a_change_at_its_default():
+    saved = _dump("tasks.sources=[{kind: tick}, {kind: math, weight: 2}]")
+    del saved["tasks"]["mix"]  # as written before tasks.mix and the source caps existed
+    for source in saved["tasks"]["sources"]:
+        del source["max_in_flight"]
+    new = _dump("tasks.sources=[{kind: tick}, {kind: math, weight: 2}]")
+    assert config_changes(saved, new) == []
+    assert config_changes(saved, _dump("tasks.sources=[{kind: tick}, {kind: math, weight: 2}]",
+                                       "tasks.mix=weighted")) == ["tasks.mix"]
+
+
 def test_resume_point_names_the_fields_and_the_allowed_ones(tmp_path):
     run_dir = tmp_path / "r"
     saved = RunConfig(name="r", run_root=str(tmp_path)).model_dump(mode="json")

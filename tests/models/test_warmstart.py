@@ -17,7 +17,7 @@ from rollstream.config.schema import (
     TinyModelConfig,
     WarmStartConfig,
 )
-from rollstream.data.sources import TaskMix
+from rollstream.data.mix import TaskMix
 from rollstream.models.tiny import init_tiny_model
 from rollstream.models.tokenizer import EOS, build_char_tokenizer, load_tokenizer
 from rollstream.reward import Response
@@ -65,6 +65,10 @@ def test_cache_key_covers_the_configs_that_shape_the_model(tmp_path: Path) -> No
     assert base != ws.cache_key(_cfg(tmp_path), TASKS.model_copy(update={"seed": 1}))
     two = TASKS.model_copy(update={"sources": (*TASKS.sources, SourceConfig(kind="digits"))})
     assert base != ws.cache_key(_cfg(tmp_path), two)
+    # how the rollout draws (quota, caps, pass rates) is not how demonstrations are drawn
+    rollout_only = TasksConfig(num_eval=4, mix="weighted", pass_rate={"enabled": True},
+                               sources=(SourceConfig(kind="tick", max_items=6, max_in_flight=2),))
+    assert base == ws.cache_key(_cfg(tmp_path), rollout_only)
 
 
 def test_a_given_model_path_is_validated(tmp_path: Path) -> None:

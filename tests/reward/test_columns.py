@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollstream.config import RunConfig, load_config
-from rollstream.data.sources import TaskMix, source_rewards
+from rollstream.data.mix import TaskMix
+from rollstream.data.sources import source_rewards
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward import GraderPool, Response, build_resolver
 from rollstream.runtime.build import check_inputs

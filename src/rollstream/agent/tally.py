@@ -99,6 +99,10 @@ class TallySource(_Synthetic):
         self._parse(_PROMPT, task)
         return [int(v) for v in task.prompt_text.split()[1:]]
 
+    def difficulty(self, task: Task) -> str:
+        """Its bucket for pass-rate sampling: how many numbers it deals (``n07``)."""
+        return f"n{len(self.values(task)):02d}"
+
     def opening(self, task: Task) -> list[Message]:
         return [{"role": "user", "content": f"add {self.values(task)[0]}"}]
 

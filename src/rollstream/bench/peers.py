@@ -107,7 +107,8 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
-    from rollstream.data.sources import TaskMix, source_rewards
+    from rollstream.data.mix import TaskMix
+    from rollstream.data.sources import source_rewards
     from rollstream.reward import build_resolver, decode_response
 
     torch.set_num_threads(threads)

@@ -164,7 +164,8 @@ def _batch(groups: list[tuple[Any, list[Any]]], resolve: Any, tokenizer: Any, n:
 
 def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) -> dict[str, Any]:
     """Saturated engine tokens/s on its core, then trainer steps alone and next to it."""
-    from rollstream.data.sources import TaskMix, source_rewards
+    from rollstream.data.mix import TaskMix
+    from rollstream.data.sources import source_rewards
     from rollstream.engine.local import LocalEngine
     from rollstream.models.tokenizer import load_tokenizer
     from rollstream.reward import build_resolver

@@ -61,7 +61,20 @@ class SourceConfig(Section):
     name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Source name used in task uids and metrics (null = the kind); unique within a mix."""
     weight: float = Field(1.0, gt=0)
-    """Share of training tasks drawn from this source."""
+    """This source's target share of trained samples (weights are normalised over the
+    sources): ``tasks.mix: quota`` keeps the trained mixture there, ``weighted`` draws this
+    share of the groups (docs/data.md)."""
+    max_oversample: float = Field(4.0, ge=1)
+    """``tasks.mix: quota`` only: the correction may draw at most this many times the share of
+    groups the weight gives (a source whose groups are mostly filtered needs more draws; one
+    that never trains cannot take the whole rollout, its trained share falls short instead,
+    as ``mixture_error_pp`` shows)."""
+    max_in_flight: int | None = Field(None, ge=1)
+    """Groups of this source generating at once (null = no cap): when it is reached, the next
+    groups come from the other sources, or wait for one of this source's to finish."""
+    max_in_flight_per_task: int | None = Field(None, ge=1)
+    """Dataset kinds only: groups of one task (row) generating at once (null = no cap); a row
+    at its cap is passed over until the cursor comes round again."""
     harness: Literal["agent", "openai"] | None = None
     """What runs an agent source's episodes (kind ``tally``): ``agent`` (the built-in agent
     loop, the default) or ``openai`` (the source's agent written with the ``openai`` SDK,
@@ -90,7 +103,7 @@ class SourceConfig(Section):
             raise ValueError(f"kind {self.kind} needs `path` (its dataset)")
         if not self.reads_dataset:
             defaults = SourceConfig.model_fields
-            for key in ("path", "columns", "reward_kwargs"):
+            for key in ("path", "columns", "reward_kwargs", "max_in_flight_per_task"):
                 if getattr(self, key) != defaults[key].default:
                     raise ValueError(
                         f"`{key}` is read only by a jsonl, parquet or hf_dataset source; kind "
@@ -127,10 +140,47 @@ class AgentConfig(Section):
     """Tool calls running at once per agent source, across its episodes (None = no bound)."""
 
 
+class PassRateConfig(Section):
+    """Pass-rate-aware task sampling (docs/data.md): tasks whose recent groups were all
+    correct or all wrong are drawn less, down to a floor."""
+
+    enabled: bool = False
+    """Track pass rates online and draw tasks by how likely their next group is to have
+    reward variance. Per task for a dataset; per difficulty bucket (the number of items) for
+    a generated source; a source without buckets is drawn in order."""
+    floor: float = Field(0.1, gt=0, le=1)
+    """A task's (bucket's) draw weight is the chance its next group has reward variance
+    (from a Beta posterior whose prior is fitted to its source), but at least this: whatever
+    its groups did, it is drawn at least this share as often as a task sure to train, so
+    nothing starves and a change of difficulty is seen."""
+    half_life_groups: float = Field(8.0, gt=0)
+    """A task's evidence halves every this many of its groups (recent groups count more)."""
+
+
 class TasksConfig(Section):
     sources: tuple[SourceConfig, ...] = (SourceConfig(),)
-    """Task sources mixed by weight."""
+    """Task sources, mixed by ``weight`` as ``mix`` says."""
+    mix: Literal["quota", "weighted"] = "quota"
+    """How the next group's source is chosen. ``quota``: keep the *trained* mixture at the
+    weights, whatever each source's length and share of filtered groups (deficit-corrected
+    with the rollout's feedback; docs/data.md). ``weighted``: draw a source with probability
+    ∝ weight, seeded; the trained mixture drifts toward sources whose groups are filtered
+    less."""
+    pass_rate: PassRateConfig = PassRateConfig()
+    """Pass-rate-aware sampling of the tasks within each source."""
     num_eval: int = Field(64, ge=0)
     """Held-out prompts scored at the start and the end of a run."""
     seed: int = 0
     """Seed of task generation (train and eval streams are disjoint)."""
+
+    @model_validator(mode="after")
+    def _fields_read(self) -> TasksConfig:
+        default = SourceConfig.model_fields["max_oversample"].default
+        for i, src in enumerate(self.sources):
+            if self.mix == "weighted" and src.max_oversample != default:
+                raise ValueError(f"tasks.sources.{i}.max_oversample = {src.max_oversample:g} "
+                                 "is read only by tasks.mix = quota (drop it or use quota)")
+        if not self.pass_rate.enabled and self.pass_rate != PassRateConfig():
+            raise ValueError("tasks.pass_rate settings are read only with "
+                             "tasks.pass_rate.enabled = true (set it or drop them)")
+        return self

@@ -33,7 +33,7 @@ Parquet) and a dataset of chat messages for a tokenizer without a chat template.
 Rows are split into train and eval by the same hash of the prompt text (the rendering, for
 messages) as the synthetic sources; training cycles through the train rows in file order,
 held-out tasks come only from the eval rows. A file with no eval rows has no held-out tasks
-(``num_tasks("eval") == 0``; :class:`~rollstream.data.sources.TaskMix` warns).
+(``num_tasks("eval") == 0``; :class:`~rollstream.data.mix.TaskMix` warns).
 
 Simplifications: the whole dataset is read into memory at start.
 """

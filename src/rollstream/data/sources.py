@@ -5,14 +5,14 @@ live in ``rollstream.reward``) and writes noisy demonstrations for the warm star
 is a pure function of (tasks seed, source name, split, index), so a run can be resumed from
 a cursor and two processes agree on task ``uid``\\ s (``tick/train/123``). Train and
 eval are disjoint by construction: a prompt belongs to the eval split exactly when a CRC32 of
-its text falls in one bucket of ``_EVAL_BUCKETS``; each split redraws until the prompt lands on
+its text falls in one bucket of ``EVAL_BUCKETS``; each split redraws until the prompt lands on
 its own side.
 
 Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) are built here and live in
 ``rollstream.data.dataset``. :func:`check_source_paths` checks that the datasets a tasks
 config names exist and can be opened, reading nothing and needing no tokenizer, so a
 launcher can fail on a bad path before it touches the run directory (``TaskMix`` runs it
-too).
+too). How sources are mixed is ``rollstream.data.mix``.
 
 Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
 the previous item, the information the next token needs is close to it):
@@ -28,7 +28,8 @@ the previous item, the information the next token needs is close to it):
   calculator tool, one call per item; its tasks name the ``agent`` harness.
 
 The number of items is ``min(max_items, int(scale * Pareto(alpha)))``, a long tail capped by
-``SourceConfig.max_items``. Each source's ``reward`` is ``SourceConfig.reward`` when set, else
+``SourceConfig.max_items``; it is a generated task's difficulty bucket (:class:`Bucketed`, for
+pass-rate-aware sampling: ``n07``). Each source's ``reward`` is ``SourceConfig.reward`` when set, else
 its kind's: ``math_answer`` for math, ``exact_match`` (the exact answer, properly ended) for
 the others.
 
@@ -43,14 +44,14 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from rollstream.config.schema import SourceConfig, TasksConfig
 from rollstream.trajectory import Task
 
 Split = Literal["train", "eval"]
 _SPLITS = ("train", "eval")
-_EVAL_BUCKETS = 8  # 1 in 8 prompts is held out for evaluation
+EVAL_BUCKETS = 8  # 1 in 8 prompts is held out for evaluation
 _TICK_SCALE = 3.0
 _DIGITS_SCALE = 2.0
 _DIGITS_STEP = 3
@@ -84,9 +85,19 @@ class TaskSource(Protocol):
         ...
 
 
+@runtime_checkable
+class Bucketed(Protocol):
+    """A generated source that can say how hard a task is: its tasks never recur, so
+    pass rates are tracked per difficulty bucket (``rollstream.data.pass_rates``)."""
+
+    def difficulty(self, task: Task) -> str:
+        """The task's bucket (``n07``: seven items); a pure function of the task."""
+        ...
+
+
 def split_of(prompt_text: str) -> Split:
     """Which split a prompt belongs to (a pure function of the text)."""
-    return "eval" if zlib.crc32(prompt_text.encode()) % _EVAL_BUCKETS == 0 else "train"
+    return "eval" if zlib.crc32(prompt_text.encode()) % EVAL_BUCKETS == 0 else "train"
 
 
 def pareto_items(rng: random.Random, alpha: float, scale: float, cap: int) -> int:
@@ -163,6 +174,9 @@ class TickSource(_Synthetic):
         m = self._parse(_TICK_PROMPT, task)
         return _tick_items(int(m[1]), int(m[2]), rng=rng, noise=noise)
 
+    def difficulty(self, task: Task) -> str:
+        return f"n{int(self._parse(_TICK_PROMPT, task)[2]):02d}"
+
 
 def _tick_items(start: int, n: int, *, rng: random.Random | None, noise: float) -> str:
     items, x = [], start
@@ -198,6 +212,10 @@ class DigitsSource(_Synthetic):
         m = self._parse(self._prompt_re, task)
         return self._items(int(m[1]), int(m[2]), rng=rng, noise=noise)
 
+    def difficulty(self, task: Task) -> str:
+        tail = int(self._parse(self._prompt_re, task)[2])
+        return f"n{tail // _DIGITS_STEP + 1:02d}"
+
     def _items(self, head: int, tail: int, *, rng: random.Random | None, noise: float) -> str:
         items = [f"{head:02d}{tail:0{self.tail_width}d}"]
         while tail >= _DIGITS_STEP:  # the stop rule looks only at the previous item
@@ -224,6 +242,10 @@ class MathSource(_Synthetic):
         ops = [rng.choice("+-*") for _ in range(num_ops)]
         expr = str(operands[0]) + "".join(f"{o}{v}" for o, v in zip(ops, operands[1:], strict=True))
         return f"{expr}=", str(_evaluate(operands, ops))
+
+    def difficulty(self, task: Task) -> str:
+        expr = self._parse(_MATH_PROMPT, task)[1]
+        return f"n{sum(expr.count(op) for op in '+-*'):02d}"  # operators: no negative operand
 
     def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
         self._parse(_MATH_PROMPT, task)
@@ -327,100 +349,3 @@ def check_source_paths(cfg: TasksConfig) -> None:
         problem = dataset_problem(src) if src.reads_dataset else None
         if problem is not None:
             raise ValueError(f"tasks.sources.{i}.path: {problem}")
-
-
-class TaskMix:
-    """Training tasks drawn from the sources by weight, held-out tasks round-robin.
-
-    Draw ``k`` picks a source with a generator seeded by (seed, k) and takes that source's next
-    train index, so the stream depends only on the config; ``state()`` is the whole cursor.
-    Held-out tasks come only from held-out rows: a source without any is left out of the
-    held-out set, with a warning in :meth:`warnings` (the data layer prints nothing).
-    """
-
-    def __init__(self, cfg: TasksConfig, tokenizer: PromptTokenizer) -> None:
-        if not cfg.sources:
-            raise ValueError("tasks.sources is empty: configure at least one source")
-        check_source_paths(cfg)
-        names = [source_name(s) for s in cfg.sources]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(
-                f"tasks.sources: more than one source is named {dups}; give each a distinct `name`"
-            )
-        self._cfg = cfg
-        self._sources = {
-            n: build_source(s, tokenizer, cfg.seed) for n, s in zip(names, cfg.sources, strict=True)
-        }
-        self._names = names
-        self._weights = [s.weight for s in cfg.sources]
-        self._num_drawn = 0
-        self._next_index = dict.fromkeys(names, 0)
-        self._held_out = [n for n in names if self._sources[n].num_tasks("eval") != 0]
-        self._warnings = [] if cfg.num_eval == 0 else self._held_out_warnings()
-
-    def _held_out_warnings(self) -> list[str]:
-        warnings = [
-            f"tasks source {n!r} ({s.path}) has no held-out rows: all its "
-            f"{self._sources[n].num_tasks('train')} usable rows fall in the training split (a "
-            f"hash of the prompt holds out 1 in {_EVAL_BUCKETS}), so the held-out reward will "
-            "not include it"
-            for n, s in zip(self._names, self._cfg.sources, strict=True)
-            if n not in self._held_out
-        ]
-        if not self._held_out:
-            warnings.append("no task source has held-out tasks: the held-out reward is not "
-                            "measured")
-        return warnings
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def source(self, name: str) -> TaskSource:
-        if name not in self._sources:
-            raise ValueError(f"unknown task source {name!r}; this mix has {self._names}")
-        return self._sources[name]
-
-    def next_task(self) -> Task:
-        rng = random.Random(f"{self._cfg.seed}/mix/{self._num_drawn}")
-        name = rng.choices(self._names, weights=self._weights)[0]
-        index = self._next_index[name]
-        self._num_drawn += 1
-        self._next_index[name] = index + 1
-        return self._sources[name].task(index, "train")
-
-    def eval_tasks(self) -> list[Task]:
-        """Up to ``num_eval`` held-out tasks, round-robin over the sources that have any; a
-        small dataset yields each held-out row once; empty when no source has held-out rows."""
-        tasks = []
-        for i in range(self._cfg.num_eval if self._held_out else 0):
-            src = self._sources[self._held_out[i % len(self._held_out)]]
-            index, size = i // len(self._held_out), src.num_tasks("eval")
-            if size is None or index < size:
-                tasks.append(src.task(index, "eval"))
-        return tasks
-
-    def rejected(self) -> list[tuple[str, str, str]]:
-        """(task uid, source, reason) of every dataset row a source could not use; the reason
-        names the file and line."""
-        return [r for src in self._sources.values() for r in getattr(src, "rejected", [])]
-
-    def warnings(self) -> list[str]:
-        """Problems with the tasks that do not stop a run (a source without held-out rows),
-        for the runtime to print and record."""
-        return list(self._warnings)
-
-    def state(self) -> dict:
-        """The cursor: how many tasks were drawn, and the next row of every source."""
-        return {"num_drawn": self._num_drawn, "next_index": dict(self._next_index)}
-
-    def restore(self, state: dict) -> None:
-        next_index = state.get("next_index")
-        if not isinstance(next_index, dict) or set(next_index) != set(self._names):
-            raise ValueError(
-                f"task mix state names sources {sorted(next_index or {})}, "
-                f"this mix has {sorted(self._names)}"
-            )
-        self._num_drawn = int(state["num_drawn"])
-        self._next_index = {n: int(next_index[n]) for n in self._names}

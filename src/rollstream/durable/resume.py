@@ -40,8 +40,9 @@ _STANDING = frozenset({"filtered", "failed", "dropped_stale"})
 
 
 def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted fields whose value differs, and that a resume may not change."""
-    flat_a, flat_b = _flatten(saved), _flatten(new)
+    """Dotted fields whose value differs, and that a resume may not change. A field added to
+    the schema since the checkpoint counts at its default (the run had that behaviour)."""
+    flat_a, flat_b = _flatten(_with_defaults(saved)), _flatten(new)
     changed = sorted(k for k in flat_a.keys() | flat_b.keys()
                      if flat_a.get(k, _MISSING) != flat_b.get(k, _MISSING))
     return [k for k in changed
@@ -49,6 +50,19 @@ def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 _MISSING = object()
+
+
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` read by the current schema, so fields added since are at their defaults
+    (list items too: ``tasks.sources``); as saved when the schema cannot read it."""
+    from pydantic import ValidationError
+
+    from rollstream.config.schema import RunConfig
+
+    try:
+        return RunConfig.model_validate(saved).model_dump(mode="json")
+    except ValidationError:
+        return saved
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -43,7 +43,8 @@ from transformers import (
 )
 
 from rollstream.config.schema import ModelConfig, RewardConfig, TasksConfig, WarmStartConfig
-from rollstream.data.sources import TaskMix, source_rewards
+from rollstream.data.mix import TaskMix, demonstration_config
+from rollstream.data.sources import source_rewards
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
 from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer
 from rollstream.reward import Response, Reward, build_resolver, decode_response
@@ -111,9 +112,12 @@ def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:
         "tiny": model_cfg.tiny.model_dump(mode="json"),
         "warm_start": model_cfg.warm_start.model_dump(mode="json"),
         # num_eval only sizes the measurement in warmstart.json, not the model; a source's
-        # harness runs its episodes, it does not change their demonstrations
+        # harness runs its episodes, it does not change their demonstrations; nor do the
+        # settings the demonstrations are drawn without (data.mix.demonstration_config)
         "tasks": tasks_cfg.model_dump(mode="json", exclude={
-            "num_eval": True, "sources": {"__all__": {"harness"}}}),
+            "num_eval": True, "mix": True, "pass_rate": True,
+            "sources": {"__all__": {"harness", "max_oversample", "max_in_flight",
+                                    "max_in_flight_per_task"}}}),
     }
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -169,9 +173,9 @@ def warm_start(
     max_position: int,
 ) -> dict[str, float]:
     """Supervised steps on noisy demonstrations (response tokens only); returns train stats."""
-    mix = TaskMix(
-        tasks_cfg.model_copy(update={"seed": tasks_cfg.seed + _DEMO_SEED_OFFSET}), tokenizer
-    )
+    demo_cfg = demonstration_config(tasks_cfg)  # nothing reports back: drawn by weight
+    mix = TaskMix(demo_cfg.model_copy(update={"seed": tasks_cfg.seed + _DEMO_SEED_OFFSET}),
+                  tokenizer)
     rng = random.Random(f"warmstart/{tasks_cfg.seed}")
     eos = tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -183,6 +187,7 @@ def warm_start(
         step_tokens = 0
         while step_tokens < cfg.tokens_per_step:
             task = mix.next_task()
+            assert task is not None, "a mix without in-flight caps always has a task"
             source = mix.source(task.source)
             demo = source.demonstration(task, rng, cfg.noise)
             if isinstance(demo, str):

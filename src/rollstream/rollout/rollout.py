@@ -11,7 +11,12 @@
                                                                else -> buffer
 
 The controller sees five calls: ``admit_forever`` (a task for the run's life), ``take``,
-``on_trained``, ``on_version`` and ``stop``, plus ``stats`` for the meters. A durable
+``on_trained``, ``on_version`` and ``stop``, plus ``stats`` for the meters and ``step_stats``
+for the step's waste, length bias and trained mixture (:class:`StepTally`). A task stream
+that learns from its groups (:class:`MixFeedback`, the data layer's ``TaskMix``) hears of each
+admitted group twice: ``ended`` when its generation is over, with the rewards the
+zero-variance filter saw, and ``resolved`` once it trained or never will; when the stream has
+no task to give (in-flight caps), admission waits for a group to end. A durable
 checkpoint calls :meth:`snapshot` (generation is held only while in-flight requests come back
 with their tokens and the state is copied) and a resumed run :meth:`restore` before
 ``admit_forever``: buffered groups go to the trainer, in-flight ones continue from their
@@ -27,7 +32,7 @@ diagnostic; the controller ends the run with it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rollstream.config import RolloutConfig
 from rollstream.durable.state import group_from_dict, group_to_dict
@@ -37,6 +42,7 @@ from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.liveness import Liveness
 from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.rollout.step_tally import StepTally
 from rollstream.trajectory import Group, Sample, SampleStatus, StepResult, Task
 
 S = SampleStatus
@@ -44,12 +50,27 @@ RUN_ENDED = "run ended before the sample was trained"
 
 
 class TaskStream(Protocol):
-    def next_task(self) -> Task: ...
+    def next_task(self) -> Task | None:
+        """The next task; None: none may start now (in-flight caps): ask after a group ends."""
 
     def state(self) -> dict[str, Any]:
         """The cursor (JSON), so that a restored stream draws the same next tasks."""
 
     def restore(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class MixFeedback(Protocol):
+    """A task stream that learns what became of its tasks' groups."""
+
+    def ended(self, group: Group, rewards: list[float] | None) -> None:
+        """``group``'s generation is over; ``rewards``: its baseline's (None: cancelled)."""
+
+    def resolved(self, group: Group, num_trained: int) -> None:
+        """``group`` is done: ``num_trained`` samples trained (0: filtered, dropped, aborted)."""
+
+    def metrics(self) -> dict[str, float]:
+        """Its per-step metrics (the trained mixture)."""
 
 
 class RolloutStopped(RuntimeError):
@@ -62,6 +83,8 @@ class Rollout:
                  lifecycle: Lifecycle, failed_reward: float | None = None) -> None:
         self.cfg, self.policy = cfg, policy
         self.tasks, self.dispatcher, self.lifecycle = tasks, dispatcher, lifecycle
+        self.feedback = tasks if isinstance(tasks, MixFeedback) else None
+        self.tally = StepTally()
         self.failed_reward = failed_reward
         self.capacity = StalenessCapacity(groups_per_step=groups_per_step,
                                           max_staleness=policy.max_staleness,
@@ -96,16 +119,28 @@ class Rollout:
                 await self.dispatcher.wait_open()
                 if self._stopping or self.capacity.room() < n:
                     continue
-                self.capacity.admit(n)
-                for i in range(self.capacity.num_admitted - n, self.capacity.num_admitted):
-                    # k = admission index: a task drawn again (a dataset epoch) gets a new id
-                    group = Group.new(self.tasks.next_task(), self.cfg.group_size, k=i)
-                    if group.group_id in self._skip:  # retired before the run resumed
-                        self._skip.discard(group.group_id)
-                        self.capacity.retire()
-                        continue
-                    self.live[group.group_id] = group
-                    tg.create_task(self._group_life(group), name=f"group {group.group_id}")
+                if not self._admit(n, tg):  # no task may start: wait for a group to end
+                    await self.capacity.wait_changed()
+
+    def _admit(self, n: int, tg: asyncio.TaskGroup) -> bool:
+        """Admit up to ``n`` groups; False when the task stream had no task to give."""
+        for _ in range(n):
+            task = self.tasks.next_task()
+            if task is None:
+                return False
+            self.capacity.admit(1)
+            # k = admission index: a task drawn again (a dataset epoch) gets a new id
+            group = Group.new(task, self.cfg.group_size, k=self.capacity.num_admitted - 1)
+            if group.group_id in self._skip:  # retired before the run resumed
+                self._skip.discard(group.group_id)
+                self.capacity.retire()
+                if self.feedback is not None:
+                    self.feedback.ended(group, None)
+                    self.feedback.resolved(group, 0)
+                continue
+            self.live[group.group_id] = group
+            tg.create_task(self._group_life(group), name=f"group {group.group_id}")
+        return True
 
     async def _group_life(self, group: Group) -> None:
         await self.dispatcher.run_group(group)
@@ -114,13 +149,17 @@ class Rollout:
         outcome = self._cancelled.pop(group.group_id, None)
         if outcome is None and self.dispatcher.fatal is not None and any(
                 s.status is not S.GRADED and not s.status.is_terminal() for s in group.samples):
-            self._stranded[group.group_id] = group
+            self._stranded[group.group_id] = group  # not ended: it resumes with an engine
             self.buffer.notify()  # take() sees the run cannot go on
             return
+        baseline = group.baseline_rewards(self.failed_reward) if outcome is None else None
+        self.tally.ended(group)
+        if self.feedback is not None:
+            self.feedback.ended(group, None if baseline is None else [r for _, r in baseline])
+        self.capacity.wake()  # an in-flight cap may have room now
         if outcome is not None:
             self._retire(group, *outcome)
             return
-        baseline = group.baseline_rewards(self.failed_reward)
         tally = self._pass.setdefault(group.task.source, [0.0, 0.0])
         graded = [s for s in group.samples if s.status is S.GRADED]
         for s in graded:
@@ -130,21 +169,30 @@ class Rollout:
             self._retire(group, S.FILTERED, "no sample of the group was graded")
         elif self.cfg.filter_zero_variance and len({r for _, r in baseline}) == 1:
             self._retire(group, S.FILTERED,
-                         f"zero reward variance in group (every reward {baseline[0][1]:g})")
+                         f"zero reward variance in group (every reward {baseline[0][1]:g})",
+                         zero_variance=True)
         else:
             self.liveness.trainable()
             self.buffer.put(group)
 
-    def _retire(self, group: Group, status: SampleStatus, reason: str) -> None:
+    def _retire(self, group: Group, status: SampleStatus, reason: str, *,
+                zero_variance: bool = False) -> None:
         """The group will never train: every sample not yet terminal ends in ``status``; its
         admission capacity is freed; it counts as untrainable unless the run is stopping."""
         for s in group.samples:
             if not s.status.is_terminal():
                 self.lifecycle.move(s, status, reason)
         self.capacity.retire()
+        self._resolved(group, zero_variance=zero_variance)
         if status is not S.ABORTED:
             self.liveness.untrainable(group)
         self.buffer.notify()  # take() re-checks liveness
+
+    def _resolved(self, group: Group, *, zero_variance: bool = False) -> None:
+        """``group`` trained (its samples say which) or will never train."""
+        self.tally.resolved(group, zero_variance=zero_variance)
+        if self.feedback is not None:
+            self.feedback.resolved(group, sum(s.status is S.TRAINED for s in group.samples))
 
     # ---- the trainer's side ------------------------------------------------------------
     async def take(self, n: int, step: int) -> list[Group]:
@@ -189,6 +237,7 @@ class Rollout:
                     s.num_trained_tokens = kept.num_tokens
                     self.lifecycle.move(s, S.TRAINED)
                     trained.append(s)
+            self._resolved(group)
         await self.cancel_doomed(step + 1)
         return trained
 
@@ -283,6 +332,14 @@ class Rollout:
                 self.lifecycle.open(s)
 
     # ---- meters ------------------------------------------------------------------------
+    def step_stats(self) -> dict[str, float]:
+        """Since the previous call (a trainer step): the waste and the length bias
+        (:class:`StepTally`), and the task stream's metrics (the trained mixture)."""
+        out = self.tally.read()
+        if self.feedback is not None:
+            out.update(self.feedback.metrics())
+        return out
+
     def stats(self) -> dict[str, float]:
         """Gauges of the rollout, and each source's pass rate since the previous call."""
         out = {"live_groups": float(len(self.live)), "buffered_groups": float(len(self.buffer)),

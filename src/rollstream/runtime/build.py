@@ -34,7 +34,7 @@ from rollstream.sync.weights import WeightSync, sync_policy
 from rollstream.trajectory import SINGLE_TURN
 
 if TYPE_CHECKING:
-    from rollstream.data.sources import TaskMix
+    from rollstream.data.mix import TaskMix
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
     from rollstream.reward.registry import RewardFn
@@ -215,7 +215,8 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     name -> a reward callable given as an object (the Python API, ``rollstream.train``)."""
     from transformers.utils import logging as hf_logging
 
-    from rollstream.data.sources import TaskMix, source_rewards
+    from rollstream.data.mix import TaskMix
+    from rollstream.data.sources import source_rewards
     from rollstream.engine.factory import build_engine
     from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model

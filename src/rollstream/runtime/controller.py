@@ -136,8 +136,8 @@ class Controller:
             out = await self.in_trainer(self.trainer.step, batch, step)
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
-            values = {**out.metrics, **_batch_stats(trained, step), "wait_s": wait_s,
-                      "train_s": self.clock.now() - t0 - wait_s}
+            values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),
+                      "wait_s": wait_s, "train_s": self.clock.now() - t0 - wait_s}
             for s in trained:
                 self.metrics.observe("staleness", float(step - (s.min_trained_version or step)))
             rollout = self.meter.read()

@@ -304,6 +304,8 @@
       ["staleness", stale],
       ["trained samples", led.trained || 0],
       ["in flight", last("rollout", "in_flight")],
+      ["gen/trained tokens", last("train", "gen_tokens_per_trained_token")],
+      ["mixture error pp", last("train", "mixture_error_pp")],
       ["length pred. error", last("rollout", "len_pred_err")],
     ];
     $("tiles").innerHTML = tiles.map(([k, v]) =>
