@@ -81,28 +81,49 @@ async def test_a_freed_slot_goes_to_the_next_request_in_order(order: str,
                                                               granted: list[float]) -> None:
     engine = _Slots("a", capacity=1)
     queue = DispatchQueue(order, lambda: [engine])  # type: ignore[arg-type, list-item]
-    first = await queue.acquire(5.0)
-    assert first is engine
+    first = await queue.acquire(lambda: 5.0)
+    assert first is not None and first.engine is engine and first.work == 5.0
     got: list[float] = []
 
     async def want(work: float) -> None:
-        e = await queue.acquire(work)
+        grant = await queue.acquire(lambda: work)
         got.append(work)
         await asyncio.sleep(0)
-        queue.release(e, work)  # type: ignore[arg-type]
+        queue.release(grant)  # type: ignore[arg-type]
 
     waiters = [asyncio.create_task(want(w)) for w in (1.0, 9.0, 3.0)]
     await asyncio.sleep(0)
     assert queue.num_waiting == 3
-    queue.release(engine, 5.0)  # type: ignore[arg-type]
+    queue.release(first)
     await asyncio.gather(*waiters)
     assert got == granted
+
+
+async def test_the_order_is_decided_on_predictions_read_when_a_slot_frees() -> None:
+    """A waiting request's prediction improves as its siblings finish: the queue reads it
+    when it decides, not when the request arrived."""
+    engine = _Slots("a", capacity=1)
+    queue = DispatchQueue("longest_first", lambda: [engine])  # type: ignore[arg-type, list-item]
+    held = await queue.acquire(lambda: 1.0)
+    predicted = {"x": 10.0, "y": 20.0}
+    x = asyncio.create_task(queue.acquire(lambda: predicted["x"]))
+    y = asyncio.create_task(queue.acquire(lambda: predicted["y"]))
+    await asyncio.sleep(0)
+    predicted["x"] = 50.0  # x's siblings turned out long
+    queue.release(held)  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert x.done() and not y.done() and x.result().work == 50.0
+    queue.release(x.result())
+    assert (await y).work == 20.0
 
 
 async def test_placement_balances_predicted_tokens_not_request_counts() -> None:
     a, b = _Slots("a", capacity=4), _Slots("b", capacity=4)
     queue = DispatchQueue("longest_first", lambda: [a, b])  # type: ignore[arg-type, list-item]
-    placed = [(await queue.acquire(w)).engine_id for w in (100.0, 10.0, 10.0, 10.0, 50.0)]
+    placed = []
+    for w in (100.0, 10.0, 10.0, 10.0, 50.0):
+        grant = await queue.acquire(lambda w=w: w)
+        placed.append(grant.engine.engine_id)  # type: ignore[union-attr]
     # 100 -> a; then b holds the short ones until it passes a's 100; 50 goes to the lighter b
     assert placed == ["a", "b", "b", "b", "b"]
 
@@ -111,15 +132,15 @@ async def test_a_cancelled_waiter_gives_its_slot_on_and_no_engine_wakes_everyone
     engine = _Slots("a", capacity=1)
     routable = [engine]
     queue = DispatchQueue("longest_first", lambda: list(routable))  # type: ignore[arg-type]
-    held = await queue.acquire(1.0)
-    gone = asyncio.create_task(queue.acquire(9.0))
-    kept = asyncio.create_task(queue.acquire(2.0))
+    held = await queue.acquire(lambda: 1.0)
+    gone = asyncio.create_task(queue.acquire(lambda: 9.0))
+    kept = asyncio.create_task(queue.acquire(lambda: 2.0))
     await asyncio.sleep(0)
     gone.cancel()
     await asyncio.sleep(0)
-    queue.release(held, 1.0)  # type: ignore[arg-type]
-    assert await kept is engine  # the cancelled request's turn passed to the next one
-    late = asyncio.create_task(queue.acquire(3.0))
+    queue.release(held)  # type: ignore[arg-type]
+    assert (await kept).engine is engine  # the cancelled request's turn passed to the next
+    late = asyncio.create_task(queue.acquire(lambda: 3.0))
     await asyncio.sleep(0)
     routable.clear()  # the engine died: waiters are woken to look at health again
     queue.wake()

@@ -63,7 +63,7 @@ from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.predict import LengthPredictor
-from rollstream.rollout.queue import DispatchQueue
+from rollstream.rollout.queue import DispatchQueue, Grant
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
@@ -81,7 +81,7 @@ class InFlight:
     slot: int
     t_start_s: float
     version_start: int
-    work: float = 0.0  # predicted tokens left when dispatched (held in the dispatch queue)
+    grant: Grant | None = None  # its slot in the dispatch queue (None: no queue)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -194,22 +194,22 @@ class Dispatcher:
         return [e for e in self.engines
                 if e.engine_id not in self._drained and e.stats().health is EngineHealth.UP]
 
-    async def _pick_engine(self, work: float = 0.0) -> Engine:
-        """The engine for the next request (its slot in the dispatch queue taken when there is
-        one, for ``work`` predicted tokens): the least loaded UP engine; waits while engines
+    async def _pick_engine(self, work: Callable[[], float]) -> tuple[Engine, Grant | None]:
+        """The engine for the next request and, with a dispatch queue, the slot it holds there
+        (for ``work()`` predicted tokens): the least loaded UP engine; waits while engines
         recover or are drained, raises NoEngineAlive when every engine is DEAD."""
         while True:
             await self._gate.wait()
             up = self._routable()
             if up and self.queue is None:
-                return min(up, key=lambda e: self._load[id(e)])
+                return min(up, key=lambda e: self._load[id(e)]), None
             if up:
-                engine = await self.queue.acquire(work)
-                if engine is None:  # the engines went away while it waited: look again
+                grant = await self.queue.acquire(work)
+                if grant is None:  # the engines went away while it waited: look again
                     continue
                 if self._gate.is_set():
-                    return engine
-                self.queue.release(engine, work)  # a weight sync closed the gate meanwhile
+                    return grant.engine, grant
+                self.queue.release(grant)  # a weight sync closed the gate meanwhile
                 continue
             if not any(e.stats().health is EngineHealth.RECOVERING for e in self.engines) and \
                     not any(e.engine_id in self._drained and e.stats().health is EngineHealth.UP
@@ -247,10 +247,7 @@ class Dispatcher:
         """``sample``'s generation is over: GENERATED, counted in the per-source lengths."""
         sample.finish_reason = finish_reason
         self.lifecycle.move(sample, SampleStatus.GENERATED)
-        self.predictor.observe(sample, sample.num_response_tokens)
-        self.stats.per_source_tokens.setdefault(sample.task.source, deque(maxlen=256)).append(
-            sample.num_response_tokens
-        )
+        self.predictor.observe(sample, sample.num_response_tokens)  # and the source's lengths
 
     async def episode_turn(self, sample: Sample, params: SamplingParams, *,
                            deadline: float | None = None) -> TurnOutput | None:
@@ -322,14 +319,14 @@ class Dispatcher:
                              deadline: float | None = None) -> tuple[GenerateOutput, bool] | None:
         """One request; (its output, whether it was interrupted at ``deadline``); None when
         its group was cancelled while it waited for an engine."""
-        work = 0.0
-        if self.queue is not None:
+        def work() -> float:  # predicted tokens left, asked when the queue decides
             left = self.predictor.predict(sample) - sample.num_response_tokens
-            work = float(min(max(left, 1.0), params.max_new_tokens))
-        engine = await self._pick_engine(work)
+            return float(min(max(left, 1.0), params.max_new_tokens))
+
+        engine, grant = await self._pick_engine(work)
         if sample.group_id in self._cancelled:
-            if self.queue is not None:
-                self.queue.release(engine, work)
+            if grant is not None:
+                self.queue.release(grant)  # type: ignore[union-attr]
             return None
         request_id = f"{sample.uid}@{next(self._ids)}"
         if params.seed is None and self.seed is not None:
@@ -337,7 +334,7 @@ class Dispatcher:
         slot = self._take_slot()
         self.in_flight[request_id] = InFlight(
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
-            version_start=engine.stats().version, work=work,
+            version_start=engine.stats().version, grant=grant,
         )
         self._load[id(engine)] += 1
         self._idle.clear()
@@ -367,8 +364,8 @@ class Dispatcher:
             info = self.in_flight.pop(request_id)
             self._load[id(engine)] -= 1
             self._free_slots.append(slot)
-            if self.queue is not None:
-                self.queue.release(engine, work)
+            if grant is not None:
+                self.queue.release(grant)  # type: ignore[union-attr]
             if not self.in_flight:
                 self._idle.set()
         self.stats.generated_tokens += len(out.token_ids)

@@ -2,8 +2,9 @@
 
 A sample's length is predicted from two things the run already sees:
 
-* its **source's recent lengths** (the prior: the mean of the last finished responses of that
-  source, the same record the meters' ``len_mean`` reads, ``DispatchStats.per_source_tokens``);
+* its **source's recent lengths** (the prior: the mean of the last 256 finished responses of
+  that source; the predictor keeps this record, ``DispatchStats.per_source_tokens``, which the
+  meters' ``len_mean`` reads);
 * its **finished siblings** (the samples of its group share the prompt, so their lengths are
   the strongest evidence): their mean, shrunk toward the prior as if the prior were
   ``prior_weight`` more siblings.
@@ -23,34 +24,44 @@ from rollstream.trajectory import Sample
 
 
 class LengthPredictor:
+    """Owns the per-source length record it is given (``observe`` appends to it): sums are
+    kept alongside, so a prediction costs O(1) however often the dispatch queue asks."""
+
     def __init__(self, history: MutableMapping[str, deque[int]], *, default: float,
-                 prior_weight: float = 1.0) -> None:
+                 prior_weight: float = 1.0, window: int = 256) -> None:
         if default <= 0 or prior_weight <= 0:
             raise ValueError(f"default ({default}) and prior_weight ({prior_weight}) must be > 0")
-        self._history = history  # source -> recent finished lengths (owned by DispatchStats)
+        self._history = history  # source -> recent finished lengths (DispatchStats' record)
+        self._window = window
+        self._sums = {src: float(sum(v)) for src, v in history.items()}
         self.default = default
         self.prior_weight = prior_weight
-        self._siblings: dict[str, list[int]] = {}  # group id -> finished lengths
+        self._siblings: dict[str, tuple[float, int]] = {}  # group id -> (sum, count) finished
         self._first: dict[str, dict[str, float]] = {}  # group id -> uid -> first prediction
         self.errors: list[float] = []  # |predicted - actual| / actual, drained by the meters
 
     def prior(self, source: str) -> float:
         recent = self._history.get(source)
-        return sum(recent) / len(recent) if recent else self.default
+        return self._sums[source] / len(recent) if recent else self.default
 
     def predict(self, sample: Sample) -> float:
         """Predicted response length of ``sample`` (tokens, whole response); the first
         prediction of each sample is kept for its error."""
-        sib = self._siblings.get(sample.group_id, ())
+        total, n = self._siblings.get(sample.group_id, (0.0, 0))
         w = self.prior_weight
-        guess = (sum(sib) + w * self.prior(sample.task.source)) / (len(sib) + w)
+        guess = (total + w * self.prior(sample.task.source)) / (n + w)
         self._first.setdefault(sample.group_id, {}).setdefault(sample.uid, guess)
         return guess
 
     def observe(self, sample: Sample, length: int) -> None:
-        """``sample`` finished with ``length`` response tokens (the source's history is
-        appended by its owner)."""
-        self._siblings.setdefault(sample.group_id, []).append(length)
+        """``sample`` finished with ``length`` response tokens: a sibling for its group, a
+        recent length of its source, and the error of its first prediction."""
+        total, n = self._siblings.get(sample.group_id, (0.0, 0))
+        self._siblings[sample.group_id] = (total + length, n + 1)
+        recent = self._history.setdefault(sample.task.source, deque(maxlen=self._window))
+        dropped = recent[0] if recent.maxlen is not None and len(recent) == recent.maxlen else 0
+        recent.append(length)
+        self._sums[sample.task.source] = self._sums.get(sample.task.source, 0.0) + length - dropped
         first = self._first.get(sample.group_id, {}).pop(sample.uid, None)
         if first is not None:
             self.errors.append(abs(first - length) / max(length, 1))

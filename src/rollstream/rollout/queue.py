@@ -20,9 +20,8 @@ never waits behind another engine's queue while a slot is free elsewhere.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from rollstream.engine.protocol import Engine
@@ -38,70 +37,77 @@ class DispatchQueue:
         self._routable = routable  # engines that may take requests now (UP, not drained)
         self._busy: dict[int, int] = {}  # id(engine) -> requests granted and not released
         self._work: dict[int, float] = {}  # id(engine) -> predicted tokens outstanding
-        self._waiting: list[tuple[float, int, float, asyncio.Future[Engine | None]]] = []
-        self._seq = itertools.count()
+        # waiters in arrival order: (predicted work, read when a slot is free; its future)
+        self._waiting: list[tuple[Callable[[], float], asyncio.Future[Grant | None]]] = []
 
     @property
     def num_waiting(self) -> int:
-        return sum(not f.done() for *_, f in self._waiting)
+        return sum(not f.done() for _, f in self._waiting)
 
-    async def acquire(self, work: float) -> Engine | None:
-        """A slot on an engine, held until :meth:`release`, for a request of ``work``
-        predicted tokens; None when no engine is routable any more (the caller looks at
-        engine health again)."""
-        self._drop_done()
+    async def acquire(self, work: Callable[[], float]) -> Grant | None:
+        """A slot on an engine, held until :meth:`release`, for a request whose predicted
+        tokens ``work()`` tells (asked again whenever the order is decided: a prediction
+        improves while the request waits, as its siblings finish); None when no engine is
+        routable any more (the caller looks at engine health again)."""
+        self._waiting = [w for w in self._waiting if not w[1].done()]
         if not self._waiting:
             engines = self._routable()
             free = self._free(engines)
             if free:
-                return self._grant(free, work)
+                return self._grant(free, work())
             if not engines:
                 return None
-        key = -work if self.order == "longest_first" else 0.0
-        fut: asyncio.Future[Engine | None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (key, next(self._seq), work, fut))
+        fut: asyncio.Future[Grant | None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((work, fut))
         try:
             return await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.result() is not None:
-                self.release(fut.result(), work)  # granted, but its waiter is gone
+            if fut.done() and not fut.cancelled() and (grant := fut.result()) is not None:
+                self.release(grant)  # granted, but its waiter is gone
             raise
 
-    def release(self, engine: Engine, work: float) -> None:
-        """The request given ``engine`` for ``work`` tokens is over: its slot goes to the next
-        waiter."""
-        self._busy[id(engine)] -= 1
-        self._work[id(engine)] -= work
+    def release(self, grant: Grant) -> None:
+        """The request holding ``grant`` is over: its slot goes to the next waiter."""
+        self._busy[id(grant.engine)] -= 1
+        self._work[id(grant.engine)] -= grant.work
         self.wake()
 
     def wake(self) -> None:
         """Hand free slots to waiters in order (call when engines change: undrained,
         recovered); with no routable engine every waiter is woken with None."""
+        self._waiting = [w for w in self._waiting if not w[1].done()]
         engines = self._routable()
-        while self._waiting:
-            _, _, work, fut = self._waiting[0]
-            if fut.done():
-                heapq.heappop(self._waiting)
-                continue
-            if not engines:
-                heapq.heappop(self._waiting)
+        if not engines:
+            for _, fut in self._waiting:
                 fut.set_result(None)
-                continue
+            self._waiting = []
+            return
+        while self._waiting:
             free = self._free(engines)
             if not free:
                 return
-            heapq.heappop(self._waiting)
+            if self.order == "fifo":
+                i, work = 0, self._waiting[0][0]()
+            else:  # the most predicted tokens; the earliest among equals
+                predicted = [w() for w, _ in self._waiting]
+                i = max(range(len(predicted)), key=lambda j: (predicted[j], -j))
+                work = predicted[i]
+            _, fut = self._waiting.pop(i)
             fut.set_result(self._grant(free, work))
 
     def _free(self, engines: list[Engine]) -> list[Engine]:
         return [e for e in engines if self._busy.get(id(e), 0) < e.stats().capacity]
 
-    def _grant(self, free: list[Engine], work: float) -> Engine:
+    def _grant(self, free: list[Engine], work: float) -> Grant:
         engine = min(free, key=lambda e: (self._work.get(id(e), 0.0), self._busy.get(id(e), 0)))
         self._busy[id(engine)] = self._busy.get(id(engine), 0) + 1
         self._work[id(engine)] = self._work.get(id(engine), 0.0) + work
-        return engine
+        return Grant(engine, work)
 
-    def _drop_done(self) -> None:
-        while self._waiting and self._waiting[0][3].done():
-            heapq.heappop(self._waiting)
+
+@dataclass(slots=True, frozen=True)
+class Grant:
+    """A slot on ``engine``, held for a request of ``work`` predicted tokens."""
+
+    engine: Engine
+    work: float
