@@ -59,12 +59,15 @@ class Scripted:
     reward: float | None = None
     fail_at: int | None = None
     steps: list[int] = dataclasses.field(default_factory=list)  # turns answered (shared log)
+    hold: asyncio.Event | None = None  # each answer waits for it
 
     async def reset(self):
         return [{"role": "user", "content": "go"}]
 
     async def step(self, turn: ModelTurn) -> Observation:
         self.steps.append(turn.turn_index)
+        if self.hold is not None:
+            await self.hold.wait()
         if turn.turn_index == self.fail_at:
             raise RuntimeError("the environment broke")
         if turn.turn_index + 1 >= self.turns:
@@ -111,13 +114,14 @@ class ScriptedSource:
     kind: type[Scripted] = Scripted
     counter: Counter = dataclasses.field(default_factory=Counter)
     steps: list[int] = dataclasses.field(default_factory=list)
+    hold: asyncio.Event | None = None
 
     def tool_list(self):
         return [self.counter]
 
     def environment(self, task: Task, tools: ReplayTools) -> Scripted:
         return self.kind(tools=tools, turns=self.turns, reward=self.reward,
-                         fail_at=self.fail_at, steps=self.steps)
+                         fail_at=self.fail_at, steps=self.steps, hold=self.hold)
 
 
 def _task(i: int = 0, source: str = "s", harness: str = AGENT) -> Task:
@@ -330,6 +334,45 @@ async def test_an_environment_that_snapshots_is_restored_instead_of_replayed(eng
     assert failed.status is SampleStatus.FAILED and "ReplayDiverged" in failed.failure
     assert f"s{secret}" in failed.failure and hookless.steps == [0]
     assert hookless.counter.calls == []  # turn 0's call was answered from the checkpoint
+
+
+async def test_a_snapshot_taken_at_reset_restores_an_episode_saved_in_its_first_turn(
+        engine, tmp_path: Path):
+    """Saved while the environment answers the first model turn: the snapshot is the one
+    taken after reset (no segment before it), and it still carries the drawn secret."""
+    hold = asyncio.Event()
+    source = ScriptedSource(turns=3, kind=SnapshotDrawn, hold=hold)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
+    group = Group.new(_task(), 1)
+    run = asyncio.create_task(disp.run_group(group))
+    async with asyncio.timeout(60):
+        while not source.steps:  # the first answer has begun, and waits
+            await asyncio.sleep(0.002)
+    disp.pause()
+    await disp.interrupt(None)
+    await disp.wait_idle()
+    saved = group_to_dict(group)
+    hold.set()
+    disp.resume()
+    await asyncio.wait_for(run, 120)
+    graders.close()
+    snapshot = saved["samples"][0]["env_snapshot"]
+    assert snapshot["num_segments"] == 0 and [s["kind"] for s in saved["samples"][0][
+        "segments"]] == ["policy"]
+
+    fresh = ScriptedSource(turns=3, kind=SnapshotDrawn)
+    restored = group_from_dict(saved)
+    disp2, graders2 = _dispatcher(engine, fresh, Ledger(tmp_path / "b.jsonl"))
+    try:
+        await asyncio.wait_for(disp2.run_group(restored), 120)
+    finally:
+        graders2.close()
+    sample = restored.samples[0]
+    assert sample.status is SampleStatus.GRADED, sample.failure
+    assert fresh.steps == [0, 1, 2]  # the answer in progress at the checkpoint runs again
+    answers = [TOKENIZER.decode(g.token_ids) for g in sample.segments if g.kind is SegmentKind.ENV]
+    secret = snapshot["state"]["secret"]
+    assert len(answers) == 2 and all(f"s{secret}" in a for a in answers), (secret, answers)
 
 
 async def test_a_replay_that_diverges_fails_the_sample(engine, tmp_path: Path):

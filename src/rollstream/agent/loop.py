@@ -286,17 +286,16 @@ class AgentLoop:
         """Bring a fresh ``env`` (after ``reset``) to where the episode stands: restored from
         the episode's snapshot when it has one and ``env`` can take it, then the recorded turns
         after that point replayed."""
-        first, snap = replay_start(ep, env), ep.snapshot
-        if first:
-            assert snap is not None
-            if first > len(ep.segments):
+        snap = ep.snapshot
+        if snap is not None and isinstance(env, Snapshottable):  # even one taken at reset
+            if snap.num_segments > len(ep.segments):
                 raise ReplayDiverged(f"the environment's snapshot was taken after segment "
-                                     f"{first}, the episode has {len(ep.segments)}")
+                                     f"{snap.num_segments}, the episode has {len(ep.segments)}")
             await env.restore(copy.deepcopy(snap.state))
             ep.messages = copy.deepcopy(snap.messages)
-        elif not isinstance(env, Snapshottable):
+        else:
             ep.snapshot = None  # an environment that cannot take it is replayed
-        await self._replay(ep, env, stop, first)
+        await self._replay(ep, env, stop, replay_start(ep, env))
 
     async def _replay(self, ep: Episode, env: Environment, stop: tuple[int, ...],
                       first: int = 0) -> None:
