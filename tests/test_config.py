@@ -140,6 +140,23 @@ def test_a_harness_on_a_single_turn_source_is_an_error():
         load_config(None, ["tasks.sources=[{kind: tick, harness: openai}]"])
 
 
+def test_agent_harness_workers_is_checked_and_read_by_the_openai_harness():
+    from rollstream.data.sources import TaskMix
+    from rollstream.models.tokenizer import build_char_tokenizer
+    from rollstream.runtime.build import build_harnesses
+
+    with pytest.raises(ConfigError, match=r"agent\.harness_workers.*-1"):
+        load_config(EXAMPLES / "agent_openai.yaml", ["agent.harness_workers=-1"])
+    with pytest.raises(ConfigError, match="agent.harness_workers = 2 is read only by sources "
+                                          "with harness: openai"):
+        load_config(EXAMPLES / "agent.yaml", ["agent.harness_workers=2"])
+    tokenizer = build_char_tokenizer()
+    for n in (0, 3):
+        cfg = load_config(EXAMPLES / "agent_openai.yaml", [f"agent.harness_workers={n}"])
+        harness = build_harnesses(cfg, TaskMix(cfg.tasks, tokenizer), tokenizer)["openai"]
+        assert (harness.workers.size if harness.workers else 0) == n  # started at first use
+
+
 def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(capsys):
     import yaml
     from pydantic import BaseModel

@@ -101,6 +101,20 @@ class Turn:
     tool_results: list[ToolResult] = field(default_factory=list)
 
 
+@dataclass(slots=True, kw_only=True, frozen=True)
+class EnvSnapshot:
+    """Where an episode's environment stood at a turn boundary (an environment that can
+    snapshot its state, ``agent.environment.Snapshottable``): after the first
+    ``num_segments`` segments, its own ``state`` (what its ``snapshot()`` returned) and the
+    conversation's messages then (what the chat template renders the next turns after). A
+    resumed episode restores it instead of replaying its turns. Replaced at each boundary,
+    never changed (its dicts are its own)."""
+
+    num_segments: int
+    state: dict[str, Any]  # a JSON object
+    messages: list[dict[str, Any]]  # chat messages, as the template renders them
+
+
 SINGLE_TURN = "single_turn"  # Task.harness of a one-request task (prompt -> response)
 
 
@@ -201,6 +215,7 @@ class Sample:
     taken_at_step: int | None = None  # the trainer step whose batch held it (any outcome)
     num_restored_tokens: int = 0  # partial tokens it continued from after a restart (resume)
     turns: list[Turn] = field(default_factory=list)  # multi-turn episodes: one per segment
+    env_snapshot: EnvSnapshot | None = None  # an episode's environment, at its last boundary
 
     @property
     def uid(self) -> str:

@@ -1,12 +1,14 @@
 """Agent episodes through the dispatcher, on the real embedded engine: every model turn is a
 routed request (gate, interrupts, versions), environment tokens are masked, turns and tool
-calls are recorded, a checkpointed episode resumes without running a recorded call again, and
-a failing environment or an unknown harness fails only its own sample."""
+calls are recorded, a checkpointed episode resumes without running a recorded call again (its
+environment replayed, or restored from its snapshot when it can take one), and a failing
+environment or an unknown harness fails only its own sample."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 from pathlib import Path
 
 import torch
@@ -56,11 +58,16 @@ class Scripted:
     turns: int
     reward: float | None = None
     fail_at: int | None = None
+    steps: list[int] = dataclasses.field(default_factory=list)  # turns answered (shared log)
+    hold: asyncio.Event | None = None  # each answer waits for it
 
     async def reset(self):
         return [{"role": "user", "content": "go"}]
 
     async def step(self, turn: ModelTurn) -> Observation:
+        self.steps.append(turn.turn_index)
+        if self.hold is not None:
+            await self.hold.wait()
         if turn.turn_index == self.fail_at:
             raise RuntimeError("the environment broke")
         if turn.turn_index + 1 >= self.turns:
@@ -72,18 +79,49 @@ class Scripted:
 
 
 @dataclasses.dataclass
+class Drawn(Scripted):
+    """Scripted, and each answer also shows a secret drawn at reset: state that the model
+    turns and tool results do not determine (a rebuilt environment draws another)."""
+
+    secret: int = 0
+
+    async def reset(self):
+        self.secret = random.SystemRandom().randrange(10**6)
+        return await Scripted.reset(self)
+
+    async def step(self, turn: ModelTurn) -> Observation:
+        obs = await Scripted.step(self, turn)
+        secret = {"role": "user", "content": f"s{self.secret}"}
+        return obs if obs.done else dataclasses.replace(obs, messages=[*obs.messages, secret])
+
+
+class SnapshotDrawn(Drawn):
+    """Drawn, with the hook that saves and restores its secret."""
+
+    async def snapshot(self) -> dict:
+        return {"secret": self.secret}
+
+    async def restore(self, state: dict) -> None:
+        self.secret = state["secret"]
+
+
+@dataclasses.dataclass
 class ScriptedSource:
     name: str = "s"
     turns: int = 3
     reward: float | None = None
     fail_at: int | None = None
+    kind: type[Scripted] = Scripted
     counter: Counter = dataclasses.field(default_factory=Counter)
+    steps: list[int] = dataclasses.field(default_factory=list)
+    hold: asyncio.Event | None = None
 
     def tool_list(self):
         return [self.counter]
 
     def environment(self, task: Task, tools: ReplayTools) -> Scripted:
-        return Scripted(tools=tools, turns=self.turns, reward=self.reward, fail_at=self.fail_at)
+        return self.kind(tools=tools, turns=self.turns, reward=self.reward,
+                         fail_at=self.fail_at, steps=self.steps, hold=self.hold)
 
 
 def _task(i: int = 0, source: str = "s", harness: str = AGENT) -> Task:
@@ -252,6 +290,89 @@ async def test_a_checkpointed_episode_resumes_without_running_a_recorded_call(en
     assert kinds == [SegmentKind.POLICY, SegmentKind.ENV] * 4 + [SegmentKind.POLICY]
     assert sample.segments[:2 * recorded] == group_from_dict(saved).samples[0].segments[
         :2 * recorded]
+
+
+async def test_an_environment_that_snapshots_is_restored_instead_of_replayed(engine,
+                                                                             tmp_path: Path):
+    """Its secret, drawn at reset, comes back from the checkpoint and the episode goes on with
+    it, no recorded turn answered again; the same environment without the hook is rebuilt by
+    replay, draws another secret and diverges."""
+    source = ScriptedSource(turns=5, kind=SnapshotDrawn)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
+    saved = await _checkpoint_after(disp, Group.new(_task(), 1), source, calls=2)
+    graders.close()
+    snapshot = saved["samples"][0]["env_snapshot"]
+    secret = snapshot["state"]["secret"]
+    recorded = sum(t["kind"] == "env" for t in saved["samples"][0]["turns"])
+    assert recorded >= 2 and snapshot["num_segments"] == 2 * recorded
+    assert snapshot["messages"][-1] == {"role": "user", "content": f"s{secret}"}
+
+    fresh = ScriptedSource(turns=5, kind=SnapshotDrawn)
+    restored = group_from_dict(saved)
+    disp2, graders2 = _dispatcher(engine, fresh, Ledger(tmp_path / "b.jsonl"))
+    try:
+        await asyncio.wait_for(disp2.run_group(restored), 120)
+    finally:
+        graders2.close()
+    sample = restored.samples[0]
+    assert sample.status is SampleStatus.GRADED, sample.failure
+    assert fresh.steps == list(range(recorded, 5))  # no recorded turn answered again
+    assert fresh.counter.calls == list(range(recorded, 4))
+    answers = [TOKENIZER.decode(g.token_ids) for g in sample.segments if g.kind is SegmentKind.ENV]
+    assert len(answers) == 4 and all(f"s{secret}" in a for a in answers), answers
+    assert sample.env_snapshot.state == {"secret": secret}
+    assert sample.env_snapshot.num_segments == 8  # taken before the last model turn
+
+    hookless = ScriptedSource(turns=5, kind=Drawn)
+    replayed = group_from_dict(saved)
+    disp3, graders3 = _dispatcher(engine, hookless, Ledger(tmp_path / "c.jsonl"))
+    try:
+        await asyncio.wait_for(disp3.run_group(replayed), 120)
+    finally:
+        graders3.close()
+    failed = replayed.samples[0]
+    assert failed.status is SampleStatus.FAILED and "ReplayDiverged" in failed.failure
+    assert f"s{secret}" in failed.failure and hookless.steps == [0]
+    assert hookless.counter.calls == []  # turn 0's call was answered from the checkpoint
+
+
+async def test_a_snapshot_taken_at_reset_restores_an_episode_saved_in_its_first_turn(
+        engine, tmp_path: Path):
+    """Saved while the environment answers the first model turn: the snapshot is the one
+    taken after reset (no segment before it), and it still carries the drawn secret."""
+    hold = asyncio.Event()
+    source = ScriptedSource(turns=3, kind=SnapshotDrawn, hold=hold)
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "a.jsonl"))
+    group = Group.new(_task(), 1)
+    run = asyncio.create_task(disp.run_group(group))
+    async with asyncio.timeout(60):
+        while not source.steps:  # the first answer has begun, and waits
+            await asyncio.sleep(0.002)
+    disp.pause()
+    await disp.interrupt(None)
+    await disp.wait_idle()
+    saved = group_to_dict(group)
+    hold.set()
+    disp.resume()
+    await asyncio.wait_for(run, 120)
+    graders.close()
+    snapshot = saved["samples"][0]["env_snapshot"]
+    assert snapshot["num_segments"] == 0 and [s["kind"] for s in saved["samples"][0][
+        "segments"]] == ["policy"]
+
+    fresh = ScriptedSource(turns=3, kind=SnapshotDrawn)
+    restored = group_from_dict(saved)
+    disp2, graders2 = _dispatcher(engine, fresh, Ledger(tmp_path / "b.jsonl"))
+    try:
+        await asyncio.wait_for(disp2.run_group(restored), 120)
+    finally:
+        graders2.close()
+    sample = restored.samples[0]
+    assert sample.status is SampleStatus.GRADED, sample.failure
+    assert fresh.steps == [0, 1, 2]  # the answer in progress at the checkpoint runs again
+    answers = [TOKENIZER.decode(g.token_ids) for g in sample.segments if g.kind is SegmentKind.ENV]
+    secret = snapshot["state"]["secret"]
+    assert len(answers) == 2 and all(f"s{secret}" in a for a in answers), (secret, answers)
 
 
 async def test_a_replay_that_diverges_fails_the_sample(engine, tmp_path: Path):

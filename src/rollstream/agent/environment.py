@@ -9,6 +9,11 @@ which runs it off the event loop so that other episodes keep going.
 :class:`ToolEnvironment` is the common case: the model calls tools (parsed with a
 ``ToolCallParser``, run by a ``ToolManager``); a turn without tool calls is its answer, graded
 by ``grade(answer)``.
+
+An environment whose state is more than what the model turns and tool results determine (a
+random draw at reset, a simulator, an external system) also implements
+:class:`Snapshottable`: its state is saved with the episode at each turn boundary, and a
+resumed episode restores it instead of rebuilding it by replay (``agent/loop.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rollstream.agent.tools import (
     HermesToolParser,
@@ -53,6 +58,21 @@ class Environment(Protocol):
 
     async def step(self, turn: ModelTurn) -> Observation:
         """Answer one model turn."""
+
+
+@runtime_checkable
+class Snapshottable(Protocol):
+    """An environment that can save and restore its own state (a capability beside
+    :class:`Environment`). ``snapshot`` is called at each turn boundary, between its
+    answer and the next model turn; ``restore`` on a fresh environment after ``reset()``,
+    with a state an earlier ``snapshot`` returned, possibly in another process. The
+    conversation itself is saved by the loop: the state is only what the environment keeps."""
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Its state: a JSON object (saved in checkpoints)."""
+
+    async def restore(self, state: dict[str, Any]) -> None:
+        """Stand where ``state`` was taken."""
 
 
 class SyncEnvironment(Protocol):

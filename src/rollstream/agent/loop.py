@@ -22,13 +22,19 @@ turn and continues; a finished one waits for the environment. A restored episode
 environment is rebuilt by :meth:`AgentLoop.run` from ``env.reset()`` and the recorded model
 turns, each answered again while its tool calls are served from the recorded results
 (:class:`ReplayTools`: no recorded call is executed twice); the rendered answer must equal the
-saved environment tokens, else :class:`ReplayDiverged`.
+saved environment tokens, else :class:`ReplayDiverged`. An environment that can snapshot its
+state (:class:`~rollstream.agent.environment.Snapshottable`) is instead restored: before each
+model turn the loop records its snapshot and the conversation (``Episode.snapshot``, which a
+training sample keeps as ``Sample.env_snapshot``), and a restored episode restores the last
+one; only turns recorded after it, if any, are replayed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
+import json
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -36,11 +42,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from rollstream.agent.chat import ChatRenderer, Message, TemplateError
-from rollstream.agent.environment import Environment, ModelTurn, Observation
+from rollstream.agent.environment import Environment, ModelTurn, Observation, Snapshottable
 from rollstream.agent.tools import ToolCall, ToolResult
 from rollstream.engine import Engine, FinishReason, GenerateRequest, SamplingParams
 from rollstream.rollout.dispatcher import TurnOutput
-from rollstream.trajectory import Segment, SegmentKind, Turn, append_policy_tokens
+from rollstream.trajectory import EnvSnapshot, Segment, SegmentKind, Turn, append_policy_tokens
 
 
 class EpisodeEnd(str, enum.Enum):
@@ -79,6 +85,7 @@ class Episode:
     messages: list[Message] = field(default_factory=list)  # as the template renders them
     segments: list[Segment] = field(default_factory=list)  # alternating policy / env
     turns: list[Turn] = field(default_factory=list)  # turns[i] describes segments[i]
+    snapshot: EnvSnapshot | None = None  # a Snapshottable environment, before the last turn
     end: EpisodeEnd | None = None
     reward: float | None = None
     error: str | None = None
@@ -153,7 +160,8 @@ class AgentLoop:
                   episode: Episode | None = None) -> Episode:
         """Run (or continue) an episode to its end. ``episode``: one to continue (a training
         sample's, maybe restored with segments); its ``prompt_ids`` must be what the template
-        renders for ``env.reset()``. Its recorded turns are replayed into ``env`` first."""
+        renders for ``env.reset()``. ``env`` is first brought to where it stands: restored
+        from ``episode.snapshot`` when it can be, and its recorded turns after that replayed."""
         start = time.monotonic()
         deadline = None if self.budgets.max_wall_s is None else start + self.budgets.max_wall_s
         messages = await env.reset()
@@ -166,15 +174,17 @@ class AgentLoop:
         episode.messages = list(messages)
         ep = episode
         stop = tuple(self.renderer.stop_token_ids(messages))
-        await self._replay(ep, env, stop)
+        await self._restore(ep, env, stop)
         while ep.end is None:
             last = ep.segments[-1] if ep.segments else None
             if last is not None and last.kind is SegmentKind.POLICY and self._turn_over(ep):
                 await self._answer(ep, env, stop, start, deadline)
             elif (end := self._out_of_budget(ep, deadline, partial=last)) is not None:
                 ep.end = end
-            elif not await self._model_turn(ep, generate, episode_id, stop, start, deadline):
-                break  # the generator gave up on the episode: its owner records why
+            else:
+                await self._snapshot(ep, env)
+                if not await self._model_turn(ep, generate, episode_id, stop, start, deadline):
+                    break  # the generator gave up on the episode: its owner records why
         ep.duration_s = time.monotonic() - start
         return ep
 
@@ -256,10 +266,43 @@ class AgentLoop:
         return await asyncio.to_thread(self.renderer.extend, ep.messages, obs.messages,
                                        model_ended_turn=ended)
 
-    async def _replay(self, ep: Episode, env: Environment, stop: tuple[int, ...]) -> None:
-        """Answer the recorded model turns again, so that ``env`` stands where the episode
-        does; each answer must render to the recorded environment tokens."""
-        for i in range(0, len(ep.segments) - 1, 2):
+    @staticmethod
+    async def _snapshot(ep: Episode, env: Environment) -> None:
+        """Record where a Snapshottable ``env`` stands before a new model turn (not before
+        the rest of a partial one: its snapshot was taken before it began)."""
+        n = len(ep.segments)
+        partial = n > 0 and ep.segments[-1].kind is SegmentKind.POLICY
+        taken = ep.snapshot is not None and ep.snapshot.num_segments == n
+        if partial or taken or not isinstance(env, Snapshottable):
+            return
+        state = await env.snapshot()
+        if not isinstance(state, dict):
+            raise TypeError(f"{type(env).__name__}.snapshot() returned a "
+                            f"{type(state).__name__}, not a dict (a JSON object)")
+        ep.snapshot = EnvSnapshot(num_segments=n, state=_json_copy(state, type(env).__name__),
+                                  messages=_json_copy(ep.messages, "the conversation"))
+
+    async def _restore(self, ep: Episode, env: Environment, stop: tuple[int, ...]) -> None:
+        """Bring a fresh ``env`` (after ``reset``) to where the episode stands: restored from
+        the episode's snapshot when it has one and ``env`` can take it, then the recorded turns
+        after that point replayed."""
+        snap = ep.snapshot
+        if snap is not None and isinstance(env, Snapshottable):  # even one taken at reset
+            if snap.num_segments > len(ep.segments):
+                raise ReplayDiverged(f"the environment's snapshot was taken after segment "
+                                     f"{snap.num_segments}, the episode has {len(ep.segments)}")
+            await env.restore(copy.deepcopy(snap.state))
+            ep.messages = copy.deepcopy(snap.messages)
+        else:
+            ep.snapshot = None  # an environment that cannot take it is replayed
+        await self._replay(ep, env, stop, replay_start(ep, env))
+
+    async def _replay(self, ep: Episode, env: Environment, stop: tuple[int, ...],
+                      first: int = 0) -> None:
+        """Answer the recorded model turns from segment ``first`` on again, so that ``env``
+        stands where the episode does; each answer must render to the recorded environment
+        tokens."""
+        for i in range(first, len(ep.segments) - 1, 2):
             seg, saved = ep.segments[i], ep.segments[i + 1]
             if seg.kind is not SegmentKind.POLICY or saved.kind is not SegmentKind.ENV:
                 raise ReplayDiverged(f"segments {i}, {i + 1} are not a model turn and its "
@@ -274,6 +317,13 @@ class AgentLoop:
                     f"{self.renderer.tokenizer.decode(delta)!r}, the episode recorded "
                     f"{self.renderer.tokenizer.decode(saved.token_ids)!r}")
             ep.messages.extend(obs.messages)
+
+
+def replay_start(episode: Episode, env: Environment) -> int:
+    """The first segment whose turn a rebuilt ``env`` answers again: after the episode's
+    snapshot when ``env`` can restore it, else 0 (every recorded turn)."""
+    snap = episode.snapshot
+    return snap.num_segments if snap is not None and isinstance(env, Snapshottable) else 0
 
 
 async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, rid: str,
@@ -307,6 +357,14 @@ async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, 
                                                    FinishReason.ABORT) else None
         return TurnOutput(finish_reason=out.finish_reason, error=error, num_tokens=done,
                           num_interrupts=interrupts, out_of_time=out_of_time)
+
+
+def _json_copy(value: Any, what: str) -> Any:
+    """A copy of ``value`` through JSON (what a checkpoint writes): it must be JSON."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"the snapshot of {what} is not JSON: {e}") from None
 
 
 def _loop_time(deadline: float | None) -> float | None:

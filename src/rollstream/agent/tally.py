@@ -27,6 +27,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.environment import ModelTurn, Observation, ToolEnvironment
@@ -73,6 +74,7 @@ class TallySource(_Synthetic):
     """Agent episodes: add dealt numbers with the ``calc`` tool (module docstring)."""
 
     harness: str = field(init=False, default=AGENT)  # or OPENAI (SourceConfig.harness)
+    agent: ClassVar[str] = "rollstream.agent.tally:openai_agent"  # run by the OPENAI harness
     renderer: ChatRenderer = field(init=False)
     parser: CommandToolParser = field(init=False)
 
@@ -95,57 +97,23 @@ class TallySource(_Synthetic):
                     prompt_ids=tuple(self.renderer.prompt(self.opening(task))),
                     reference=task.reference, harness=self.harness)
 
-    def values(self, task: Task) -> list[int]:
-        self._parse(_PROMPT, task)
-        return [int(v) for v in task.prompt_text.split()[1:]]
-
     def difficulty(self, task: Task) -> str:
         """Its bucket for pass-rate sampling: how many numbers it deals (``n07``)."""
-        return f"n{len(self.values(task)):02d}"
+        return f"n{len(_values(task)):02d}"
 
     def opening(self, task: Task) -> list[Message]:
-        return [{"role": "user", "content": f"add {self.values(task)[0]}"}]
+        return _opening(task)
 
     def tool_list(self) -> list[Tool]:
         return [Calculator(name="calc")]
 
     def environment(self, task: Task, tools: ReplayTools) -> TallyEnvironment:
-        return TallyEnvironment(values=self.values(task), tools=tools, parser=self.parser)
-
-    async def openai_agent(self, session: SessionHandle, task: Task,
-                           sampling: SamplingParams) -> None:
-        """The same episode written as an ordinary agent with the ``openai`` SDK (the
-        ``openai`` harness): it keeps the conversation, runs the calculator itself and deals
-        the numbers; the proxy it talks to turns its calls into the training sample."""
-        import openai
-
-        values = self.values(task)
-        calc = Calculator(name="calc")
-        messages: list[dict] = list(self.opening(task))
-        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
-                                      max_retries=0) as client:
-            for dealt in range(1, len(values) + 2):
-                reply = await client.chat.completions.create(
-                    model="tally", messages=messages, tools=[tool_schema(calc)],
-                    temperature=sampling.temperature, top_p=sampling.top_p,
-                    max_tokens=sampling.max_new_tokens)
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    return  # the answer
-                for call in message.tool_calls:
-                    try:
-                        result = await calc(**json.loads(call.function.arguments))
-                    except (ValueError, TypeError) as e:
-                        result = f"error: {e}"
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-                deal = f"add {values[dealt]}" if dealt < len(values) else "end"
-                messages.append({"role": "user", "content": deal})
+        return TallyEnvironment(values=_values(task), tools=tools, parser=self.parser)
 
     def demonstration(self, task: Task, rng: random.Random, noise: float) -> list[Message]:
         """The turns after the opening: a call per number, its result and the next deal,
         then the answer."""
-        values = self.values(task)
+        values = _values(task)
         turns: list[Message] = []
         total = 0
         for i, v in enumerate(values):
@@ -160,3 +128,44 @@ class TallySource(_Synthetic):
             turns += [{"role": "tool", "content": str(total)}, {"role": "user", "content": deal}]
         turns.append({"role": "assistant", "content": f"={total}"})
         return turns
+
+
+async def openai_agent(session: SessionHandle, task: Task, sampling: SamplingParams) -> None:
+    """The same episode written as an ordinary agent with the ``openai`` SDK (the ``openai``
+    harness, ``TallySource.agent``): it keeps the conversation, runs the calculator itself and
+    deals the numbers; the proxy it talks to turns its calls into the training sample."""
+    import openai
+
+    values = _values(task)
+    calc = Calculator(name="calc")
+    messages: list[dict] = _opening(task)
+    async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
+                                  max_retries=0) as client:
+        for dealt in range(1, len(values) + 2):
+            reply = await client.chat.completions.create(
+                model="tally", messages=messages, tools=[tool_schema(calc)],
+                temperature=sampling.temperature, top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return  # the answer
+            for call in message.tool_calls:
+                try:
+                    result = await calc(**json.loads(call.function.arguments))
+                except (ValueError, TypeError) as e:
+                    result = f"error: {e}"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            deal = f"add {values[dealt]}" if dealt < len(values) else "end"
+            messages.append({"role": "user", "content": deal})
+
+
+def _values(task: Task) -> list[int]:
+    """The numbers a tally task deals (its text: ``tally 12 45 7``)."""
+    if _PROMPT.fullmatch(task.prompt_text) is None:
+        raise ValueError(f"task {task.uid} is not a tally prompt: {task.prompt_text!r}")
+    return [int(v) for v in task.prompt_text.split()[1:]]
+
+
+def _opening(task: Task) -> list[Message]:
+    return [{"role": "user", "content": f"add {_values(task)[0]}"}]

@@ -337,7 +337,8 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
     agent: AgentConfig = AgentConfig()
-    """How agent episodes (sources of kind ``tally``) run: budgets and tool limits."""
+    """How agent episodes (sources of kind ``tally``) run: budgets, tool limits and where
+    OpenAI-SDK agents run."""
     engine: EngineConfig = EngineConfig()
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -371,6 +372,12 @@ class RunConfig(Section):
                         f"{self.reward.name!r} (which grades every source): set reward.name: "
                         "auto to give sources their own rewards, or drop the source's reward"
                     )
+        if self.agent.harness_workers and not any(s.harness == "openai"
+                                                  for s in self.tasks.sources):
+            raise ValueError(
+                f"agent.harness_workers = {self.agent.harness_workers} is read only by sources "
+                "with harness: openai (tasks.sources has none); drop it or set 0"
+            )
         if self.sampling.temperature == 0:
             raise ValueError(
                 "sampling.temperature = 0 cannot train: greedy samples of a group are all the "

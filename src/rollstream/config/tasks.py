@@ -138,6 +138,13 @@ class AgentConfig(Section):
     """Per tool call: a call still running then ends with an error message to the model."""
     max_tool_concurrency: int | None = Field(None, ge=1)
     """Tool calls running at once per agent source, across its episodes (None = no bound)."""
+    harness_workers: int = Field(0, ge=0, le=256)
+    """Where the agents of ``harness: openai`` sources run: 0 = as coroutines in the run's
+    process; N > 0 = in a pool of N long-lived worker processes, started at the first such
+    episode and reused, one episode each at a time (so at most N of these episodes run at
+    once). A worker that dies, or whose agent runs past ``max_wall_s``, is killed and
+    replaced, failing only that episode's sample. Use them for agents that block or use CPU
+    (they would stall the engine's process) or that must not share its interpreter."""
 
 
 class PassRateConfig(Section):

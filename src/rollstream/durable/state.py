@@ -1,10 +1,11 @@
 """Groups and samples as JSON, token for token (what a checkpoint saves of the rollout).
 
 Every per-token field of every segment is kept (ids, behaviour logprobs, versions, loss
-mask), an episode's turns (tool calls and their results: what a resumed episode replays),
-with the sample's status and what it has recorded so far, so that a restored sample
-continues exactly where the saved one stood: ``prompt + tokens so far`` is resubmitted with
-the versions of the saved tokens unchanged.
+mask), an episode's turns (tool calls and their results: what a resumed episode replays) and
+its environment's snapshot (what a resumed episode restores instead, when its environment
+can snapshot; absent from older checkpoints), with the sample's status and what it has
+recorded so far, so that a restored sample continues exactly where the saved one stood:
+``prompt + tokens so far`` is resubmitted with the versions of the saved tokens unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from rollstream.trajectory import (
     SINGLE_TURN,
+    EnvSnapshot,
     Group,
     Sample,
     SampleStatus,
@@ -85,6 +87,8 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
                       "logprobs": list(g.logprobs), "versions": list(g.versions),  # sample
                       "loss_mask": list(g.loss_mask)} for g in s.segments],  # grows on
         "turns": [_turn_to_dict(t) for t in s.turns],
+        "env_snapshot": None if (e := s.env_snapshot) is None else {  # frozen: no copy
+            "num_segments": e.num_segments, "state": e.state, "messages": e.messages},
     }
 
 
@@ -97,7 +101,10 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                     finish_reason=d["finish_reason"], failure=d["failure"],
                     engine_id=d["engine_id"], num_interrupts=d["num_interrupts"],
                     num_restored_tokens=d["num_restored_tokens"],
-                    turns=[_turn_from_dict(t) for t in d.get("turns", ())])
+                    turns=[_turn_from_dict(t) for t in d.get("turns", ())],
+                    env_snapshot=None if (e := d.get("env_snapshot")) is None else EnvSnapshot(
+                        num_segments=e["num_segments"], state=e["state"],
+                        messages=e["messages"]))
     if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
         sample.num_restored_tokens = sample.num_response_tokens
     return sample

@@ -1,4 +1,5 @@
-"""Worker processes for synchronous rewards, driven by the event loop itself.
+"""Worker processes for synchronous rewards, driven by the event loop itself (the agent
+harness runs OpenAI-SDK agents in a pool of them too: ``agent/proxy_harness.py``).
 
 Each worker is a ``spawn``-ed process (safe in a process that has threads, unlike ``fork``)
 joined to the parent by a pipe; it runs one call at a time in its main thread. The parent
@@ -38,8 +39,8 @@ MAX_FAILED_STARTS = 3  # workers that die before "ready", in a row: the pool sto
 class WorkerDied(Exception):
     """The worker process exited (or could not start) during a call."""
 
-    def __init__(self, exitcode: int | None, why: str = "died") -> None:
-        super().__init__(f"reward worker {why} (exit code {exitcode})")
+    def __init__(self, exitcode: int | None, why: str = "died", role: str = "reward") -> None:
+        super().__init__(f"{role} worker {why} (exit code {exitcode})")
         self.exitcode = exitcode
 
 
@@ -52,10 +53,10 @@ class PoolClosed(Exception):
 
 
 class _Worker:
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, role: str) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True,
-                                name="rollstream-reward")
+                                name=f"rollstream-{role}")
         self.proc.start()
         child.close()
         self.ready = False  # it said "ready" (a worker that dies before cannot start here)
@@ -64,10 +65,11 @@ class _Worker:
 
 
 class ProcessWorkers:
-    """``size`` worker processes, started at the first call; one call each at a time."""
+    """``size`` worker processes, started at the first call; one call each at a time.
+    ``role`` names them in errors and process names (``reward``, ``harness``)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, role: str = "reward") -> None:
+        self.size, self.role = size, role
         self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: asyncio.Queue[_Worker | None] | None = None  # None: closed
@@ -76,7 +78,8 @@ class ProcessWorkers:
         self._failed_starts = 0  # workers in a row that died before they were ready
         self.broken: WorkerDied | None = None  # workers cannot start: every call fails so
 
-    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
+    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                   timeout_s: float | None) -> Any:
         """``fn(*args)`` in a worker; ``fn`` and ``args`` are pickled (functions by reference).
         Raises CallTimeout, WorkerDied, PoolClosed, or what unpickling the result raises."""
         if self.broken is not None:
@@ -102,7 +105,8 @@ class ProcessWorkers:
                 async with asyncio.timeout(STARTUP_S):
                     await asyncio.shield(worker.started)
             except TimeoutError:
-                raise WorkerDied(worker.proc.exitcode, "did not start the call") from None
+                raise WorkerDied(worker.proc.exitcode, "did not start the call",
+                                 self.role) from None
             try:
                 async with asyncio.timeout(timeout_s):
                     return await asyncio.shield(worker.done)
@@ -113,11 +117,16 @@ class ProcessWorkers:
             raise
         except OSError:  # the pipe broke: the process is gone
             self._replace(worker)
-            raise WorkerDied(worker.proc.exitcode) from None
+            raise WorkerDied(worker.proc.exitcode, role=self.role) from None
         finally:
             if worker in self._all:
                 worker.started = worker.done = None
                 self._idle.put_nowait(worker)
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (started, not yet stopped)."""
+        return [w.proc.pid for w in self._all]
 
     def close(self) -> None:
         """Kill every worker (their calls fail with PoolClosed); nothing is left running."""
@@ -130,7 +139,7 @@ class ProcessWorkers:
     # -- internals ----------------------------------------------------------------------------
     def _start(self) -> None:
         assert self._loop is not None
-        worker = _Worker(self._ctx)
+        worker = _Worker(self._ctx, self.role)
         self._all.append(worker)
         self._loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
 
@@ -144,7 +153,7 @@ class ProcessWorkers:
                 if self._failed_starts >= MAX_FAILED_STARTS:  # replacing it would loop forever
                     self._break(worker)
                     return
-            self._replace(worker, WorkerDied(worker.proc.exitcode))
+            self._replace(worker, WorkerDied(worker.proc.exitcode, role=self.role))
             return
         if kind == "ready":
             assert self._idle is not None
@@ -162,7 +171,7 @@ class ProcessWorkers:
         self.broken = WorkerDied(
             worker.proc.exitcode, f"processes died before they were ready, "
             f"{self._failed_starts} in a row (is the program's __main__ importable by a "
-            f"spawned process? a script read from stdin is not)")
+            f"spawned process? a script read from stdin is not)", self.role)
         self._stop(worker, self.broken)
         for other in list(self._all):
             self._stop(other, self.broken)

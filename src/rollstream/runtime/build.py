@@ -115,7 +115,7 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
                                         max_tool_concurrency=a.max_tool_concurrency)
     if OPENAI in by_harness:
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
-                                         budgets=budgets)
+                                         budgets=budgets, workers=a.harness_workers)
     return harnesses
 
 
