@@ -141,7 +141,7 @@ def test_a_harness_on_a_single_turn_source_is_an_error():
 
 
 def test_agent_harness_workers_is_checked_and_read_by_the_openai_harness():
-    from rollstream.data.sources import TaskMix
+    from rollstream.data.mix import TaskMix
     from rollstream.models.tokenizer import build_char_tokenizer
     from rollstream.runtime.build import build_harnesses
 
