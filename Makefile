@@ -45,7 +45,7 @@ system-deps:
 	fi
 
 test: setup-vllm system-deps
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25  # the slowest tests: the suite must stay well under 20 min
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not ray and not browser"
