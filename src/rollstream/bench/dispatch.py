@@ -153,7 +153,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
     torch.set_num_threads(1)
     base = load_config(LONG_YAML, list(overrides or []))
     folder = prepare_model(base.model, base.tasks)  # cached: the tick_long warm start
-    num_batches, groups, group_size, slots = (3, 8, 4, 8) if quick else (7, 16, 8, 16)
+    num_batches, groups, group_size, slots = (3, 8, 4, 8) if quick else (13, 16, 8, 16)
     max_items = min(64, base.tasks.sources[0].max_items)
     mixed = load_config(LONG_YAML, [
         *(overrides or []), "tasks.mix=weighted",
