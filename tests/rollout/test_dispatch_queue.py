@@ -81,12 +81,12 @@ async def test_a_freed_slot_goes_to_the_next_request_in_order(order: str,
                                                               granted: list[float]) -> None:
     engine = _Slots("a", capacity=1)
     queue = DispatchQueue(order, lambda: [engine])  # type: ignore[arg-type, list-item]
-    first = await queue.acquire(lambda: 5.0)
+    first = await queue.acquire(lambda: ((5.0,), 5.0))
     assert first is not None and first.engine is engine and first.work == 5.0
     got: list[float] = []
 
     async def want(work: float) -> None:
-        grant = await queue.acquire(lambda: work)
+        grant = await queue.acquire(lambda: ((work,), work))
         got.append(work)
         await asyncio.sleep(0)
         queue.release(grant)  # type: ignore[arg-type]
@@ -104,10 +104,10 @@ async def test_the_order_is_decided_on_predictions_read_when_a_slot_frees() -> N
     when it decides, not when the request arrived."""
     engine = _Slots("a", capacity=1)
     queue = DispatchQueue("longest_first", lambda: [engine])  # type: ignore[arg-type, list-item]
-    held = await queue.acquire(lambda: 1.0)
+    held = await queue.acquire(lambda: ((1.0,), 1.0))
     predicted = {"x": 10.0, "y": 20.0}
-    x = asyncio.create_task(queue.acquire(lambda: predicted["x"]))
-    y = asyncio.create_task(queue.acquire(lambda: predicted["y"]))
+    x = asyncio.create_task(queue.acquire(lambda: ((predicted["x"],), predicted["x"])))
+    y = asyncio.create_task(queue.acquire(lambda: ((predicted["y"],), predicted["y"])))
     await asyncio.sleep(0)
     predicted["x"] = 50.0  # x's siblings turned out long
     queue.release(held)  # type: ignore[arg-type]
@@ -122,7 +122,7 @@ async def test_placement_balances_predicted_tokens_not_request_counts() -> None:
     queue = DispatchQueue("longest_first", lambda: [a, b])  # type: ignore[arg-type, list-item]
     placed = []
     for w in (100.0, 10.0, 10.0, 10.0, 50.0):
-        grant = await queue.acquire(lambda w=w: w)
+        grant = await queue.acquire(lambda w=w: ((w,), w))
         placed.append(grant.engine.engine_id)  # type: ignore[union-attr]
     # 100 -> a; then b holds the short ones until it passes a's 100; 50 goes to the lighter b
     assert placed == ["a", "b", "b", "b", "b"]
@@ -132,15 +132,15 @@ async def test_a_cancelled_waiter_gives_its_slot_on_and_no_engine_wakes_everyone
     engine = _Slots("a", capacity=1)
     routable = [engine]
     queue = DispatchQueue("longest_first", lambda: list(routable))  # type: ignore[arg-type]
-    held = await queue.acquire(lambda: 1.0)
-    gone = asyncio.create_task(queue.acquire(lambda: 9.0))
-    kept = asyncio.create_task(queue.acquire(lambda: 2.0))
+    held = await queue.acquire(lambda: ((1.0,), 1.0))
+    gone = asyncio.create_task(queue.acquire(lambda: ((9.0,), 9.0)))
+    kept = asyncio.create_task(queue.acquire(lambda: ((2.0,), 2.0)))
     await asyncio.sleep(0)
     gone.cancel()
     await asyncio.sleep(0)
     queue.release(held)  # type: ignore[arg-type]
     assert (await kept).engine is engine  # the cancelled request's turn passed to the next
-    late = asyncio.create_task(queue.acquire(lambda: 3.0))
+    late = asyncio.create_task(queue.acquire(lambda: ((3.0,), 3.0)))
     await asyncio.sleep(0)
     routable.clear()  # the engine died: waiters are woken to look at health again
     queue.wake()
@@ -203,3 +203,19 @@ def test_the_dispatcher_holds_requests_beyond_capacity_and_grades_every_sample(
     assert len(spans) == 16 and {sp["engine_id"] for sp in spans} == {"e0", "e1"}
     gauges = disp.gauges()
     assert gauges["dispatch_waiting"] == 0.0 and gauges["len_pred_err"] >= 0.0
+
+
+def test_a_group_not_heard_from_ranks_high_and_fresh_groups_go_first() -> None:
+    """Until one of its samples finishes a group may be long: it ranks at the source's upper
+    quantile, above a group known to be short; among equals the group with fewer samples
+    started goes first (early slots sample every group once)."""
+    history = {"s": deque(range(1, 101))}  # p90 about 90, mean about 50
+    predictor = LengthPredictor(history, default=10.0)
+    short, fresh, busy = _group(0), _group(1), _group(2)
+    predictor.observe(short.samples[0], 5)
+    assert predictor.rank(short.samples[1])[0] < predictor.prior("s") < 85 < predictor.rank(
+        fresh.samples[0])[0]
+    predictor.started(busy.samples[0])
+    assert predictor.rank(fresh.samples[0]) > predictor.rank(busy.samples[1])
+    predictor.forget(busy.group_id)
+    assert predictor.rank(busy.samples[1]) == predictor.rank(fresh.samples[0])

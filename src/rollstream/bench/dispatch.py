@@ -61,6 +61,11 @@ class _Oracle:
     def predict(self, sample: Sample) -> float:
         return float(self.lengths.get(sample.uid, 1))
 
+    def rank(self, sample: Sample) -> tuple[float, int]:
+        return self.predict(sample), 0
+
+    def started(self, sample: Sample) -> None: ...
+
     def observe(self, sample: Sample, length: int) -> None: ...
 
     def forget(self, group_id: str) -> None: ...

@@ -63,7 +63,7 @@ from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.predict import LengthPredictor
-from rollstream.rollout.queue import DispatchQueue, Grant
+from rollstream.rollout.queue import Ask, DispatchQueue, Grant
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
@@ -194,9 +194,9 @@ class Dispatcher:
         return [e for e in self.engines
                 if e.engine_id not in self._drained and e.stats().health is EngineHealth.UP]
 
-    async def _pick_engine(self, work: Callable[[], float]) -> tuple[Engine, Grant | None]:
+    async def _pick_engine(self, ask: Callable[[], Ask]) -> tuple[Engine, Grant | None]:
         """The engine for the next request and, with a dispatch queue, the slot it holds there
-        (for ``work()`` predicted tokens): the least loaded UP engine; waits while engines
+        (ranked and sized by ``ask()``): the least loaded UP engine; waits while engines
         recover or are drained, raises NoEngineAlive when every engine is DEAD."""
         while True:
             await self._gate.wait()
@@ -204,7 +204,7 @@ class Dispatcher:
             if up and self.queue is None:
                 return min(up, key=lambda e: self._load[id(e)]), None
             if up:
-                grant = await self.queue.acquire(work)
+                grant = await self.queue.acquire(ask)
                 if grant is None:  # the engines went away while it waited: look again
                     continue
                 if self._gate.is_set():
@@ -319,15 +319,18 @@ class Dispatcher:
                              deadline: float | None = None) -> tuple[GenerateOutput, bool] | None:
         """One request; (its output, whether it was interrupted at ``deadline``); None when
         its group was cancelled while it waited for an engine."""
-        def work() -> float:  # predicted tokens left, asked when the queue decides
-            left = self.predictor.predict(sample) - sample.num_response_tokens
-            return float(min(max(left, 1.0), params.max_new_tokens))
+        def ask() -> tuple[tuple[float, ...], float]:  # asked when the queue decides
+            done = sample.num_response_tokens
+            size, fresh = self.predictor.rank(sample)
+            left = self.predictor.predict(sample) - done
+            return (size - done, fresh), float(min(max(left, 1.0), params.max_new_tokens))
 
-        engine, grant = await self._pick_engine(work)
+        engine, grant = await self._pick_engine(ask)
         if sample.group_id in self._cancelled:
             if grant is not None:
                 self.queue.release(grant)  # type: ignore[union-attr]
             return None
+        self.predictor.started(sample)
         request_id = f"{sample.uid}@{next(self._ids)}"
         if params.seed is None and self.seed is not None:
             params = replace(params, seed=sample_seed(self.seed, sample.uid))

@@ -22,6 +22,13 @@ from collections.abc import MutableMapping
 
 from rollstream.trajectory import Sample
 
+HIGH_QUANTILE = 0.9  # a group not heard from yet is ranked as if this long (rank())
+
+
+def _quantile(values: deque[int], q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
 
 class LengthPredictor:
     """Owns the per-source length record it is given (``observe`` appends to it): sums are
@@ -37,12 +44,31 @@ class LengthPredictor:
         self.default = default
         self.prior_weight = prior_weight
         self._siblings: dict[str, tuple[float, int]] = {}  # group id -> (sum, count) finished
+        self._started: dict[str, set[str]] = {}  # group id -> uids of its samples dispatched
+        self._high = {src: _quantile(v, HIGH_QUANTILE) for src, v in history.items() if v}
         self._first: dict[str, dict[str, float]] = {}  # group id -> uid -> first prediction
         self.errors: list[float] = []  # |predicted - actual| / actual, drained by the meters
 
     def prior(self, source: str) -> float:
         recent = self._history.get(source)
         return self._sums[source] / len(recent) if recent else self.default
+
+    def rank(self, sample: Sample) -> tuple[float, int]:
+        """How urgent ``sample`` is for longest-first dispatch: (its length if long, the
+        number of its group's samples already dispatched, negated). A group with a finished
+        sample is ranked by its prediction; one without by the source's upper quantile
+        (``HIGH_QUANTILE``): until one of its samples finishes it may be a long one, and
+        starting a long one late is what costs a makespan. Among equals a group with fewer
+        samples started goes first, so early slots sample every group once and the first to
+        finish tell the others' lengths."""
+        known = sample.group_id in self._siblings
+        size = self.predict(sample) if known else self._high.get(sample.task.source,
+                                                                 self.default)
+        return size, -len(self._started.get(sample.group_id, ()))
+
+    def started(self, sample: Sample) -> None:
+        """``sample`` got an engine (its first or a later request)."""
+        self._started.setdefault(sample.group_id, set()).add(sample.uid)
 
     def predict(self, sample: Sample) -> float:
         """Predicted response length of ``sample`` (tokens, whole response); the first
@@ -62,6 +88,7 @@ class LengthPredictor:
         dropped = recent[0] if recent.maxlen is not None and len(recent) == recent.maxlen else 0
         recent.append(length)
         self._sums[sample.task.source] = self._sums.get(sample.task.source, 0.0) + length - dropped
+        self._high[sample.task.source] = _quantile(recent, HIGH_QUANTILE)
         first = self._first.get(sample.group_id, {}).pop(sample.uid, None)
         if first is not None:
             self.errors.append(abs(first - length) / max(length, 1))
@@ -69,6 +96,7 @@ class LengthPredictor:
     def forget(self, group_id: str) -> None:
         """A group's life is over: drop its siblings and the predictions of its samples."""
         self._siblings.pop(group_id, None)
+        self._started.pop(group_id, None)
         self._first.pop(group_id, None)
 
     def take_errors(self) -> list[float]:

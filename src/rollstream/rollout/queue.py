@@ -7,10 +7,10 @@ concurrent sequences); the others wait here and the next free slot, on whichever
 it, goes to
 
 * ``fifo``: the request that has waited longest;
-* ``longest_first``: the request with the most predicted tokens left (``LengthPredictor``),
-  so the long tail starts first and the short ones fill in behind it (LPT scheduling: a
-  synchronous rollout's makespan is bounded by its longest request plus what was queued in
-  front of it).
+* ``longest_first``: the request ranked highest by ``LengthPredictor.rank`` (the most tokens
+  left, a group not heard from yet counting as long), so the long tail starts first and the
+  short ones fill in behind it (LPT scheduling: a synchronous rollout's makespan is bounded
+  by its longest request plus what was queued in front of it).
 
 A free slot on several engines goes to the engine with the fewest predicted tokens
 outstanding (balancing predicted load, not request counts). Late binding also means a request
@@ -27,6 +27,7 @@ from typing import Literal
 from rollstream.engine.protocol import Engine
 
 DispatchOrder = Literal["fifo", "longest_first"]
+Ask = tuple[tuple[float, ...], float]  # (rank: higher goes first, predicted tokens left)
 
 
 class DispatchQueue:
@@ -37,28 +38,28 @@ class DispatchQueue:
         self._routable = routable  # engines that may take requests now (UP, not drained)
         self._busy: dict[int, int] = {}  # id(engine) -> requests granted and not released
         self._work: dict[int, float] = {}  # id(engine) -> predicted tokens outstanding
-        # waiters in arrival order: (predicted work, read when a slot is free; its future)
-        self._waiting: list[tuple[Callable[[], float], asyncio.Future[Grant | None]]] = []
+        # waiters in arrival order: (what it asks, read when a slot is free; its future)
+        self._waiting: list[tuple[Callable[[], Ask], asyncio.Future[Grant | None]]] = []
 
     @property
     def num_waiting(self) -> int:
         return sum(not f.done() for _, f in self._waiting)
 
-    async def acquire(self, work: Callable[[], float]) -> Grant | None:
-        """A slot on an engine, held until :meth:`release`, for a request whose predicted
-        tokens ``work()`` tells (asked again whenever the order is decided: a prediction
-        improves while the request waits, as its siblings finish); None when no engine is
-        routable any more (the caller looks at engine health again)."""
+    async def acquire(self, ask: Callable[[], Ask]) -> Grant | None:
+        """A slot on an engine, held until :meth:`release`, for a request whose rank and
+        predicted tokens ``ask()`` tells (asked again whenever the order is decided: a
+        prediction improves while the request waits, as its siblings finish); None when no
+        engine is routable any more (the caller looks at engine health again)."""
         self._waiting = [w for w in self._waiting if not w[1].done()]
         if not self._waiting:
             engines = self._routable()
             free = self._free(engines)
             if free:
-                return self._grant(free, work())
+                return self._grant(free, ask()[1])
             if not engines:
                 return None
         fut: asyncio.Future[Grant | None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((work, fut))
+        self._waiting.append((ask, fut))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -87,11 +88,11 @@ class DispatchQueue:
             if not free:
                 return
             if self.order == "fifo":
-                i, work = 0, self._waiting[0][0]()
-            else:  # the most predicted tokens; the earliest among equals
-                predicted = [w() for w, _ in self._waiting]
-                i = max(range(len(predicted)), key=lambda j: (predicted[j], -j))
-                work = predicted[i]
+                i, work = 0, self._waiting[0][0]()[1]
+            else:  # the highest rank; the earliest among equals
+                asked = [a() for a, _ in self._waiting]
+                i = max(range(len(asked)), key=lambda j: (asked[j][0], -j))
+                work = asked[i][1]
             _, fut = self._waiting.pop(i)
             fut.set_result(self._grant(free, work))
 
