@@ -228,3 +228,36 @@ async def test_a_worker_that_crashes_or_hangs_is_replaced_and_fails_only_its_epi
     served = {_check_scripted_episode(g.samples[0], turns=2) for g in fine}
     assert served <= replaced  # the replacements serve the next episodes
     assert not any(psutil.pid_exists(p) for p in replaced) and _children() == before
+
+
+async def test_an_agent_cut_off_mid_call_is_judged_after_its_call_ends(engine, tmp_path):
+    """The agent runs past agent.max_wall_s while its call waits on a closed gate (a weight
+    sync): the harness waits for that call's turn to end before it fails the sample, so no
+    token lands on a FAILED sample and the call's handler moves nothing out of FAILED."""
+    budgets = Budgets(max_turns=8, max_turn_tokens=12, max_total_tokens=400, max_wall_s=0.5)
+    ledger = Ledger(tmp_path / "l.jsonl")
+    disp, (graders, harness) = _dispatcher(engine, [ScriptedSource()], ledger, budgets)
+    group = Group.new(_task(0, text="3"), 1)
+    seen_failed_tokens: list[int] = []
+    move = disp.lifecycle.move
+
+    def watched(s, status, reason=None):  # the tokens a sample has when it is failed
+        if status is SampleStatus.FAILED:
+            seen_failed_tokens.append(s.num_response_tokens)
+        return move(s, status, reason)
+
+    disp.lifecycle.move = watched  # type: ignore[method-assign]
+    disp.pause()  # the first call's turn waits on the gate past the agent's wall time
+    try:
+        run = asyncio.create_task(disp.run_group(group))
+        await asyncio.sleep(1.5)
+        assert not run.done()  # the harness waits for the call it cut off
+        disp.resume()
+        await asyncio.wait_for(run, 60)
+    finally:
+        await harness.close()
+        graders.close()
+    (s,) = group.samples
+    assert s.status is SampleStatus.FAILED and "ran past agent.max_wall_s = 0.5 s" in s.failure
+    assert [seg.kind for seg in s.segments] == [SegmentKind.POLICY]  # the cut-off call's turn
+    assert seen_failed_tokens == [s.num_response_tokens] and s.num_response_tokens > 0

@@ -108,6 +108,7 @@ class _Session:
     num_calls: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     binding: Binding | None = None  # a training sample's session
+    closed: bool = False  # ended: a call that was waiting for the lock is refused
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -143,7 +144,18 @@ class AgentProxy:
 
     def close_session(self, api_key: str) -> list[ProxySample]:
         """Stop accepting the session's calls; its samples."""
-        return self._sessions.pop(api_key).samples
+        session = self._sessions.pop(api_key)
+        session.closed = True
+        return session.samples
+
+    async def end_session(self, api_key: str) -> list[ProxySample]:
+        """Close the session and wait until a call it was still serving is over (an agent cut
+        off mid-call leaves its call generating: a bound sample must not be judged while its
+        turn may still append tokens to it); its samples."""
+        session = self._sessions[api_key]
+        samples = self.close_session(api_key)
+        async with session.lock:
+            return samples
 
     async def run_harness(self, harness: Callable[[SessionHandle], Awaitable[Any]], *,
                           episode_id: str, timeout_s: float | None = None):
@@ -232,6 +244,8 @@ class AgentProxy:
         renderer = ChatRenderer(self.tokenizer, tools=body.get("tools") or None)
         bound = session.binding
         async with session.lock:
+            if session.closed:
+                raise ValueError("the session is closed: its episode ended")
             session.num_calls += 1
             sample = session.samples[-1] if session.samples else None
             if sample is None:

@@ -183,8 +183,8 @@ class ProxyHarness:
             error = f"the agent raised {e}"
         except Exception as e:  # noqa: BLE001 - fault boundary: this sample only
             error = f"the agent raised {type(e).__name__}: {e}"
-        finally:
-            proxy.close_session(handle.api_key)
+        finally:  # a call still generating finishes its turn first (the agent was cut off)
+            await proxy.end_session(handle.api_key)
         if sample.status.is_terminal() or dispatcher.cancelled(sample.group_id) or (
                 dispatcher.fatal is not None):
             return  # the dispatcher gave up on it, or the run is ending: recorded elsewhere
