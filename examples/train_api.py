@@ -27,7 +27,7 @@ def item_credit(task: rollstream.Task, text: str, *, items: int) -> float:
 
 
 if __name__ == "__main__":  # reward workers are spawned processes that import this file
-    summary = rollstream.train(
+    summary = rollstream.run(
         "examples/tick.yaml",
         ["name=api-demo", "train.steps=10", "tasks.sources=[{name: count, reward_kwargs: [items]}]",
          *sys.argv[1:]],

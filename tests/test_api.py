@@ -59,6 +59,19 @@ def test_the_example_trains_on_its_rows_with_its_reward(tmp_path: Path) -> None:
     assert {round(r["reward"], 6) for r in graded} - {0.0, 1.0}
 
 
+def test_the_exported_names_are_the_api_even_after_every_subpackage_is_imported() -> None:
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.iter_modules(rollstream.__path__):
+        if mod.name != "__main__":
+            importlib.import_module(f"rollstream.{mod.name}")  # rollstream.train is the trainer
+    from rollstream import api
+
+    assert rollstream.run is api.run and rollstream.build_config is api.build_config
+    assert not set(rollstream.__all__) & {m.name for m in pkgutil.iter_modules(rollstream.__path__)}
+
+
 def test_datasets_become_the_sources_when_the_config_lists_none(tmp_path: Path) -> None:
     cfg = rollstream.build_config({"run_root": str(tmp_path), "name": "r"},
                                   datasets={"qa": ROWS, "more": iter(ROWS[:1])})
@@ -127,7 +140,7 @@ def _score(task: rollstream.Task, text: str) -> float:
 def test_a_reward_that_does_not_fit_fails_before_the_run_directory_exists(
         tmp_path: Path, overrides: list[str], rewards: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
-        rollstream.train(None, [f"run_root={tmp_path}", "name=r", *overrides],
+        rollstream.run(None, [f"run_root={tmp_path}", "name=r", *overrides],
                          datasets={"qa": ROWS}, rewards=rewards)
     assert not (tmp_path / "r" / "ledger.jsonl").exists()
     assert not (tmp_path / "r" / "config.yaml").exists()

@@ -5,7 +5,7 @@
     def score(task, text, *, bonus) -> float: ...   # a reward, as in the README
 
     if __name__ == "__main__":  # reward workers are spawned processes that import this file
-        summary = rollstream.train("my.yaml", ["train.steps=20"],
+        summary = rollstream.run("my.yaml", ["train.steps=20"],
                                    datasets={"qa": rows}, rewards={"qa": score})
 
 ``config`` is what ``rollstream train`` takes: a YAML file, or the same tree as a dict, or a
@@ -57,7 +57,7 @@ def build_config(config: str | Path | Mapping[str, Any] | RunConfig | None = Non
     return validate(data)
 
 
-def train(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
+def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
           overrides: Sequence[str] = (), *, datasets: Mapping[str, Rows | Any] | None = None,
           rewards: Mapping[str, RewardFn] | None = None) -> dict[str, Any]:
     """Run one training job as ``rollstream train`` does and return its summary (also in

@@ -129,7 +129,10 @@ def _build(model_cfg: ModelConfig, tasks_cfg: TasksConfig, out_dir: Path,
         resolve = build_resolver(RewardConfig(), source_rewards(tasks_cfg))
 
     def score(task: Task, response: Response) -> float:
-        return resolve(task).score(task, response)
+        try:
+            return resolve(task).score(task, response)
+        except Exception:  # noqa: BLE001 - as in evaluation, a failed grade scores 0
+            return 0.0
 
     tokenizer = build_char_tokenizer()
     model = init_tiny_model(model_cfg.tiny, tokenizer)

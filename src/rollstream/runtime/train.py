@@ -54,7 +54,7 @@ def run_training(cfg: RunConfig, *,
                  rewards: Mapping[str, RewardFn] | None = None) -> dict[str, Any]:
     """Run one training job; returns (and writes) the summary. ``rewards``: source name -> a
     reward callable given as an object, in place of its source's named reward (the Python API,
-    :func:`rollstream.train`)."""
+    :func:`rollstream.run`)."""
     import torch
 
     check_inputs(cfg, rewards)
