@@ -50,3 +50,18 @@ def test_profiles_name_their_sources_and_a_bad_one_names_the_field(tmp_path):
         load_profile(str(bad))
     with pytest.raises(ValueError, match="built-in profiles: cpu_this_machine, gpu_h100_7b"):
         load_profile("tpu")
+
+
+def test_every_example_scenario_loads_with_its_profile_and_modes():
+    from pathlib import Path
+
+    from rollstream.sim.scenario import run_config
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples" / "sim").glob("*.yaml"))
+    assert len(examples) >= 4
+    for path in examples:
+        sc = load_scenario(path)
+        assert load_profile(sc.profile).max_num_seqs >= 1
+        configs = [run_config(sc, m) for m in sc.modes]
+        if path.stem == "dispatch_16":
+            assert [c.rollout.dispatch for c in configs] == ["engine", "fifo", "longest_first"]

@@ -69,6 +69,9 @@ class ModeConfig(_Section):
     max_token_age: int | None = Field(None, ge=0)
     """train.max_token_age (null: off; set: the ``mask`` rule, older tokens left out of the
     loss and of the trained tokens)."""
+    dispatch: Literal["engine", "fifo", "longest_first"] | None = None
+    """rollout.dispatch: where requests wait when the engines are full, and in what order
+    (null: the library default, ``engine``; docs/dispatch.md)."""
 
 
 class Scenario(_Section):
@@ -131,6 +134,8 @@ def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunCon
         rollout["on_update"] = mode.on_update
     if mode.max_context_age is not None:
         rollout["max_context_age"] = mode.max_context_age
+    if mode.dispatch is not None:
+        rollout["dispatch"] = mode.dispatch
     try:
         return RunConfig(name=sc.name, seed=sc.seed, max_wall_s=sc.max_sim_s,
                          rollout=RolloutConfig(**rollout),
