@@ -325,6 +325,7 @@ class Dispatcher:
             left = self.predictor.predict(sample) - done
             return (size - done, fresh), float(min(max(left, 1.0), params.max_new_tokens))
 
+        self.predictor.predict(sample)  # its first prediction, for len_pred_err in any mode
         engine, grant = await self._pick_engine(ask)
         if sample.group_id in self._cancelled:
             if grant is not None:
