@@ -15,7 +15,8 @@ this controller moves that limit toward the knee:
 * DESCEND (a probe downward): while a cut keeps throughput within ``min_gain`` of where the
   probe started, keep cutting (the same throughput at fewer requests is lower latency); a cut
   that costs more is undone, HOLD;
-* HOLD: every window refreshes the reference throughput (the workload drifts); after
+* HOLD: the reference throughput is the mean of the windows held so far (one window is
+  noisy; the mean follows a drifting workload and starts afresh at every hold); after
   ``hold_windows`` windows it probes again, up and down in turn, so a changed workload (longer
   prompts, another engine's load) is followed.
 
@@ -86,6 +87,7 @@ class ConcurrencyLimit:
         self._probe_from: Window | None = None  # the window a downward probe started from
         self.history: list[Window] = []  # every window measured, in order (for reports)
         self._held = 0  # windows in HOLD since the last probe
+        self._held_sum = 0.0  # their tokens/s, summed
         self._next_probe = Phase.CLIMB
         self._start: tuple[float, int] | None = None  # (time, tokens) the window began at
         self._observations = self._full = 0  # of this window: all, and those at the limit
@@ -114,8 +116,9 @@ class ConcurrencyLimit:
         before = self.limit
         best = self.best
         if self.phase is Phase.HOLD or best is None:
-            self.best = w  # the reference follows the workload
             self._held += 1
+            self._held_sum += w.tokens_per_s
+            self.best = Window(limit=w.limit, tokens_per_s=self._held_sum / self._held)
             if best is None or self._held >= self.hold_windows:
                 self._probe()
         elif self.phase is Phase.CLIMB:
@@ -134,7 +137,8 @@ class ConcurrencyLimit:
         return self.limit != before
 
     def _probe(self) -> None:
-        self.phase, self._held, self._probe_from = self._next_probe, 0, self.best
+        self.phase, self._held, self._held_sum = self._next_probe, 0, 0.0
+        self._probe_from = self.best
         self._next_probe = Phase.DESCEND if self.phase is Phase.CLIMB else Phase.CLIMB
         self._move(step_up(self.limit, self.capacity) if self.phase is Phase.CLIMB
                    else step_down(self.limit))
@@ -145,7 +149,7 @@ class ConcurrencyLimit:
         self.limit = limit
 
     def _hold(self, limit: int) -> None:
-        self.phase, self._held, self.limit = Phase.HOLD, 0, limit
+        self.phase, self._held, self._held_sum, self.limit = Phase.HOLD, 0, 0.0, limit
 
 
 def concurrency_limits(cfg: RolloutConfig) -> Callable[[int], ConcurrencyLimit] | None:
