@@ -119,6 +119,10 @@ class DispatchQueue:
             _, fut = self._waiting.pop(i)
             fut.set_result(self._grant(free, work))
 
+    def num_held(self, engine: Engine) -> int:
+        """Requests granted on ``engine`` and not released."""
+        return self._busy.get(id(engine), 0)
+
     def slots(self, engine: Engine) -> int:
         """The requests ``engine`` may hold now: its capacity, or its adaptive limit."""
         capacity = engine.stats().capacity
