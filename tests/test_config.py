@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from rollstream.config import ConfigError, RunConfig, load_config, validate
+from rollstream.rollout.concurrency import concurrency_limits
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -82,6 +83,10 @@ def test_cross_field_check():
         (["rollout.group_size=1"], ["rollout.group_size = 1",
                                     "rollout.filter_zero_variance = true"]),
         (["sampling.temperature=0"], ["sampling.temperature = 0", "eval.temperature"]),
+        (["rollout.concurrency=adaptive"], ["rollout.concurrency = adaptive",
+                                            "rollout.dispatch = engine"]),
+        (["rollout.concurrency_window_tokens=512"], ["rollout.concurrency_window_tokens",
+                                                     "rollout.concurrency = adaptive"]),
         (["engine.kind=vllm", "model.tiny.max_position=128"],
          ["engine.vllm.max_model_len = 512", "model.tiny.max_position = 128"]),
     ],
@@ -98,6 +103,12 @@ def test_consistent_settings_load():
     load_config(None, ["rollout.mode=sync"])  # the async default is not a contradiction
     load_config(None, ["rollout.partial_rollout=false"])
     load_config(None, ["rollout.group_size=1", "rollout.filter_zero_variance=false"])
+    cfg = load_config(None, ["rollout.dispatch=fifo", "rollout.concurrency=adaptive",
+                             "rollout.concurrency_window_tokens=512",
+                             "rollout.concurrency_min_gain=0.1"])
+    made = concurrency_limits(cfg.rollout)(32)  # type: ignore[misc]
+    assert (made.capacity, made.window_tokens, made.min_gain, made.limit) == (32, 512, 0.1, 8)
+    assert concurrency_limits(load_config(None, []).rollout) is None
     load_config(None, ["train.max_token_age=2", "rollout.max_context_age=5"])
     load_config(None, ["rollout.max_context_age=4"])  # admission semantics (AReaL's)
     load_config(None, ["sampling.temperature=0.7", "eval.temperature=0"])

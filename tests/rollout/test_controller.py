@@ -225,3 +225,18 @@ def test_a_dying_loop_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
     with pytest.raises(BaseExceptionGroup) as info:
         run_controller(tmp_path, mode="async", k=2, partial=True, on_update="interrupt", seed=5)
     assert "trainer exploded at step 2" in str(info.value.exceptions)
+
+
+def test_adaptive_concurrency_keeps_the_invariants_through_weight_updates(tmp_path):
+    """rollout.concurrency: adaptive, wired from config by build_loop, under interrupts and
+    resumes: every sample reaches a terminal status once, nothing is trained twice, each
+    engine got a controller. (These fake engines have unbounded capacity, so the limit does
+    not bind here; test_dispatch_queue.py shows it binding on real engines.)"""
+    loop, res, ledger, trainer = run_controller(
+        tmp_path, mode="async", k=1, partial=True, on_update="interrupt", seed=5, steps=6,
+        dispatch="fifo", concurrency="adaptive", concurrency_window_tokens=64)
+    check_invariants(tmp_path, loop, res, ledger, trainer, 1)
+    queue = loop.dispatcher.queue
+    assert queue is not None and set(queue.limits) == {"rand-0", "rand-1"}
+    assert all(1 <= c.limit <= c.capacity for c in queue.limits.values())
+    assert "concurrency_mean" in loop.dispatcher.gauges()

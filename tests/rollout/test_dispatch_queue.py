@@ -219,3 +219,85 @@ def test_a_group_not_heard_from_ranks_high_and_fresh_groups_go_first() -> None:
     assert predictor.rank(fresh.samples[0]) > predictor.rank(busy.samples[1])
     predictor.forget(busy.group_id)
     assert predictor.rank(busy.samples[1]) == predictor.rank(fresh.samples[0])
+
+
+def test_adaptive_concurrency_on_a_real_engine_grades_every_sample_within_its_limit(
+        tmp_path: Path) -> None:
+    """With adaptive limits no request is granted on an engine beyond its current limit (a
+    cut limit drains: the requests already held finish), so an engine never holds more than
+    the highest limit it had; the limit moves, and every sample is graded."""
+    from rollstream.clock import WallClock
+    from rollstream.config.schema import LocalEngineConfig, RewardConfig
+    from rollstream.data.ledger import Ledger
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import SamplingParams
+    from rollstream.reward.pool import GraderPool
+    from rollstream.reward.registry import get_reward
+    from rollstream.rollout.concurrency import ConcurrencyLimit
+    from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.lifecycle import Lifecycle
+    from rollstream.trajectory import SampleStatus
+    from tests.engine.helpers import make_tiny_model
+
+    async def one(task: Task, text: str) -> float:
+        return 1.0
+
+    model = make_tiny_model(tmp_path / "m")
+    cfg = LocalEngineConfig(max_slots=16, max_seq_len=96, threads=1, device="cpu")
+    groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, 5, 7),
+                             prompt_text="", reference=""), 8) for i in range(12)]
+
+    async def main() -> tuple[Dispatcher, list[str], set[int]]:
+        engines = [LocalEngine(model, cfg, engine_id=f"e{i}") for i in range(2)]
+        graders = GraderPool(RewardConfig(), lambda _: get_reward(one))
+        disp = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=24, seed=None),
+                          graders=graders, decode=lambda ids: "", clock=WallClock(),
+                          lifecycle=Lifecycle(Ledger(), WallClock()), dispatch="fifo",
+                          concurrency=lambda cap: ConcurrencyLimit(capacity=cap,
+                                                                   window_tokens=48, start=2))
+        queue = disp.queue
+        assert queue is not None
+        over: list[str] = []
+        seen: set[int] = set()
+        top = {e.engine_id: 0 for e in engines}  # the highest limit each engine had
+        grant = queue._grant
+
+        def granted(free: list, work: float):  # type: ignore[no-untyped-def]
+            g = grant(free, work)  # a grant is never made beyond the engine's current limit
+            top[g.engine.engine_id] = max(top[g.engine.engine_id], queue.slots(g.engine))
+            if queue.num_held(g.engine) > queue.slots(g.engine):
+                over.append(f"{g.engine.engine_id}: {queue.num_held(g.engine)} held > "
+                            f"limit {queue.slots(g.engine)}")
+            return g
+
+        queue._grant = granted  # type: ignore[method-assign]
+
+        async def watch() -> None:  # what the engines hold: never beyond a limit they had
+            while True:
+                for e in engines:
+                    top[e.engine_id] = max(top[e.engine_id], queue.slots(e))
+                    seen.add(queue.slots(e))
+                    now = e.stats().num_running + e.stats().num_waiting
+                    if now > top[e.engine_id]:
+                        over.append(f"{e.engine_id} holds {now} > limit {top[e.engine_id]}")
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
+        finally:
+            watcher.cancel()
+            for e in engines:
+                await e.close()
+            graders.close()
+        return disp, over, seen
+
+    disp, over, seen = asyncio.run(main())
+    assert all(s.status is SampleStatus.GRADED for g in groups for s in g.samples)
+    assert over == []
+    assert disp.queue is not None and disp.queue.num_waiting == 0
+    assert set(disp.queue.limits) == {"e0", "e1"}
+    assert len(seen) > 1 and min(seen) >= 1 and max(seen) <= 16  # the limit moved
+    assert sum(len(c.history) for c in disp.queue.limits.values()) >= 2  # windows were measured
+    gauges = disp.gauges()
+    assert 1.0 <= gauges["concurrency_mean"] <= 16.0

@@ -176,6 +176,18 @@ class RolloutConfig(Section):
     waited longest (``fifo``) or that has the most predicted tokens left (``longest_first``:
     lengths predicted from the source's recent lengths and the finished samples of the same
     group; ``len_pred_err`` in the metrics). docs/dispatch.md."""
+    concurrency: Literal["capacity", "adaptive"] = "capacity"
+    """How many requests an engine holds with a dispatch queue (``dispatch`` fifo or
+    longest_first): ``capacity`` (its concurrent sequences) or ``adaptive`` (a limit in
+    [1, capacity], from max(4, capacity / 4), raised while each raise gains throughput and
+    cut back when it does not, re-probed every few windows; ``concurrency_mean`` in the
+    metrics). docs/dispatch.md."""
+    concurrency_window_tokens: int = Field(4096, ge=1)
+    """``adaptive``: generated tokens per engine per measurement window (one decision each;
+    longer windows measure less noisily and adapt more slowly)."""
+    concurrency_min_gain: float = Field(0.05, gt=0, lt=1)
+    """``adaptive``: the throughput gain a raised limit must bring (and the loss a cut may
+    cost) for the step to be kept, as a fraction (0.05 = 5%)."""
     filter_zero_variance: bool = True
     """Mark groups whose rewards are all equal FILTERED (no learning signal)."""
     max_untrainable_streak: int = Field(256, ge=1)
@@ -414,6 +426,20 @@ def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
         raise ValueError(
             f"rollout.on_update = {r.on_update} contradicts rollout.partial_rollout = false "
             "(without partial rollout in-flight samples drain on the old weights); drop one"
+        )
+    if r.concurrency == "adaptive" and r.dispatch == "engine":
+        raise ValueError(
+            "rollout.concurrency = adaptive contradicts rollout.dispatch = engine (requests go "
+            "to the engines at once, so there is no limit to adapt); use dispatch: fifo or "
+            "longest_first"
+        )
+    fields = RolloutConfig.model_fields
+    tuning = [f for f in ("concurrency_window_tokens", "concurrency_min_gain")
+              if getattr(r, f) != fields[f].default]
+    if tuning and r.concurrency == "capacity":
+        raise ValueError(
+            f"rollout.{tuning[0]} = {getattr(r, tuning[0])} is read only with rollout.concurrency = adaptive "
+            "(it is capacity); drop it or set concurrency: adaptive"
         )
     k = r.staleness_bound
     m = t.max_token_age

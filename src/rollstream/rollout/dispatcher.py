@@ -63,7 +63,7 @@ from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.predict import LengthPredictor
-from rollstream.rollout.queue import Ask, DispatchQueue, Grant
+from rollstream.rollout.queue import Ask, DispatchQueue, Grant, LimitFactory
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
@@ -139,6 +139,7 @@ class Dispatcher:
         seed: int | None = None,
         harnesses: Mapping[str, Harness] | None = None,
         dispatch: Literal["engine", "fifo", "longest_first"] = "engine",
+        concurrency: LimitFactory | None = None,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -166,8 +167,12 @@ class Dispatcher:
         self._idle.set()
         self.predictor = LengthPredictor(self.stats.per_source_tokens,
                                          default=max(params.max_new_tokens / 2, 1.0))
-        # rollout.dispatch: engine = submit at once (engines queue); else wait here in order
-        self.queue = None if dispatch == "engine" else DispatchQueue(dispatch, self._routable)
+        # rollout.dispatch: engine = submit at once (engines queue); else wait here in order;
+        # rollout.concurrency: adaptive = each engine's slots found by its ConcurrencyLimit
+        if concurrency is not None and dispatch == "engine":
+            raise ValueError("adaptive concurrency needs a dispatch queue (fifo or longest_first)")
+        self.queue = None if dispatch == "engine" else DispatchQueue(
+            dispatch, self._routable, adaptive=concurrency, now=clock.now)
 
     # ---- the gate (weight sync's pause protocol) ----------------------------------------
     def pause(self) -> None:
@@ -485,14 +490,18 @@ class Dispatcher:
 
     def gauges(self) -> dict[str, float]:
         """For the step metrics: ``len_pred_err`` (mean ``|predicted - actual| / actual`` of
-        the samples finished since the last call, when any) and ``dispatch_waiting`` (requests
-        waiting in the dispatch queue)."""
+        the samples finished since the last call, when any), ``dispatch_waiting`` (requests
+        waiting in the dispatch queue) and, with adaptive concurrency, ``concurrency_mean``
+        (the engines' current request limits, averaged)."""
         out: dict[str, float] = {}
         errors = self.predictor.take_errors()
         if errors:
             out["len_pred_err"] = sum(errors) / len(errors)
         if self.queue is not None:
             out["dispatch_waiting"] = float(self.queue.num_waiting)
+            if self.queue.limits:
+                limits = [c.limit for c in self.queue.limits.values()]
+                out["concurrency_mean"] = sum(limits) / len(limits)
         return out
 
     def forget(self, group_id: str) -> None:

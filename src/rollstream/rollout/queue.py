@@ -15,6 +15,10 @@ it, goes to
 A free slot on several engines goes to the engine with the fewest predicted tokens
 outstanding (balancing predicted load, not request counts). Late binding also means a request
 never waits behind another engine's queue while a slot is free elsewhere.
+
+With ``rollout.concurrency: adaptive`` an engine's slots are not its capacity but the limit
+its :class:`~rollstream.rollout.concurrency.ConcurrencyLimit` finds from the throughput it
+measures (told at every release); a raised limit hands out the new slots at once.
 """
 
 from __future__ import annotations
@@ -25,17 +29,30 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rollstream.engine.protocol import Engine
+from rollstream.rollout.concurrency import ConcurrencyLimit
 
 DispatchOrder = Literal["fifo", "longest_first"]
 Ask = tuple[tuple[float, ...], float]  # (rank: higher goes first, predicted tokens left)
 
 
+LimitFactory = Callable[[int], ConcurrencyLimit]  # an engine's capacity -> its adaptive limit
+
+
 class DispatchQueue:
-    def __init__(self, order: DispatchOrder, routable: Callable[[], list[Engine]]) -> None:
+    def __init__(self, order: DispatchOrder, routable: Callable[[], list[Engine]], *,
+                 adaptive: LimitFactory | None = None,
+                 now: Callable[[], float] | None = None) -> None:
+        """``adaptive``: each engine's limit comes from the controller this makes from its
+        capacity (None: the capacity); ``now``: the clock its windows are timed with."""
         if order not in ("fifo", "longest_first"):
             raise ValueError(f"dispatch order must be fifo or longest_first, got {order!r}")
+        if adaptive is not None and now is None:
+            raise ValueError("adaptive concurrency needs a clock (now)")
         self.order = order
         self._routable = routable  # engines that may take requests now (UP, not drained)
+        self._adaptive = adaptive
+        self._now = now
+        self.limits: dict[str, ConcurrencyLimit] = {}  # engine_id -> its controller (adaptive)
         self._busy: dict[int, int] = {}  # id(engine) -> requests granted and not released
         self._work: dict[int, float] = {}  # id(engine) -> predicted tokens outstanding
         # waiters in arrival order: (what it asks, read when a slot is free; its future)
@@ -68,9 +85,15 @@ class DispatchQueue:
             raise
 
     def release(self, grant: Grant) -> None:
-        """The request holding ``grant`` is over: its slot goes to the next waiter."""
-        self._busy[id(grant.engine)] -= 1
-        self._work[id(grant.engine)] -= grant.work
+        """The request holding ``grant`` is over: its slot goes to the next waiter (and,
+        adaptive, its engine's controller measures the window so far)."""
+        engine = grant.engine
+        if self._adaptive is not None:
+            self._limit(engine).observe(now_s=self._now(),  # type: ignore[misc]
+                                        generated_tokens=engine.stats().generated_tokens,
+                                        in_flight=self._busy[id(engine)])
+        self._busy[id(engine)] -= 1
+        self._work[id(engine)] -= grant.work
         self.wake()
 
     def wake(self) -> None:
@@ -96,8 +119,24 @@ class DispatchQueue:
             _, fut = self._waiting.pop(i)
             fut.set_result(self._grant(free, work))
 
+    def num_held(self, engine: Engine) -> int:
+        """Requests granted on ``engine`` and not released."""
+        return self._busy.get(id(engine), 0)
+
+    def slots(self, engine: Engine) -> int:
+        """The requests ``engine`` may hold now: its capacity, or its adaptive limit."""
+        capacity = engine.stats().capacity
+        return capacity if self._adaptive is None else min(capacity, self._limit(engine).limit)
+
+    def _limit(self, engine: Engine) -> ConcurrencyLimit:
+        limit = self.limits.get(engine.engine_id)
+        if limit is None:
+            limit = self.limits[engine.engine_id] = self._adaptive(  # type: ignore[misc]
+                engine.stats().capacity)
+        return limit
+
     def _free(self, engines: list[Engine]) -> list[Engine]:
-        return [e for e in engines if self._busy.get(id(e), 0) < e.stats().capacity]
+        return [e for e in engines if self._busy.get(id(e), 0) < self.slots(e)]
 
     def _grant(self, free: list[Engine], work: float) -> Grant:
         engine = min(free, key=lambda e: (self._work.get(id(e), 0.0), self._busy.get(id(e), 0)))

@@ -24,6 +24,7 @@ from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import reconcile_ledger, reconcile_logs
 from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
+from rollstream.rollout.concurrency import concurrency_limits
 from rollstream.rollout.dispatcher import Dispatcher, Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
@@ -141,7 +142,8 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
-                            harnesses=harnesses, dispatch=cfg.rollout.dispatch)
+                            harnesses=harnesses, dispatch=cfg.rollout.dispatch,
+                            concurrency=concurrency_limits(cfg.rollout))
     rollout = Rollout(
         cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
         groups_per_step=cfg.train.groups_per_step,
