@@ -87,6 +87,8 @@ def test_cross_field_check():
                                             "rollout.dispatch = engine"]),
         (["rollout.concurrency_window_tokens=512"], ["rollout.concurrency_window_tokens",
                                                      "rollout.concurrency = adaptive"]),
+        (["rollout.prefix_affinity=true", "rollout.dispatch=longest_first"],
+         ["rollout.prefix_affinity = true", "rollout.dispatch = longest_first"]),
         (["engine.kind=vllm", "model.tiny.max_position=128"],
          ["engine.vllm.max_model_len = 512", "model.tiny.max_position = 128"]),
     ],

@@ -301,3 +301,84 @@ def test_adaptive_concurrency_on_a_real_engine_grades_every_sample_within_its_li
     assert sum(len(c.history) for c in disp.queue.limits.values()) >= 2  # windows were measured
     gauges = disp.gauges()
     assert 1.0 <= gauges["concurrency_mean"] <= 16.0
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(tmp_path: Path,
+                                                                       affinity: bool) -> None:
+    """With prefix affinity each group's samples go to the engine its first sample went to
+    (which would hold the prompt's prefix in a prefix cache); without it, least-loaded
+    routing spreads every group over both engines. A group whose home has no room is
+    re-pinned to the other engine."""
+    from rollstream.clock import WallClock
+    from rollstream.config.schema import LocalEngineConfig, RewardConfig
+    from rollstream.data.ledger import Ledger
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import SamplingParams
+    from rollstream.reward.pool import GraderPool
+    from rollstream.reward.registry import get_reward
+    from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.lifecycle import Lifecycle
+    from rollstream.trajectory import SampleStatus
+    from tests.engine.helpers import make_tiny_model
+
+    async def one(task: Task, text: str) -> float:
+        return 1.0
+
+    model = make_tiny_model(tmp_path / "m")
+    spans: list[dict] = []
+    groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, 5, 7),
+                             prompt_text="", reference=""), 4) for i in range(4)]
+
+    async def main() -> None:
+        engines = [LocalEngine(model, LocalEngineConfig(max_slots=slots, max_seq_len=96,
+                                                        threads=1, device="cpu"),
+                               engine_id=f"e{i}") for i, slots in enumerate((16, 16))]
+        graders = GraderPool(RewardConfig(), lambda _: get_reward(one))
+        disp = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=16, seed=None),
+                          graders=graders, decode=lambda ids: "", clock=WallClock(),
+                          lifecycle=Lifecycle(Ledger(), WallClock()),
+                          span=lambda **kw: spans.append(kw), prefix_affinity=affinity)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
+        finally:
+            for e in engines:
+                await e.close()
+            graders.close()
+
+    asyncio.run(main())
+    assert all(s.status is SampleStatus.GRADED for g in groups for s in g.samples)
+    engines_of = {g.task.uid: {sp["engine_id"] for sp in spans if sp["sample_uid"].startswith(
+        g.group_id)} for g in groups}
+    if affinity:  # 4 groups of 4 at once: each stays home, within the slack of 4
+        assert all(len(e) == 1 for e in engines_of.values()), engines_of
+        assert set().union(*engines_of.values()) == {"e0", "e1"}  # homes spread the groups
+    else:
+        assert all(len(e) == 2 for e in engines_of.values()), engines_of
+
+
+def test_a_group_whose_home_is_full_is_re_pinned() -> None:
+    from rollstream.rollout.dispatcher import AFFINITY_SLACK
+
+    @dataclass
+    class _Up:
+        engine_id: str
+        capacity: int
+
+        def stats(self) -> _Stats:
+            return _Stats(self.capacity)
+
+    from rollstream.rollout.dispatcher import Dispatcher
+
+    a, b = _Up("a", 64), _Up("b", 64)
+    disp = Dispatcher.__new__(Dispatcher)  # routing only: no engine runs here
+    disp.prefix_affinity, disp._home = True, {}
+    disp._load = {id(a): 0, id(b): 0}
+    g = _group(0)
+    assert disp._route([a, b], g.samples[0]).engine_id == "a"  # first: least loaded, pinned
+    disp._load[id(a)] = AFFINITY_SLACK
+    assert disp._route([a, b], g.samples[1]).engine_id == "a"  # within the slack: home
+    disp._load[id(a)] = AFFINITY_SLACK + 1
+    assert disp._route([a, b], g.samples[2]).engine_id == "b"  # past it: re-pinned
+    disp._load[id(a)] = 0
+    assert disp._route([a, b], g.samples[3]).engine_id == "b"  # its new home

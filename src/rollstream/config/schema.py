@@ -176,6 +176,13 @@ class RolloutConfig(Section):
     waited longest (``fifo``) or that has the most predicted tokens left (``longest_first``:
     lengths predicted from the source's recent lengths and the finished samples of the same
     group; ``len_pred_err`` in the metrics). docs/dispatch.md."""
+    prefix_affinity: bool = False
+    """With ``dispatch: engine``: send a request to the engine that holds its prefix (the
+    engine its episode's or partial sample's last request ran on, else the one its group's
+    first sample went to) while that engine has a free sequence and at most 4 requests more
+    than the least loaded; otherwise to the least loaded, re-pinning the group there. Pays on
+    engines with a prefix cache (vLLM's automatic prefix caching); the embedded engine has
+    none. docs/dispatch.md."""
     concurrency: Literal["capacity", "adaptive"] = "capacity"
     """How many requests an engine holds with a dispatch queue (``dispatch`` fifo or
     longest_first): ``capacity`` (its concurrent sequences) or ``adaptive`` (a limit in
@@ -426,6 +433,12 @@ def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
         raise ValueError(
             f"rollout.on_update = {r.on_update} contradicts rollout.partial_rollout = false "
             "(without partial rollout in-flight samples drain on the old weights); drop one"
+        )
+    if r.prefix_affinity and r.dispatch != "engine":
+        raise ValueError(
+            f"rollout.prefix_affinity = true contradicts rollout.dispatch = {r.dispatch} (the "
+            "dispatch queue places requests by predicted load; affinity routes with dispatch: "
+            "engine only); drop one"
         )
     if r.concurrency == "adaptive" and r.dispatch == "engine":
         raise ValueError(

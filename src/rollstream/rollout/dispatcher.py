@@ -67,6 +67,7 @@ from rollstream.rollout.queue import Ask, DispatchQueue, Grant, LimitFactory
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
+AFFINITY_SLACK = 4  # prefix affinity: requests an engine may hold above the least loaded
 RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
 
 
@@ -140,6 +141,7 @@ class Dispatcher:
         harnesses: Mapping[str, Harness] | None = None,
         dispatch: Literal["engine", "fifo", "longest_first"] = "engine",
         concurrency: LimitFactory | None = None,
+        prefix_affinity: bool = False,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -165,6 +167,10 @@ class Dispatcher:
         self._ids = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
+        if prefix_affinity and dispatch != "engine":
+            raise ValueError("prefix affinity routes with dispatch engine only")
+        self.prefix_affinity = prefix_affinity
+        self._home: dict[str, str] = {}  # group id -> the engine that holds its prompt's prefix
         self.predictor = LengthPredictor(self.stats.per_source_tokens,
                                          default=max(params.max_new_tokens / 2, 1.0))
         # rollout.dispatch: engine = submit at once (engines queue); else wait here in order;
@@ -199,7 +205,26 @@ class Dispatcher:
         return [e for e in self.engines
                 if e.engine_id not in self._drained and e.stats().health is EngineHealth.UP]
 
-    async def _pick_engine(self, ask: Callable[[], Ask]) -> tuple[Engine, Grant | None]:
+    def _route(self, up: list[Engine], sample: Sample) -> Engine:
+        """The least-loaded engine; with prefix affinity the engine that holds the sample's
+        prefix instead (the one its episode's last turn ran on, else the one its group's first
+        sample went to) while it has room: a free sequence and at most ``AFFINITY_SLACK``
+        requests more than the least loaded. Otherwise the sample goes to the least loaded,
+        and its group is re-pinned there."""
+        least = min(up, key=lambda e: self._load[id(e)])
+        if not self.prefix_affinity:
+            return least
+        episode = sample.engine_id if sample.segments else None
+        home = next((e for e in up if e.engine_id == (episode or self._home.get(
+            sample.group_id))), None)
+        if home is not None and self._load[id(home)] < home.stats().capacity and (
+                self._load[id(home)] <= self._load[id(least)] + AFFINITY_SLACK):
+            return home
+        self._home[sample.group_id] = least.engine_id
+        return least
+
+    async def _pick_engine(self, ask: Callable[[], Ask],
+                           sample: Sample) -> tuple[Engine, Grant | None]:
         """The engine for the next request and, with a dispatch queue, the slot it holds there
         (ranked and sized by ``ask()``): the least loaded UP engine; waits while engines
         recover or are drained, raises NoEngineAlive when every engine is DEAD."""
@@ -207,7 +232,7 @@ class Dispatcher:
             await self._gate.wait()
             up = self._routable()
             if up and self.queue is None:
-                return min(up, key=lambda e: self._load[id(e)]), None
+                return self._route(up, sample), None
             if up:
                 grant = await self.queue.acquire(ask)
                 if grant is None:  # the engines went away while it waited: look again
@@ -331,7 +356,7 @@ class Dispatcher:
             return (size - done, fresh), float(min(max(left, 1.0), params.max_new_tokens))
 
         self.predictor.predict(sample)  # its first prediction, for len_pred_err in any mode
-        engine, grant = await self._pick_engine(ask)
+        engine, grant = await self._pick_engine(ask, sample)
         if sample.group_id in self._cancelled:
             if grant is not None:
                 self.queue.release(grant)  # type: ignore[union-attr]
@@ -507,6 +532,7 @@ class Dispatcher:
     def forget(self, group_id: str) -> None:
         """A group's life is over: drop what the dispatcher kept of it."""
         self._cancelled.discard(group_id)
+        self._home.pop(group_id, None)
         self.predictor.forget(group_id)
 
     def cancelled(self, group_id: str) -> bool:

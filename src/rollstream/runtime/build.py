@@ -143,7 +143,8 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
                             harnesses=harnesses, dispatch=cfg.rollout.dispatch,
-                            concurrency=concurrency_limits(cfg.rollout))
+                            concurrency=concurrency_limits(cfg.rollout),
+                            prefix_affinity=cfg.rollout.prefix_affinity)
     rollout = Rollout(
         cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
         groups_per_step=cfg.train.groups_per_step,
