@@ -248,10 +248,11 @@ async def test_a_turn_interrupted_for_new_weights_continues_with_both_versions(e
 
 async def _checkpoint_after(disp: Dispatcher, group: Group, source: ScriptedSource, *,
                             calls: int) -> dict:
-    """Run ``group``; once ``calls`` tool calls were recorded, copy it as a checkpoint does
-    (hold the gate, interrupt, wait for no request in flight); let it finish; the copy."""
+    """Run ``group``; once ``calls`` tool results were recorded in its episode (a call that
+    has started but not returned is not recorded yet), copy it as a checkpoint does (hold the
+    gate, interrupt, wait for no request in flight); let it finish; the copy."""
     run = asyncio.create_task(disp.run_group(group))
-    while len(source.counter.calls) < calls:
+    while sum(len(t.tool_results) for t in group.samples[0].turns) < calls:
         await asyncio.sleep(0.002)
     disp.pause()
     await disp.interrupt(None)
