@@ -108,7 +108,7 @@ async def _streams_across_a_reload(e, weights8, life: int):
     the engine's token count at the reload."""
     for attempt in range(3):
         tasks = [asyncio.create_task(e.generate(_req(f"k{life}{attempt}-{i}", [1, 2, 3 + i],
-                                                     max_new_tokens=3000, seed=100 + i)))
+                                                     max_new_tokens=4000, seed=100 + i)))
                  for i in range(4)]
         while e.stats().num_running < 4 and not any(t.done() for t in tasks):
             await asyncio.sleep(0.001)  # every stream has delivered tokens
@@ -143,13 +143,19 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
     greedy = dict(temperature=0.0, max_new_tokens=32)
     await e.load_weights(8, weights8)
     reference = await e.generate(_req("ref", [1, 2, 3], **greedy))  # what the v8 weights give
-    for life in range(2):
+    for life in range(3):
         await e.load_weights(7, weights7)
         old_pgid, restarts = e.server.proc.pid, e.num_restarts
         shm_before = set(glob.glob("/dev/shm/psm_*")) - set(_segments_of(old_pgid))
         tasks, tokens_at_resume = await _streams_across_a_reload(e, weights8, life)
-        if e.stats().health is EngineHealth.UP:
+        if e.stats().health is EngineHealth.UP and not any(t.done() for t in tasks):
             break
+        if e.stats().health is EngineHealth.UP:
+            # a stream ran to its end before the kill could land (seen once, in CI: the
+            # reload took long enough on a loaded machine): nothing to cut, run it again
+            print(f"life {life}: a stream finished before the planned kill")
+            await asyncio.gather(*tasks)
+            continue
         # vLLM's EngineCore died by itself before the planned kill (seen once, in CI on a
         # loaded machine): show why, let the engine recover, and run the scenario again
         print(f"vLLM died before the planned kill: {e.stats().health_reason}\n"
@@ -159,7 +165,7 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
                                            300)
         assert recovered.finish_reason is not FinishReason.ERROR, recovered.error
     else:
-        pytest.fail("vLLM's EngineCore died by itself twice before the planned kill")
+        pytest.fail("three tries: vLLM died by itself or a stream ended before the kill")
     os.kill(e.server.proc.pid, signal.SIGKILL)  # the API server; its children are orphaned
     outs = await asyncio.gather(*tasks)
     stats = e.stats()
