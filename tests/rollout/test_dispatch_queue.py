@@ -358,7 +358,7 @@ def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(tmp_path:
 
 
 def test_a_group_whose_home_is_full_is_re_pinned() -> None:
-    from rollstream.rollout.dispatcher import AFFINITY_SLACK
+    from rollstream.rollout.routing import AFFINITY_SLACK, Router
 
     @dataclass
     class _Up:
@@ -368,17 +368,13 @@ def test_a_group_whose_home_is_full_is_re_pinned() -> None:
         def stats(self) -> _Stats:
             return _Stats(self.capacity)
 
-    from rollstream.rollout.dispatcher import Dispatcher
-
     a, b = _Up("a", 64), _Up("b", 64)
-    disp = Dispatcher.__new__(Dispatcher)  # routing only: no engine runs here
-    disp.prefix_affinity, disp._home = True, {}
-    disp._load = {id(a): 0, id(b): 0}
+    router = Router([a, b], prefix_affinity=True)  # routing only: no engine runs here
     g = _group(0)
-    assert disp._route([a, b], g.samples[0]).engine_id == "a"  # first: least loaded, pinned
-    disp._load[id(a)] = AFFINITY_SLACK
-    assert disp._route([a, b], g.samples[1]).engine_id == "a"  # within the slack: home
-    disp._load[id(a)] = AFFINITY_SLACK + 1
-    assert disp._route([a, b], g.samples[2]).engine_id == "b"  # past it: re-pinned
-    disp._load[id(a)] = 0
-    assert disp._route([a, b], g.samples[3]).engine_id == "b"  # its new home
+    assert router.route([a, b], g.samples[0]).engine_id == "a"  # first: least loaded, pinned
+    router.load[id(a)] = AFFINITY_SLACK
+    assert router.route([a, b], g.samples[1]).engine_id == "a"  # within the slack: home
+    router.load[id(a)] = AFFINITY_SLACK + 1
+    assert router.route([a, b], g.samples[2]).engine_id == "b"  # past it: re-pinned
+    router.load[id(a)] = 0
+    assert router.route([a, b], g.samples[3]).engine_id == "b"  # its new home

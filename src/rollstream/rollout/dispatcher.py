@@ -59,15 +59,15 @@ from rollstream.engine.protocol import (
     GenerateRequest,
     SamplingParams,
 )
-from rollstream.reward.pool import GradeResult, GraderPool
-from rollstream.reward.registry import Response
+from rollstream.reward.pool import GraderPool
+from rollstream.rollout.grading import Grading
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.predict import LengthPredictor
 from rollstream.rollout.queue import Ask, DispatchQueue, Grant, LimitFactory
+from rollstream.rollout.routing import Router
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
-AFFINITY_SLACK = 4  # prefix affinity: requests an engine may hold above the least loaded
 RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
 
 
@@ -147,8 +147,7 @@ class Dispatcher:
             raise ValueError("at least one engine is needed")
         self.engines = list(engines)
         self.params = params
-        self.graders = graders
-        self.decode = decode
+        self.grading = Grading(graders, decode, lifecycle)
         self.lifecycle = lifecycle
         self.clock = clock
         self.span = span or (lambda **_: None)
@@ -160,8 +159,6 @@ class Dispatcher:
         self._gate = asyncio.Event()
         self._gate.set()
         self._cancelled: set[str] = set()
-        self._load = {id(e): 0 for e in self.engines}
-        self._drained: set[str] = set()  # engine ids taken out of routing (preemption)
         self._free_slots: list[int] = []
         self._next_slot = itertools.count()
         self._ids = itertools.count()
@@ -169,8 +166,7 @@ class Dispatcher:
         self._idle.set()
         if prefix_affinity and dispatch != "engine":
             raise ValueError("prefix affinity routes with dispatch engine only")
-        self.prefix_affinity = prefix_affinity
-        self._home: dict[str, str] = {}  # group id -> the engine that holds its prompt's prefix
+        self.router = Router(self.engines, prefix_affinity=prefix_affinity)
         self.predictor = LengthPredictor(self.stats.per_source_tokens,
                                          default=max(params.max_new_tokens / 2, 1.0))
         # rollout.dispatch: engine = submit at once (engines queue); else wait here in order;
@@ -178,7 +174,7 @@ class Dispatcher:
         if concurrency is not None and dispatch == "engine":
             raise ValueError("adaptive concurrency needs a dispatch queue (fifo or longest_first)")
         self.queue = None if dispatch == "engine" else DispatchQueue(
-            dispatch, self._routable, adaptive=concurrency, now=clock.now)
+            dispatch, self.router.routable, adaptive=concurrency, now=clock.now)
 
     # ---- the gate (weight sync's pause protocol) ----------------------------------------
     def pause(self) -> None:
@@ -199,30 +195,7 @@ class Dispatcher:
         """Engines that are not DEAD (the ones weight sync loads)."""
         return [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
 
-    # ---- routing -----------------------------------------------------------------------
-    def _routable(self) -> list[Engine]:
-        """Engines that may take a request now: UP and not drained."""
-        return [e for e in self.engines
-                if e.engine_id not in self._drained and e.stats().health is EngineHealth.UP]
-
-    def _route(self, up: list[Engine], sample: Sample) -> Engine:
-        """The least-loaded engine; with prefix affinity the engine that holds the sample's
-        prefix instead (the one its episode's last turn ran on, else the one its group's first
-        sample went to) while it has room: a free sequence and at most ``AFFINITY_SLACK``
-        requests more than the least loaded. Otherwise the sample goes to the least loaded,
-        and its group is re-pinned there."""
-        least = min(up, key=lambda e: self._load[id(e)])
-        if not self.prefix_affinity:
-            return least
-        episode = sample.engine_id if sample.segments else None
-        home = next((e for e in up if e.engine_id == (episode or self._home.get(
-            sample.group_id))), None)
-        if home is not None and self._load[id(home)] < home.stats().capacity and (
-                self._load[id(home)] <= self._load[id(least)] + AFFINITY_SLACK):
-            return home
-        self._home[sample.group_id] = least.engine_id
-        return least
-
+    # ---- routing (``routing.Router``) ------------------------------------------------------
     async def _pick_engine(self, ask: Callable[[], Ask],
                            sample: Sample) -> tuple[Engine, Grant | None]:
         """The engine for the next request and, with a dispatch queue, the slot it holds there
@@ -230,9 +203,9 @@ class Dispatcher:
         recover or are drained, raises NoEngineAlive when every engine is DEAD."""
         while True:
             await self._gate.wait()
-            up = self._routable()
+            up = self.router.routable()
             if up and self.queue is None:
-                return self._route(up, sample), None
+                return self.router.route(up, sample), None
             if up:
                 grant = await self.queue.acquire(ask)
                 if grant is None:  # the engines went away while it waited: look again
@@ -241,9 +214,7 @@ class Dispatcher:
                     return grant.engine, grant
                 self.queue.release(grant)  # a weight sync closed the gate meanwhile
                 continue
-            if not any(e.stats().health is EngineHealth.RECOVERING for e in self.engines) and \
-                    not any(e.engine_id in self._drained and e.stats().health is EngineHealth.UP
-                            for e in self.engines):
+            if not self.router.may_come_back():
                 reasons = "; ".join(f"{e.engine_id}: {e.stats().health_reason}"
                                     for e in self.engines)
                 raise NoEngineAlive(f"no engine is alive ({reasons})")
@@ -370,7 +341,7 @@ class Dispatcher:
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
             version_start=engine.stats().version, grant=grant,
         )
-        self._load[id(engine)] += 1
+        self.router.load[id(engine)] += 1
         self._idle.clear()
         self.lifecycle.move(sample, SampleStatus.RUNNING)
         sample.engine_id = engine.engine_id
@@ -396,7 +367,7 @@ class Dispatcher:
                                  error=f"engine {engine.engine_id} raised {e!r}")
         finally:
             info = self.in_flight.pop(request_id)
-            self._load[id(engine)] -= 1
+            self.router.load[id(engine)] -= 1
             self._free_slots.append(slot)
             if grant is not None:
                 self.queue.release(grant)  # type: ignore[union-attr]
@@ -415,24 +386,6 @@ class Dispatcher:
         )
         return out, out_of_time and out.finish_reason is FinishReason.ABORT
 
-    async def grade(self, sample: Sample) -> None:
-        """Score a GENERATED sample with its source's reward: the response of a single-turn
-        sample, the last model turn of an episode (``Sample.answer``). A failing reward marks
-        it FAILED with the reason."""
-        self._graded(sample, await self.graders.grade(sample.task, self._response(sample)))
-
-    def _response(self, sample: Sample) -> Response:
-        ids, finish_reason = sample.answer()
-        return Response(text=self.decode(ids), token_ids=tuple(ids),
-                        finish_reason=finish_reason or FinishReason.LENGTH.value)
-
-    def _graded(self, sample: Sample, result: GradeResult) -> None:
-        if result.error is not None:
-            self.lifecycle.move(sample, SampleStatus.FAILED, f"reward: {result.error}")
-            return
-        sample.reward = result.reward
-        self.lifecycle.move(sample, SampleStatus.GRADED)
-
     # ---- groups ------------------------------------------------------------------------
     async def run_group(self, group: Group, params: SamplingParams | None = None) -> Group:
         """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes,
@@ -444,29 +397,19 @@ class Dispatcher:
         for s in group.samples:
             if not s.status.is_terminal():
                 self.lifecycle.open(s)
-        together = self.graders.grades_groups(group.task)
+        together = self.grading.together(group.task)
 
         async def one(s: Sample) -> None:
             if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
                 await self.run_sample(s, params)
             if (not together and s.status is SampleStatus.GENERATED
                     and group.group_id not in self._cancelled):
-                await self.grade(s)
+                await self.grading.sample(s)
 
         await asyncio.gather(*(one(s) for s in group.samples))
         if together and group.group_id not in self._cancelled:
-            await self.grade_together(group)
+            await self.grading.group(group)
         return group
-
-    async def grade_together(self, group: Group) -> None:
-        """Score the GENERATED samples of ``group`` with one call of its group reward; a
-        failing call marks each of them FAILED with the reason."""
-        samples = [s for s in group.samples if s.status is SampleStatus.GENERATED]
-        if not samples:
-            return
-        results = await self.graders.grade_group(group.task, [self._response(s) for s in samples])
-        for s, result in zip(samples, results, strict=True):
-            self._graded(s, result)
 
     async def cancel(self, group_ids: Iterable[str]) -> None:
         """Give up on groups: interrupt their requests at the next token boundary and never
@@ -480,8 +423,8 @@ class Dispatcher:
         """Preempt ``engine_id``: route nothing more to it and interrupt its requests at a
         token boundary. Each returns its partial tokens (exact versions) and its sample
         continues on another engine, or waits for one. Returns the requests handed back."""
-        engine = self._engine(engine_id)
-        self._drained.add(engine_id)
+        engine = self.router.engine(engine_id)
+        self.router.drained.add(engine_id)
         ids = [rid for rid, f in self.in_flight.items() if f.engine is engine]
         if ids and engine.stats().health is not EngineHealth.DEAD:
             await engine.interrupt(ids)
@@ -489,29 +432,13 @@ class Dispatcher:
 
     def undrain(self, engine_id: str) -> None:
         """Route to ``engine_id`` again."""
-        self._engine(engine_id)
-        self._drained.discard(engine_id)
+        self.router.engine(engine_id)
+        self.router.drained.discard(engine_id)
         if self.queue is not None:
             self.queue.wake()
 
-    def _engine(self, engine_id: str) -> Engine:
-        engine = next((e for e in self.engines if e.engine_id == engine_id), None)
-        if engine is None:
-            raise ValueError(f"no engine {engine_id!r}; engines: "
-                             f"{[e.engine_id for e in self.engines]}")
-        return engine
-
     def engine_table(self) -> list[dict[str, object]]:
-        """Each engine as the operator sees it: id, health (and why), the weight version it
-        serves, whether it is drained, and the requests in flight on it."""
-        rows = []
-        for e in self.engines:
-            st = e.stats()
-            rows.append({"engine_id": e.engine_id, "health": st.health.value,
-                         "health_reason": st.health_reason, "version": st.version,
-                         "drained": e.engine_id in self._drained,
-                         "in_flight": self._load[id(e)]})
-        return rows
+        return self.router.table()
 
     def gauges(self) -> dict[str, float]:
         """For the step metrics: ``len_pred_err`` (mean ``|predicted - actual| / actual`` of
@@ -532,7 +459,7 @@ class Dispatcher:
     def forget(self, group_id: str) -> None:
         """A group's life is over: drop what the dispatcher kept of it."""
         self._cancelled.discard(group_id)
-        self._home.pop(group_id, None)
+        self.router.home.pop(group_id, None)
         self.predictor.forget(group_id)
 
     def cancelled(self, group_id: str) -> bool:
