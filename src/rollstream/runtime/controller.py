@@ -142,8 +142,6 @@ class Controller:
             out = await self.in_trainer(self.trainer.step, batch, step)
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
-            if self.reconfigure is not None:  # nothing awaited since the publish
-                await self.reconfigure.at_boundary(step + 1)
             values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),
                       "wait_s": wait_s, "train_s": self.clock.now() - t0 - wait_s}
             for s in trained:
@@ -154,6 +152,8 @@ class Controller:
             result.steps_done = step + 1
             result.trained_samples += len(trained)  # by this process
             self.metrics.record("train", step, values)
+            if self.reconfigure is not None:  # nothing awaited since the publish
+                await self.reconfigure.at_boundary(step + 1)
             if self.after_step is not None:
                 await self.after_step(step, values)
         await self.sync.wait_applied()
