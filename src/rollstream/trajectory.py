@@ -216,6 +216,10 @@ class Sample:
     num_restored_tokens: int = 0  # partial tokens it continued from after a restart (resume)
     turns: list[Turn] = field(default_factory=list)  # multi-turn episodes: one per segment
     env_snapshot: EnvSnapshot | None = None  # an episode's environment, at its last boundary
+    # the sampling temperature of its tokens, fixed at its first dispatch (None: not yet, or
+    # not dispatched by a rollout); the trainer takes logprobs at the same temperature, so a
+    # temperature reconfigured mid-run does not change the behaviour policy of older samples
+    temperature: float | None = None
 
     @property
     def uid(self) -> str:

@@ -2,7 +2,8 @@
 own random stream (run seed, sample uid), so no engine RNG state needs saving, and the
 trainer's RNG and optimizer are in the checkpoint. In sync mode nothing depends on timing,
 so a run stopped at step 2 and resumed to step 4 in a fresh process writes the ledger and
-the weights of a run that never stopped."""
+the weights of a run that never stopped. A temperature reconfigured at step 1 (before the
+checkpoint) is in force after the resume too: the checkpoint holds the changes applied."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _config(root: Path, name: str, steps: int, cache: Path, seed: int = 0) -> Pa
                           cache_dir=cache, rollout={"mode": "sync"})
     cfg["rollout"].pop("max_staleness")  # sync mode has none
     cfg["seed"] = seed
+    cfg["reconfigure"] = {"schedule": [{"at_step": 1, "set": {"sampling.temperature": 0.8}}]}
     path = root / f"{name}-{steps}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
@@ -60,6 +62,10 @@ def test_a_resumed_run_samples_and_trains_as_the_run_that_never_stopped(
     assert sum(s[3] is not None for s in whole.values()) == 4 * 4 * 8  # trained samples
     differ = [uid for uid in whole if whole[uid] != resumed.get(uid)]
     assert not differ and whole.keys() == resumed.keys(), differ[:5]
+    for run in ("whole", "resumed"):  # applied once, recorded once, by the process before
+        log = (runs / run / "reconfig.jsonl").read_text().splitlines()
+        assert [json.loads(x)["changes"] for x in log] == [
+            [{"key": "sampling.temperature", "old": 1.0, "new": 0.8}]]
     a, b = _weights(runs / "whole"), _weights(runs / "resumed")
     for name, w in a.items():
         torch.testing.assert_close(b[name], w, rtol=0, atol=1e-5)

@@ -53,6 +53,25 @@ def test_logprobs_equal_an_independent_forward(tiny_model_path: Path) -> None:
         assert max(abs(a - b) for a, b in zip(lp, want)) < 1e-5
 
 
+def test_each_sample_is_scored_at_the_temperature_it_was_sampled_at(
+        tiny_model_path: Path) -> None:
+    # a temperature reconfigured mid-run: samples of both temperatures share micro-batches
+    trainer = Trainer(TrainConfig(), tiny_model_path, staleness=SYNC, temperature=1.0)
+    samples = make_group("g", [1, 2, 3], [[4, 5], [6, 7, 8], [9], [10, 11]]).samples
+    for s, temp in zip(samples, (0.5, None, 0.5, 2.0)):
+        s.temperature = temp
+    got = trainer.logprobs(samples)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for s, lp in zip(samples, got):
+        logits = ref(torch.tensor([list(s.task.prompt_ids) + s.response_ids])).logits[0]
+        temp = s.temperature or 1.0
+        logp = torch.log_softmax(logits / temp, dim=-1)
+        n = len(s.task.prompt_ids)
+        want = [logp[n - 1 + i, t].item() for i, t in enumerate(s.response_ids)]
+        assert max(abs(a - b) for a, b in zip(lp, want)) < 1e-5
+    assert got[0] != trainer.logprobs([make_group("g", [1, 2, 3], [[4, 5]]).samples[0]])[0]
+
+
 @pytest.mark.parametrize("budget", [24, 4096])
 def test_samples_sharing_a_row_do_not_see_each_other(tiny_model_path: Path, budget: int) -> None:
     """Packed rows (several samples back to back, position ids restarting) give each sample

@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 
 from rollstream.config.schema import RunConfig
 
+_REQUIRED = object()  # a field without a default, in an example item
 _BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >="),
            ("pattern", "matching"))
 
@@ -48,8 +49,8 @@ def describe(section: str | None = None) -> str:
 
 def _model_lines(model: type[BaseModel], default: BaseModel, indent: str) -> list[str]:
     lines: list[str] = []
-    for name, info in model.model_fields.items():
-        lines += _field_lines(name, info, getattr(default, name), indent)
+    for name, info in model.model_fields.items():  # a required field shows as (required)
+        lines += _field_lines(name, info, getattr(default, name, _REQUIRED), indent)
     return lines
 
 
@@ -59,12 +60,16 @@ def _field_lines(name: str, info: FieldInfo, value: Any, indent: str) -> list[st
     if inner is not None and isinstance(value, BaseModel):
         return [*lines, f"{indent}{name}:", *_model_lines(inner, value, indent + "  ")]
     if inner is not None:  # a list of sections: one item with the defaults of its own fields
-        item = value[0] if value else inner()
-        body = _model_lines(inner, item, indent + "    ")
+        body = _model_lines(inner, value[0] if value else inner.model_construct(), indent + "    ")
         first = next(i for i, line in enumerate(body) if not line.lstrip().startswith("#"))
         body[first] = f"{indent}  - {body[first].lstrip()}"
+        if not value:  # empty by default: the item is an example, commented out
+            return [*lines, f"{indent}{name}: []  # an item:",
+                    *(f"{indent}#{line[len(indent):]}" for line in body)]
         return [*lines, f"{indent}{name}:", *body]
     allowed = _allowed(info)
+    if value is _REQUIRED:
+        return [*lines, f"{indent}{name}: (required)" + (f"  # {allowed}" if allowed else "")]
     shown = yaml.safe_dump(_plain(value), default_flow_style=True, width=1 << 16)
     shown = shown.removesuffix("\n").removesuffix("\n...").strip()
     return [*lines, f"{indent}{name}: {shown}" + (f"  # {allowed}" if allowed else "")]

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, model_validator
 
+from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
 from rollstream.config.section import Section
 from rollstream.config.tasks import (  # the whole tree stays importable from here
     AgentConfig,
@@ -365,6 +366,9 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     monitor: MonitorConfig = MonitorConfig()
+    reconfigure: ReconfigureConfig = ReconfigureConfig()
+    """Changes of sampling, staleness and mixture settings at step boundaries, from a schedule
+    or a watched file (docs/reconfigure.md)."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
@@ -402,6 +406,7 @@ class RunConfig(Section):
                 "sampling.temperature = 0 cannot train: greedy samples of a group are all the "
                 "same, so no group has reward variance (use eval.temperature for greedy eval)"
             )
+        check_schedule(self)
         return self
 
 

@@ -86,6 +86,11 @@ class SourceConfig(Section):
     """Shape of the Pareto distribution of the number of items (smaller = longer tail)."""
 
     @property
+    def source_name(self) -> str:
+        """The name in task uids, metrics and reconfiguration keys: ``name``, else the kind."""
+        return self.name or self.kind
+
+    @property
     def reads_dataset(self) -> bool:
         return self.kind in _DATASET_KINDS
 

@@ -34,6 +34,11 @@ Caps, in both rules: a source with ``max_in_flight`` groups generating is passed
 is a dataset row with ``max_in_flight_per_task``; when nothing can be drawn ``next_task``
 returns None and the rollout waits for a group to end.
 
+Weights and caps may change between steps (:meth:`TaskMix.reweight`, called by
+``runtime.reconfigure``): a new cap holds for the next draws (groups in flight above it are
+not taken back), and new weights restart the quota's count, so the samples trained from then
+on follow them (``mix_share`` counts from the change too).
+
 ``state()`` is the whole cursor and the counters (JSON); an older state without the counters
 restores with them at zero. After a resume the draws depend on the feedback, which need not
 repeat the lost process's: a group the ledger already retired is skipped only when the same
@@ -58,7 +63,6 @@ from rollstream.data.sources import (
     TaskSource,
     build_source,
     check_source_paths,
-    source_name,
 )
 from rollstream.trajectory import Group, Task
 
@@ -99,7 +103,7 @@ class TaskMix:
         if not cfg.sources:
             raise ValueError("tasks.sources is empty: configure at least one source")
         check_source_paths(cfg)
-        names = [source_name(s) for s in cfg.sources]
+        names = [s.source_name for s in cfg.sources]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
             raise ValueError(
@@ -110,13 +114,14 @@ class TaskMix:
             n: build_source(s, tokenizer, cfg.seed) for n, s in zip(names, cfg.sources, strict=True)
         }
         self._names = names
-        self._weights = [s.weight for s in cfg.sources]
-        total = sum(self._weights)
-        self._target = {n: w / total for n, w in zip(names, self._weights, strict=True)}
-        self._src_cfg = dict(zip(names, cfg.sources, strict=True))
+        self._set_sources(cfg.sources)
         self._num_drawn = 0
         self._next_index = dict.fromkeys(names, 0)
         self._counts = {n: _Counts() for n in names}
+        # (groups drawn, samples trained) per source, and draws in all, when the weights last
+        # changed: the quota and the trained mixture count from there (reweight)
+        self._since: dict[str, tuple[int, int]] = {n: (0, 0) for n in names}
+        self._num_drawn_since = 0
         self._group_size = 0  # samples per group, from the feedback
         self._task_live: dict[str, int] = {}  # task uid -> groups generating (capped sources)
         self._rates = PassRates(cfg.pass_rate, cfg.seed) if cfg.pass_rate.enabled else None
@@ -136,6 +141,24 @@ class TaskMix:
             warnings.append("no task source has held-out tasks: the held-out reward is not "
                             "measured")
         return warnings
+
+    def _set_sources(self, sources: tuple[SourceConfig, ...]) -> None:
+        total = sum(s.weight for s in sources)
+        self._target = {n: s.weight / total for n, s in zip(self._names, sources, strict=True)}
+        self._src_cfg = dict(zip(self._names, sources, strict=True))
+
+    def reweight(self, sources: tuple[SourceConfig, ...]) -> None:
+        """New weights and caps of the same sources (a reconfiguration, between steps; the
+        datasets and their order stay). New weights hold for the samples trained from now on:
+        the quota and ``mix_share`` count from here, groups already in flight included."""
+        names = [s.source_name for s in sources]
+        if names != self._names:
+            raise ValueError(f"reweight: sources {names} are not this mix's {self._names}")
+        old = [self._src_cfg[n].weight for n in self._names]
+        self._set_sources(sources)
+        if old != [s.weight for s in sources]:
+            self._since = {n: (c.drawn, c.trained) for n, c in self._counts.items()}
+            self._num_drawn_since = self._num_drawn
 
     @property
     def names(self) -> list[str]:
@@ -159,7 +182,7 @@ class TaskMix:
             c.generating += 1
             c.pending += 1
             self._num_drawn += 1
-            if self._src_cfg[name].max_in_flight_per_task is not None:
+            if self._src_cfg[name].reads_dataset:  # counted uncapped too: a cap may come
                 self._task_live[task.uid] = self._task_live.get(task.uid, 0) + 1
             return task
         return None
@@ -176,8 +199,8 @@ class TaskMix:
                 yield name
                 open_.remove(name)
             return
-        bound = self._num_drawn + 1
-        open_ = [n for n in open_ if self._counts[n].drawn
+        bound = self._num_drawn - self._num_drawn_since + 1
+        open_ = [n for n in open_ if self._counts[n].drawn - self._since[n][0]
                  < self._src_cfg[n].max_oversample * self._target[n] * bound]
         expected = {n: self._expected(n) for n in open_}
         everything = sum(self._expected(n) for n in self._names)
@@ -189,7 +212,7 @@ class TaskMix:
         c, g = self._counts[name], max(self._group_size, 1)
         per_group = (c.trained + g) / (c.resolved + 1)
         waiting = max(0, c.pending - c.generating)  # an older state's groups are not counted
-        return c.trained + waiting * g + c.generating * per_group
+        return c.trained - self._since[name][1] + waiting * g + c.generating * per_group
 
     def _take(self, name: str) -> Task | None:
         """The source's next task in order that is not at its cap and that the pass rates
@@ -251,13 +274,15 @@ class TaskMix:
         c.trained += num_trained
 
     def metrics(self) -> dict[str, float]:
-        """The trained mixture since the run began: ``mix_share/<source>`` and
-        ``mixture_error_pp`` (the largest |share - target| over the sources, in percentage
-        points); ``pass_rate_tracked/<source>`` with pass-rate sampling."""
+        """The trained mixture since the run began (since the weights last changed):
+        ``mix_share/<source>`` and ``mixture_error_pp`` (the largest |share - target| over the
+        sources, in percentage points); ``pass_rate_tracked/<source>`` with pass-rate
+        sampling."""
         out: dict[str, float] = {}
-        total = sum(c.trained for c in self._counts.values())
+        trained = {n: c.trained - self._since[n][1] for n, c in self._counts.items()}
+        total = sum(trained.values())
         if total:
-            shares = {n: self._counts[n].trained / total for n in self._names}
+            shares = {n: trained[n] / total for n in self._names}
             out.update({f"mix_share/{n}": v for n, v in shares.items()})
             out["mixture_error_pp"] = 100 * max(abs(shares[n] - self._target[n])
                                                 for n in self._names)
@@ -297,6 +322,8 @@ class TaskMix:
             "num_drawn": self._num_drawn, "next_index": dict(self._next_index),
             "counts": {n: asdict(c) for n, c in self._counts.items()},
             "group_size": self._group_size, "task_live": dict(self._task_live),
+            "since": {n: list(v) for n, v in self._since.items()},
+            "num_drawn_since": self._num_drawn_since,
         }
         if self._rates is not None:
             state["pass_rates"] = self._rates.state()
@@ -316,5 +343,9 @@ class TaskMix:
         self._counts = {n: _Counts(**counts.get(n, {})) for n in self._names}
         self._group_size = int(state.get("group_size", 0))
         self._task_live = {uid: int(v) for uid, v in state.get("task_live", {}).items()}
+        since = state.get("since", {})
+        self._since = {n: (int(since[n][0]), int(since[n][1])) if n in since else (0, 0)
+                       for n in self._names}
+        self._num_drawn_since = int(state.get("num_drawn_since", 0))
         if self._rates is not None:
             self._rates.restore(state.get("pass_rates", {}))

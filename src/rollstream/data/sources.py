@@ -278,10 +278,6 @@ _KINDS: dict[str, type[_Synthetic]] = {
 _KIND_REWARDS = {"math": "math_answer"}  # the other kinds: exact_match
 
 
-def source_name(cfg: SourceConfig) -> str:
-    return cfg.name or cfg.kind
-
-
 def reward_name(cfg: SourceConfig) -> str:
     """The reward that grades a source's tasks: its ``reward``, else its kind's."""
     return cfg.reward or _KIND_REWARDS.get(cfg.kind, "exact_match")
@@ -291,7 +287,7 @@ def source_rewards(cfg: TasksConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Source name -> (reward name, the keyword arguments its tasks pass it from dataset
     columns), from the config alone (no tokenizer, no dataset read), for
     ``rollstream.reward.build_resolver``: a run resolves its rewards before any other work."""
-    return {source_name(s): (reward_name(s), tuple(s.reward_kwarg_columns))
+    return {s.source_name: (reward_name(s), tuple(s.reward_kwarg_columns))
             for s in cfg.sources}
 
 
@@ -300,12 +296,12 @@ def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> Ta
     if cfg.reads_dataset:
         from rollstream.data.dataset import DatasetSource
 
-        return DatasetSource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
+        return DatasetSource(name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
     if cfg.kind == "tally":  # an agent task: needs the chat template (agent/tally.py)
         from rollstream.agent.tally import TallySource
 
-        return TallySource(name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
-    return _KINDS[cfg.kind](name=source_name(cfg), cfg=cfg, tokenizer=tokenizer, seed=seed)
+        return TallySource(name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
+    return _KINDS[cfg.kind](name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
 
 
 def path_problem(path: str) -> str | None:

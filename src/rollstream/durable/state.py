@@ -83,6 +83,7 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
         "idx": s.sample_idx, "status": s.status.value, "reward": s.reward,
         "finish_reason": s.finish_reason, "failure": s.failure, "engine_id": s.engine_id,
         "num_interrupts": s.num_interrupts, "num_restored_tokens": s.num_restored_tokens,
+        "temperature": s.temperature,
         "segments": [{"kind": g.kind.value, "token_ids": list(g.token_ids),  # copies: the
                       "logprobs": list(g.logprobs), "versions": list(g.versions),  # sample
                       "loss_mask": list(g.loss_mask)} for g in s.segments],  # grows on
@@ -101,6 +102,7 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                     finish_reason=d["finish_reason"], failure=d["failure"],
                     engine_id=d["engine_id"], num_interrupts=d["num_interrupts"],
                     num_restored_tokens=d["num_restored_tokens"],
+                    temperature=d.get("temperature"),
                     turns=[_turn_from_dict(t) for t in d.get("turns", ())],
                     env_snapshot=None if (e := d.get("env_snapshot")) is None else EnvSnapshot(
                         num_segments=e["num_segments"], state=e["state"],

@@ -56,6 +56,14 @@ class StalenessCapacity:
         self.num_retired += n
         self.wake()
 
+    def set_max_staleness(self, max_staleness: int) -> None:
+        """A reconfigured bound: the limit moves at once. When it shrinks, groups already
+        admitted above the new limit are not taken back; nothing starts until they are
+        trained or retired."""
+        assert max_staleness >= 0
+        self.max_staleness = max_staleness
+        self.wake()
+
     def set_version(self, version: int) -> None:
         """The engines now serve ``version``."""
         assert version >= self._version

@@ -33,6 +33,11 @@ class TrajectoryBuffer:
         self._judged_at: int | None = None  # the step the groups were judged at
         self._unjudged: list[Group] = []  # put since then
 
+    def set_policy(self, policy: StalenessPolicy) -> None:
+        """A new staleness policy (a reconfiguration): every group is judged again."""
+        self.policy = policy
+        self._judged_at = None
+
     def __len__(self) -> int:
         return len(self._groups)
 

@@ -176,6 +176,11 @@ class Dispatcher:
         self.queue = None if dispatch == "engine" else DispatchQueue(
             dispatch, self.router.routable, adaptive=concurrency, now=clock.now)
 
+    def set_params(self, params: SamplingParams) -> None:
+        """Sampling parameters of the samples dispatched from now on (a reconfiguration;
+        ``runtime.reconfigure``); a sample keeps the temperature of its first dispatch."""
+        self.params = params
+
     # ---- the gate (weight sync's pause protocol) ----------------------------------------
     def pause(self) -> None:
         """Submit no new request until :meth:`resume` (running ones go on)."""
@@ -231,6 +236,10 @@ class Dispatcher:
         request (an agent episode) is run by that harness, which generates each model turn
         with :meth:`generate_turn`."""
         params = params or self.params
+        if sample.temperature is None:  # its first dispatch fixes it (Sample.temperature)
+            sample.temperature = params.temperature
+        elif sample.temperature != params.temperature:  # a sample continued after a change
+            params = replace(params, temperature=sample.temperature)
         if sample.task.harness != SINGLE_TURN:
             harness = self.harnesses.get(sample.task.harness)
             if harness is None:

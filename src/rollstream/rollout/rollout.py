@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rollstream.config import RolloutConfig
 from rollstream.durable.state import group_from_dict, group_to_dict
+from rollstream.engine.protocol import SamplingParams
 from rollstream.rollout.admission import StalenessCapacity
 from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.rollout.dispatcher import Dispatcher
@@ -139,11 +140,13 @@ class Rollout:
                     self.feedback.resolved(group, 0)
                 continue
             self.live[group.group_id] = group
-            tg.create_task(self._group_life(group), name=f"group {group.group_id}")
+            # the sampling parameters in force at admission (a reconfiguration may follow)
+            tg.create_task(self._group_life(group, self.dispatcher.params),
+                           name=f"group {group.group_id}")
         return True
 
-    async def _group_life(self, group: Group) -> None:
-        await self.dispatcher.run_group(group)
+    async def _group_life(self, group: Group, params: SamplingParams | None = None) -> None:
+        await self.dispatcher.run_group(group, params)
         del self.live[group.group_id]
         self.dispatcher.forget(group.group_id)
         outcome = self._cancelled.pop(group.group_id, None)
@@ -253,6 +256,17 @@ class Rollout:
         if doomed:
             self._cancelled.update(doomed)
             await self.dispatcher.cancel(list(doomed))
+
+    async def set_policy(self, policy: StalenessPolicy, version: int) -> None:
+        """A reconfigured staleness bound, in force from the next trainer step (the engines
+        serve ``version``): admission's capacity follows it at once, buffered groups are
+        judged again at their step, and live groups that can no longer train are cancelled.
+        Groups admitted under a larger bound go on; each is trained only if it is within the
+        bound in force at its step (docs/reconfigure.md)."""
+        self.policy = policy
+        self.buffer.set_policy(policy)
+        self.capacity.set_max_staleness(policy.max_staleness)
+        await self.cancel_doomed(version)
 
     def on_version(self, version: int) -> None:
         """The engines now serve ``version``: admission may move on."""

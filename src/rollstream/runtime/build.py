@@ -31,6 +31,7 @@ from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
+from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
 from rollstream.sync.weights import WeightSync, sync_policy
 from rollstream.trajectory import SINGLE_TURN
 
@@ -85,7 +86,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
     if not resume:
         for stale in ("ledger.jsonl", "ledger.superseded.jsonl", "metrics.jsonl",
                       "metrics.superseded.jsonl", "timeline.jsonl", "timeline.superseded.jsonl",
-                      "summary.json"):
+                      "summary.json", LOG_FILE):
             (run_dir / stale).unlink(missing_ok=True)
         shutil.rmtree(durable.folder(run_dir), ignore_errors=True)
     dumped = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
@@ -129,16 +130,19 @@ class Loop:
     rollout: Rollout
     sync: WeightSync
     controller: Controller
+    reconfigure: Reconfigure
 
 
 def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, tasks: TaskStream,
                graders: GraderPool, decode: Callable[[list[int]], str], ledger: Ledger,
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
                span: Callable[..., None] | None = None, start_step: int = 0,
-               harnesses: Mapping[str, Harness] | None = None) -> Loop:
+               harnesses: Mapping[str, Harness] | None = None,
+               reconfig_log: Path | None = None) -> Loop:
     """Wire dispatcher, rollout, weight sync and controller as ``cfg`` says (tests use this
     with their own engines and trainers at the process edges). ``harnesses``: what runs
-    tasks that are not one engine request (:func:`build_harnesses`)."""
+    tasks that are not one engine request (:func:`build_harnesses`); ``reconfig_log``: where
+    reconfigurations are recorded (the run directory's ``reconfig.jsonl``)."""
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
@@ -168,13 +172,16 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     supervisor = EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
     meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
                          lambda: {**rollout.stats(), **dispatcher.gauges()}, clock=clock)
+    reconfigure = Reconfigure(cfg, dispatcher=dispatcher, rollout=rollout, tasks=tasks,
+                              trainer=trainer, metrics=metrics, log_path=reconfig_log)
     controller = Controller(
         rollout=rollout, trainer=trainer, sync=sync, meter=meter, metrics=metrics,
         steps=cfg.train.steps, groups_per_step=cfg.train.groups_per_step,
         max_wall_s=cfg.max_wall_s, start_step=start_step, supervisor=supervisor, clock=clock,
+        reconfigure=reconfigure,
     )
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
-                controller=controller)
+                controller=controller, reconfigure=reconfigure)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -228,10 +235,12 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     from rollstream.reward.registry import build_resolver
 
     hf_logging.disable_progress_bar()
+    saved = resume.state.get("reconfig", {}) if resume is not None else {}
+    cfg_now = with_applied(cfg, saved.get("applied", []))  # what reconfigurations left in force
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)  # fail first
     model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
     tokenizer = load_tokenizer(model_path)
-    mix = TaskMix(cfg.tasks, tokenizer)  # a bad dataset fails here, before the run dir
+    mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     prepare_run_dir(cfg, run_dir, resume=cfg.resume)
     skip: set[str] = set()
     superseded = 0
@@ -252,15 +261,17 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
                             version=version) for i in range(cfg.engine.num_engines)]
     graders = GraderPool(cfg.reward, resolve)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    trainer = build_trainer(cfg, model_path)
-    loop = build_loop(cfg, engines=engines, trainer=trainer, tasks=mix, graders=graders,
+    trainer = build_trainer(cfg_now, model_path)
+    loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       ledger=ledger, metrics=metrics, clock=WallClock(),
-                      params=sampling_params(cfg.sampling, stop), span=metrics.span,
-                      start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer))
+                      params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
+                      start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer),
+                      reconfig_log=run_dir / LOG_FILE)
     if resume is not None:
         trainer.load_training_state(resume.model_dir, resume.trainer_file)
         loop.rollout.restore(resume.state["rollout"], version=version)
+        loop.reconfigure.restore(saved, version=version)
     loop.rollout.skip(skip)
     return Run(
         cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,

@@ -19,7 +19,9 @@ untrainable groups), with that diagnostic as the result's ``stop_reason``, or on
 trainer step after it). A loop that dies cancels the others and the run stops with its
 traceback (asyncio.TaskGroup). A resumed run starts at ``start_step``; ``before_stop`` runs
 after the last step, while the rollout still holds its in-flight samples (the final durable
-checkpoint).
+checkpoint). Right after it publishes version ``v`` the controller hands the boundary to
+``reconfigure`` (runtime/reconfigure.py), which applies the changes due at step ``v`` before
+any group is admitted under ``v``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollstream.clock import Clock, WallClock
 from rollstream.monitor.rollout_meter import RolloutMeter
@@ -36,6 +38,9 @@ from rollstream.rollout.rollout import Rollout, RolloutStopped
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import Group, Sample, SegmentKind, StepResult
+
+if TYPE_CHECKING:
+    from rollstream.runtime.reconfigure import Reconfigure
 
 
 class TrainerLike(Protocol):
@@ -67,7 +72,7 @@ class Controller:
                  meter: RolloutMeter, metrics: MetricsLike, steps: int, groups_per_step: int,
                  max_wall_s: float | None = None, after_step: AfterStep | None = None,
                  start_step: int = 0, supervisor: EngineSupervisor | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, reconfigure: Reconfigure | None = None) -> None:
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
@@ -75,6 +80,7 @@ class Controller:
         self.supervisor = supervisor
         self.clock = clock or WallClock()  # times wait_s / train_s (virtual in `sim`)
         self.after_step = after_step
+        self.reconfigure = reconfigure
         self.before_stop: BeforeStop | None = None
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._stop_reason: str | None = None
@@ -146,6 +152,8 @@ class Controller:
             result.steps_done = step + 1
             result.trained_samples += len(trained)  # by this process
             self.metrics.record("train", step, values)
+            if self.reconfigure is not None:  # nothing awaited since the publish
+                await self.reconfigure.at_boundary(step + 1)
             if self.after_step is not None:
                 await self.after_step(step, values)
         await self.sync.wait_applied()

@@ -133,7 +133,8 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
         t_hold = time.perf_counter()
         state = {"config": cfg.model_dump(mode="json"), "version": done,
                  "eval_rounds": next_round, "totals": so_far(),
-                 "rollout": await run.loop.rollout.snapshot()}
+                 "rollout": await run.loop.rollout.snapshot(),
+                 "reconfig": run.loop.reconfigure.state()}
         held_s = time.perf_counter() - t_hold
         state["logs"] = run.metrics.sync()  # what a resume finds past these was lost
         state["config_hash"] = durable.config_hash(state["config"])

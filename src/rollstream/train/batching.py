@@ -84,16 +84,19 @@ class MicroBatch:
     loss_mask: Tensor  # [B, T] bool: the sample's loss mask (False at padding)
     logp_behav: Tensor  # [B, T] float32: engine logprobs (0 at padding)
     versions: Tensor  # [B, T] long: policy version per token (-1 at padding)
+    temperature: Tensor  # [R, K] float32: sampling temperature of the kept logits' sample
 
     def to(self, device: str | torch.device) -> MicroBatch:
         return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None) -> MicroBatch:
+def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None, *,
+            temperature: float = 1.0) -> MicroBatch:
     """Lay out samples (each with at least one response token) as one micro-batch.
 
     ``rows``: indices into ``samples`` per row (every sample exactly once); by default rows as
     wide as the longest sample, filled first-fit in the given order (:func:`pack_rows`).
+    ``temperature``: of a sample that does not record its own (``Sample.temperature``).
     """
     prompts = [list(s.task.prompt_ids) for s in samples]
     responses = [s.response_ids for s in samples]
@@ -109,6 +112,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
 
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    temps = torch.ones((len(rows), width), dtype=torch.float32)
     where: list[tuple[int, int]] = [(0, 0)] * len(samples)  # (row, offset) of each sample
     for r, members in enumerate(rows):
         offset = 0
@@ -116,6 +120,8 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
             n = lengths[b]
             input_ids[r, offset : offset + n] = torch.tensor(prompts[b] + responses[b])
             position_ids[r, offset : offset + n] = torch.arange(n)
+            own = samples[b].temperature
+            temps[r, offset : offset + n] = temperature if own is None else own
             where[b] = (r, offset)
             offset += n
         position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
@@ -154,6 +160,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         loss_mask=loss_mask,
         logp_behav=logp_behav,
         versions=versions,
+        temperature=temps[:, keep],
     )
 
 

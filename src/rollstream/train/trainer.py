@@ -233,6 +233,15 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
 
+    def follow_rollout(self, *, staleness: StalenessPolicy, max_response_tokens: int,
+                       temperature: float) -> None:
+        """Rollout settings reconfigured between steps (``runtime.reconfigure``): the token-age
+        mask of the next steps, the Dr.GRPO normaliser's response budget, and the temperature
+        of samples that do not record theirs. ``loss: auto`` stays what it resolved to."""
+        self.staleness = staleness
+        self.max_response_tokens = max_response_tokens
+        self.temperature = float(temperature)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _bind_threads(self, *, pin: bool = True) -> None:
@@ -253,7 +262,8 @@ class Trainer:
             idx = [i for row in rows for i in row]
             at = {i: k for k, i in enumerate(idx)}  # sample index -> place in this micro-batch
             local = [[at[i] for i in row] for row in rows]
-            out.append((idx, collate([samples[i] for i in idx], local).to(self.device)))
+            out.append((idx, collate([samples[i] for i in idx], local,
+                                     temperature=self.temperature).to(self.device)))
         return out
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
@@ -264,7 +274,9 @@ class Trainer:
                 logits_to_keep=mb.logits_to_keep,
                 use_cache=False,
             )
-        logits = out.logits if self.temperature == 1.0 else out.logits / self.temperature
+        logits = out.logits
+        if bool((mb.temperature != 1.0).any()):  # each sample at its own (Sample.temperature)
+            logits = logits / mb.temperature.unsqueeze(-1)
         return gather_logprobs(logits, mb, top_p=self.top_p, top_k=self.top_k)
 
     def _trainable(
