@@ -44,3 +44,15 @@ def test_unknown_values_list_what_is_allowed() -> None:
     assert "seq_mean_token_sum_norm" in str(info.value)
     with pytest.raises(ConfigError, match="train.failed_reward"):
         validate({"train": {"failed_reward": "drop"}})
+
+
+def test_fsdp_settings_need_the_fsdp_backend() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate({"train": {"fsdp": {"world_size": 4}}})
+    msg = str(info.value)
+    assert "train.fsdp.world_size = 4" in msg and "train.backend = fsdp (it is local)" in msg
+    with pytest.raises(ConfigError, match="train.backend"):
+        validate({"train": {"backend": "ddp"}})
+    ok = validate({"train": {"backend": "fsdp", "fsdp": {"world_size": 4}}}).train
+    assert ok.backend == "fsdp" and ok.fsdp.world_size == 4
+    assert validate({"train": {"fsdp": {"world_size": 2}}}).train.backend == "local"  # default

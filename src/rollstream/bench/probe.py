@@ -199,6 +199,7 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
             fut = pool.submit(steps, probe_steps)
             shared, _ = _saturate(engine, mix, params, math.inf, group_size=g, until=fut)
         together = fut.result()
+        trainer.close()
         after, _ = _saturate(engine, mix, params, saturate_s / 2, group_size=g)
         # the batch economy: tokens/s with only b requests kept in the engine
         by_batch = {b: _saturate(engine, mix, params, saturate_s / 8, group_size=g, slots=b)[0]

@@ -239,6 +239,15 @@ class ISCorrectionConfig(Section):
     """Lower mask threshold (mask mode)."""
 
 
+class FsdpConfig(Section):
+    world_size: int = Field(2, ge=1)
+    """Trainer ranks: processes the controller starts, each holding a shard of the policy and
+    of AdamW's state and computing every ``world_size``-th micro-batch of a step (gloo on CPU,
+    NCCL with ``device: cuda``). docs/distributed.md."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks compute: ``cpu`` (gloo) or ``cuda`` (rank r on GPU r, NCCL)."""
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=1)
     """Optimizer steps (each publishes a new weight version)."""
@@ -307,6 +316,12 @@ class TrainConfig(Section):
     saved when the run ends or stops (0 = only then)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Durable checkpoints kept (the newest N; older ones are deleted once a newer is whole)."""
+    backend: Literal["local", "fsdp"] = "local"
+    """``local``: the trainer computes in the controller's process. ``fsdp``: PyTorch FSDP2
+    over ``fsdp.world_size`` rank processes, micro-batches shared among them; the same loss,
+    and the same update up to float rounding (docs/distributed.md)."""
+    fsdp: FsdpConfig = FsdpConfig()
+    """Settings of ``backend: fsdp`` (one set with ``backend: local`` is an error)."""
 
 
 class EvalConfig(Section):
@@ -418,6 +433,12 @@ def _check_train(t: TrainConfig) -> None:
             "both its advantage and the constant normaliser samples x max_new_tokens, i.e. "
             "loss_agg seq_mean_token_sum_norm or auto); for another aggregation use "
             "advantage grpo or rloo"
+        )
+    if t.backend != "fsdp" and t.fsdp != FsdpConfig():
+        changed = next(k for k, v in t.fsdp if v != FsdpConfig.model_fields[k].default)
+        raise ValueError(
+            f"train.fsdp.{changed} = {getattr(t.fsdp, changed)} is read only with "
+            f"train.backend = fsdp (it is {t.backend}); set backend: fsdp or drop it"
         )
     if t.advantage_std != "sample" and t.advantage != "grpo":
         raise ValueError(

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
     from rollstream.reward.registry import RewardFn
+    from rollstream.train.fsdp import FsdpTrainer
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Task
 
@@ -68,13 +69,17 @@ def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
     )
 
 
-def build_trainer(cfg: RunConfig, model_path: Path) -> Trainer:
-    from rollstream.train.trainer import Trainer
-
-    return Trainer(cfg.train, model_path, staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
-                   max_response_tokens=cfg.sampling.max_new_tokens,
-                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                   top_k=cfg.sampling.top_k)
+def build_trainer(cfg: RunConfig, model_path: Path) -> Trainer | FsdpTrainer:
+    """The trainer of ``train.backend``: in this process (``local``) or FSDP rank processes
+    (``fsdp``); either way :meth:`close` releases it."""
+    if cfg.train.backend == "fsdp":
+        from rollstream.train.fsdp import FsdpTrainer as make
+    else:
+        from rollstream.train.trainer import Trainer as make
+    return make(cfg.train, model_path, staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+                max_response_tokens=cfg.sampling.max_new_tokens,
+                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                top_k=cfg.sampling.top_k)
 
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> None:
@@ -196,7 +201,7 @@ class Run:
     ledger: Ledger
     engines: list[Engine]
     graders: GraderPool
-    trainer: Trainer
+    trainer: Trainer | FsdpTrainer
     loop: Loop
     eval_tasks: list[Task]
     eval_params: SamplingParams

@@ -194,7 +194,10 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
             await run.close()
             if dashboard is not None:
                 dashboard.stop()
-    final_dir = save_checkpoint(run.trainer, run_dir / "checkpoint")
+    try:
+        final_dir = save_checkpoint(run.trainer, run_dir / "checkpoint")
+    finally:
+        run.trainer.close()  # the fsdp backend's rank processes
     summary = _summary(run, result, initial, final, final_dir, time.perf_counter() - t_start,
                        done_totals["train_wall_s"], done_totals["generated_tokens"],
                        engines={k: {n: v - work_before.get(k, {}).get(n, 0.0)

@@ -164,6 +164,24 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     )
 
 
+def padding_micro_batch() -> MicroBatch:
+    """A micro-batch of no sample (one ``PAD_ID`` token in, ``B = 0``): its loss is an empty
+    sum. A data-parallel rank with fewer micro-batches than the others computes these, so
+    that every rank runs the same forward and backward passes (FSDP pairs their collectives)."""
+    none = (0, 1)  # [B = 0, T = 1]
+    return MicroBatch(
+        input_ids=torch.full((1, 1), PAD_ID, dtype=torch.long),
+        position_ids=torch.zeros((1, 1), dtype=torch.long),
+        logits_to_keep=torch.zeros(1, dtype=torch.long),
+        logit_index=torch.zeros(none, dtype=torch.long),
+        targets=torch.full(none, PAD_ID, dtype=torch.long),
+        response_mask=torch.zeros(none, dtype=torch.bool),
+        loss_mask=torch.zeros(none, dtype=torch.bool),
+        logp_behav=torch.zeros(none, dtype=torch.float32),
+        versions=torch.full(none, -1, dtype=torch.long),
+    )
+
+
 def gather_logprobs(kept_logits: Tensor, mb: MicroBatch, *, top_p: float = 1.0,
                     top_k: int = 0) -> Tensor:
     """``[B, T]`` float32 logprobs of the response tokens from ``[R, K, V]`` kept logits.

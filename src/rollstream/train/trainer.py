@@ -81,7 +81,13 @@ from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import TrainConfig
 from rollstream.train.advantages import compute_advantages
-from rollstream.train.batching import MicroBatch, collate, gather_logprobs, pack_micro_batches
+from rollstream.train.batching import (
+    MicroBatch,
+    collate,
+    gather_logprobs,
+    pack_micro_batches,
+    padding_micro_batch,
+)
 from rollstream.train.losses import (
     anchor_fn,
     build_targets,
@@ -156,6 +162,7 @@ class Trainer:
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._shard(self.model)  # before the optimizer: sharding replaces the parameters
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -191,8 +198,9 @@ class Trainer:
         if samples:
             batches = self._micro_batches(samples)
             prepared, norm = self._first_update(batches, samples, advantages, step, sums, kept)
-            for _ in range(self.cfg.updates_per_step - 1):
+            for _ in range(self.cfg.updates_per_step - 1 if norm is not None else 0):
                 self._update(prepared, norm, sums)
+        sums, kept = self._merge(sums, kept)
         metrics = step_metrics(sums, num_samples=len(samples), step_s=time.perf_counter() - t0,
                                max_staleness=self.staleness.max_staleness)
         return StepResult(metrics=metrics, kept=kept)
@@ -210,11 +218,17 @@ class Trainer:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out_dir, safe_serialization=True)
+        self._copy_tokenizer(out_dir)
+        return out_dir
+
+    def _copy_tokenizer(self, out_dir: Path) -> None:
         for name in TOKENIZER_FILES:
             src = self.model_path / name
             if src.is_file():
                 shutil.copy2(src, out_dir / name)
-        return out_dir
+
+    def close(self) -> None:
+        """Nothing to release: the policy lives in this process."""
 
     def save_training_state(self, path: Path) -> None:
         """Optimizer and RNG states (a durable checkpoint's ``trainer.pt``; the weights are
@@ -244,6 +258,30 @@ class Trainer:
 
     # -- internals ----------------------------------------------------------------------------
 
+    # Hooks of the data-parallel backend (``rollstream.train.fsdp``); here a single process
+    # computes every micro-batch, so they leave things as they are.
+
+    backward_masked = False
+    """Back-propagate a micro-batch whose tokens are all masked (a zero loss): the FSDP
+    backend must, its gradient reduction runs in backward hooks on every rank."""
+
+    def _share(self, packed: list[list[list[int]]]) -> list[list[list[int]]]:
+        """The micro-batches (rows of sample indices) this process computes; ``[]`` pads."""
+        return packed
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """Shard the policy's parameters across ranks (before the optimizer sees them)."""
+
+    def _step_counts(self, sums: StepSums) -> dict[str, int]:
+        """The step's kept tokens, kept sequences and trained samples (every rank's)."""
+        return {k: int(sums.values.get(k, 0)) for k in ("num_tokens", "num_sequences",
+                                                         "num_samples")}
+
+    def _merge(self, sums: StepSums, kept: dict[str, KeptTokens]
+               ) -> tuple[StepSums, dict[str, KeptTokens]]:
+        """The step's sums and kept tokens over every rank's micro-batches."""
+        return sums, kept
+
     def _bind_threads(self, *, pin: bool = True) -> None:
         if pin and self.cfg.cpu_affinity:  # on Linux this pins the calling thread only
             os.sched_setaffinity(0, self.cfg.cpu_affinity)
@@ -256,9 +294,14 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[tuple[list[int], MicroBatch]]:
+        """This process's micro-batches (all of them, here): sample indices and layout; a
+        padding micro-batch (:func:`padding_micro_batch`) has no index."""
         lengths = [len(s.task.prompt_ids) + s.num_response_tokens for s in samples]
         out = []
-        for rows in pack_micro_batches(lengths, self.cfg.micro_batch_tokens):
+        for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)):
+            if not rows:
+                out.append(([], padding_micro_batch().to(self.device)))
+                continue
             idx = [i for row in rows for i in row]
             at = {i: k for k, i in enumerate(idx)}  # sample index -> place in this micro-batch
             local = [[at[i] for i in row] for row in rows]
@@ -312,10 +355,10 @@ class Trainer:
         step: int,
         sums: StepSums,
         kept: dict[str, KeptTokens],
-    ) -> tuple[list[Prepared], float]:
+    ) -> tuple[list[Prepared], float | None]:
         """The step's first optimizer update; its forward passes give the proximal logprobs,
         hence the step-fixed targets of every micro-batch (module docstring). Fills ``kept``;
-        returns the targets and the step's loss normaliser."""
+        returns the targets and the step's loss normaliser (None: no token kept, no update)."""
         self.optimizer.zero_grad(set_to_none=True)
         prepared, loss_sum = [], 0.0
         for idx, mb in batches:
@@ -324,19 +367,14 @@ class Trainer:
             kept.update(kept_tokens([samples[i] for i in idx], p, step, self.staleness))
             loss_sum += self._backward(logp, p, 1.0, sums)  # divided by norm below
             prepared.append(p)
-        num_tokens = int(sums.values.get("num_tokens", 0))
-        norm = normaliser(
-            self.loss_agg,
-            num_tokens=num_tokens,
-            num_sequences=int(sums.values.get("num_sequences", 0)),
-            num_samples=int(sums.values.get("num_samples", 0)),
-            max_response_tokens=self.max_response_tokens,
-        )
-        if num_tokens:
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.div_(norm)
-            self._optimizer_step(sums, loss_sum / norm)
+        counts = self._step_counts(sums)
+        if not counts["num_tokens"]:
+            return prepared, None
+        norm = normaliser(self.loss_agg, **counts, max_response_tokens=self.max_response_tokens)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(norm)
+        self._optimizer_step(sums, loss_sum / norm)
         return prepared, norm
 
     @torch.no_grad()
@@ -381,8 +419,6 @@ class Trainer:
 
     def _update(self, prepared: list[Prepared], norm: float, sums: StepSums) -> None:
         """A later optimizer update: accumulate over all micro-batches, clip, step."""
-        if not sums.values.get("num_tokens"):
-            return
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for p in prepared:
@@ -393,7 +429,7 @@ class Trainer:
         """Back-propagate one micro-batch's summed token loss / ``norm``; returns the sum."""
         loss, st = policy_loss(logp, p.targets, clip_eps=self.cfg.clip_eps,
                                kl_coef=self.cfg.kl_coef)
-        if st.num_tokens:  # all tokens masked: a zero loss, nothing to back-propagate
+        if st.num_tokens or self.backward_masked:  # all masked: a zero loss
             (loss / norm).backward()
         sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)
         sums.add_clips_by_age(p, st.clipped, self.staleness.max_staleness + 2)
@@ -402,6 +438,8 @@ class Trainer:
     def _optimizer_step(self, sums: StepSums, loss: float) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         sums.add(loss=loss, grad_norm=float(grad_norm), num_updates=1)
 
 

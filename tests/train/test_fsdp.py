@@ -1,0 +1,159 @@
+"""Trainer backend ``fsdp``: 2 gloo ranks on CPU against the single-process trainer.
+
+Same tiny model, same batch: the loss, the gradient norm, every parameter's gradient and the
+weights after the step agree within float32 summation-order rounding (tolerances below),
+and so does what the loss kept of each sample. The batch packs into an odd number of
+micro-batches, so one rank computes a padding micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rollstream.config.schema import ISCorrectionConfig, TrainConfig
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.train.fsdp import FsdpTrainer, RankTrainer
+from rollstream.train.trainer import Trainer
+from tests.train.conftest import make_group
+
+STALE1 = StalenessPolicy(max_staleness=1)  # loss auto = decoupled_ppo; tokens of age 0 and 1
+WORLD = 2
+LOSS_RTOL = 1e-5  # relative, loss and grad norm
+GRAD_ATOL = 1e-6  # absolute, per gradient element (gradients here are O(1e-3 .. 1))
+WEIGHT_ATOL = 1e-6  # absolute, per weight after the AdamW step(s)
+
+CONFIGS = {
+    "token_mean": TrainConfig(micro_batch_tokens=24, updates_per_step=2, grad_clip=1e6),
+    "seq_mean_kl_masked_is": TrainConfig(
+        micro_batch_tokens=24, updates_per_step=1, grad_clip=0.5, kl_coef=0.1,
+        loss_agg="seq_mean_token_mean", is_correction=ISCorrectionConfig(mode="mask")),
+}
+
+
+def batch() -> list:
+    """Three groups of mixed lengths, behaviour logprobs off the policy (IS is active), token
+    versions 0 and 1 (ages 1 and 0 at step 1)."""
+    def lp(n: int, k: int) -> list[float]:
+        return [-4.2 + 0.35 * ((i + k) % 5 - 2) for i in range(n)]  # the policy: about -4.2
+
+    def ver(n: int, k: int) -> list[int]:
+        return [(i + k) % 2 for i in range(n)]
+
+    shapes = [([1, 2, 3], [[4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16]], [1.0, 0.0, 0.5]),
+              ([20, 21], [[22, 23], [24, 25, 26, 27, 28], [29]], [0.0, 1.0, 1.0]),
+              ([30, 31, 32, 33], [[34, 35, 36], [37, 38, 39, 40, 41, 42, 43]], [0.2, 0.9])]
+    groups = []
+    for g, (prompt, responses, rewards) in enumerate(shapes):
+        groups.append(make_group(
+            f"g{g}", prompt, responses, rewards=rewards,
+            logprobs=[lp(len(r), g + i) for i, r in enumerate(responses)],
+            versions=[ver(len(r), g + i) for i, r in enumerate(responses)]))
+    return groups
+
+
+def _rank(rank: int, world: int, store: str, model_path: Path, out: Path) -> None:
+    """One rank: every config's step on the batch; rank 0 saves the results."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results = {}
+    for name, cfg in CONFIGS.items():
+        trainer = RankTrainer(cfg, model_path, rank=rank, world_size=world, staleness=STALE1)
+        res = trainer.step(batch(), step=1)
+        grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
+        results[name] = (res, grads, trainer.state_dict())
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_the_single_process_trainer(tiny_model_path: Path,
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "ranks.pt"
+    mp.spawn(_rank, args=(WORLD, str(tmp_path / "store"), tiny_model_path, out), nprocs=WORLD)
+    ranks = torch.load(out, weights_only=False)
+    for name, cfg in CONFIGS.items():
+        local = Trainer(cfg, tiny_model_path, staleness=STALE1)
+        assert len(local._micro_batches(
+            [s for g in batch() for s in g.samples])) % WORLD == 1  # one rank pads
+        want = local.step(batch(), step=1)
+        got, grads, weights = ranks[name]
+        for key in ("loss", "grad_norm", "kl", "clip_frac", "is_weight_mean", "entropy",
+                    "is_masked_frac", "num_tokens", "num_samples"):
+            assert math.isclose(got.metrics[key], want.metrics[key], rel_tol=LOSS_RTOL,
+                                abs_tol=1e-9), (name, key, got.metrics[key], want.metrics[key])
+        assert want.metrics["num_tokens"] > 0 and want.metrics["loss"] != 0
+        assert got.kept == want.kept
+        for n, p in local.model.named_parameters():
+            assert torch.allclose(grads[n], p.grad, rtol=0, atol=GRAD_ATOL), (name, n)
+        for n, w in local.model.state_dict().items():
+            assert torch.allclose(weights[n], w, rtol=0, atol=WEIGHT_ATOL), (name, n)
+
+
+def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The controller-side handle: step, logprobs and state_dict as the local trainer's;
+    checkpoints round-trip; close leaves no rank running; a rank's error is raised here."""
+    cfg = TrainConfig(micro_batch_tokens=24, backend="fsdp")
+    trainer = FsdpTrainer(cfg, tiny_model_path, staleness=STALE1)
+    procs = list(trainer._procs)
+    try:
+        local = Trainer(cfg, tiny_model_path, staleness=STALE1)
+        samples = [s for g in batch() for s in g.samples]
+        got_lp, want_lp = trainer.logprobs(samples), local.logprobs(samples)
+        assert [len(x) for x in got_lp] == [len(x) for x in want_lp]
+        assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-5
+        got, want = trainer.step(batch(), 1), local.step(batch(), 1)
+        assert math.isclose(got.metrics["loss"], want.metrics["loss"], rel_tol=LOSS_RTOL)
+        weights = trainer.state_dict()
+        assert weights.keys() == local.state_dict().keys()  # tied weights under both names
+        for n, w in local.state_dict().items():
+            assert torch.allclose(weights[n], w, rtol=0, atol=WEIGHT_ATOL), n
+        trainer.save_checkpoint(tmp_path / "ckpt")
+        trainer.save_training_state(tmp_path / "trainer.pt")
+        trainer.load_training_state(tmp_path / "ckpt", tmp_path / "trainer.pt")
+        again = trainer.state_dict()
+        assert all(torch.equal(again[n], w) for n, w in weights.items())
+        with pytest.raises(RuntimeError, match="fsdp rank 0 failed"):
+            trainer.step([make_group("bad", [1], [[999]], rewards=[1.0])], 2)  # id > vocab
+        assert not any(p.is_alive() for p in procs)  # an error ends every rank
+    finally:
+        trainer.close()
+    assert not any(p.is_alive() for p in procs)
+    assert not multiprocessing.active_children()
+    assert not Path(trainer._folder).exists()
+
+
+@pytest.mark.slow
+def test_embedded_run_with_fsdp_trains_and_syncs_weights(tmp_path: Path) -> None:
+    """A 2-step sync run of a tiny model with ``train.backend: fsdp``: every step trains,
+    and the engines sample step 1 with the weights the ranks produced at step 0 (the
+    trainer's own logprobs of those tokens equal the engine's: mismatch ~ 0)."""
+    import json
+
+    from rollstream.config import load_config
+    from rollstream.runtime.train import run_training
+
+    cfg = load_config(None, [
+        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+        "model.tiny.max_position=64", "model.warm_start.steps=0",
+        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=fsdp",
+        "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=0",
+        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.mode=sync",
+        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=2",
+        "train.groups_per_step=2", "train.micro_batch_tokens=64", "train.backend=fsdp",
+        "train.fsdp.world_size=2", "monitor.progress=false"])
+    summary = run_training(cfg)
+    assert summary["steps"] == 2 and summary["trained_samples"] == 16, summary
+    steps = [m for m in map(json.loads, (tmp_path / "fsdp" / "metrics.jsonl").open())
+             if m["kind"] == "train"]
+    assert [m["step"] for m in steps] == [0, 1]
+    assert all(m["num_tokens"] > 0 for m in steps)
+    assert steps[1]["mismatch"] < 1e-4, steps[1]  # engine weights == trainer weights (v1)
+    assert (tmp_path / "fsdp" / "checkpoint" / "model.safetensors").exists()
+    assert not multiprocessing.active_children()
