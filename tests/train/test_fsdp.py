@@ -97,8 +97,8 @@ def test_two_ranks_match_the_single_process_trainer(tiny_model_path: Path,
 
 
 def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path) -> None:
-    """The controller-side handle: step, logprobs and state_dict as the local trainer's;
-    checkpoints round-trip; close leaves no rank running; a rank's error is raised here."""
+    """The controller-side handle: step, logprobs, state_dict and a reconfiguration
+    (follow_rollout) as the local trainer's; checkpoints round-trip; close leaves no rank running; a rank's error is raised here."""
     cfg = TrainConfig(micro_batch_tokens=24, backend="fsdp")
     trainer = FsdpTrainer(cfg, tiny_model_path, staleness=STALE1)
     procs = list(trainer._procs)
@@ -114,6 +114,10 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
         assert weights.keys() == local.state_dict().keys()  # tied weights under both names
         for n, w in local.state_dict().items():
             assert torch.allclose(weights[n], w, rtol=0, atol=WEIGHT_ATOL), n
+        for t in (trainer, local):  # a reconfiguration reaches every rank
+            t.follow_rollout(staleness=STALE1, max_response_tokens=64, temperature=0.7)
+        got_lp, want_lp = trainer.logprobs(samples), local.logprobs(samples)
+        assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-5
         trainer.save_checkpoint(tmp_path / "ckpt")
         trainer.save_training_state(tmp_path / "trainer.pt")
         trainer.load_training_state(tmp_path / "ckpt", tmp_path / "trainer.pt")

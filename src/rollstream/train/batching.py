@@ -179,6 +179,7 @@ def padding_micro_batch() -> MicroBatch:
         loss_mask=torch.zeros(none, dtype=torch.bool),
         logp_behav=torch.zeros(none, dtype=torch.float32),
         versions=torch.full(none, -1, dtype=torch.long),
+        temperature=torch.ones((1, 1), dtype=torch.float32),
     )
 
 

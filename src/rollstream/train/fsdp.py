@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 REPLICATED = frozenset({"grad_norm", "num_updates"})  # sums every rank adds alike (global)
 COMMANDS = frozenset({"step", "logprobs", "state_dict", "save_checkpoint",
-                      "save_training_state", "load_training_state"})
+                      "save_training_state", "load_training_state", "follow"})
 
 
 class RankTrainer(Trainer):
@@ -106,6 +106,10 @@ class RankTrainer(Trainer):
             merged.add(**{k: v for k, v in values.items() if rank == 0 or k not in REPLICATED})
             all_kept.update(rank_kept)
         return merged, all_kept
+
+    def follow(self, settings: dict[str, Any]) -> None:
+        """:meth:`Trainer.follow_rollout` with the driver's keyword arguments."""
+        self.follow_rollout(**settings)
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         mine = super().logprobs(samples)  # [] for the samples of other ranks
@@ -227,6 +231,12 @@ class FsdpTrainer:
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         return self._call("logprobs", list(samples))
+
+    def follow_rollout(self, *, staleness: StalenessPolicy, max_response_tokens: int,
+                       temperature: float) -> None:
+        """A reconfiguration between steps (``runtime.reconfigure``), on every rank."""
+        self._call("follow", dict(staleness=staleness, max_response_tokens=max_response_tokens,
+                                  temperature=temperature))
 
     def state_dict(self) -> dict[str, Tensor]:
         """The full HF-named weights, gathered from the shards: a copy (in shared memory), so
