@@ -60,8 +60,10 @@ def _loop(cfg, *, seed, ledger, tasks, trainer, start_step=0):
 
 def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: int,
                     steps: int, resume_at: int, lost: int, max_token_age: int | None,
-                    max_context_age: int | None = None):
+                    max_context_age: int | None = None, replay: dict | None = None):
     extra = {} if max_context_age is None else {"max_context_age": max_context_age}
+    if replay is not None:
+        extra["replay"] = replay
     cfg = RunConfig(
         rollout=rollout_cfg(mode="async", k=k, partial=partial, on_update=on_update, **extra),
         train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),

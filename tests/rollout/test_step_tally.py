@@ -48,7 +48,21 @@ def test_waste_and_length_bias_of_a_constructed_step():
     candidates_mean = (110 + 380 + 65 + 36) / 15  # not zero variance; started samples only
     assert out["length_bias"] == pytest.approx(trained_mean / candidates_mean)
     assert out["length_bias"] < 0.5  # long groups dropped stale: training saw short ones
-    assert tally.read() == {"gen_tokens": 0.0, "trained_tokens": 0.0}  # a new step
+    assert tally.read() == {"gen_tokens": 0.0, "trained_tokens": 0.0, "replayed_groups": 0.0,
+                            "replayed_tokens": 0.0}  # a new step
+
+
+def test_replayed_tokens_count_as_trained_but_not_in_the_length_bias():
+    tally = StepTally()
+    fresh = _group("a", [10, 30], [S.TRAINED] * 2)
+    tally.ended(fresh)
+    tally.resolved(fresh, zero_variance=False)
+    replay = _group("b", [100, 300], [S.TRAINED] * 2)
+    tally.replayed(replay.samples[:1])  # the loss kept tokens of one of its samples
+    out = tally.read()
+    assert out["replayed_groups"] == 1 and out["replayed_tokens"] == 100
+    assert out["trained_tokens"] == 40 + 100 and out["gen_tokens"] == 40
+    assert out["length_bias"] == pytest.approx(1.0)
 
 
 def test_whole_groups_trained_have_no_length_bias_however_uneven():

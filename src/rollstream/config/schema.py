@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, NonNegativeInt, model_validator
 
 from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
+from rollstream.config.replay import ReplayConfig, check_replay
 from rollstream.config.section import Section
 from rollstream.config.tasks import (  # the whole tree stays importable from here
     AgentConfig,
@@ -207,6 +208,8 @@ class RolloutConfig(Section):
     ``trainable_share_window`` finished groups were trainable (0 = never)."""
     trainable_share_window: int = Field(1024, ge=1)
     """Finished groups over which ``min_trainable_share`` is judged."""
+    replay: ReplayConfig = ReplayConfig()
+    """Bounded replay of informative groups already trained (off by default; docs/data.md)."""
 
     @property
     def staleness_bound(self) -> int:
@@ -401,6 +404,7 @@ class RunConfig(Section):
                 "which vLLM refuses to exceed); lower max_model_len or raise max_position"
             )
         _check_rollout(self.rollout, self.train)
+        check_replay(self.rollout, self.train)
         _check_train(self.train)
         if self.reward.name != "auto":
             for i, source in enumerate(self.tasks.sources):

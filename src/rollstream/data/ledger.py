@@ -15,6 +15,12 @@ count, which a checkpoint stores: the lines after it are what a resume reconcile
 Also tracks which dispatched samples are still open (``open``, then ``write``) so that, at
 the end of a run, :meth:`unfinished` names every one that never reached a terminal status.
 The ledger stores; it does not decide: statuses change in ``rollout.lifecycle``.
+
+A replay (``rollout.replay``: a group trained again at a later step) is not a status: the
+sample keeps its one terminal line, and :meth:`replayed` appends an event to
+``replays.jsonl`` beside the ledger (:data:`REPLAYS`), one line per replayed sample the loss
+kept tokens of. Its line count is checkpointed with the ledger's, so a resume supersedes the
+lost process's replays as it does its trained lines.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import IO
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind
 
 RECENT = 1 << 14  # terminal sample uids kept in memory for the exactly-once check
+REPLAYS = "replays.jsonl"  # replay events, beside the ledger file
 
 
 class Ledger:
@@ -50,6 +57,13 @@ class Ledger:
                 self.num_lines += 1
                 self.num_recorded += 1
         self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
+        self._replay_path = path.with_name(REPLAYS) if path is not None else None
+        self._replay_fh: IO[str] | None = None  # opened at the first replay
+        self.num_replay_lines = (len(read_ledger(self._replay_path))
+                                 if self._replay_path is not None and self._replay_path.exists()
+                                 else 0)
+        if self.num_replay_lines:
+            self.counts["replayed"] = self.num_replay_lines
 
     def open(self, sample: Sample) -> None:
         """A sample was dispatched; it must reach :meth:`write` before the run ends."""
@@ -97,6 +111,24 @@ class Ledger:
             self._fh.write(json.dumps(entry) + "\n")
             self.num_lines += 1
 
+    def replayed(self, sample: Sample, step: int, *, num_tokens: int, min_version: int | None,
+                 t_s: float | None = None) -> None:
+        """``sample``, recorded terminal before, was trained again at ``step`` (a replay):
+        ``num_tokens`` kept by the loss, the oldest of version ``min_version``."""
+        if not sample.status.is_terminal():
+            raise AssertionError(f"sample {sample.uid} replayed before its terminal record")
+        self.counts["replayed"] += 1
+        if self._replay_path is None:
+            return
+        if self._replay_fh is None:
+            self._replay_fh = self._replay_path.open("a", buffering=1)
+        self._replay_fh.write(json.dumps({
+            "sample_uid": sample.uid, "task_uid": sample.task.uid, "source": sample.task.source,
+            "event": "replayed", "replayed_at_step": step, "num_trained_tokens": num_tokens,
+            "min_trained_version": min_version, "reward": sample.reward, "t_s": t_s,
+        }) + "\n")
+        self.num_replay_lines += 1
+
     def record_rejected(self, task_uid: str, source: str, reason: str) -> None:
         """A dataset row that could not become a task: written as a failed task, once."""
         uid = f"{task_uid}#row"
@@ -116,10 +148,11 @@ class Ledger:
             self.num_lines += 1
 
     def sync(self) -> int:
-        """Flush and fsync the file; the number of lines it holds."""
-        if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+        """Flush and fsync the files; the number of lines the ledger holds."""
+        for fh in (self._fh, self._replay_fh):
+            if fh is not None:
+                fh.flush()
+                os.fsync(fh.fileno())
         return self.num_lines
 
     def _remember(self, uid: str, status: SampleStatus) -> None:
@@ -136,9 +169,10 @@ class Ledger:
 
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        for fh in (self._fh, self._replay_fh):
+            if fh is not None:
+                fh.close()
+        self._fh = self._replay_fh = None
 
 
 def read_ledger(path: Path) -> list[dict]:

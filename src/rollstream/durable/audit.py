@@ -7,7 +7,10 @@ checkpoint), so that a test and ``rollstream bench resume`` judge a run the same
 * ``lost_samples``: samples of a training group the data cursor reached (or an evaluation
   group that was started) that have no terminal line (target 0);
 * ``steps_repeated``: trainer steps whose trained samples come from more than one batch,
-  i.e. more than ``groups_per_step`` groups (target 0);
+  i.e. more than ``groups_per_step`` groups, replayed groups included (target 0);
+* ``replays`` (``replays.jsonl``, ``rollout.replay``): replay events, each a sample trained
+  again; ``replays_unbacked``: events whose sample has no terminal line taken by an earlier
+  step, or that repeat a (sample, step) (target 0); ``max_replays_per_sample``;
 * ``steps_missing``: steps below the run's step count that trained nothing;
 * ``steps_redone``: steps trained after a checkpoint by a process that was then killed, and
   trained again by the resumed run (their lines are in ``ledger.superseded.jsonl``);
@@ -21,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger import REPLAYS, read_ledger
 from rollstream.durable import checkpoint as durable
 from rollstream.trajectory import is_eval_uid
 
@@ -46,6 +49,19 @@ def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
         cursor = ckpt.state["rollout"]["num_admitted"]
         admitted = {g.rsplit("#g", 1)[1] for g in by_group if not is_eval_uid(g)}
         lost += group_size * sum(1 for k in range(cursor) if str(k) not in admitted)
+    replays = run_dir / REPLAYS
+    events = read_ledger(replays) if replays.exists() else []
+    taken = {r["sample_uid"]: r.get("taken_at_step") for r in rows}
+    seen: set[tuple[str, int]] = set()
+    unbacked = 0
+    per_sample: dict[str, int] = defaultdict(int)
+    for e in events:
+        uid, at = e["sample_uid"], e["replayed_at_step"]
+        first = taken.get(uid)
+        unbacked += first is None or first >= at or (uid, at) in seen
+        seen.add((uid, at))
+        per_sample[uid] += 1
+        trained[at].add(uid.rpartition("/")[0])
     superseded = run_dir / "ledger.superseded.jsonl"
     old = read_ledger(superseded) if superseded.exists() else []
     resumed = [r for r in rows if r.get("restored_tokens")]
@@ -57,6 +73,9 @@ def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
         "steps_missing": sum(1 for s in range(steps) if s not in trained),
         "steps_redone": len({r["trained_at_step"] for r in old if r["status"] == "trained"}),
         "superseded_lines": len(old),
+        "replays": len(events),
+        "replays_unbacked": unbacked,
+        "max_replays_per_sample": max(per_sample.values(), default=0),
         "resumed_partial_samples": len(resumed),
         "resumed_partial_tokens": sum(r["restored_tokens"] for r in resumed),
     }

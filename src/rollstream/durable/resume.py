@@ -15,6 +15,9 @@ were written by a process whose later state is lost; each is judged by its group
 ``ledger.jsonl`` is rewritten (atomically) as the head plus the standing lines, so it keeps
 exactly one terminal line per sample; superseded lines go to ``ledger.superseded.jsonl`` with
 the step the run resumed at, never dropped. Rejected dataset rows (``#row``) always stand.
+Replay events (``replays.jsonl``, ``rollout.replay``) after the checkpoint's count belong to
+steps that are redone: all of them move to ``replays.superseded.jsonl``; the replay pool and
+its use counts come back from the checkpoint.
 
 ``metrics.jsonl`` and ``timeline.jsonl`` are reconciled the same way by the byte sizes the
 checkpoint stored (:func:`reconcile_logs`): what the lost process measured after the
@@ -31,6 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rollstream.data.ledger import REPLAYS
 from rollstream.durable.checkpoint import Checkpoint
 
 # what may differ between a checkpoint's config and the resuming one (dotted prefixes)
@@ -119,7 +123,31 @@ def reconcile_ledger(run_dir: Path, ckpt: Checkpoint | None, *,
     tmp.write_text("".join(line + "\n" for line in head)
                    + "".join(json.dumps(r) + "\n" for r in kept))
     tmp.replace(path)
-    return {g for g in standing if not g.endswith(_ROW)}, len(superseded)
+    n_replays = _reconcile_replays(run_dir, ckpt, step)
+    return {g for g in standing if not g.endswith(_ROW)}, len(superseded) + n_replays
+
+
+def _reconcile_replays(run_dir: Path, ckpt: Checkpoint | None, step: int) -> int:
+    """Move the replay events past ``ckpt``'s count to ``replays.superseded.jsonl``."""
+    path = run_dir / REPLAYS
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    n_head = int(ckpt.state["rollout"].get("replay_lines", 0)) if ckpt is not None else 0
+    tail = []
+    for line in lines[n_head:]:
+        try:
+            tail.append(json.loads(line))
+        except json.JSONDecodeError:  # the line a kill tore
+            continue
+    if tail:
+        with (run_dir / "replays.superseded.jsonl").open("a") as f:
+            for r in tail:
+                f.write(json.dumps({**r, "superseded_at_resume_step": step}) + "\n")
+    tmp = path.with_name(f".{REPLAYS}.tmp-{os.getpid()}")
+    tmp.write_text("".join(line + "\n" for line in lines[:n_head]))
+    tmp.replace(path)
+    return len(tail)
 
 
 _ROW = "#row"  # a rejected dataset row's ledger uid ends so (Ledger.record_rejected)

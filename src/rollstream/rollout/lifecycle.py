@@ -50,3 +50,9 @@ class Lifecycle:
             self.ledger.write(sample, self.clock.now())
         else:
             assert reason is None, "only terminal statuses carry a reason"
+
+    def replayed(self, sample: Sample, step: int, *, num_tokens: int,
+                 min_version: int | None) -> None:
+        """``sample`` (terminal) trained again at ``step``: an event, not a status."""
+        self.ledger.replayed(sample, step, num_tokens=num_tokens, min_version=min_version,
+                             t_s=self.clock.now())

@@ -24,6 +24,11 @@ tokens, groups the ledger already retired are skipped. Everything a group
 goes through is decided here, with the rules of :class:`StalenessPolicy` and the state
 changes of :class:`Lifecycle`; every retired group frees its admission capacity exactly once.
 
+With ``rollout.replay`` on, each trained group is offered to the :class:`ReplayPool`, and
+``take`` fills a batch short of fresh groups with replays (at most the configured share; a
+replay never displaces a ready fresh group); ``on_trained`` records a replay as a ledger
+event, not a second terminal status.
+
 ``take`` raises :class:`RolloutStopped` when the rollout can no longer feed the trainer: no
 engine is alive, or :class:`Liveness` found a stream of untrainable groups. The message is the
 diagnostic; the controller ends the run with it.
@@ -42,6 +47,7 @@ from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.liveness import Liveness
+from rollstream.rollout.replay import ReplayPool
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.step_tally import StepTally
 from rollstream.trajectory import Group, Sample, SampleStatus, StepResult, Task
@@ -91,6 +97,8 @@ class Rollout:
                                           max_staleness=policy.max_staleness,
                                           total_groups=total_groups)
         self.buffer = TrajectoryBuffer(policy)
+        self.replay = ReplayPool(cfg.replay, policy, failed_reward)
+        self._replaying: set[str] = set()  # group ids of the batch taken that are replays
         self.liveness = Liveness(cfg)
         self.live: dict[str, Group] = {}
         self._cancelled: dict[str, tuple[SampleStatus, str]] = {}  # group id -> outcome
@@ -200,7 +208,8 @@ class Rollout:
     # ---- the trainer's side ------------------------------------------------------------
     async def take(self, n: int, step: int) -> list[Group]:
         """``n`` groups the policy allows at trainer step ``step`` (stale ones are recorded
-        DROPPED_STALE on the way); raises RolloutStopped when none can come any more."""
+        DROPPED_STALE on the way); raises RolloutStopped when none can come any more. While
+        fresh groups are short by at most the replay share, replays fill the batch."""
         while True:
             for group, verdict in self.buffer.pop_stale(step):
                 self._retire(group, S.DROPPED_STALE, verdict.reason or "stale")
@@ -208,6 +217,11 @@ class Rollout:
                 raise RolloutStopped(why)
             if (batch := self.buffer.pop_batch(n)) is not None:
                 return batch
+            short = n - len(self.buffer)
+            if short <= self.replay.max_groups(n) and \
+                    (replays := self.replay.draw(short, step)) is not None:
+                self._replaying = {g.group_id for g in replays}
+                return [*(self.buffer.pop_batch(n - short) or []), *replays]
             await self.buffer.wait_changed()
 
     def _why_stopped(self) -> str | None:
@@ -222,6 +236,9 @@ class Rollout:
         the samples recorded TRAINED."""
         trained = []
         for group in batch:
+            if group.group_id in self._replaying:
+                self._replayed(group, step, result)
+                continue
             for s in group.samples:
                 if s.status is not S.GRADED:
                     continue
@@ -241,8 +258,24 @@ class Rollout:
                     self.lifecycle.move(s, S.TRAINED)
                     trained.append(s)
             self._resolved(group)
+            self.replay.offer(group)
+        self._replaying = set()
+        self.replay.evict(step + 1)  # bounded: only what may still be replayed
         await self.cancel_doomed(step + 1)
         return trained
+
+    def _replayed(self, group: Group, step: int, result: StepResult) -> None:
+        """A replayed group trained at ``step``: a ledger event per sample the loss kept
+        tokens of (its terminal status stays), and the step's replay counts."""
+        kept_samples = []
+        for s in group.samples:
+            kept = result.kept.get(s.uid)
+            if kept is None or kept.num_tokens == 0:
+                continue
+            self.lifecycle.replayed(s, step, num_tokens=kept.num_tokens,
+                                    min_version=kept.min_version)
+            kept_samples.append(s)
+        self.tally.replayed(kept_samples)
 
     async def cancel_doomed(self, version: int) -> None:
         """Cancel live groups that can never be trained at ``version`` or later."""
@@ -265,6 +298,7 @@ class Rollout:
         bound in force at its step (docs/reconfigure.md)."""
         self.policy = policy
         self.buffer.set_policy(policy)
+        self.replay.policy = policy
         self.capacity.set_max_staleness(policy.max_staleness)
         await self.cancel_doomed(version)
 
@@ -308,6 +342,8 @@ class Rollout:
             buffered = self.buffer.groups()
             return {
                 "ledger_lines": self.lifecycle.ledger.sync(),
+                "replay_lines": self.lifecycle.ledger.num_replay_lines,
+                "replay_pool": self.replay.state(),
                 "tasks": self.tasks.state(),
                 "num_admitted": self.capacity.num_admitted,
                 "num_retired": self.capacity.num_retired,
@@ -339,6 +375,7 @@ class Rollout:
             self._open(group)
             self.buffer.put(group)
         self._restored = [group_from_dict(d) for d in state["live"]]
+        self.replay.restore(state.get("replay_pool", []))  # older checkpoints: no pool
 
     def _open(self, group: Group) -> None:
         for s in group.samples:
@@ -357,6 +394,7 @@ class Rollout:
     def stats(self) -> dict[str, float]:
         """Gauges of the rollout, and each source's pass rate since the previous call."""
         out = {"live_groups": float(len(self.live)), "buffered_groups": float(len(self.buffer)),
+               "replay_pool_groups": float(len(self.replay)),
                "untrainable_streak": float(self.liveness.streak)}
         for src, (total, n) in self._pass.items():
             if n:

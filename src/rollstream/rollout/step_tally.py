@@ -17,6 +17,10 @@ the step's numbers since the previous read and starts the next step.
   whole groups or single samples dropped for staleness (long ones are older). A sample
   cancelled part-way counts with the tokens it had, a lower bound of its length, so the
   measure can understate such a tilt, not invent one; samples that never started count not.
+* ``replayed_groups`` / ``replayed_tokens`` (``rollout.replay``): groups of the step that were
+  replays, and the policy tokens of their samples the loss kept. Replayed tokens count in
+  ``trained_tokens`` (they were trained; reusing generation is what replay is for), not in
+  ``length_bias`` (a replay is no candidate of the step's generation).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class StepTally:
     num_trained: int = 0
     candidate_len: int = 0  # response tokens of the resolved groups' samples (not zero variance)
     num_candidates: int = 0
+    replayed_groups: int = 0
+    replayed_tokens: int = 0
 
     def ended(self, group: Group) -> None:
         """``group``'s generation is over (whatever becomes of it)."""
@@ -58,9 +64,18 @@ class StepTally:
                 self.num_trained += 1
                 self.trained_tokens += policy_tokens(s)
 
+    def replayed(self, samples: list[Sample]) -> None:
+        """A replayed group trained again; ``samples``: those the loss kept tokens of."""
+        self.replayed_groups += 1
+        tokens = sum(policy_tokens(s) for s in samples)
+        self.replayed_tokens += tokens
+        self.trained_tokens += tokens
+
     def read(self) -> dict[str, float]:
         """The step's numbers (a ratio is left out when its denominator is 0); then reset."""
-        out = {"gen_tokens": float(self.gen_tokens), "trained_tokens": float(self.trained_tokens)}
+        out = {"gen_tokens": float(self.gen_tokens), "trained_tokens": float(self.trained_tokens),
+               "replayed_groups": float(self.replayed_groups),
+               "replayed_tokens": float(self.replayed_tokens)}
         if self.trained_tokens:
             out["gen_tokens_per_trained_token"] = self.gen_tokens / self.trained_tokens
         if self.num_trained and self.candidate_len:
