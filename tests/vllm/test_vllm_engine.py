@@ -146,26 +146,32 @@ async def test_weight_sync_changes_greedy_output_and_restoring_brings_it_back(vl
 
 
 async def test_versions_across_two_reloads_mid_stream(vllm_engine):
-    e, prompt, n = vllm_engine, [4, 4, 4, 2], 4000
-    greedy = dict(temperature=0.0, max_new_tokens=n)
-    reference = await e.generate(_req("ref", prompt, **greedy))
+    """A greedy stream across reloads to versions 1 and 2, interrupted once version-2 tokens
+    arrive: its versions are 0s, then 1s, then 2s, and its version-0 tokens are what the
+    folder's own weights give."""
+    e, prompt = vllm_engine, [4, 4, 4, 2]
+    greedy = dict(temperature=0.0, max_new_tokens=4000)
     new1, new2 = _perturbed(seed=2), _perturbed(seed=3)
     for attempt in range(3):
         await shared.reset(e)
-        start = e.stats().generated_tokens
-        task = asyncio.create_task(e.generate(_req(f"mixed{attempt}", prompt, **greedy)))
+        start, rid = e.stats().generated_tokens, f"mixed{attempt}"
+        task = asyncio.create_task(e.generate(_req(rid, prompt, **greedy)))
         await _received(e, task, start + 1)
         if task.done():
             continue  # the whole stream arrived in one burst
         await e.load_weights(1, new1)
         await _received(e, task, e.stats().generated_tokens + 1)
         await e.load_weights(2, new2)
+        await _received(e, task, e.stats().generated_tokens + 1)
+        await e.interrupt([rid])  # the rest would only add version-2 tokens
         out = await task
         a, b = out.versions.count(0), out.versions.count(1)
-        if a and b and a + b < n:
+        if a and b and a + b < len(out.versions):
             break
         assert sorted(out.versions) == out.versions  # late, but never out of order
     else:
         pytest.skip(STALLED)
-    assert out.versions == [0] * a + [1] * b + [2] * (n - a - b)
-    assert out.token_ids[:a] == reference.token_ids[:a]  # the old weights up to the boundary
+    assert out.versions == [0] * a + [1] * b + [2] * (len(out.versions) - a - b)
+    await shared.reset(e)  # the folder's weights, as version 0
+    reference = await e.generate(_req("ref", prompt, temperature=0.0, max_new_tokens=a))
+    assert out.token_ids[:a] == reference.token_ids  # the old weights up to the boundary
