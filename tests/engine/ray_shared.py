@@ -1,7 +1,9 @@
-"""One local Ray and one engine actor per test session, shared by the engine contract tests'
+"""One local Ray and one engine actor per test module, shared by the engine contract tests'
 ``ray`` kind (starting Ray costs ~10 s here, an actor ~4 s: its process imports torch). Each
 test gets a fresh proxy (:class:`RayEngine`, its own request table) over that actor, reset to
-nothing in flight and the folder's own weights at version 0, as a newly built engine has."""
+nothing in flight and the folder's own weights at version 0, as a newly built engine has.
+The Ray stops when the module's tests are done, before other modules start Ray runs of
+their own (a run joins a Ray this process started already)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,17 @@ def _start(request: pytest.FixtureRequest, model_path: Path, cfg: LocalEngineCon
     from rollstream.runtime.ray.engines import SharedWeights, build_ray_engines
 
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
-    request.config.add_cleanup(cluster.stop)
+    request.node.getparent(pytest.Module).addfinalizer(_stop(cluster))
     owner = build_ray_engines(model_path, cfg, num_engines=1, version=0, num_cpus=1)[0]
     _state.update(owner=owner, weights=SharedWeights(),
                   original=load_file(model_path / "model.safetensors"))
+
+
+def _stop(cluster):
+    def stop() -> None:
+        _state.clear()
+        cluster.stop()
+    return stop
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -44,8 +45,8 @@ def _descendants() -> set[int]:
     return out
 
 
-def _config(tmp_path: Path, cache: Path, name: str, *extra: str):
-    cfg = tiny_run_config(name, tmp_path, steps=STEPS, checkpoint_every=0, cache_dir=cache,
+def _config(tmp_path: Path, cache: Path, name: str, *extra: str, steps: int = STEPS):
+    cfg = tiny_run_config(name, tmp_path, steps=steps, checkpoint_every=0, cache_dir=cache,
                           max_slots=8)  # engine-bound: requests are in flight all the time
     cfg["model"]["warm_start"]["steps"] = 0  # the run need not learn: _parity grades it
     path = tmp_path / f"{name}.yaml"
@@ -64,9 +65,9 @@ def _train(cfg) -> dict:
     return run_training(cfg, rewards={"tick": _parity})
 
 
-def _check_ledger(run_dir: Path) -> list[dict]:
+def _check_ledger(run_dir: Path, steps: int = STEPS) -> list[dict]:
     audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES,
-                      groups_per_step=GROUPS, steps=STEPS)
+                      groups_per_step=GROUPS, steps=steps)
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_missing"] == audit["steps_repeated"] == 0, audit
     rows = read_ledger(run_dir / "ledger.jsonl")
@@ -77,6 +78,13 @@ def _check_ledger(run_dir: Path) -> list[dict]:
     assert {r["sample_uid"]: r["num_tokens"] for r in rows if r.get("num_tokens")} == \
         {uid: n for uid, n in delivered.items() if n}
     return rows
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_up() -> None:
+    import ray
+
+    assert not ray.is_initialized(), "another test's Ray is still up: the run would join it"
 
 
 def test_a_run_on_ray_records_every_sample_once_and_stops_its_ray(tmp_path, tiny_run_cache):
@@ -94,7 +102,7 @@ def test_a_run_on_ray_records_every_sample_once_and_stops_its_ray(tmp_path, tiny
 
 
 def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
-        tmp_path, tiny_run_cache, monkeypatch):
+        tmp_path, tiny_run_cache, monkeypatch, capsys):
     import ray
 
     from rollstream.runtime.ray import engines
@@ -110,27 +118,32 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     run_dir = tmp_path / "kill"
     killed = threading.Event()
 
-    def kill_after_first_step() -> None:  # weights of version 1 are out, rollouts run
+    def kill_after_first_step() -> None:  # at version >= 1, with requests on the engine
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             metrics = run_dir / "metrics.jsonl"
-            if metrics.exists() and '"kind":"train"' in metrics.read_text():
+            if metrics.exists() and '"kind":"train"' in metrics.read_text() and \
+                    ray.get(spawned[0].stats.remote()).num_running > 0:
                 ray.kill(spawned[0], no_restart=True)
                 killed.set()
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     before = _descendants()
     killer.start()
-    summary = _train(_config(tmp_path, tiny_run_cache, "kill"))
+    # 5 steps: groups of steps 3 and 4 are admitted only after version 1 (max_staleness 2)
+    summary = _train(_config(tmp_path, tiny_run_cache, "kill", steps=5))
     killer.join()
     assert killed.is_set() and len(spawned) == 3  # two at start, one replacement
-    assert summary["steps"] == STEPS and not summary["unfinished_samples"]
-    rows = _check_ledger(run_dir)
+    assert summary["steps"] == 5 and not summary["unfinished_samples"]
+    rows = _check_ledger(run_dir, steps=5)
     assert not any(r["status"] == "failed" for r in rows)
     metrics = read_ledger(run_dir / "metrics.jsonl")
     restarts = [m for m in metrics if "engine_restart_s" in m]
     assert len(restarts) == 1, restarts
+    # revived at the version the other engine serves (weights of step 1 or later)
+    restarted = re.search(r"engine ray-0 restarted at version (\d+)", capsys.readouterr().out)
+    assert restarted is not None and int(restarted.group(1)) >= 1
     assert max(m.get("engine_failures", 0) for m in metrics) > 0
     assert _descendants() - before == set(), "a Ray process outlived the run"

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
     """Fail early, naming the setting, when a model folder, a dataset file or a reward (a name,
-    or a callable in ``rewards``) is unusable (runs call this before touching their run
-    directory)."""
+    or a callable in ``rewards``) is unusable, or the runtime's library is missing (runs call
+    this before touching their run directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
     from rollstream.models.warmstart import validate_model_folder
     from rollstream.reward.registry import build_resolver
@@ -57,6 +57,10 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
         validate_model_folder(Path(cfg.model.path))
     check_source_paths(cfg.tasks)
     build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)
+    if cfg.runtime.kind == "ray":
+        from rollstream.runtime.ray.cluster import require_ray
+
+        require_ray()
 
 
 def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,

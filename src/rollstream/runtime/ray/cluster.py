@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 LOG_DIR = "ray-logs"
 
 
+def require_ray() -> None:
+    """ValueError naming the setting when Ray is not installed (runs check this first)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("runtime.kind: ray needs Ray: pip install 'rollstream[ray]'")
+
+
 @dataclass(slots=True, kw_only=True)
 class RayCluster:
     owned: bool  # started by this run: stopped by :meth:`stop`
@@ -33,10 +41,9 @@ class RayCluster:
     def start(cls, cfg: RayConfig, log_dir: Path | None = None) -> RayCluster:
         """Join ``cfg.address``, keep a Ray this process started already, or start a local
         one sized by ``cfg`` (its logs end up in ``log_dir``)."""
-        try:
-            import ray
-        except ImportError as e:
-            raise ValueError("runtime.kind: ray needs Ray: pip install 'rollstream[ray]'") from e
+        require_ray()
+        import ray
+
         if ray.is_initialized():
             return cls(owned=False)
         if cfg.address is not None:
