@@ -96,8 +96,7 @@ def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, ver
                 num_cpus: float) -> Any:
     import ray
 
-    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, name=None,
-                                             max_concurrency=1000)
+    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000)
     return remote.remote(str(model_path), cfg, engine_id, version)
 
 
@@ -164,7 +163,7 @@ class RayEngine:
             await actor.load_weights.remote(version, self._weights.ref(tensors))
         except (RuntimeError, *_actor_errors()) as e:  # a dead local engine raises RuntimeError
             self._fault(actor, e)
-            raise RuntimeError(self._death) from e
+            raise RuntimeError(self._death or f"ray engine {self.engine_id}: {e}") from e
         self._version = version
 
     def stats(self) -> EngineStats:
@@ -279,9 +278,11 @@ class _Totals:
 
 
 def _actor_errors() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    """The errors of a call whose actor died or is unreachable (ActorDiedError and
+    ActorUnavailableError are RayActorErrors)."""
+    from ray.exceptions import RayActorError
 
-    return (RayActorError, ActorDiedError, ActorUnavailableError)
+    return (RayActorError,)
 
 
 def _abort(request_id: str, error: str) -> GenerateOutput:
