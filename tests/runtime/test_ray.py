@@ -107,27 +107,40 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
 
     from rollstream.runtime.ray import engines
 
-    spawned: list = []
-    spawn = engines.spawn_actor
+    spawned, proxies, cut = [], [], []
+    spawn, build, generate = engines.spawn_actor, engines.build_ray_engines, \
+        engines.RayEngine.generate
 
-    def spy(*args, **kwargs):
+    def spy_spawn(*args, **kwargs):
         spawned.append(actor := spawn(*args, **kwargs))
         return actor
 
-    monkeypatch.setattr(engines, "spawn_actor", spy)
+    def spy_build(*args, **kwargs):
+        proxies.extend(built := build(*args, **kwargs))
+        return built
+
+    async def spy_generate(self, request):
+        out = await generate(self, request)
+        if out.error and "died" in out.error:
+            cut.append(out)
+        return out
+
+    monkeypatch.setattr(engines, "spawn_actor", spy_spawn)
+    monkeypatch.setattr(engines, "build_ray_engines", spy_build)
+    monkeypatch.setattr(engines.RayEngine, "generate", spy_generate)
     run_dir = tmp_path / "kill"
     killed = threading.Event()
 
-    def kill_after_first_step() -> None:  # at version >= 1, with requests on the engine
-        deadline = time.monotonic() + 300
+    def kill_after_first_step() -> None:  # at version >= 1, once a running request's tokens
+        deadline = time.monotonic() + 300  # were peeked by the driver
         while time.monotonic() < deadline:
             metrics = run_dir / "metrics.jsonl"
             if metrics.exists() and '"kind":"train"' in metrics.read_text() and \
-                    ray.get(spawned[0].stats.remote()).num_running > 0:
+                    any(o.token_ids for o in list(proxies[0]._partial.values())):
                 ray.kill(spawned[0], no_restart=True)
                 killed.set()
                 return
-            time.sleep(0.02)
+            time.sleep(0.01)
 
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     before = _descendants()
@@ -137,7 +150,9 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     killer.join()
     assert killed.is_set() and len(spawned) == 3  # two at start, one replacement
     assert summary["steps"] == 5 and not summary["unfinished_samples"]
-    rows = _check_ledger(run_dir, steps=5)
+    # the requests the kill cut returned the tokens the driver had peeked (exact versions)
+    assert any(o.token_ids for o in cut), cut
+    rows = _check_ledger(run_dir, steps=5)  # ...and the samples kept exactly those
     assert not any(r["status"] == "failed" for r in rows)
     metrics = read_ledger(run_dir / "metrics.jsonl")
     restarts = [m for m in metrics if "engine_restart_s" in m]

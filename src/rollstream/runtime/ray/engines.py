@@ -8,6 +8,7 @@
     RayEngine.load_weights --- actor.load_weights.remote(version, ObjectRef)
                                (one ray.put per version, shared by every actor)
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
+                               (and every PEEK_S one actor.peek.remote: partial tokens)
 
 Everything the protocol promises (token-boundary interrupts, per-token versions, partial
 tokens on abort, bad requests failing alone) is the local engine's, unchanged: the proxy only
@@ -17,19 +18,21 @@ so a request is visible the moment it is sent) and asks for a fresh one.
 
 Faults. An actor that dies (its process was killed, or its node left) makes the proxy DEAD
 for that actor: in-flight calls return ABORT with ``error`` naming the engine and the cause
-(the tokens the process held died with it; the dispatcher resubmits ``prompt + partial``
-from what it received before), later calls return the same at once, weight loads raise. A
-local engine whose step loop died inside a live actor is reported the same way (its
-requests came back with their partial tokens through the actor). While restarts are left
-(``engine.local.max_restarts``) the proxy is RECOVERING and :meth:`RayEngine.restart` (the
-rollout's supervisor, through weight sync) replaces the actor with a new one at the current
-weights; then UP again.
+and the tokens the driver last peeked for them (every PEEK_S while it polls, the actor copies
+its running requests' tokens, logprobs and versions to the driver; what was sampled since
+dies with the process and is sampled again on resubmission), later calls return ABORT at
+once, weight loads raise. A local engine whose step loop died inside a live actor is
+reported the same way (its requests came back with all their partial tokens through the
+actor). While restarts are left (``engine.local.max_restarts``) the proxy is RECOVERING and
+:meth:`RayEngine.restart` (the rollout's supervisor, through weight sync) replaces the actor
+with a new one at the current weights; then UP again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+PEEK_S = 0.2  # how often the driver copies the running requests' tokens while it polls
 
 
 class EngineActor:
@@ -70,6 +74,9 @@ class EngineActor:
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def peek(self) -> list[GenerateOutput]:
+        return await self.engine.peek()
 
     async def close(self) -> None:
         await self.engine.close()
@@ -116,6 +123,9 @@ class RayEngine:
         self._inflight: dict[str, Any] = {}  # request id -> ObjectRef of its generate
         self._before = _Totals()  # counters of the actors this one replaced
         self._delivered_tokens = 0  # tokens returned by the current actor's calls
+        self._partial: dict[str, GenerateOutput] = {}  # in flight: its tokens at the last peek
+        self._peek: Any = None  # the peek in flight
+        self._peek_at = 0.0  # time.monotonic() it was sent
         self.actor = actor if actor is not None else spawn(version)
         self._pending: Any = self.actor.stats.remote()
         self._last = self._read(self._pending, wait=True)
@@ -135,12 +145,14 @@ class RayEngine:
 
             ray.cancel(ref)  # the actor's coroutine is cancelled: the engine interrupts it
             raise
-        except _actor_errors() as e:
+        except _actor_errors() as e:  # its tokens at the last peek survive the process
             self._fault(actor, e)
-            return _abort(request.request_id, self._death or f"{self.engine_id}: {e}")
+            return _abort(request.request_id, self._death or f"{self.engine_id}: {e}",
+                          self._partial.get(request.request_id))
         finally:
             if self._inflight.get(request.request_id) is ref:
                 del self._inflight[request.request_id]
+                self._partial.pop(request.request_id, None)
         if actor is self.actor:
             self._delivered_tokens += len(out.token_ids)
         return out
@@ -208,7 +220,7 @@ class RayEngine:
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
-        self.actor, self._pending, self._delivered_tokens = actor, None, 0
+        self.actor, self._pending, self._peek, self._delivered_tokens = actor, None, None, 0
         self._version, self._death = version, None
         log.warning("ray engine %s restarted at version %d (restart %d of %d)",
                     self.engine_id, version, self.num_restarts, self._max_restarts)
@@ -228,11 +240,17 @@ class RayEngine:
 
     # ---- helpers -------------------------------------------------------------------------
     def _poll(self) -> None:
-        """Take the actor's last stats reply if it is in, and ask for the next one."""
+        """Take the actor's last stats reply and peek if they are in, and ask for the next
+        ones (a peek at most every PEEK_S, while requests are in flight)."""
         import ray
 
         if self._death is not None or self._closed:
             return
+        if self._peek is not None and ray.wait([self._peek], timeout=0)[0]:
+            self._take_peek()
+        if self._peek is None and self._inflight and \
+                time.monotonic() - self._peek_at >= PEEK_S and self._death is None:
+            self._peek, self._peek_at = self.actor.peek.remote(), time.monotonic()
         if self._pending is not None:
             ready, _ = ray.wait([self._pending], timeout=0)
             if not ready:
@@ -240,6 +258,17 @@ class RayEngine:
             self._last = self._read(self._pending)
         if self._death is None:
             self._pending = self.actor.stats.remote()
+
+    def _take_peek(self) -> None:
+        import ray
+
+        actor, ref, self._peek = self.actor, self._peek, None
+        try:
+            outs = ray.get(ref, timeout=0)
+        except _actor_errors() as e:
+            self._fault(actor, e)
+            return
+        self._partial.update((o.request_id, o) for o in outs if o.request_id in self._inflight)
 
     def _read(self, ref: Any, *, wait: bool = False) -> EngineStats:
         """A stats reply; a dead actor or engine is a fault (the last stats stay)."""
@@ -261,7 +290,7 @@ class RayEngine:
         """The current actor stopped serving (a reply of a replaced actor changes nothing)."""
         if actor is self.actor and self._death is None:
             self._death = f"ray engine {self.engine_id} died: {cause}"
-            self._pending = None
+            self._pending = self._peek = None
             log.error("%s", self._death)
 
 
@@ -285,9 +314,12 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
     return (RayActorError,)
 
 
-def _abort(request_id: str, error: str) -> GenerateOutput:
-    return GenerateOutput(request_id=request_id, token_ids=[], logprobs=[], versions=[],
-                          finish_reason=FinishReason.ABORT, error=error)
+def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -> GenerateOutput:
+    """ABORT with ``partial``'s tokens (none when None)."""
+    return GenerateOutput(request_id=request_id, error=error, finish_reason=FinishReason.ABORT,
+                          token_ids=list(partial.token_ids) if partial else [],
+                          logprobs=list(partial.logprobs) if partial else [],
+                          versions=list(partial.versions) if partial else [])
 
 
 def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,
