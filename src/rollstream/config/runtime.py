@@ -21,8 +21,8 @@ class RayConfig(Section):
     """Settings of the Ray runtime (read only with ``runtime.kind: ray``)."""
 
     address: str | None = None
-    """An existing cluster to join (``ray://`` or ``host:port``; rollstream must be importable
-    on its nodes). Null: the run starts a local Ray of its own on 127.0.0.1 (no dashboard, logs
+    """An existing cluster to join: its head's ``host:port`` (rollstream must be importable on
+    its nodes; ``ray://`` addresses need Ray Client, ``ray[client]``). Null: the run starts a local Ray of its own on 127.0.0.1 (no dashboard, logs
     in the run directory's ``ray-logs``) and stops it at the end."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the local Ray (null: the machine's count). Only with ``address`` null."""
