@@ -208,3 +208,30 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     assert "config has no 'rollout.nope'; keys under rollout: mode, max_staleness" in err
     assert main(["config", "reward.name.x"]) == 2
     assert "'reward.name' has no keys under it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["runtime.ray.num_cpus=2"],
+     "runtime.ray.num_cpus is read only with runtime.kind: ray (it is embedded)"),
+    (["runtime.kind=ray", "runtime.ray.address=10.0.0.1:6379", "runtime.ray.num_cpus=2"],
+     "runtime.ray.num_cpus sizes the local Ray a run starts, but runtime.ray.address = "
+     "'10.0.0.1:6379' joins an existing cluster"),
+    (["runtime.kind=ray", "engine.kind=vllm"],
+     "engine.kind = 'vllm' is not available with runtime.kind: ray yet"),
+    (["runtime.kind=ray", "engine.num_engines=3", "runtime.ray.num_cpus=2"],
+     "engine.num_engines = 3 actors of runtime.ray.engine_num_cpus = 1.0 need 3 CPUs, more "
+     "than runtime.ray.num_cpus = 2"),
+    (["runtime.kind=ray", "runtime.ray.object_store_bytes=1000"],
+     "runtime.ray.object_store_bytes"),
+])
+def test_runtime_settings_that_contradict_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_runtime_ray_settings_load():
+    cfg = load_config(None, ["runtime.kind=ray", "engine.num_engines=2",
+                             "runtime.ray.num_cpus=2", "runtime.ray.engine_num_cpus=0.5"])
+    assert (cfg.runtime.kind, cfg.runtime.ray.num_cpus, cfg.engine.num_engines) == ("ray", 2, 2)
+    assert load_config(None, []).runtime.kind == "embedded"

@@ -18,7 +18,8 @@ def test_only_safe_changes_pass():
     base = _dump("train.steps=10")
     assert config_changes(base, _dump("train.steps=40", "max_wall_s=60", "eval.every=5",
                                       "monitor.progress=false", "engine.local.threads=2",
-                                      "resume=true", "train.checkpoint_every=3")) == []
+                                      "resume=true", "train.checkpoint_every=3",
+                                      "runtime.kind=ray")) == []
     changed = config_changes(base, _dump("train.steps=10", "rollout.group_size=4",
                                          "model.tiny.hidden_size=32", "train.lr=1e-3"))
     assert changed == ["model.tiny.hidden_size", "rollout.group_size", "train.lr"]

@@ -17,7 +17,9 @@ from rollstream.config.schema import EngineConfig, LocalEngineConfig
 from rollstream.engine import Engine, build_engine
 from tests.engine.helpers import MAX_SEQ_LEN, MAX_SLOTS, VOCAB, make_tiny_model
 
-ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm)]
+# ray: the local engine in a Ray actor, behind the runtime's proxy (tests/engine/ray_shared.py)
+ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm),
+                pytest.param("ray", marks=pytest.mark.ray)]
 
 
 class EngineCase(NamedTuple):
@@ -53,9 +55,15 @@ async def engine(request: pytest.FixtureRequest, tiny_model_dir: Path):
         async with vllm_case(request) as fields:
             yield EngineCase(kind="vllm", **fields)
         return
-    eng = build_engine(
-        _engine_config(request.param), tiny_model_dir, engine_id=f"{request.param}-0"
-    )
+    if request.param == "ray":  # a local engine in a Ray actor, shared by the session
+        from tests.engine.ray_shared import ray_case
+
+        async with ray_case(request, tiny_model_dir, _engine_config("local").local) as eng:
+            yield EngineCase(engine=eng, model_path=tiny_model_dir, kind="ray",
+                             max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB)
+        return
+    eng = build_engine(_engine_config(request.param), tiny_model_dir,
+                       engine_id=f"{request.param}-0")
     try:
         yield EngineCase(
             engine=eng,

@@ -12,7 +12,13 @@ import threading
 import pytest
 import torch
 
-from rollstream.engine import EngineHealth, FinishReason, GenerateOutput, GenerateRequest
+from rollstream.engine import (
+    EngineHealth,
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+)
 from rollstream.engine.local import LocalEngine
 from rollstream.engine.local.commands import Submit
 from rollstream.engine.local.weights import Weights
@@ -229,3 +235,26 @@ async def test_a_died_engine_recovers_only_through_restart(tiny_model_dir):
     with pytest.raises(RuntimeError, match="cannot restart"):
         await engine.restart(6, None)
     await engine.close()
+
+
+async def test_peek_returns_each_running_request_so_far(tiny_model_dir):
+    """What a driver in another process keeps so that a request whose process dies still
+    returns its tokens: a prefix of the request's output, with the same logprobs and
+    versions; nothing once the requests are done or the engine is dead."""
+    engine = _local(tiny_model_dir, max_restarts=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=100, seed=5)
+    tasks = [asyncio.create_task(engine.generate(GenerateRequest(
+        request_id=f"r{i}", prompt_ids=[3 + i, 5, 7], params=params))) for i in range(2)]
+    while engine.stats().generated_tokens < 10:
+        await asyncio.sleep(0.001)
+    peeked = {o.request_id: o for o in await engine.peek()}
+    outs = {o.request_id: o for o in await asyncio.gather(*tasks)}
+    assert peeked and set(peeked) <= set(outs)
+    for rid, p in peeked.items():
+        k = len(p.token_ids)
+        assert 0 < k < 100 and p.finish_reason is FinishReason.ABORT
+        assert (p.token_ids, p.logprobs, p.versions) == \
+            (outs[rid].token_ids[:k], outs[rid].logprobs[:k], outs[rid].versions[:k])
+    assert await engine.peek() == []
+    await engine.close()
+    assert await engine.peek() == []

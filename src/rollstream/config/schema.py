@@ -14,6 +14,7 @@ from pydantic import Field, NonNegativeInt, model_validator
 
 from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
 from rollstream.config.replay import ReplayConfig, check_replay
+from rollstream.config.runtime import RuntimeConfig, check_runtime
 from rollstream.config.section import Section
 from rollstream.config.tasks import (  # the whole tree stays importable from here
     AgentConfig,
@@ -92,7 +93,9 @@ class LocalEngineConfig(Section):
     steps) instead of a separate prefill pass first."""
     max_restarts: int = Field(3, ge=0)
     """Times an engine whose step loop died is restarted (fresh cache and thread, the current
-    weights) before it stays DEAD; its requests continue elsewhere meanwhile."""
+    weights) before it stays DEAD; its requests continue elsewhere meanwhile. On
+    ``runtime.kind: ray``: times an engine actor that died (or whose step loop died) is
+    replaced by a new actor."""
 
 
 class VllmEngineConfig(Section):
@@ -126,7 +129,7 @@ class EngineConfig(Section):
     kind: Literal["local", "vllm"] = "local"
     """Which engine serves rollouts."""
     num_engines: int = Field(1, ge=1)
-    """Engine replicas (local: in this process)."""
+    """Engine replicas (local: in this process, or one Ray actor each with runtime.kind: ray)."""
     local: LocalEngineConfig = LocalEngineConfig()
     """Settings of the embedded engine."""
     vllm: VllmEngineConfig = VllmEngineConfig()
@@ -378,6 +381,8 @@ class RunConfig(Section):
     """How agent episodes (sources of kind ``tally``) run: budgets, tool limits and where
     OpenAI-SDK agents run."""
     engine: EngineConfig = EngineConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    """Where engines run: in this process, or as Ray actors (docs/distributed.md)."""
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
@@ -406,6 +411,7 @@ class RunConfig(Section):
         _check_rollout(self.rollout, self.train)
         check_replay(self.rollout, self.train)
         _check_train(self.train)
+        check_runtime(self)
         if self.reward.name != "auto":
             for i, source in enumerate(self.tasks.sources):
                 if source.reward is not None:

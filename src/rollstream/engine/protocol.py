@@ -147,8 +147,8 @@ class Closeable(Protocol):
 
 @runtime_checkable
 class Restartable(Protocol):
-    """An engine the rollout restarts when its serving loop died (the local engine; a vLLM
-    engine restarts its server itself)."""
+    """An engine the rollout restarts when its serving loop died (the local engine, an engine
+    actor of the Ray runtime; a vLLM engine restarts its server itself)."""
 
     def needs_restart(self) -> bool:
         """It stopped serving, may be restarted, and is RECOVERING meanwhile."""

@@ -4,8 +4,10 @@ A local engine whose step loop raised returns its requests' partial tokens (the 
 resubmits them on another engine, or waits while none is UP) and is RECOVERING while it has
 restarts left (``engine.local.max_restarts``). The supervisor notices it and has weight sync
 revive it (:meth:`WeightSync.revive`: fresh cache and thread, the version the other engines
-serve, under the same lock as weight loads); it is then UP and takes work again. A vLLM engine
-restarts its own server and is not this module's business.
+serve, under the same lock as weight loads); it is then UP and takes work again. An engine
+actor of the Ray runtime that died is revived the same way (a new actor replaces it,
+``runtime/ray/engines.py``). A vLLM engine restarts its own server and is not this module's
+business.
 """
 
 from __future__ import annotations

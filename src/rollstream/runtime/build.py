@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
     from rollstream.reward.registry import RewardFn
+    from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.train.fsdp import FsdpTrainer
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Task
@@ -47,8 +48,8 @@ if TYPE_CHECKING:
 
 def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
     """Fail early, naming the setting, when a model folder, a dataset file or a reward (a name,
-    or a callable in ``rewards``) is unusable (runs call this before touching their run
-    directory)."""
+    or a callable in ``rewards``) is unusable, or the runtime's library is missing (runs call
+    this before touching their run directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
     from rollstream.models.warmstart import validate_model_folder
     from rollstream.reward.registry import build_resolver
@@ -57,6 +58,10 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
         validate_model_folder(Path(cfg.model.path))
     check_source_paths(cfg.tasks)
     build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)
+    if cfg.runtime.kind == "ray":
+        from rollstream.runtime.ray.cluster import require_ray
+
+        require_ray()
 
 
 def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
@@ -207,19 +212,47 @@ class Run:
     eval_params: SamplingParams
     resumed: durable.Checkpoint | None = None  # the checkpoint this run continues
     superseded_lines: int = 0  # ledger lines a resume moved to ledger.superseded.jsonl
+    cluster: RayCluster | None = None  # runtime.kind: ray (stopped after the engines close)
 
     async def close(self) -> None:
-        for harness in self.loop.dispatcher.harnesses.values():
-            close = getattr(harness, "close", None)
-            if close is not None:
-                await close()
-        for e in self.engines:
-            close = getattr(e, "close", None)
-            if close is not None:
-                await close()
-        res: Any = self.graders.close()
-        if asyncio.iscoroutine(res):
-            await res
+        try:
+            for harness in self.loop.dispatcher.harnesses.values():
+                close = getattr(harness, "close", None)
+                if close is not None:
+                    await close()
+            for e in self.engines:
+                close = getattr(e, "close", None)
+                if close is not None:
+                    await close()
+            res: Any = self.graders.close()
+            if asyncio.iscoroutine(res):
+                await res
+        finally:
+            if self.cluster is not None:
+                self.cluster.stop()
+
+
+def build_engines(cfg: RunConfig, weights: Path, *, version: int,
+                  run_dir: Path) -> tuple[list[Engine], RayCluster | None]:
+    """The run's engines serving ``weights`` tagged ``version``: in this process
+    (``runtime.kind: embedded``) or one Ray actor each (``ray``, with the Ray they run on,
+    which the run stops at the end)."""
+    from rollstream.engine.factory import build_engine
+
+    if cfg.runtime.kind == "embedded":
+        return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
+                             version=version) for i in range(cfg.engine.num_engines)], None
+    from rollstream.runtime.ray.cluster import LOG_DIR, RayCluster
+    from rollstream.runtime.ray.engines import build_ray_engines
+
+    cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
+    try:
+        engines = build_ray_engines(weights, cfg.engine.local, num_engines=cfg.engine.num_engines,
+                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus)
+    except BaseException:
+        cluster.stop()
+        raise
+    return list(engines), cluster
 
 
 def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | None = None,
@@ -232,7 +265,6 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
 
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
-    from rollstream.engine.factory import build_engine
     from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model
     from rollstream.monitor.metrics import Metrics
@@ -262,26 +294,30 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
         print(f"warning: {warning}", flush=True)
     version = resume.step if resume is not None else 0  # weight version = steps done
     weights = resume.model_dir if resume is not None else model_path
-    engines = [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
-                            version=version) for i in range(cfg.engine.num_engines)]
-    graders = GraderPool(cfg.reward, resolve)
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    trainer = build_trainer(cfg_now, model_path)
-    loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
-                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      ledger=ledger, metrics=metrics, clock=WallClock(),
-                      params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
-                      start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer),
-                      reconfig_log=run_dir / LOG_FILE)
-    if resume is not None:
-        trainer.load_training_state(resume.model_dir, resume.trainer_file)
-        loop.rollout.restore(resume.state["rollout"], version=version)
-        loop.reconfigure.restore(saved, version=version)
-    loop.rollout.skip(skip)
+    engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)
+    try:  # a Ray the run started must not outlive a failed build
+        graders = GraderPool(cfg.reward, resolve)
+        stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        trainer = build_trainer(cfg_now, model_path)
+        loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                          ledger=ledger, metrics=metrics, clock=WallClock(),
+                          params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
+                          start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer),
+                          reconfig_log=run_dir / LOG_FILE)
+        if resume is not None:
+            trainer.load_training_state(resume.model_dir, resume.trainer_file)
+            loop.rollout.restore(resume.state["rollout"], version=version)
+            loop.reconfigure.restore(saved, version=version)
+        loop.rollout.skip(skip)
+    except BaseException:
+        if cluster is not None:
+            cluster.stop()
+        raise
     return Run(
         cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,
         ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
         eval_tasks=mix.eval_tasks(),
         eval_params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
-        resumed=resume, superseded_lines=superseded,
+        resumed=resume, superseded_lines=superseded, cluster=cluster,
     )

@@ -38,11 +38,16 @@ class Load:
 
 
 @dataclass(slots=True, kw_only=True)
+class Peek:
+    done: concurrent.futures.Future  # -> list[GenerateOutput]: the running requests so far
+
+
+@dataclass(slots=True, kw_only=True)
 class Close:
     done: concurrent.futures.Future
 
 
-Command = Submit | Interrupt | Load | Close
+Command = Submit | Interrupt | Load | Peek | Close
 
 
 def output(

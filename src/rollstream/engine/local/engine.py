@@ -5,6 +5,7 @@
     generate / submit ---- Submit -----+
     interrupt ----------- Interrupt ---+--> inbox (SimpleQueue) --> between two steps:
     load_weights -------- Load --------+        apply commands, then step():
+    peek ---------------- Peek --------+          (peek: the running requests so far)
     close --------------- Close -------+          admit waiting rows -> prefill (packed)
                                                   decode one token for every live row
     concurrent Future <--- set_result ------------ finished / aborted rows
@@ -59,6 +60,7 @@ from rollstream.engine.local.commands import (
     Command,
     Interrupt,
     Load,
+    Peek,
     Submit,
     fail,
     output,
@@ -235,6 +237,15 @@ class LocalEngine:
             raise RuntimeError(self._death)
         await asyncio.wrap_future(done)
 
+    async def peek(self) -> list[GenerateOutput]:
+        """What each running request has generated so far (ABORT-shaped outputs, read between
+        two steps; none once the engine is dead). A caller in another process keeps them so
+        that a request whose process dies still returns its partial tokens."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._post(Peek(done=done)):
+            return []
+        return await asyncio.wrap_future(done)
+
     def stats(self) -> EngineStats:
         with self._lock:
             waiting = self._num_queued
@@ -341,6 +352,8 @@ class LocalEngine:
                 for row, seq in enumerate(self._scheduler.running):
                     seq.mark_version(self._runner.num_generated(row, seq.prompt_len), version)
                 resolve(done, None)
+            case Peek(done=done):
+                resolve(done, self._running_outputs())
             case Close(done=done):
                 self._closed = True
                 self._die(f"local engine {self.engine_id} closed")
@@ -456,6 +469,19 @@ class LocalEngine:
                     fail(done, RuntimeError(reason))
                 case Interrupt(done=done) | Close(done=done) if done is not None:
                     resolve(done, None)
+                case Peek(done=done):
+                    resolve(done, [])
+
+    def _running_outputs(self) -> list[GenerateOutput]:
+        """The running requests' tokens so far, as ABORT outputs (those with exact versions)."""
+        outs = []
+        for seq, (tokens, logprobs) in zip(self._scheduler.running, self._partials(),
+                                           strict=True):
+            versions = seq.versions(len(tokens))
+            if tokens and len(versions) == len(tokens):
+                outs.append(output(seq.request_id, FinishReason.ABORT, tokens, logprobs,
+                                   versions))
+        return outs
 
     def _partials(self) -> list[tuple[list[int], list[float]]]:
         """Tokens and logprobs each running row holds; none for rows that cannot be trusted

@@ -1,5 +1,5 @@
-"""The tiny run's warm-started model, built once for every durability test (its cache is
-keyed by the model and task settings, which the tests share)."""
+"""The tiny run's warm-started model, built once for the durability and Ray runtime tests
+(its cache is keyed by the model and task settings, which the tests share)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,81 @@
+"""The config of where a run's components live (docs/distributed.md): one process
+(``embedded``) or Ray actors (``ray``). The controller is the same on both; this section only
+says where engines run and which Ray they run on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from rollstream.config.section import Section
+
+if TYPE_CHECKING:
+    from rollstream.config.schema import RunConfig
+
+MIN_OBJECT_STORE_BYTES = 78643200  # Ray refuses less (75 MiB)
+
+
+class RayConfig(Section):
+    """Settings of the Ray runtime (read only with ``runtime.kind: ray``)."""
+
+    address: str | None = None
+    """An existing cluster to join: its head's ``host:port`` (rollstream must be importable on
+    its nodes; ``ray://`` addresses need Ray Client, ``ray[client]``). Null: the run starts a local Ray of its own on 127.0.0.1 (no dashboard, logs
+    in the run directory's ``ray-logs``) and stops it at the end."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of the local Ray (null: the machine's count). Only with ``address`` null."""
+    object_store_bytes: int | None = Field(None, ge=MIN_OBJECT_STORE_BYTES)
+    """Object store memory of the local Ray (null: Ray's default, 30% of memory). Only with
+    ``address`` null."""
+    engine_num_cpus: float = Field(1.0, gt=0)
+    """Logical CPUs each engine actor reserves (Ray places actors by these)."""
+
+    @model_validator(mode="after")
+    def _local_settings_need_a_local_ray(self) -> RayConfig:
+        for name in ("num_cpus", "object_store_bytes"):
+            if self.address is not None and getattr(self, name) is not None:
+                raise ValueError(
+                    f"runtime.ray.{name} sizes the local Ray a run starts, but runtime.ray."
+                    f"address = {self.address!r} joins an existing cluster: drop one of them")
+        return self
+
+
+class RuntimeConfig(Section):
+    """Where the run's components live."""
+
+    kind: Literal["embedded", "ray"] = "embedded"
+    """``embedded``: everything in this process (engines on threads). ``ray``: each engine is a
+    Ray actor (its own process) behind the same engine protocol; the controller, trainer and
+    graders stay in this process."""
+    ray: RayConfig = RayConfig()
+    """Settings of ``kind: ray``."""
+
+    @model_validator(mode="after")
+    def _ray_settings_need_ray(self) -> RuntimeConfig:
+        if self.kind == "embedded" and self.ray != RayConfig():
+            changed = sorted(k for k in RayConfig.model_fields
+                             if getattr(self.ray, k) != getattr(RayConfig(), k))
+            raise ValueError(
+                f"runtime.ray.{changed[0]} is read only with runtime.kind: ray (it is "
+                "embedded): set runtime.kind: ray or drop the runtime.ray settings")
+        return self
+
+
+def check_runtime(cfg: RunConfig) -> None:
+    """Runtime settings that contradict the engine section."""
+    rt = cfg.runtime
+    if rt.kind != "ray":
+        return
+    if cfg.engine.kind != "local":
+        raise ValueError(
+            f"engine.kind = {cfg.engine.kind!r} is not available with runtime.kind: ray yet "
+            "(engine actors host the local engine): use engine.kind: local, or runtime.kind: "
+            "embedded for vllm")
+    need = cfg.engine.num_engines * rt.ray.engine_num_cpus
+    if rt.ray.num_cpus is not None and need > rt.ray.num_cpus:
+        raise ValueError(
+            f"engine.num_engines = {cfg.engine.num_engines} actors of runtime.ray."
+            f"engine_num_cpus = {rt.ray.engine_num_cpus} need {need:g} CPUs, more than "
+            f"runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray would never place them all")

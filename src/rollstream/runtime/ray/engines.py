@@ -1,0 +1,350 @@
+"""Engines as Ray actors: :class:`EngineActor` hosts a local engine in its own process, and
+:class:`RayEngine` is the driver-side proxy that implements the engine protocol over it.
+
+    driver (controller, dispatcher, weight sync)         engine actor (own process)
+    ----------------------------------------------       ---------------------------
+    RayEngine.generate ------- actor.generate.remote ---> LocalEngine.generate
+    RayEngine.interrupt ------ actor.interrupt.remote --> LocalEngine.interrupt
+    RayEngine.load_weights --- actor.load_weights.remote(version, ObjectRef)
+                               (one ray.put per version, shared by every actor)
+    RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
+                               (and every PEEK_S one actor.peek.remote: partial tokens)
+
+Everything the protocol promises (token-boundary interrupts, per-token versions, partial
+tokens on abort, bad requests failing alone) is the local engine's, unchanged: the proxy only
+awaits the actor's ObjectRefs. ``stats()`` is synchronous in the protocol, so it never waits
+on the actor: it answers from the last reply (requests in flight are counted on this side,
+so a request is visible the moment it is sent) and asks for a fresh one.
+
+Faults. An actor that dies (its process was killed, or its node left) makes the proxy DEAD
+for that actor: in-flight calls return ABORT with ``error`` naming the engine and the cause
+and the tokens the driver last peeked for them (every PEEK_S while it polls, the actor copies
+its running requests' tokens, logprobs and versions to the driver; what was sampled since
+dies with the process and is sampled again on resubmission), later calls return ABORT at
+once, weight loads raise. A local engine whose step loop died inside a live actor is
+reported the same way (its requests came back with all their partial tokens through the
+actor). While restarts are left (``engine.local.max_restarts``) the proxy is RECOVERING and
+:meth:`RayEngine.restart` (the rollout's supervisor, through weight sync) replaces the actor
+with a new one at the current weights; then UP again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollstream.config.schema import LocalEngineConfig
+from rollstream.engine.protocol import (
+    EngineHealth,
+    EngineStats,
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+PEEK_S = 0.2  # how often the driver copies the running requests' tokens while it polls
+
+
+class EngineActor:
+    """The actor body (made remote by :func:`spawn_actor`): a local engine in this process."""
+
+    def __init__(self, model_path: str, cfg: LocalEngineConfig, engine_id: str,
+                 version: int) -> None:
+        from rollstream.engine.local import LocalEngine
+
+        self.engine = LocalEngine(Path(model_path), cfg, engine_id=engine_id, version=version)
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        return await self.engine.generate(request)
+
+    async def interrupt(self, request_ids: Sequence[str] | None) -> None:
+        await self.engine.interrupt(request_ids)
+
+    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        await self.engine.load_weights(version, tensors)
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def peek(self) -> list[GenerateOutput]:
+        return await self.engine.peek()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class SharedWeights:
+    """The object-store copy of the newest weights: weight sync hands every engine the same
+    tensors, so they are put once and each actor gets the reference."""
+
+    def __init__(self) -> None:
+        self._tensors: Mapping[str, torch.Tensor] | None = None  # held: `is` stays valid
+        self._ref: Any = None
+
+    def ref(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+        import ray
+
+        if tensors is not self._tensors:
+            self._ref = ray.put(dict(tensors))
+            self._tensors = tensors
+        return self._ref
+
+
+def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, version: int,
+                num_cpus: float) -> Any:
+    import ray
+
+    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000)
+    return remote.remote(str(model_path), cfg, engine_id, version)
+
+
+class RayEngine:
+    """Implements the engine protocol (and ``Closeable``, ``Restartable``) over an
+    :class:`EngineActor`; ``spawn(version)`` makes a new actor (at start and on restart)."""
+
+    def __init__(self, *, engine_id: str, spawn: Callable[[int], Any], weights: SharedWeights,
+                 version: int, max_restarts: int, actor: Any = None) -> None:
+        """``actor``: one ``spawn(version)`` made already (None: spawn it now)."""
+        self.engine_id = engine_id
+        self._spawn, self._weights, self._max_restarts = spawn, weights, max_restarts
+        self.num_restarts = 0
+        self._version = version
+        self._death: str | None = None  # why the current actor stopped serving
+        self._closed = False
+        self._inflight: dict[str, Any] = {}  # request id -> ObjectRef of its generate
+        self._before = _Totals()  # counters of the actors this one replaced
+        self._delivered_tokens = 0  # tokens returned by the current actor's calls
+        self._partial: dict[str, GenerateOutput] = {}  # in flight: its tokens at the last peek
+        self._peek: Any = None  # the peek in flight
+        self._peek_at = 0.0  # time.monotonic() it was sent
+        self.actor = actor if actor is not None else spawn(version)
+        self._pending: Any = self.actor.stats.remote()
+        self._last = self._read(self._pending, wait=True)
+        self._pending = None
+
+    # ---- the engine protocol -------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        actor = self.actor
+        if self._death is not None:
+            return _abort(request.request_id, self._death)
+        ref = actor.generate.remote(request)
+        self._inflight[request.request_id] = ref
+        try:
+            out = await ref
+        except asyncio.CancelledError:
+            import ray
+
+            ray.cancel(ref)  # the actor's coroutine is cancelled: the engine interrupts it
+            raise
+        except _actor_errors() as e:  # its tokens at the last peek survive the process
+            self._fault(actor, e)
+            return _abort(request.request_id, self._death or f"{self.engine_id}: {e}",
+                          self._partial.get(request.request_id))
+        finally:
+            if self._inflight.get(request.request_id) is ref:
+                del self._inflight[request.request_id]
+                self._partial.pop(request.request_id, None)
+        if actor is self.actor:
+            self._delivered_tokens += len(out.token_ids)
+        return out
+
+    async def interrupt(self, request_ids: Sequence[str] | None = None) -> None:
+        actor = self.actor
+        if self._death is not None:
+            return  # a dead engine has nothing to stop
+        try:
+            await actor.interrupt.remote(None if request_ids is None else list(request_ids))
+        except _actor_errors() as e:
+            self._fault(actor, e)
+
+    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """RuntimeError with the cause when the actor is dead or fails to install them."""
+        actor = self.actor
+        if self._death is not None:
+            raise RuntimeError(self._death)
+        try:
+            await actor.load_weights.remote(version, self._weights.ref(tensors))
+        except (RuntimeError, *_actor_errors()) as e:  # a dead local engine raises RuntimeError
+            self._fault(actor, e)
+            raise RuntimeError(self._death or f"ray engine {self.engine_id}: {e}") from e
+        self._version = version
+
+    def stats(self) -> EngineStats:
+        self._poll()
+        last, n = self._last, len(self._inflight)
+        running = min(n, last.num_running)
+        health = EngineHealth.UP
+        if self._death is not None:
+            health = EngineHealth.RECOVERING if self.needs_restart() else EngineHealth.DEAD
+        before = self._before
+        return replace(
+            last, engine_id=self.engine_id, version=self._version, num_running=running,
+            num_waiting=n - running,
+            generated_tokens=before.tokens + max(last.generated_tokens, self._delivered_tokens),
+            busy_s=before.busy_s + last.busy_s,
+            work={k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
+            health=health, health_reason=self._death)
+
+    # ---- restarts and close --------------------------------------------------------------
+    def needs_restart(self) -> bool:
+        """The actor died (or its engine did) and another may replace it (RECOVERING)."""
+        self._poll()
+        return self._death is not None and not self._closed and \
+            self.num_restarts < self._max_restarts
+
+    async def restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Replace the dead actor with a new one serving ``version`` (its model folder's
+        weights, then ``tensors`` unless None); UP when this returns."""
+        import ray
+
+        if not self.needs_restart():
+            raise RuntimeError(f"ray engine {self.engine_id} cannot restart: "
+                               f"{self._death or 'it is running'}")
+        self.num_restarts += 1
+        ray.kill(self.actor, no_restart=True)  # frees its CPUs for the new one
+        self._before.add(self._last, self._delivered_tokens)
+        actor = self._spawn(version)
+        try:
+            if tensors is not None:
+                await actor.load_weights.remote(version, self._weights.ref(tensors))
+            self._last = await actor.stats.remote()
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        self.actor, self._pending, self._peek, self._delivered_tokens = actor, None, None, 0
+        self._version, self._death = version, None
+        log.warning("ray engine %s restarted at version %d (restart %d of %d)",
+                    self.engine_id, version, self.num_restarts, self._max_restarts)
+
+    async def close(self) -> None:
+        """Close the engine (pending requests return ABORT) and end its actor."""
+        import ray
+
+        self._closed = True
+        if self._death is None:
+            try:
+                await self.actor.close.remote()
+            except _actor_errors():
+                pass  # it died meanwhile: nothing left to close
+        self._death = self._death or f"ray engine {self.engine_id} closed"
+        ray.kill(self.actor, no_restart=True)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _poll(self) -> None:
+        """Take the actor's last stats reply and peek if they are in, and ask for the next
+        ones (a peek at most every PEEK_S, while requests are in flight)."""
+        import ray
+
+        if self._death is not None or self._closed:
+            return
+        if self._peek is not None and ray.wait([self._peek], timeout=0)[0]:
+            self._take_peek()
+        if self._peek is None and self._inflight and \
+                time.monotonic() - self._peek_at >= PEEK_S and self._death is None:
+            self._peek, self._peek_at = self.actor.peek.remote(), time.monotonic()
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if not ready:
+                return
+            self._last = self._read(self._pending)
+        if self._death is None:
+            self._pending = self.actor.stats.remote()
+
+    def _take_peek(self) -> None:
+        import ray
+
+        actor, ref, self._peek = self.actor, self._peek, None
+        try:
+            outs = ray.get(ref, timeout=0)
+        except _actor_errors() as e:
+            self._fault(actor, e)
+            return
+        self._partial.update((o.request_id, o) for o in outs if o.request_id in self._inflight)
+
+    def _read(self, ref: Any, *, wait: bool = False) -> EngineStats:
+        """A stats reply; a dead actor or engine is a fault (the last stats stay)."""
+        import ray
+
+        actor = self.actor
+        try:
+            st = ray.get(ref, timeout=None if wait else 0)
+        except _actor_errors() as e:
+            if wait:
+                raise
+            self._fault(actor, e)
+            return self._last
+        if st.health is not EngineHealth.UP:
+            self._fault(actor, RuntimeError(st.health_reason))
+        return st
+
+    def _fault(self, actor: Any, cause: BaseException) -> None:
+        """The current actor stopped serving (a reply of a replaced actor changes nothing)."""
+        if actor is self.actor and self._death is None:
+            self._death = f"ray engine {self.engine_id} died: {cause}"
+            self._pending = self._peek = None
+            log.error("%s", self._death)
+
+
+class _Totals:
+    """Counters of replaced actors, so an engine's totals stay monotonic across restarts."""
+
+    def __init__(self) -> None:
+        self.tokens, self.busy_s, self.work = 0, 0.0, {}
+
+    def add(self, st: EngineStats, delivered: int) -> None:
+        self.tokens += max(st.generated_tokens, delivered)
+        self.busy_s += st.busy_s
+        self.work = {k: self.work.get(k, 0.0) + v for k, v in st.work.items()}
+
+
+def _actor_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a call whose actor died or is unreachable (ActorDiedError and
+    ActorUnavailableError are RayActorErrors)."""
+    from ray.exceptions import RayActorError
+
+    return (RayActorError,)
+
+
+def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -> GenerateOutput:
+    """ABORT with ``partial``'s tokens (none when None)."""
+    return GenerateOutput(request_id=request_id, error=error, finish_reason=FinishReason.ABORT,
+                          token_ids=list(partial.token_ids) if partial else [],
+                          logprobs=list(partial.logprobs) if partial else [],
+                          versions=list(partial.versions) if partial else [])
+
+
+def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,
+                      version: int, num_cpus: float) -> list[RayEngine]:
+    """``num_engines`` engine actors (all started before any is awaited) and their proxies."""
+    weights = SharedWeights()
+    engines: list[RayEngine] = []
+    spawns = {f"ray-{i}": _spawner(model_path, cfg, f"ray-{i}", num_cpus)
+              for i in range(num_engines)}
+    actors = {engine_id: spawn(version) for engine_id, spawn in spawns.items()}
+    try:
+        for engine_id, spawn in spawns.items():
+            engines.append(RayEngine(engine_id=engine_id, spawn=spawn, weights=weights,
+                                     version=version, max_restarts=cfg.max_restarts,
+                                     actor=actors[engine_id]))
+    except BaseException:
+        import ray
+
+        for actor in actors.values():
+            ray.kill(actor, no_restart=True)
+        raise
+    return engines
+
+
+def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str,
+             num_cpus: float) -> Callable[[int], Any]:
+    return lambda version: spawn_actor(model_path, cfg, engine_id=engine_id, version=version,
+                                       num_cpus=num_cpus)
