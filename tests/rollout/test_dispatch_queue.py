@@ -369,16 +369,23 @@ def test_a_group_whose_home_is_full_is_re_pinned() -> None:
             return _Stats(self.capacity)
 
     from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.loads import LoadIndex
 
     a, b = _Up("a", 64), _Up("b", 64)
     disp = Dispatcher.__new__(Dispatcher)  # routing only: no engine runs here
-    disp.prefix_affinity, disp._home = True, {}
-    disp._load = {id(a): 0, id(b): 0}
+    disp.prefix_affinity, disp._home, disp._drained = True, {}, set()
+    disp._load, disp._by_id = LoadIndex([a, b]), {"a": a, "b": b}
+
+    def route(sample):
+        return disp._route(disp._load.least(disp._admits), sample).engine_id
+
     g = _group(0)
-    assert disp._route([a, b], g.samples[0]).engine_id == "a"  # first: least loaded, pinned
-    disp._load[id(a)] = AFFINITY_SLACK
-    assert disp._route([a, b], g.samples[1]).engine_id == "a"  # within the slack: home
-    disp._load[id(a)] = AFFINITY_SLACK + 1
-    assert disp._route([a, b], g.samples[2]).engine_id == "b"  # past it: re-pinned
-    disp._load[id(a)] = 0
-    assert disp._route([a, b], g.samples[3]).engine_id == "b"  # its new home
+    assert route(g.samples[0]) == "a"  # first: least loaded, pinned
+    disp._load.add(a, AFFINITY_SLACK)
+    assert route(g.samples[1]) == "a"  # within the slack: home
+    disp._load.add(a, 1)
+    assert route(g.samples[2]) == "b"  # past it: re-pinned
+    disp._load.add(a, -AFFINITY_SLACK - 1)
+    assert route(g.samples[3]) == "b"  # its new home
+    disp._drained.add("b")
+    assert route(g.samples[4]) == "a"  # a drained home is not routed to

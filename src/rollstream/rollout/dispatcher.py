@@ -62,6 +62,7 @@ from rollstream.engine.protocol import (
 from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import Response
 from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.rollout.loads import LoadIndex
 from rollstream.rollout.predict import LengthPredictor
 from rollstream.rollout.queue import Ask, DispatchQueue, Grant, LimitFactory
 from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, SegmentKind
@@ -160,7 +161,8 @@ class Dispatcher:
         self._gate = asyncio.Event()
         self._gate.set()
         self._cancelled: set[str] = set()
-        self._load = {id(e): 0 for e in self.engines}
+        self._load: LoadIndex[Engine] = LoadIndex(self.engines)  # requests in flight
+        self._by_id = {e.engine_id: e for e in self.engines}
         self._drained: set[str] = set()  # engine ids taken out of routing (preemption)
         self._free_slots: list[int] = []
         self._next_slot = itertools.count()
@@ -202,23 +204,23 @@ class Dispatcher:
     # ---- routing -----------------------------------------------------------------------
     def _routable(self) -> list[Engine]:
         """Engines that may take a request now: UP and not drained."""
-        return [e for e in self.engines
-                if e.engine_id not in self._drained and e.stats().health is EngineHealth.UP]
+        return [e for e in self.engines if self._admits(e)]
 
-    def _route(self, up: list[Engine], sample: Sample) -> Engine:
+    def _admits(self, e: Engine) -> bool:
+        return e.engine_id not in self._drained and e.stats().health is EngineHealth.UP
+
+    def _route(self, least: Engine, sample: Sample) -> Engine:
         """The least-loaded engine; with prefix affinity the engine that holds the sample's
         prefix instead (the one its episode's last turn ran on, else the one its group's first
         sample went to) while it has room: a free sequence and at most ``AFFINITY_SLACK``
         requests more than the least loaded. Otherwise the sample goes to the least loaded,
         and its group is re-pinned there."""
-        least = min(up, key=lambda e: self._load[id(e)])
         if not self.prefix_affinity:
             return least
         episode = sample.engine_id if sample.segments else None
-        home = next((e for e in up if e.engine_id == (episode or self._home.get(
-            sample.group_id))), None)
-        if home is not None and self._load[id(home)] < home.stats().capacity and (
-                self._load[id(home)] <= self._load[id(least)] + AFFINITY_SLACK):
+        home = self._by_id.get(episode or self._home.get(sample.group_id, ""))
+        if home is not None and self._admits(home) and self._load[home] < \
+                home.stats().capacity and self._load[home] <= self._load[least] + AFFINITY_SLACK:
             return home
         self._home[sample.group_id] = least.engine_id
         return least
@@ -230,10 +232,11 @@ class Dispatcher:
         recover or are drained, raises NoEngineAlive when every engine is DEAD."""
         while True:
             await self._gate.wait()
-            up = self._routable()
-            if up and self.queue is None:
-                return self._route(up, sample), None
-            if up:
+            if self.queue is None:
+                least = self._load.least(self._admits)  # the least loaded routable engine
+                if least is not None:
+                    return self._route(least, sample), None
+            elif self._routable():
                 grant = await self.queue.acquire(ask)
                 if grant is None:  # the engines went away while it waited: look again
                     continue
@@ -370,7 +373,7 @@ class Dispatcher:
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
             version_start=engine.stats().version, grant=grant,
         )
-        self._load[id(engine)] += 1
+        self._load.add(engine, 1)
         self._idle.clear()
         self.lifecycle.move(sample, SampleStatus.RUNNING)
         sample.engine_id = engine.engine_id
@@ -396,7 +399,7 @@ class Dispatcher:
                                  error=f"engine {engine.engine_id} raised {e!r}")
         finally:
             info = self.in_flight.pop(request_id)
-            self._load[id(engine)] -= 1
+            self._load.add(engine, -1)
             self._free_slots.append(slot)
             if grant is not None:
                 self.queue.release(grant)  # type: ignore[union-attr]
@@ -510,7 +513,7 @@ class Dispatcher:
             rows.append({"engine_id": e.engine_id, "health": st.health.value,
                          "health_reason": st.health_reason, "version": st.version,
                          "drained": e.engine_id in self._drained,
-                         "in_flight": self._load[id(e)]})
+                         "in_flight": self._load[e]})
         return rows
 
     def gauges(self) -> dict[str, float]:
