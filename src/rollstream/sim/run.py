@@ -18,7 +18,8 @@ the samples of its batch: time from the 90th percentile finish to the last finis
 the first dispatch to the last finish, as Seer's "last 10% of requests"; the mean over steps),
 the staleness histogram (trained samples in the ledger: trained step − oldest kept version),
 trained tokens/s (prompt + kept response tokens ÷ simulated time), generated tokens/s, the
-ledger's terminal statuses, interrupts and preemptions, and the wall time the mode took.
+ledger's terminal statuses, interrupts and preemptions, and the wall and CPU time the mode
+took.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ class Spans:
 def simulate_mode(sc: Scenario, mode: ModeConfig, profile: Profile) -> dict[str, Any]:
     """Run one mode on a fresh virtual-time loop; its measurements (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-sim-") as tmp:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = run_virtual(_simulate(sc, mode, profile, Path(tmp) / "ledger.jsonl"))
         out["wall_s"] = time.perf_counter() - t0
+        out["cpu_s"] = time.process_time() - c0  # this process's CPU: less noisy when shared
         return out
 
 
