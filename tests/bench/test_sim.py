@@ -27,10 +27,13 @@ def test_bench_sim_quick_fits_a_profile_and_predicts_both_runs(tmp_path):
     got = json.loads(out.read_text())
     for key in ("calibration_error_step_time", "calibration_error_utilization"):
         assert set(got[key]) == {"sync", "async"} and all(v >= 0 for v in got[key].values())
-    fitted = load_profile(str(tmp_path / "runs" / "cpu_fitted.yaml"))
-    assert fitted.decode.combine == "sum" and fitted.decode.step_s(8, 800) > 0
-    assert fitted.model_dump(mode="json") == got["calibration"]["profile"]
-    for mode, row in got["calibration"]["rows"].items():
+    calib = got["calibration"]
+    for label in ("sync", "async", "joint"):
+        fitted = load_profile(str(tmp_path / "runs" / f"cpu_fitted_{label}.yaml"))
+        assert fitted.decode.combine == "sum" and fitted.decode.step_s(8, 800) > 0
+        assert fitted.model_dump(mode="json") == calib["profiles"][label]
+    assert {r["profile_of"] for r in calib["cross"].values()} == {"sync", "async"}
+    for mode, row in [*calib["rows"].items(), *calib["joint"].items()]:
         real, sim = row["measured"], row["simulated"]
         assert real["step_s_mean"] > 0 and 0 < real["engine_utilization"] <= 1, mode
         assert row["error_step_time"] == pytest.approx(

@@ -5,12 +5,14 @@
 1. **Calibration.** Two short real runs of ``examples/tick.yaml`` (the demo's model, task and
    settings; ``engine.local.fuse_prefill=false``: the simulated engine prefills in passes of
    their own) on the embedded engine, one ``sync`` and one with the example's own rollout
-   (async, k = 2, partial rollout). A CPU profile is fitted from both runs' recordings
+   (async, k = 2, partial rollout). CPU profiles are fitted from the runs' recordings
    (``rollstream.sim.calibrate``: forward passes, trainer steps, weight loads), then each run
-   is simulated on that profile replaying its own ledger (its groups' lengths and answers).
-   Keys: ``calibration_error_step_time`` and ``calibration_error_utilization`` per mode, the
-   relative error |simulated - measured| / measured of the mean step time and of the engine
-   utilization (busy share), and the fitted profile.
+   is simulated replaying its own ledger (its groups' lengths and answers) on the profile
+   fitted from that run. Keys: ``calibration_error_step_time`` and
+   ``calibration_error_utilization`` per mode, the relative error |simulated - measured| /
+   measured of the mean step time and of the engine utilization (busy share); the same on
+   the profile fitted from both runs (``calibration.joint``) and from the other run
+   (``calibration.cross``), and the fitted profiles.
 2. **Speed.** ``examples/sim/kimi_k2_512.yaml`` (512 engines, Kimi-K2-like workload, 10
    steps): wall seconds per mode; ``sim_wall_s_512_engines`` is the slowest mode's.
 3. **GPU async gain.** ``examples/sim/seer_moonlight_64.yaml``'s workload and profile at 256
@@ -91,28 +93,43 @@ def real_runs(sizes: Sizes, run_root: Path, overrides: Sequence[str]) -> dict[st
     return out
 
 
-def calibration(records: dict[str, RunRecord], profile_path: Path) -> dict[str, Any]:
-    """Fit one profile from every run, simulate each run on it; measured vs simulated."""
-    profile = fit_profile(list(records.values()))
-    profile_path.write_text(profile_yaml(profile))
-    rows = {}
-    for label, rec in records.items():
-        real = measured(rec)
-        sim = run_scenario(replay_scenario(rec, str(profile_path)))
-        row = next(iter(sim["rows"].values()))
-        rows[label] = {
-            "measured": real,
-            "simulated": {k: row[k] for k in ("step_s_mean", "engine_utilization",
-                                              "tail_share_mean", "trained_tok_s", "statuses",
-                                              "interrupts", "wall_s")},
-            "error_step_time": abs(row["step_s_mean"] - real["step_s_mean"])
-            / real["step_s_mean"],
-            "error_utilization": abs(row["engine_utilization"] - real["engine_utilization"])
-            / real["engine_utilization"],
-            "real_statuses": rec.summary["ledger"],
-            "real_interrupts": rec.summary["interrupts"],
-        }
-    return {"profile": profile.model_dump(mode="json"), "rows": rows}
+def predict(rec: RunRecord, profile_path: Path) -> dict[str, Any]:
+    """``rec``'s run simulated on a profile, beside what it measured."""
+    real = measured(rec)
+    sim = next(iter(run_scenario(replay_scenario(rec, str(profile_path)))["rows"].values()))
+    return {
+        "measured": real,
+        "simulated": {k: sim[k] for k in ("step_s_mean", "engine_utilization",
+                                          "tail_share_mean", "trained_tok_s", "statuses",
+                                          "interrupts", "wall_s")},
+        "error_step_time": abs(sim["step_s_mean"] - real["step_s_mean"]) / real["step_s_mean"],
+        "error_utilization": abs(sim["engine_utilization"] - real["engine_utilization"])
+        / real["engine_utilization"],
+        "real_statuses": rec.summary["ledger"],
+        "real_interrupts": rec.summary["interrupts"],
+    }
+
+
+def calibration(records: dict[str, RunRecord], out_dir: Path) -> dict[str, Any]:
+    """Each run predicted on the profile fitted from it (the headline: ``rows``), on the one
+    fitted from both runs (``joint``), and on the other run's (``cross``: what changes
+    between a sync and an async run on this machine that one profile does not hold)."""
+    profiles: dict[str, Any] = {}
+    paths: dict[str, Path] = {}
+    for label, recs in [*((k, [r]) for k, r in records.items()),
+                        ("joint", list(records.values()))]:
+        profile = fit_profile(recs)
+        paths[label] = out_dir / f"cpu_fitted_{label}.yaml"
+        paths[label].write_text(profile_yaml(profile))
+        profiles[label] = profile.model_dump(mode="json")
+    labels = list(records)
+    return {
+        "profiles": profiles,
+        "rows": {k: predict(r, paths[k]) for k, r in records.items()},
+        "joint": {k: predict(r, paths["joint"]) for k, r in records.items()},
+        "cross": {k: predict(r, paths[labels[1 - i]]) | {"profile_of": labels[1 - i]}
+                  for i, (k, r) in enumerate(records.items())},
+    }
 
 
 def speed_512(sizes: Sizes) -> dict[str, Any]:
@@ -155,7 +172,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     sizes = QUICK if quick else FULL
     run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-sim-"))
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    calib = calibration(real_runs(sizes, run_root, overrides), run_root / "cpu_fitted.yaml")
+    calib = calibration(real_runs(sizes, run_root, overrides), run_root)
     speed, gpu = speed_512(sizes), gpu_256(sizes)
     rows = calib["rows"]
     result = {
@@ -183,14 +200,18 @@ def print_tables(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=160)
-    t = Table(title="calibration: real run vs its simulation on the fitted CPU profile")
-    for col in ("mode", "step s real", "step s sim", "error", "util real", "util sim", "error"):
+    calib = result["calibration"]
+    t = Table(title="calibration: each real run vs its simulation (profile fitted from: the "
+              "run itself / both runs / the other run)")
+    for col in ("mode", "profile", "step s real", "step s sim", "error", "util real",
+                "util sim", "error"):
         t.add_column(col, justify="right")
-    for mode, r in result["calibration"]["rows"].items():
-        m, s = r["measured"], r["simulated"]
-        t.add_row(mode, f"{m['step_s_mean']:.3f}", f"{s['step_s_mean']:.3f}",
-                  f"{r['error_step_time']:.1%}", f"{m['engine_utilization']:.3f}",
-                  f"{s['engine_utilization']:.3f}", f"{r['error_utilization']:.1%}")
+    for part, name in (("rows", "itself"), ("joint", "both"), ("cross", "other")):
+        for mode, r in calib[part].items():
+            m, s = r["measured"], r["simulated"]
+            t.add_row(mode, name, f"{m['step_s_mean']:.3f}", f"{s['step_s_mean']:.3f}",
+                      f"{r['error_step_time']:.1%}", f"{m['engine_utilization']:.3f}",
+                      f"{s['engine_utilization']:.3f}", f"{r['error_utilization']:.1%}")
     console.print(t)
     sp, gpu = result["speed_512"], result["gpu_256"]
     console.print(f"{sp['engines']} engines, {sp['steps']} steps: wall s (CPU s) "

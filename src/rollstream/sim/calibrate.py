@@ -162,7 +162,8 @@ def measured(record: RunRecord) -> dict[str, float]:
     t_end = [m["t_s"] for m in rollout]
     spans = np.diff([t_end[0] - (steps[0]["wait_s"] + steps[0]["train_s"]), *t_end])
     busy = sum(m["engine_busy"] * dt for m, dt in zip(rollout, spans, strict=True))
-    return {"step_s_mean": total / len(steps), "engine_utilization": busy / float(spans.sum())}
+    return {"step_s_mean": total / len(steps),
+            "engine_utilization": float(busy / spans.sum())}
 
 
 def replay_scenario(record: RunRecord, profile: str) -> Scenario:
