@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from rollstream.data.ledger import read_ledger
 from rollstream.engine.local.passes import PassTimes
 from rollstream.sim.calibrate import fit_decode, fit_nonneg, fit_prefill, fit_trainer
-from rollstream.sim.profile import DecodeCost, PrefillCost, TrainerCost
+from rollstream.sim.profile import DecodeCost, PrefillCost, TrainerCost, load_profile
 from rollstream.sim.run import build_sim
 from rollstream.sim.scenario import ModeConfig, Scenario
-from rollstream.sim.profile import load_profile
 from rollstream.sim.vloop import run_virtual
-
-import numpy as np
 
 NOISE = 0.05  # relative noise of every synthetic timing
 

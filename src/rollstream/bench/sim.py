@@ -20,8 +20,9 @@
    k = 2 with partial rollout's trained tokens/s over sync's.
 
 ``--quick`` (the smoke test): a tiny model, 3 steps of 4 groups, and the speed and GPU cases
-at an eighth of their engines and groups for 2 simulated steps (the JSON says which). A benchmark measures; it does not assert. The machine is shared:
-the JSON records the load average before and after.
+at an eighth of their engines and groups for 2 simulated steps (the JSON says which). A
+benchmark measures; it does not assert. The machine is shared: the JSON records the load
+average before and after, and the simulations' CPU seconds beside their wall seconds.
 """
 
 from __future__ import annotations
