@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 from rollstream.config import ConfigError, RunConfig
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import SAFE_CHANGES, config_changes
-from rollstream.engine.local.passes import PassTimes
 from rollstream.rollout.rollout import RolloutStopped
 from rollstream.runtime.build import Run, build_run, check_inputs
 from rollstream.runtime.controller import ControllerResult
@@ -268,6 +267,8 @@ def engine_work(run: Run) -> dict[str, dict[str, float]]:
 def write_passes(run: Run, path: Path) -> None:
     """Append the forward-pass times of the engines that record them (the local engine's
     ``passes``, read after it stopped), the input of ``rollstream.sim.calibrate``."""
+    from rollstream.engine.local.passes import PassTimes  # torch: loaded by now
+
     lines = [{"engine_id": e.engine_id, **line} for e in run.engines
              if isinstance(passes := getattr(e, "passes", None), PassTimes)
              for line in passes.lines()]
