@@ -60,6 +60,11 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     assert len(trained) == summary["trained_samples"] > 0
     assert all(r["trained_at_step"] - r["min_version"] <= 2 for r in trained)
     assert not summary["unfinished_samples"]
+    assert all(r["prompt_tokens"] > 0 for r in rows)  # what a simulator replay needs
+    passes = [json.loads(line) for line in (run / "engine_passes.jsonl").read_text().splitlines()]
+    assert {p["kind"] for p in passes} >= {"decode", "load"}  # prefills fused by default
+    assert all(p["count"] > 0 and p["seconds"] > 0 for p in passes if p["kind"] == "decode")
+    assert 0 < sum(p["count"] for p in passes if p["kind"] == "load") <= 40  # a load per version
 
 
 # The agent task (tally): the smallest shape seen to learn copying across turns in its warm

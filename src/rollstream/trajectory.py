@@ -156,10 +156,12 @@ class Segment:
                 raise ValueError(
                     f"Segment.{name} has {len(getattr(self, name))} entries, token_ids has {n}"
                 )
+        # min / count rather than a generator: a segment is built per request (the simulator
+        # builds ~10^5 a minute)
         if self.kind is SegmentKind.POLICY:
-            if any(v < 0 for v in self.versions):
+            if min(self.versions, default=0) < 0:
                 raise ValueError("policy tokens need a policy version >= 0")
-        elif any(v != -1 for v in self.versions) or any(self.loss_mask):
+        elif self.versions.count(-1) != n or any(self.loss_mask):
             raise ValueError("env tokens carry version -1 and loss_mask False")
 
     @classmethod

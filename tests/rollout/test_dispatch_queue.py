@@ -370,11 +370,17 @@ def test_a_group_whose_home_is_full_is_re_pinned() -> None:
 
     a, b = _Up("a", 64), _Up("b", 64)
     router = Router([a, b], prefix_affinity=True)  # routing only: no engine runs here
+
+    def route(sample):
+        return router.pick(sample).engine_id
+
     g = _group(0)
-    assert router.route([a, b], g.samples[0]).engine_id == "a"  # first: least loaded, pinned
-    router.load[id(a)] = AFFINITY_SLACK
-    assert router.route([a, b], g.samples[1]).engine_id == "a"  # within the slack: home
-    router.load[id(a)] = AFFINITY_SLACK + 1
-    assert router.route([a, b], g.samples[2]).engine_id == "b"  # past it: re-pinned
-    router.load[id(a)] = 0
-    assert router.route([a, b], g.samples[3]).engine_id == "b"  # its new home
+    assert route(g.samples[0]) == "a"  # first: least loaded, pinned
+    router.load.add(a, AFFINITY_SLACK)
+    assert route(g.samples[1]) == "a"  # within the slack: home
+    router.load.add(a, 1)
+    assert route(g.samples[2]) == "b"  # past it: re-pinned
+    router.load.add(a, -AFFINITY_SLACK - 1)
+    assert route(g.samples[3]) == "b"  # its new home
+    router.drained.add("b")
+    assert route(g.samples[4]) == "a"  # a drained home is not routed to

@@ -149,3 +149,19 @@ def test_an_interrupt_at_the_instant_a_request_finishes_returns_it_finished():
     whole, again = run_virtual(main())
     assert whole.finish_reason is FinishReason.STOP
     assert again.finish_reason is FinishReason.STOP and again.token_ids == whole.token_ids
+
+
+@pytest.mark.parametrize("combine", ["max", "sum"])
+def test_steps_in_is_the_last_step_whose_midpoint_is_due(combine):
+    cost = DecodeCost(overhead_s=1e-3, weights_s=5e-3, per_context_token_s=2e-8,
+                      per_seq_s=3e-5, combine=combine)
+    flat = DecodeCost(overhead_s=0, weights_s=0, per_context_token_s=0, per_seq_s=0)
+    rng = random.Random(1)
+    for _ in range(300):
+        b, c, limit = rng.randint(1, 300), rng.randint(1, 10**6), rng.randint(0, 3000)
+        seconds = rng.uniform(0, cost.steps_s(b, c, limit + 5))
+        n = cost.steps_in(b, c, seconds, limit)
+        mid = [(cost.steps_s(b, c, i - 1) + cost.steps_s(b, c, i)) / 2 for i in (n, n + 1)]
+        assert 0 <= n <= limit and (n == 0 or mid[0] <= seconds)
+        assert n == limit or mid[1] > seconds
+    assert flat.steps_in(4, 100, 1.0, 7) == 7 and cost.steps_in(4, 100, 0.0, 7) == 0

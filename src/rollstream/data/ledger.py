@@ -96,6 +96,7 @@ class Ledger:
                 "reason": sample.failure,
                 "reward": sample.reward,
                 "num_tokens": sample.num_response_tokens,
+                "prompt_tokens": len(sample.task.prompt_ids),
                 "min_version": min(versions) if versions else None,
                 "max_version": max(versions) if versions else None,
                 "num_interrupts": sample.num_interrupts,

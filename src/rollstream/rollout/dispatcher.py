@@ -208,10 +208,11 @@ class Dispatcher:
         recover or are drained, raises NoEngineAlive when every engine is DEAD."""
         while True:
             await self._gate.wait()
-            up = self.router.routable()
-            if up and self.queue is None:
-                return self.router.route(up, sample), None
-            if up:
+            if self.queue is None:
+                engine = self.router.pick(sample)
+                if engine is not None:
+                    return engine, None
+            elif self.router.routable():
                 grant = await self.queue.acquire(ask)
                 if grant is None:  # the engines went away while it waited: look again
                     continue
@@ -350,7 +351,7 @@ class Dispatcher:
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
             version_start=engine.stats().version, grant=grant,
         )
-        self.router.load[id(engine)] += 1
+        self.router.load.add(engine, 1)
         self._idle.clear()
         self.lifecycle.move(sample, SampleStatus.RUNNING)
         sample.engine_id = engine.engine_id
@@ -376,7 +377,7 @@ class Dispatcher:
                                  error=f"engine {engine.engine_id} raised {e!r}")
         finally:
             info = self.in_flight.pop(request_id)
-            self.router.load[id(engine)] -= 1
+            self.router.load.add(engine, -1)
             self._free_slots.append(slot)
             if grant is not None:
                 self.queue.release(grant)  # type: ignore[union-attr]

@@ -1,8 +1,10 @@
 """Which engine a request goes to: least load, prefix affinity, drained engines left out.
 
 The router keeps the dispatcher's per-engine request counts (its own, not the engines':
-an engine's queue is not visible through the protocol), the engines taken out of routing by
-preemption (:meth:`Dispatcher.drain`), and, with prefix affinity, each group's home engine.
+an engine's queue is not visible through the protocol) in a :class:`LoadIndex`, so the
+least-loaded engine is found without a scan of every engine (``rollout/loads.py``), the
+engines taken out of routing by preemption (:meth:`Dispatcher.drain`), and, with prefix
+affinity, each group's home engine.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rollstream.engine.protocol import Engine, EngineHealth
+from rollstream.rollout.loads import LoadIndex
 from rollstream.trajectory import Sample
 
 AFFINITY_SLACK = 4  # prefix affinity: requests an engine may hold above the least loaded
@@ -19,14 +22,24 @@ class Router:
     def __init__(self, engines: Sequence[Engine], *, prefix_affinity: bool = False) -> None:
         self.engines = list(engines)
         self.prefix_affinity = prefix_affinity
-        self.load = {id(e): 0 for e in self.engines}  # requests in flight per engine
+        self.load: LoadIndex[Engine] = LoadIndex(self.engines)  # requests in flight
+        self.by_id = {e.engine_id: e for e in self.engines}
         self.drained: set[str] = set()  # engine ids taken out of routing (preemption)
         self.home: dict[str, str] = {}  # group id -> the engine that holds its prompt's prefix
 
+    def admits(self, e: Engine) -> bool:
+        """Whether ``e`` may take a request now: UP and not drained."""
+        return e.engine_id not in self.drained and e.stats().health is EngineHealth.UP
+
     def routable(self) -> list[Engine]:
-        """Engines that may take a request now: UP and not drained."""
-        return [e for e in self.engines
-                if e.engine_id not in self.drained and e.stats().health is EngineHealth.UP]
+        """Engines that may take a request now."""
+        return [e for e in self.engines if self.admits(e)]
+
+    def pick(self, sample: Sample) -> Engine | None:
+        """The engine for ``sample``'s next request (:meth:`route` from the least loaded
+        routable engine), or None while no engine may take one."""
+        least = self.load.least(self.admits)
+        return None if least is None else self.route(least, sample)
 
     def may_come_back(self) -> bool:
         """Whether an engine that takes no request now may later: one RECOVERING, or one
@@ -35,26 +48,24 @@ class Router:
             e.engine_id in self.drained and e.stats().health is EngineHealth.UP)
             for e in self.engines)
 
-    def route(self, up: list[Engine], sample: Sample) -> Engine:
-        """The least-loaded engine; with prefix affinity the engine that holds the sample's
-        prefix instead (the one its episode's last turn ran on, else the one its group's first
-        sample went to) while it has room: a free sequence and at most ``AFFINITY_SLACK``
-        requests more than the least loaded. Otherwise the sample goes to the least loaded,
-        and its group is re-pinned there."""
-        least = min(up, key=lambda e: self.load[id(e)])
+    def route(self, least: Engine, sample: Sample) -> Engine:
+        """``least`` (the least-loaded routable engine); with prefix affinity the engine that
+        holds the sample's prefix instead (the one its episode's last turn ran on, else the
+        one its group's first sample went to) while it is routable and has room: a free
+        sequence and at most ``AFFINITY_SLACK`` requests more than the least loaded.
+        Otherwise the sample goes to ``least``, and its group is re-pinned there."""
         if not self.prefix_affinity:
             return least
         episode = sample.engine_id if sample.segments else None
-        home = next((e for e in up if e.engine_id == (episode or self.home.get(
-            sample.group_id))), None)
-        if home is not None and self.load[id(home)] < home.stats().capacity and (
-                self.load[id(home)] <= self.load[id(least)] + AFFINITY_SLACK):
+        home = self.by_id.get(episode or self.home.get(sample.group_id, ""))
+        if home is not None and self.admits(home) and self.load[home] < \
+                home.stats().capacity and self.load[home] <= self.load[least] + AFFINITY_SLACK:
             return home
         self.home[sample.group_id] = least.engine_id
         return least
 
     def engine(self, engine_id: str) -> Engine:
-        engine = next((e for e in self.engines if e.engine_id == engine_id), None)
+        engine = self.by_id.get(engine_id)
         if engine is None:
             raise ValueError(f"no engine {engine_id!r}; engines: "
                              f"{[e.engine_id for e in self.engines]}")
@@ -69,5 +80,5 @@ class Router:
             rows.append({"engine_id": e.engine_id, "health": st.health.value,
                          "health_reason": st.health_reason, "version": st.version,
                          "drained": e.engine_id in self.drained,
-                         "in_flight": self.load[id(e)]})
+                         "in_flight": self.load[e]})
         return rows

@@ -205,6 +205,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
                                 for k, w in work_done.items()})
     run.ledger.close()
     run.metrics.close()
+    write_passes(run, run_dir / "engine_passes.jsonl")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"held-out reward {summary['reward_initial']:.3f} -> {summary['reward_final']:.3f} in "
@@ -265,6 +266,19 @@ def save_checkpoint(trainer: Any, final: Path) -> Path:
 def engine_work(run: Run) -> dict[str, dict[str, float]]:
     """Each engine's busy seconds and where they went (``EngineStats.work``), totals so far."""
     return {e.engine_id: {"busy_s": (st := e.stats()).busy_s, **st.work} for e in run.engines}
+
+
+def write_passes(run: Run, path: Path) -> None:
+    """Append the forward-pass times of the engines that record them (the local engine's
+    ``passes``, read after it stopped), the input of ``rollstream.sim.calibrate``."""
+    from rollstream.engine.local.passes import PassTimes  # torch: loaded by now
+
+    lines = [{"engine_id": e.engine_id, **line} for e in run.engines
+             if isinstance(passes := getattr(e, "passes", None), PassTimes)
+             for line in passes.lines()]
+    if lines:
+        with path.open("a") as fh:
+            fh.writelines(json.dumps(line) + "\n" for line in lines)
 
 
 def _summary(run: Run, result: ControllerResult, initial: dict[str, float],

@@ -72,16 +72,44 @@ class DecodeCost(_Section):
 
     def steps_in(self, batch: int, context: int, seconds: float, limit: int) -> int:
         """Whole steps (at most ``limit``) done in ``seconds``, a step counted when more than
-        half of it is (so event times rounded by the clock land on the right step)."""
-        lo, hi = 0, limit  # invariant: midpoint of step lo done, of step hi+1 not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            half = (self.steps_s(batch, context, mid - 1) + self.steps_s(batch, context, mid)) / 2
-            if half <= seconds:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        half of it is (so event times rounded by the clock land on the right step): the
+        largest ``n`` whose step's midpoint is due by then. Estimated by inverting the closed
+        form, then moved step by step to the exact answer (a bisection costs ~30 closed forms
+        per event; this one or two)."""
+        def due(n: int) -> bool:  # the midpoint of step n (1-based) is done
+            return (self.steps_s(batch, context, n - 1) + self.steps_s(batch, context, n)) / 2 \
+                <= seconds
+        est = self._inverse(batch, context, seconds)
+        n = limit if est >= limit else max(0, math.floor(est + 0.5))
+        while n < limit and due(n + 1):
+            n += 1
+        while n > 0 and not due(n):
+            n -= 1
+        return n
+
+    def _inverse(self, batch: int, context: int, seconds: float) -> float:
+        """The (real) number of steps whose closed-form time is ``seconds``."""
+        k, comp = self.per_context_token_s * batch, self.per_seq_s * batch
+        m0 = self.weights_s + self.per_context_token_s * context
+        if self.combine == "sum":
+            return _quadratic_root(k / 2, self.overhead_s + m0 + comp - k / 2, seconds)
+        compute_bound = (max(0, math.ceil((comp - m0) / k)) if k > 0
+                         else (math.inf if comp > m0 else 0))
+        step = self.overhead_s + comp
+        if compute_bound * step >= seconds:
+            return seconds / step if step > 0 else math.inf
+        f = compute_bound
+        return f + _quadratic_root(k / 2, self.overhead_s + m0 + k * f - k / 2,
+                                   seconds - f * step)
+
+
+def _quadratic_root(a: float, b: float, c: float) -> float:
+    """The non-negative ``x`` with ``a x^2 + b x = c`` (a >= 0, c >= 0)."""
+    if c <= 0:
+        return 0.0
+    if a <= 0:
+        return c / b if b > 0 else math.inf
+    return 2 * c / (b + math.sqrt(b * b + 4 * a * c))
 
 
 class PrefillCost(_Section):

@@ -18,7 +18,8 @@ the samples of its batch: time from the 90th percentile finish to the last finis
 the first dispatch to the last finish, as Seer's "last 10% of requests"; the mean over steps),
 the staleness histogram (trained samples in the ledger: trained step − oldest kept version),
 trained tokens/s (prompt + kept response tokens ÷ simulated time), generated tokens/s, the
-ledger's terminal statuses, interrupts and preemptions, and the wall time the mode took.
+ledger's terminal statuses, interrupts and preemptions, and the wall and CPU time the mode
+took.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.config import RewardConfig
+from rollstream.config.loader import read_yaml_mapping
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
@@ -39,6 +41,7 @@ from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import Loop, build_loop
 from rollstream.sim.engine import SimEngine
 from rollstream.sim.profile import Profile
+from rollstream.sim.replay import ReplayWorkload, read_groups
 from rollstream.sim.scenario import ModeConfig, Scenario, run_config
 from rollstream.sim.trainer import SimTrainer
 from rollstream.sim.vloop import LoopClock, VirtualExecutor, run_virtual
@@ -78,9 +81,10 @@ class Spans:
 def simulate_mode(sc: Scenario, mode: ModeConfig, profile: Profile) -> dict[str, Any]:
     """Run one mode on a fresh virtual-time loop; its measurements (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-sim-") as tmp:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = run_virtual(_simulate(sc, mode, profile, Path(tmp) / "ledger.jsonl"))
         out["wall_s"] = time.perf_counter() - t0
+        out["cpu_s"] = time.process_time() - c0  # this process's CPU: less noisy when shared
         return out
 
 
@@ -89,7 +93,7 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
                                                        SimMetrics, Spans, Ledger]:
     """The real loop around simulated engines and trainer (call inside the virtual loop)."""
     cfg = run_config(sc, mode)
-    workload = Workload(sc.workload, seed=sc.seed, token_block=sc.token_block)
+    workload = make_workload(sc)
     engines = [SimEngine(f"sim-{i}", profile, workload) for i in range(sc.engines)]
     trainer = SimTrainer(profile.trainer, devices=sc.trainer_devices,
                          policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
@@ -106,6 +110,17 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     loop.controller.train_pool = VirtualExecutor(lambda _: trainer.take_elapsed())
     loop.controller.supervisor = None
     return loop, engines, trainer, metrics, spans, ledger
+
+
+def make_workload(sc: Scenario) -> Workload | ReplayWorkload:
+    """The scenario's generator, or the replay of its recorded run."""
+    if sc.replay is None:
+        return Workload(sc.workload, seed=sc.seed, token_block=sc.token_block)
+    run_dir = Path(sc.replay)
+    recorded = read_yaml_mapping(run_dir / "config.yaml", "run config")
+    return ReplayWorkload(read_groups(run_dir, sc.group_size), seed=sc.seed,
+                          max_response_tokens=recorded["sampling"]["max_new_tokens"],
+                          token_block=sc.token_block)
 
 
 async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,

@@ -101,6 +101,10 @@ class Scenario(_Section):
     """Stop a mode after this many simulated seconds (max_wall_s of the run; null: none)."""
     workload: WorkloadConfig = WorkloadConfig()
     """The task generator."""
+    replay: str | None = None
+    """A run directory whose recorded samples replace the generator: its ledger's training
+    groups, in admission order, with their prompt and response lengths and answers, up to its
+    ``sampling.max_new_tokens`` (sim/replay.py; null: the generator, ``workload``)."""
     modes: tuple[ModeConfig, ...] = (
         ModeConfig(name="sync", mode="sync"),
         ModeConfig(name="one_step", mode="one_step", partial_rollout=False),
@@ -113,6 +117,9 @@ class Scenario(_Section):
     def _check(self) -> Scenario:
         if not self.modes:
             raise ValueError("modes: at least one mode is needed")
+        if self.replay is not None and "workload" in self.model_fields_set:
+            raise ValueError("replay and workload are exclusive: a replay's samples are the "
+                             "recorded run's; leave workload out or set replay: null")
         names = [m.name for m in self.modes]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

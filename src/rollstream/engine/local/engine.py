@@ -66,6 +66,7 @@ from rollstream.engine.local.commands import (
     output,
     resolve,
 )
+from rollstream.engine.local.passes import PassTimes
 from rollstream.engine.local.runner import ModelRunner
 from rollstream.engine.local.sampler import seed_key
 from rollstream.engine.local.scheduler import Scheduler, Sequence
@@ -132,6 +133,7 @@ class LocalEngine:
         self._generated_tokens = 0
         self._busy_s = 0.0
         self._work = dict.fromkeys(WORK_KEYS, 0.0)  # where _busy_s went (EngineStats.work)
+        self.passes = PassTimes()  # pass times by shape, for fitting the simulator's profile
         self._death: str | None = None  # why it stopped serving (closed, or died)
         self._applying: Command | None = None  # answered by _die if applying it raises
         self._rows_moving = False  # scheduler and runner rows disagree meanwhile
@@ -343,12 +345,14 @@ class LocalEngine:
                 t0 = time.perf_counter()
                 self._weights.copy_in(pairs)
                 self._version = version
-                if self._recompute_on_load and self._runner.num_rows:
+                rows, recomputed = self._runner.num_rows, 0
+                if self._recompute_on_load and rows:
                     t1 = time.perf_counter()
                     self._runner.recompute_cache(self._scheduler.prefill_budget_tokens)
-                    self._count("recompute", time.perf_counter() - t1,
-                                tokens=int(self._runner.length_host[:self._runner.num_rows].sum()))
-                self._busy_s += time.perf_counter() - t0
+                    recomputed = int(self._runner.length_host[:rows].sum())
+                    self._count("recompute", time.perf_counter() - t1, tokens=recomputed)
+                self._busy_s += (seconds := time.perf_counter() - t0)
+                self.passes.add("load", rows, recomputed, seconds)
                 for row, seq in enumerate(self._scheduler.running):
                     seq.mark_version(self._runner.num_generated(row, seq.prompt_len), version)
                 resolve(done, None)
@@ -390,18 +394,22 @@ class LocalEngine:
         if new and not fused:
             t1 = time.perf_counter()
             done = runner.prefill(new)
-            self._count("prefill", time.perf_counter() - t1, tokens=new_tokens)
+            self._count("prefill", seconds := time.perf_counter() - t1, tokens=new_tokens)
+            self.passes.add("prefill", len(new), new_tokens, seconds)
             self._generated_tokens += len(new)  # counted before anyone hears of it
             self._finish(done, FinishReason.LENGTH)
         if runner.num_rows:
             t1 = time.perf_counter()
+            rows, context = runner.num_rows, int(runner.length_host[:runner.num_rows].sum())
             done = runner.decode(fused)
             self._generated_tokens += runner.num_rows  # one token each, finished ones too
             if fused:  # its time is the decode step's
                 self._work["fused_prefill_count"] += 1
                 self._work["fused_prefill_tokens"] += new_tokens
             self._finish(done, FinishReason.LENGTH)
-            self._count("decode", time.perf_counter() - t1)
+            self._count("decode", seconds := time.perf_counter() - t1)
+            if not fused:  # a fused pass is a decode and a prefill: not one shape to fit
+                self.passes.add("decode", rows, context, seconds)
         self._busy_s += time.perf_counter() - t0
 
     def _finish(self, rows: list[int], reason: FinishReason, error: str | None = None) -> None:

@@ -1,0 +1,181 @@
+"""Calibration: fit a cost profile from real runs, and predict those runs with it.
+
+A run directory of ``rollstream train`` on the local engine holds what the fit needs
+(docs/run-dir.md): ``engine_passes.jsonl`` (forward-pass times binned by shape),
+``metrics.jsonl`` (per step: the wait for the batch and the trainer's time) and
+``ledger.jsonl`` (per sample: prompt and trained tokens, the step that trained it). The fits
+are least squares (numpy), each weighted by how many passes a bin holds:
+
+* decode step (the CPU form, ``combine: sum``): ``seconds = overhead + per_seq * rows +
+  per_context_token * context`` over the decode bins;
+* prefill pass: ``seconds = overhead + per_token * tokens`` over the prefill bins;
+* trainer step: ``train_s = step_overhead + tokens / tokens_per_s`` over the steps, tokens =
+  prompt + kept response tokens of the samples the step trained (what ``SimTrainer`` counts);
+* weight sync: the mean time of a weight load (copy, and the cache recompute when rows were
+  in flight).
+
+A coefficient the data would make negative is fixed at 0 and the rest refitted (a cost never
+shrinks with more work). :func:`replay_scenario` then builds the scenario that simulates a
+run: its engines, steps, groups and rollout settings, the fitted profile and the replay of
+its ledger (sim/replay.py); :func:`measured` reads the run's own step time and engine
+utilization, defined as the simulator defines them (``sim/run.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from rollstream.config.loader import read_yaml_mapping
+from rollstream.data.ledger import read_ledger
+from rollstream.sim.profile import DecodeCost, PrefillCost, Profile, TrainerCost
+from rollstream.sim.scenario import ModeConfig, Scenario
+
+
+def fit_nonneg(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """Least squares ``x @ c ~ y`` (rows weighted by ``w``) with every ``c >= 0``: a
+    coefficient that comes out negative is fixed at 0 and the others refitted."""
+    sw = np.sqrt(np.ones(len(y)) if w is None else np.asarray(w, dtype=float))
+    free = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while free.any():
+        sol, *_ = np.linalg.lstsq(x[:, free] * sw[:, None], y * sw, rcond=None)
+        if (sol >= 0).all():
+            coef[free] = sol
+            return coef
+        idx = np.flatnonzero(free)
+        free[idx[np.argmin(sol)]] = False
+    return coef
+
+
+def _bins(passes: Sequence[dict[str, Any]], kind: str) -> tuple[np.ndarray, ...]:
+    rows = [p for p in passes if p["kind"] == kind and p["count"] > 0]
+    if not rows:
+        raise ValueError(f"calibration: no {kind} pass recorded (engine_passes.jsonl)")
+    count = np.array([p["count"] for p in rows], dtype=float)
+    return (np.array([p["rows"] for p in rows], dtype=float), np.array(
+        [p["tokens"] for p in rows], dtype=float) / count, np.array(
+        [p["seconds"] for p in rows], dtype=float) / count, count)
+
+
+def fit_decode(passes: Sequence[dict[str, Any]]) -> DecodeCost:
+    """``overhead + per_seq * rows + per_context_token * context`` (combine: sum)."""
+    rows, context, seconds, count = _bins(passes, "decode")
+    c = fit_nonneg(np.column_stack([np.ones_like(rows), rows, context]), seconds, count)
+    return DecodeCost(overhead_s=c[0], weights_s=0.0, per_seq_s=c[1], per_context_token_s=c[2],
+                      combine="sum")
+
+
+def fit_prefill(passes: Sequence[dict[str, Any]]) -> PrefillCost:
+    """``overhead + per_token * tokens`` over the prefill passes."""
+    _, tokens, seconds, count = _bins(passes, "prefill")
+    c = fit_nonneg(np.column_stack([np.ones_like(tokens), tokens]), seconds, count)
+    return PrefillCost(overhead_s=c[0], per_token_s=c[1])
+
+
+def fit_trainer(tokens: Sequence[float], seconds: Sequence[float], devices: int = 1) -> TrainerCost:
+    """``step_overhead + tokens / (tokens_per_s_per_device * devices)`` over the steps. Steps
+    too alike in size to separate the two (the time does not grow with tokens in the fit)
+    charge the whole time per token: no overhead, the mean rate."""
+    t, s = np.asarray(tokens, dtype=float), np.asarray(seconds, dtype=float)
+    if t.sum() <= 0:
+        raise ValueError("calibration: no trained token in the runs' ledgers")
+    c = fit_nonneg(np.column_stack([np.ones_like(t), t]), s)
+    if c[1] <= 0:
+        c = np.array([0.0, s.sum() / t.sum()])
+    return TrainerCost(step_overhead_s=c[0], tokens_per_s_per_device=1.0 / (c[1] * devices))
+
+
+def fit_weight_sync(passes: Sequence[dict[str, Any]]) -> float:
+    loads = [p for p in passes if p["kind"] == "load"]
+    n = sum(p["count"] for p in loads)
+    return sum(p["seconds"] for p in loads) / n if n else 0.0
+
+
+class RunRecord:
+    """What calibration reads from one run directory."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.config = read_yaml_mapping(self.run_dir / "config.yaml", "run config")
+        path = self.run_dir / "engine_passes.jsonl"
+        if not path.exists():
+            raise ValueError(f"calibration: {path} is missing (a run of the local engine "
+                             "writes it when it ends)")
+        self.passes = [json.loads(line) for line in path.read_text().splitlines() if line]
+        self.metrics = [json.loads(line) for line in
+                        (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        self.ledger = list(read_ledger(self.run_dir / "ledger.jsonl"))
+        self.summary = json.loads((self.run_dir / "summary.json").read_text())
+
+    def train_steps(self) -> list[dict[str, Any]]:
+        return sorted((m for m in self.metrics if m["kind"] == "train"), key=lambda m: m["step"])
+
+    def trained_tokens_by_step(self) -> dict[int, int]:
+        """Prompt + kept response tokens of the samples each step trained (SimTrainer's)."""
+        out: dict[int, int] = defaultdict(int)
+        for r in self.ledger:
+            if r["status"] == "trained" and r.get("num_trained_tokens"):
+                out[r["trained_at_step"]] += r["prompt_tokens"] + r["num_trained_tokens"]
+        return out
+
+
+def fit_profile(records: Sequence[RunRecord], *, name: str = "cpu_this_machine",
+                source: str = "") -> Profile:
+    """A profile fitted from every pass and step of ``records`` (same engine and model)."""
+    passes = [p for r in records for p in r.passes]
+    tokens, seconds = [], []
+    for r in records:
+        by_step = r.trained_tokens_by_step()
+        for m in r.train_steps():
+            tokens.append(by_step.get(m["step"], 0))
+            seconds.append(m["train_s"])
+    local = records[0].config["engine"]["local"]
+    return Profile(
+        name=name, source=source or "fitted by rollstream.sim.calibrate from "
+        + ", ".join(str(r.run_dir) for r in records),
+        decode=fit_decode(passes), prefill=fit_prefill(passes),
+        kv_capacity_tokens=local["max_slots"] * local["max_seq_len"],
+        max_num_seqs=local["max_slots"], weight_sync_s=fit_weight_sync(passes),
+        trainer=fit_trainer(tokens, seconds))
+
+
+def profile_yaml(profile: Profile) -> str:
+    return yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False)
+
+
+def measured(record: RunRecord) -> dict[str, float]:
+    """The run's mean step time (the steps' wait for a batch + trainer time: from the start
+    of training to its last step) and engine utilization (busy seconds of the engines over
+    that time, from the rollout meter's per-step readings)."""
+    steps = record.train_steps()
+    total = sum(m["wait_s"] + m["train_s"] for m in steps)
+    rollout = sorted((m for m in record.metrics if m["kind"] == "rollout"),
+                     key=lambda m: m["step"])
+    # the meter's readings at each step: engine_busy over the time since the previous one
+    t_end = [m["t_s"] for m in rollout]
+    spans = np.diff([t_end[0] - (steps[0]["wait_s"] + steps[0]["train_s"]), *t_end])
+    busy = sum(m["engine_busy"] * dt for m, dt in zip(rollout, spans, strict=True))
+    return {"step_s_mean": total / len(steps),
+            "engine_utilization": float(busy / spans.sum())}
+
+
+def replay_scenario(record: RunRecord, profile: str) -> Scenario:
+    """The scenario that simulates ``record``'s run: its one mode, on ``profile`` (a path or
+    a built-in name), replaying its ledger."""
+    cfg, ro = record.config, record.config["rollout"]
+    mode = ModeConfig(name=ro["mode"], mode=ro["mode"], partial_rollout=ro["partial_rollout"],
+                      on_update=ro["on_update"], max_context_age=ro.get("max_context_age"),
+                      max_staleness=ro["max_staleness"] if ro["mode"] == "async" else None,
+                      max_token_age=cfg["train"].get("max_token_age"))
+    return Scenario(name=f"replay-{cfg['name']}", seed=cfg["seed"], profile=profile,
+                    engines=len({p["engine_id"] for p in record.passes}),
+                    steps=record.summary["steps"], groups_per_step=cfg["train"]["groups_per_step"],
+                    group_size=ro["group_size"], filter_zero_variance=ro["filter_zero_variance"],
+                    trainer_devices=1, replay=str(record.run_dir), modes=(mode,))
