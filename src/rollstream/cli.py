@@ -21,7 +21,8 @@ from pathlib import Path
 
 BENCHES = {
     "agentic": "multi-turn episodes with slow heavy-tailed tools: batched by turn vs async",
-    "dispatch": "a synchronous rollout's makespan: engine queues vs fifo vs longest-first",
+    "dispatch": "a synchronous rollout's makespan: engine queues vs fifo vs longest-first; "
+                "then training runs: mixture error, waste, length bias",
     "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",

@@ -28,8 +28,10 @@ longest_first / fifo), ``predictive_vs_oracle`` (oracle / longest_first, target 
 setting the mean makespan and its per-batch values; ``same_tokens`` checks that every setting
 generated the same lengths.
 
-Not measured here (issue 12's other keys: mixture error, waste, length bias need training
-runs): ``tasks.mix`` and pass-rate sampling are measured in docs/data.md.
+Then issue 12's other keys, which need training runs (bench/sampling.py: the mixture
+error naive vs deficit-corrected, generated tokens per trained token with and without
+pass-rate-aware sampling at equal wall time, the length bias of async training), in the same
+JSON and a second table.
 """
 
 from __future__ import annotations
@@ -147,8 +149,12 @@ async def _run(folder: Path, batches: list[list[Task]], *, group_size: int, slot
 
 
 def main(json_out: Path | None = None, quick: bool = False, *,
-         overrides: list[str] | None = None) -> dict[str, Any]:
+         overrides: list[str] | None = None, run_root: Path | None = None) -> dict[str, Any]:
+    """The makespans, then the training runs of bench/sampling.py (their run directories under
+    ``run_root``, a temporary folder by default)."""
     import torch
+
+    from rollstream.bench import sampling
 
     from rollstream.config import load_config
     from rollstream.data.mix import TaskMix
@@ -173,6 +179,8 @@ def main(json_out: Path | None = None, quick: bool = False, *,
     run = asyncio.run(_run(folder, batches, group_size=group_size, slots=slots,
                            max_new_tokens=base.sampling.max_new_tokens, stop=stop))
     mean = {s: statistics.fmean(v) for s, v in run["makespans"].items()}
+    run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-dispatch-"))
+    trained = sampling.measure(quick=quick, overrides=list(overrides or []), run_root=run_root)
     result = {
         "bench": "dispatch",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -189,6 +197,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         "predictive_vs_oracle": mean["oracle"] / mean["longest_first"],
         "len_pred_err": run["len_pred_err"],
         "same_tokens": run["same_tokens"],
+        **trained,
         "load_before": load_before, "load_after": os.getloadavg(),
         "bench_wall_s": time.perf_counter() - t0,
     }
@@ -200,6 +209,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
           f"(vs dispatcher fifo {result['predictive_vs_dispatcher_fifo']:.3f}), "
           f"predictive_vs_oracle {result['predictive_vs_oracle']:.3f}, "
           f"len_pred_err {result['len_pred_err']:.3f}, same tokens: {result['same_tokens']}")
+    sampling.print_table(result)
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -180,7 +180,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
     # the tokens the loss kept (with train.max_token_age a resumed sample's old prefix is not)
     trained_tokens = sum(r["num_trained_tokens"] for r in ledger if r["status"] == "trained")
     generated = sum(r["num_tokens"] for r in ledger if not _is_eval(r))
-    steps = [r for r in _metrics(run_dir) if r.get("kind") == "train"]
+    steps = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
     wall = summary["train_wall_s"]
     counts = Counter(r["status"] for r in ledger)
     work: Counter[str] = Counter()
@@ -207,7 +207,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "staleness_mean": statistics.fmean(s["staleness_mean"] for s in steps) if steps else 0.0,
         "reward_initial": summary["reward_initial"],
         "reward_final": summary["reward_final"],
-        "reward_final_se": _reward_se(ledger, round_index=1),
+        "reward_final_se": reward_se(ledger, round_index=1),
         "dropped_stale": counts["dropped_stale"],
         "filtered": counts["filtered"],
         "aborted": counts["aborted"],
@@ -240,7 +240,7 @@ def token_breakdown(ledger: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
@@ -249,7 +249,7 @@ def _is_eval(row: dict[str, Any]) -> bool:
     return is_eval_uid(row["sample_uid"])
 
 
-def _reward_se(ledger: list[dict[str, Any]], *, round_index: int) -> float:
+def reward_se(ledger: list[dict[str, Any]], *, round_index: int) -> float:
     """Standard error of the eval reward over prompts (samples of one prompt are correlated,
     so the prompt is the unit)."""
     tag = eval_group_id("", round_index) + "/"
