@@ -1,8 +1,8 @@
 """Smoke test of ``rollstream bench dispatch --quick`` on a tiny model: every dispatch setting
 generates the same samples (seeded requests: the order changes when tokens are made, not
-which), and the keys are the ratios of the makespans they summarise; then the six short
-training runs of bench/sampling.py write issue 12's mixture, waste and length-bias keys, in
-range (a smoke run: its numbers mean nothing)."""
+which), and the keys are the ratios of the makespans they summarise; then the four short
+training runs of bench/sampling.py (--quick) write issue 12's mixture, waste and
+length-bias keys, in range (a smoke run: its numbers mean nothing)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,4 @@ def test_bench_dispatch_quick_runs_every_setting_on_the_same_samples(tmp_path):
     low, high = written["length_bias_range"]
     assert 0 < low <= written["length_bias"] <= high < 10
     assert all(isinstance(v, bool) for v in written["sampling_targets"].values())
+    assert written["gen_tokens_per_trained_token_dataset"] is None  # not in a --quick run
