@@ -8,6 +8,8 @@ run the contract tests against it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,9 +19,10 @@ from rollstream.config.schema import EngineConfig, LocalEngineConfig
 from rollstream.engine import Engine, build_engine
 from tests.engine.helpers import MAX_SEQ_LEN, MAX_SLOTS, VOCAB, make_tiny_model
 
-# ray: the local engine in a Ray actor, behind the runtime's proxy (tests/engine/ray_shared.py)
-ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm),
-                pytest.param("ray", marks=pytest.mark.ray)]
+# The ray kind (the local engine in a Ray actor, behind the runtime's proxy) runs the same
+# tests from tests/runtime/test_ray_contract.py: a module of its own, so that its Ray is not
+# up while the vLLM cases run (a busier machine stalls vLLM's API server mid-stream).
+ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 class EngineCase(NamedTuple):
@@ -47,30 +50,32 @@ def _engine_config(kind: str) -> EngineConfig:
     return EngineConfig(kind=kind, local=local)
 
 
-@pytest.fixture(params=ENGINE_KINDS)
-async def engine(request: pytest.FixtureRequest, tiny_model_dir: Path):
-    if request.param == "vllm":  # one server per session, a fresh client per test (tests/vllm)
+@contextlib.asynccontextmanager
+async def engine_case(kind: str, request: pytest.FixtureRequest,
+                      tiny_model_dir: Path) -> AsyncIterator[EngineCase]:
+    """A started engine of ``kind`` for one test, closed (or reset, when shared) after it."""
+    if kind == "vllm":  # one server per session, a fresh client per test (tests/vllm)
         from tests.vllm.shared import vllm_case
 
         async with vllm_case(request) as fields:
             yield EngineCase(kind="vllm", **fields)
         return
-    if request.param == "ray":  # a local engine in a Ray actor, shared by the session
+    if kind == "ray":  # a local engine in a Ray actor, shared by the module
         from tests.engine.ray_shared import ray_case
 
         async with ray_case(request, tiny_model_dir, _engine_config("local").local) as eng:
             yield EngineCase(engine=eng, model_path=tiny_model_dir, kind="ray",
                              max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB)
         return
-    eng = build_engine(_engine_config(request.param), tiny_model_dir,
-                       engine_id=f"{request.param}-0")
+    eng = build_engine(_engine_config(kind), tiny_model_dir, engine_id=f"{kind}-0")
     try:
-        yield EngineCase(
-            engine=eng,
-            model_path=tiny_model_dir,
-            kind=request.param,
-            max_seq_len=MAX_SEQ_LEN,
-            vocab_size=VOCAB,
-        )
+        yield EngineCase(engine=eng, model_path=tiny_model_dir, kind=kind,
+                         max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB)
     finally:
         await eng.close()
+
+
+@pytest.fixture(params=ENGINE_KINDS)
+async def engine(request: pytest.FixtureRequest, tiny_model_dir: Path):
+    async with engine_case(request.param, request, tiny_model_dir) as case:
+        yield case
