@@ -53,3 +53,21 @@ def test_resume_point_names_the_fields_and_the_allowed_ones(tmp_path):
     with pytest.raises(ConfigError, match="trained 4 steps, more than train.steps = 2"):
         resume_point(few, run_dir)
     assert resume_point(ok, tmp_path / "none") is None  # no checkpoint: start at step 0
+
+
+def test_a_fresh_run_of_the_same_name_keeps_nothing_of_the_last_one(tmp_path):
+    """Every file a run appends to or reads back (the ledger and its replay events, metrics,
+    timeline, reconfigurations, engine passes) is removed when a run of that name starts
+    afresh; a resumed run keeps them."""
+    from rollstream.runtime.build import prepare_run_dir
+
+    cfg = RunConfig()
+    names = ("ledger.jsonl", "replays.jsonl", "replays.superseded.jsonl", "metrics.jsonl",
+             "timeline.jsonl", "reconfig.jsonl", "engine_passes.jsonl", "summary.json")
+    for name in names:
+        (tmp_path / name).write_text("{}\n")
+    prepare_run_dir(cfg, tmp_path, resume=True)
+    assert all((tmp_path / name).exists() for name in names)
+    prepare_run_dir(cfg, tmp_path)
+    assert not [name for name in names if (tmp_path / name).exists()]
+    assert (tmp_path / "config.yaml").exists()

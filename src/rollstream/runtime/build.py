@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.clock import Clock, WallClock
 from rollstream.config import RunConfig, SamplingConfig
-from rollstream.data.ledger import Ledger
+from rollstream.data.ledger import REPLAYS, Ledger
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import reconcile_ledger, reconcile_logs
 from rollstream.engine.protocol import Engine, SamplingParams
@@ -96,6 +96,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
     if not resume:
         for stale in ("ledger.jsonl", "ledger.superseded.jsonl", "metrics.jsonl",
                       "metrics.superseded.jsonl", "timeline.jsonl", "timeline.superseded.jsonl",
+                      REPLAYS, "replays.superseded.jsonl", "engine_passes.jsonl",
                       "summary.json", LOG_FILE):
             (run_dir / stale).unlink(missing_ok=True)
         shutil.rmtree(durable.folder(run_dir), ignore_errors=True)
