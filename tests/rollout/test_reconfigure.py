@@ -75,7 +75,7 @@ def _cfg(**data) -> RunConfig:
 
 
 def _run(tmp_path: Path, cfg: RunConfig, *, on_step=None, trainer_delay_s: float = 0.002,
-         num_engines: int = 1):
+         num_engines: int = 1, built: dict | None = None):
     async def main():
         mix = TaskMix(cfg.tasks, TOK)
         engines = [SeeingEngine(i, engine_id=f"rand-{i}") for i in range(num_engines)]
@@ -91,6 +91,8 @@ def _run(tmp_path: Path, cfg: RunConfig, *, on_step=None, trainer_delay_s: float
                           decode=lambda ids: "x" * len(ids), ledger=ledger, metrics=metrics,
                           clock=WallClock(), params=SamplingParams(max_new_tokens=24),
                           reconfig_log=tmp_path / "reconfig.jsonl")
+        if built is not None:
+            built["loop"] = loop
         try:
             res = await loop.controller.run()
         finally:
@@ -136,9 +138,18 @@ def test_a_shrunk_staleness_bound_holds_from_its_step_and_admission_follows(tmp_
     cfg = _cfg(rollout={"max_staleness": 3, "group_size": 4},
                train={"steps": 12, "groups_per_step": 3},
                reconfigure={"schedule": [{"at_step": 6, "set": {"rollout.max_staleness": 1}}]})
-    # a slow trainer, so that the rollout runs ahead up to the bound
-    loop, _, res, _, rows = _run(tmp_path, cfg, on_step=lambda step: time.sleep(0.02),
-                                 num_engines=2)
+    built: dict = {}
+
+    def run_ahead(step: int) -> None:
+        # before the change, the trainer (in its thread) waits until two more steps' worth
+        # of groups are ready, so that the rollout runs ahead past staleness 1 however
+        # fast this machine generates
+        if step < 5:
+            deadline = time.monotonic() + 30
+            while len(built["loop"].rollout.buffer) < 6 and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    loop, _, res, _, rows = _run(tmp_path, cfg, on_step=run_ahead, num_engines=2, built=built)
     assert res.steps_done == 12
     staleness = [(r["trained_at_step"], r["trained_at_step"] - r["min_trained_version"])
                  for r in rows if r["status"] == "trained"]
