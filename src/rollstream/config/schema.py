@@ -12,6 +12,16 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, model_validator
 
+from rollstream.config.engine import (  # the whole tree stays importable from here
+    EngineConfig,
+    LocalEngineConfig,  # noqa: F401
+    VllmEngineConfig,  # noqa: F401
+)
+from rollstream.config.model import (
+    ModelConfig,
+    TinyModelConfig,  # noqa: F401
+    WarmStartConfig,  # noqa: F401
+)
 from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
 from rollstream.config.replay import ReplayConfig, check_replay
 from rollstream.config.runtime import RuntimeConfig, check_runtime
@@ -22,118 +32,6 @@ from rollstream.config.tasks import (  # the whole tree stays importable from he
     SourceConfig,  # noqa: F401
     TasksConfig,
 )
-
-
-class TinyModelConfig(Section):
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture family written to config.json."""
-    hidden_size: int = Field(128, ge=8)
-    """Width of the residual stream."""
-    num_layers: int = Field(4, ge=1)
-    """Decoder layers."""
-    num_heads: int = Field(4, ge=1)
-    """Attention heads."""
-    num_kv_heads: int = Field(2, ge=1)
-    """Key/value heads (grouped-query attention when < num_heads)."""
-    intermediate_size: int = Field(384, ge=8)
-    """MLP width."""
-    max_position: int = Field(512, ge=16)
-    """Maximum sequence length (prompt + response)."""
-    seed: int = 0
-    """Initialisation seed."""
-
-
-class WarmStartConfig(Section):
-    steps: int = Field(250, ge=0)
-    """Supervised steps on noisy demonstrations before RL (0 = none). Cached by content hash."""
-    lr: float = Field(3e-3, gt=0)
-    """Learning rate of the warm start."""
-    tokens_per_step: int = Field(4096, ge=64)
-    """Tokens per supervised step."""
-    noise: float = Field(0.15, ge=0, le=1)
-    """Probability that a demonstration step slips by one (keeps RL headroom)."""
-
-
-class ModelConfig(Section):
-    path: str | None = None
-    """A Hugging Face causal-LM folder (Llama/Qwen2 family). When null, the tiny-model kit
-    builds one (``tiny``), warm-starts it on the run's tasks and caches it under cache_dir."""
-    tiny: TinyModelConfig = TinyModelConfig()
-    """Shape of the model the kit builds when ``path`` is null."""
-    warm_start: WarmStartConfig = WarmStartConfig()
-    """Supervised warm start applied to a kit-built model."""
-    cache_dir: str = ".cache/rollstream"
-    """Where built models and warm starts are cached."""
-
-
-class LocalEngineConfig(Section):
-    max_slots: int = Field(64, ge=1)
-    """Concurrent sequences (KV cache rows). Further requests queue, never crash."""
-    max_seq_len: int = Field(512, ge=8)
-    """KV cache length per slot (prompt + response)."""
-    threads: int = Field(0, ge=0)
-    """torch intra-op threads of the engine thread (0 = leave as is)."""
-    cpu_affinity: tuple[NonNegativeInt, ...] = ()
-    """CPU cores the engine's step thread is pinned to (Linux ``sched_setaffinity`` of that
-    thread only; empty = leave as is)."""
-    device: str = "auto"
-    """``auto`` (cuda when present, else cpu), ``cpu`` or ``cuda``."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights, activations and KV cache precision (float32 matches a float32 trainer)."""
-    kv_on_load: Literal["recompute", "keep"] = "recompute"
-    """After a weight load, in-flight rows ``recompute`` their KV cache with the new weights
-    (tokens after the load are exactly the new policy's) or ``keep`` the old cache (no
-    recompute; later tokens attend over keys/values of older weights, as in vLLM and
-    PipelineRL; the trainer's importance weights see the difference as mismatch)."""
-    max_prefill_tokens: int = Field(2048, ge=1)
-    """Prompt tokens prefilled together in one step (at least one prompt is always admitted)."""
-    fuse_prefill: bool = True
-    """Prefill the prompts admitted in a step inside that step's decode forward pass (one
-    pass whose matmuls cover both, as vLLM's chunked prefill; a prompt is not split across
-    steps) instead of a separate prefill pass first."""
-    max_restarts: int = Field(3, ge=0)
-    """Times an engine whose step loop died is restarted (fresh cache and thread, the current
-    weights) before it stays DEAD; its requests continue elsewhere meanwhile. On
-    ``runtime.kind: ray``: times an engine actor that died (or whose step loop died) is
-    replaced by a new actor."""
-
-
-class VllmEngineConfig(Section):
-    urls: tuple[str, ...] = ()
-    """Attach to running servers instead of launching (e.g. http://127.0.0.1:8000); engine
-    ``i`` of ``engine.num_engines`` uses ``urls[i]``. Empty: each engine launches its own
-    server on 127.0.0.1."""
-    max_model_len: int = Field(512, ge=16)
-    """vLLM --max-model-len (keep identical across runs to reuse the compile cache)."""
-    kv_cache_bytes: int = Field(268435456, ge=1 << 20)
-    """vLLM --kv-cache-memory-bytes."""
-    enforce_eager: bool = True
-    """Skip torch.compile (faster start on CPU)."""
-    startup_timeout_s: float = Field(300.0, gt=0)
-    """How long to wait for /health."""
-    extra_args: tuple[str, ...] = ()
-    """Extra command-line arguments for the server (not ``--logprobs-mode``: rollstream runs
-    vLLM with ``processed_logprobs``, the logprobs of the distribution actually sampled)."""
-
-    @model_validator(mode="after")
-    def _keeps_processed_logprobs(self) -> VllmEngineConfig:
-        if any(a.split("=", 1)[0] == "--logprobs-mode" for a in self.extra_args):
-            raise ValueError(
-                "extra_args may not set --logprobs-mode: rollstream runs vLLM with "
-                "--logprobs-mode processed_logprobs (the logprobs of the tempered, top-k/top-p "
-                "truncated distribution each token was sampled from, which training needs)")
-        return self
-
-
-class EngineConfig(Section):
-    kind: Literal["local", "vllm"] = "local"
-    """Which engine serves rollouts."""
-    num_engines: int = Field(1, ge=1)
-    """Engine replicas (local: in this process, or one Ray actor each with runtime.kind: ray)."""
-    local: LocalEngineConfig = LocalEngineConfig()
-    """Settings of the embedded engine."""
-    vllm: VllmEngineConfig = VllmEngineConfig()
-    """Settings of the vLLM engine."""
 
 
 class SamplingConfig(Section):
