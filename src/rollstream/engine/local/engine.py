@@ -66,6 +66,7 @@ from rollstream.engine.local.commands import (
     output,
     resolve,
 )
+from rollstream.engine.local.device import DTYPES, resolve_device
 from rollstream.engine.local.passes import PassTimes
 from rollstream.engine.local.runner import ModelRunner
 from rollstream.engine.local.sampler import seed_key
@@ -81,24 +82,6 @@ from rollstream.engine.protocol import (
 )
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` = cuda when available, else cpu; ValueError for an unusable name."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"engine.local.device: {name!r} is not a torch device") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"engine.local.device is {name!r} but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"engine.local.device must be auto, cpu or cuda, got {name!r}")
-    return device
-
-
 class LocalEngine:
     """Implements :class:`rollstream.engine.protocol.Engine` (and ``Closeable``)."""
 
@@ -142,10 +125,10 @@ class LocalEngine:
     def _build(self) -> None:
         """Weights from the model folder, a fresh KV cache and scheduler."""
         cfg, device = self._cfg, resolve_device(self._cfg.device)
-        self.spec, self._weights = load_folder(self.model_path, device, _DTYPES[cfg.dtype])
+        self.spec, self._weights = load_folder(self.model_path, device, DTYPES[cfg.dtype])
         self._runner = ModelRunner(self.spec, self._weights, max_rows=cfg.max_slots,
                                    max_seq_len=cfg.max_seq_len, device=device,
-                                   dtype=_DTYPES[cfg.dtype])
+                                   dtype=DTYPES[cfg.dtype])
         self._scheduler = Scheduler(max_rows=cfg.max_slots,
                                     prefill_budget_tokens=cfg.max_prefill_tokens)
 
