@@ -137,3 +137,13 @@ class NullMetrics:
 
     def observe(self, name, value) -> None:
         pass
+
+
+async def run_then_close(loop, graders, ledger):
+    """Runs the built loop's controller to its end, then closes the graders and the ledger
+    (also when the run raises): what every rollout test that builds a loop does."""
+    try:
+        return await loop.controller.run()
+    finally:
+        graders.close()
+        ledger.close()

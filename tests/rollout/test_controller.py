@@ -21,7 +21,7 @@ from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.trajectory import Task
 
-from .fakes import CountingTrainer, NullMetrics, RandomEngine
+from .fakes import CountingTrainer, NullMetrics, RandomEngine, run_then_close
 
 
 class Tasks:
@@ -79,11 +79,7 @@ def run_controller(tmp_path, *, mode: str, k: int, partial: bool, on_update: str
                           decode=lambda ids: "x" * len(ids), ledger=ledger,
                           metrics=NullMetrics(), clock=WallClock(),
                           params=SamplingParams(max_new_tokens=24))
-        try:
-            res = await loop.controller.run()
-        finally:
-            graders.close()
-            ledger.close()
+        res = await run_then_close(loop, graders, ledger)
         return loop, res, ledger, trainer
 
     return asyncio.run(main())

@@ -26,7 +26,7 @@ from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.trajectory import Task
 
-from .fakes import CountingTrainer, RandomEngine
+from .fakes import CountingTrainer, RandomEngine, run_then_close
 
 TOK = build_char_tokenizer()
 CONSTANT_SHARE = {"a": 70, "b": 10}  # % of a source's tasks whose every reward is the same
@@ -80,11 +80,7 @@ def _run(tmp_path: Path, tasks: TasksConfig, *, steps: int, seed: int = 0, watch
         if watch is not None:
             for e in engines:
                 e.watch = lambda: watch(loop.rollout)
-        try:
-            res = await loop.controller.run()
-        finally:
-            graders.close()
-            ledger.close()
+        res = await run_then_close(loop, graders, ledger)
         return mix, res, metrics
 
     mix, res, metrics = asyncio.run(main())

@@ -28,7 +28,7 @@ from rollstream.runtime.build import build_loop
 from rollstream.runtime.reconfigure import with_applied
 from rollstream.trajectory import Task
 
-from .fakes import CountingTrainer, RandomEngine
+from .fakes import CountingTrainer, RandomEngine, run_then_close
 from .test_mix_loop import Recorder
 
 TOK = build_char_tokenizer()
@@ -93,11 +93,7 @@ def _run(tmp_path: Path, cfg: RunConfig, *, on_step=None, trainer_delay_s: float
                           reconfig_log=tmp_path / "reconfig.jsonl")
         if built is not None:
             built["loop"] = loop
-        try:
-            res = await loop.controller.run()
-        finally:
-            graders.close()
-            ledger.close()
+        res = await run_then_close(loop, graders, ledger)
         return loop, engines, res, metrics
 
     loop, engines, res, metrics = asyncio.run(main())

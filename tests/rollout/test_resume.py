@@ -23,7 +23,7 @@ from rollstream.reward.registry import get_reward
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 
-from .fakes import CountingTrainer, NullMetrics, RandomEngine
+from .fakes import CountingTrainer, NullMetrics, RandomEngine, run_then_close
 from .test_controller import Tasks, _reward, rollout_cfg
 
 GROUP = 3
@@ -84,11 +84,7 @@ def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: i
 
         loop.controller.after_step = after_step
         loop.controller.steps = min(steps, resume_at + lost)  # then the process "dies"
-        try:
-            await loop.controller.run()
-        finally:
-            graders.close()
-            ledger.close()
+        await run_then_close(loop, graders, ledger)
 
     async def second():
         ckpt = Checkpoint(path=tmp, state={"step": resume_at, "rollout": snap})
@@ -100,11 +96,7 @@ def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: i
                               start_step=resume_at)
         loop.rollout.restore(snap, version=resume_at)
         loop.rollout.skip(skip)
-        try:
-            res = await loop.controller.run()
-        finally:
-            graders.close()
-            ledger.close()
+        res = await run_then_close(loop, graders, ledger)
         return res, ledger, trainer, tasks
 
     asyncio.run(first())
@@ -202,11 +194,7 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
             snap.update(await loop.rollout.snapshot())
 
         loop.controller.before_stop = before_stop
-        try:
-            res = await loop.controller.run()
-        finally:
-            graders.close()
-            ledger.close()
+        res = await run_then_close(loop, graders, ledger)
         return res
 
     res = asyncio.run(first())
@@ -230,11 +218,7 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
                               start_step=step)
         loop.rollout.restore(snap, version=step)
         loop.rollout.skip(skip)
-        try:
-            return await loop.controller.run(), ledger
-        finally:
-            graders.close()
-            ledger.close()
+        return await run_then_close(loop, graders, ledger), ledger
 
     res, ledger = asyncio.run(second())
     assert res.steps_done == 4 and not res.stalled
