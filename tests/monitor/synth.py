@@ -169,7 +169,11 @@ def _record_step(metrics: Metrics, rng: random.Random, step: int, num_steps: int
         "mismatch": 0.001 * rng.random(), "trained_samples": len(trained),
         "reward_mean": 0.25 + 0.5 * progress + 0.05 * rng.random(), "step_s": 0.9,
         "grad_norm": 0.5 + rng.random(),  # an extra name the monitor has not heard of
+        "replayed_groups": 1 if step % 5 == 0 else 0,
     })
+    if step == 12:
+        metrics.record("reconfig", step, {"sampling.temperature": 0.7,
+                                          "sampling.temperature.old": 1.0})
     metrics.record("phase", step, {"rollout_s": 2.0, "train_s": 0.8, "sync_s": 0.1,
                                    "eval_s": 0.4 if step % 10 == 0 else 0.0})
     if step % 10 == 0 or step == 1:

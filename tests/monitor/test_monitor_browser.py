@@ -59,6 +59,11 @@ def assert_drawn(dom: str) -> None:
     assert len(re.findall(r'class="hist-bar"', dom)) >= 2
     assert re.search(r'data-tile="trained samples"><div class="k">[^<]*</div>'
                      r'<div class="v">[1-9]', dom)
+    # synth_run's 30 steps: a replayed group every 5th step, a temperature change at step 12
+    assert re.search(r'data-tile="replayed groups"><div class="k">[^<]*</div>'
+                     r'<div class="v">6</div>', dom)
+    assert re.search(r'data-tile="last reconfigure"><div class="k">[^<]*</div>'
+                     r'<div class="v">step 12: sampling.temperature 1→0.700</div>', dom)
     assert "dropped_stale" in dom and "reward timeout" in dom  # ledger table
     assert "max_staleness" in dom  # resolved config
 

@@ -42,7 +42,7 @@ def test_report_embeds_the_run(synth_dir: Path) -> None:
     assert data["summary"]["reward_final"] == 0.71
     assert yaml.safe_load(data["config"])["train"]["steps"] == 60
     kinds = {m["kind"] for m in data["metrics"]}
-    assert kinds == {"rollout", "train", "phase", "eval", "hist"}
+    assert kinds == {"rollout", "train", "phase", "eval", "hist", "reconfig"}
     assert any(s["outcome"] == "interrupted" for s in data["spans"])
     assert any(s["version_end"] > s["version_start"] for s in data["spans"])
     # the drawing code is the dashboard's, inline

@@ -307,9 +307,23 @@
       ["gen/trained tokens", last("train", "gen_tokens_per_trained_token")],
       ["mixture error pp", last("train", "mixture_error_pp")],
       ["length pred. error", last("rollout", "len_pred_err")],
+      ["replayed groups", replayedGroups()],
+      ["last reconfigure", lastReconfig()],
     ];
     $("tiles").innerHTML = tiles.map(([k, v]) =>
-      `<div class="tile" data-tile="${esc(k)}"><div class="k">${esc(k)}</div><div class="v">${esc(fmt(v))}</div></div>`).join("");
+      `<div class="tile" data-tile="${esc(k)}"><div class="k">${esc(k)}</div><div class="v">${esc(typeof v === "string" ? v : fmt(v))}</div></div>`).join("");
+  }
+  function replayedGroups() {  // rollout.replay: groups trained again, summed over steps
+    const pts = series("train", "replayed_groups");
+    return pts.length ? pts.reduce((a, [, v]) => a + v, 0) : undefined;
+  }
+  function lastReconfig() {  // the latest `reconfig` line: what changed at which step
+    const lines = S.metrics.filter((m) => m.kind === "reconfig" && isNum(m.step));
+    if (!lines.length) return "none";
+    const m = lines[lines.length - 1];
+    if (m.rejected) return `step ${m.step}: refused`;
+    const keys = Object.keys(m).filter((k) => !["kind", "step", "t_s"].includes(k) && !k.endsWith(".old"));
+    return `step ${m.step}: ` + keys.map((k) => `${k} ${fmt(m[k + ".old"])}→${fmt(m[k])}`).join(", ");
   }
 
   // ---------- selects ----------
