@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rollstream.config.schema import RunConfig
 
 MIN_OBJECT_STORE_BYTES = 78643200  # Ray refuses less (75 MiB)
+DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 class RayConfig(Section):
@@ -31,6 +32,15 @@ class RayConfig(Section):
     ``address`` null."""
     engine_num_cpus: float = Field(1.0, gt=0)
     """Logical CPUs each engine actor reserves (Ray places actors by these)."""
+    weight_sync: Literal["object_store", "broadcast", "shared_memory"] = "object_store"
+    """How new weights reach the engine actors: ``object_store`` (one ``ray.put`` per version,
+    a reference per actor), ``broadcast`` (a gloo process group of the driver and the actors,
+    the weights in buckets of ``bucket_bytes``), ``shared_memory`` (written once under
+    /dev/shm in buckets, read by each actor; actors on this host only, so not with
+    ``address``). A revived actor gets the current version through the object store."""
+    bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1 << 20)
+    """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (a larger tensor goes
+    alone); bounds the extra memory of a sync to about one bucket per process."""
 
     @model_validator(mode="after")
     def _local_settings_need_a_local_ray(self) -> RayConfig:
@@ -39,6 +49,15 @@ class RayConfig(Section):
                 raise ValueError(
                     f"runtime.ray.{name} sizes the local Ray a run starts, but runtime.ray."
                     f"address = {self.address!r} joins an existing cluster: drop one of them")
+        if self.weight_sync == "shared_memory" and self.address is not None:
+            raise ValueError(
+                "runtime.ray.weight_sync = 'shared_memory' reaches actors on this host only, "
+                f"but runtime.ray.address = {self.address!r} joins a cluster: use broadcast "
+                "or object_store there")
+        if self.weight_sync == "object_store" and self.bucket_bytes != DEFAULT_BUCKET_BYTES:
+            raise ValueError(
+                "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast "
+                "or shared_memory (it is object_store): set one or drop bucket_bytes")
         return self
 
 

@@ -245,11 +245,13 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
                              version=version) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import LOG_DIR, RayCluster
     from rollstream.runtime.ray.engines import build_ray_engines
+    from rollstream.runtime.ray.weights import build_transport
 
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
     try:
         engines = build_ray_engines(weights, cfg.engine.local, num_engines=cfg.engine.num_engines,
-                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus)
+                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
+                                    weights=build_transport(cfg.runtime.ray))
     except BaseException:
         cluster.stop()
         raise
