@@ -27,8 +27,8 @@ from typing import Any
 
 PATHS = ("object_store", "broadcast", "shared_memory")
 NUM_SYNCS = 5
-BIGGER = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-              intermediate_size=1536)
+BIGGER = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
+          "intermediate_size": 1536}
 
 
 def _model(folder: Path, **overrides: Any) -> Path:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -109,6 +110,13 @@ class EngineActor:
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def cpu_affinity(self) -> dict[str, list[int]]:
+        """The cores each thread of this process may run on, by thread name (placement)."""
+        import threading
+
+        return {t.name: sorted(os.sched_getaffinity(t.native_id))
+                for t in threading.enumerate() if t.native_id is not None}
 
     async def peek(self) -> list[GenerateOutput]:
         return await self.engine.peek()

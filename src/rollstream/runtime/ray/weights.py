@@ -198,7 +198,8 @@ class BroadcastWeights:
             self._round = (tensors, asyncio.ensure_future(self._broadcast(version, tensors)))
         try:
             refs = await asyncio.shield(self._round[1])
-        except Exception as e:  # the group could not form: a member is gone
+        except Exception as e:  # noqa: BLE001 - fault boundary: the group could not form
+            # (a member is gone); this version goes through the object store
             log.warning("weights v%d: no broadcast group (%s); through the object store",
                         version, e)
             refs = {}
@@ -207,7 +208,8 @@ class BroadcastWeights:
             try:
                 await ref
                 return
-            except Exception as e:  # this actor died, or a peer did mid-broadcast
+            except Exception as e:  # noqa: BLE001 - fault boundary: this actor died, or a
+                # peer did mid-broadcast; the object store tries it once more
                 self._group = None
                 log.warning("weights v%d to %s: broadcast failed (%s); through the object "
                             "store", version, engine_id, e)
@@ -228,8 +230,8 @@ class BroadcastWeights:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(send_buckets, self._group, tensors, plan)
-        except Exception as e:
-            self._group = None
+        except Exception as e:  # noqa: BLE001 - fault boundary: each receiver's call fails
+            self._group = None  # too, and its load falls back to the object store
             log.warning("weights v%d: broadcast failed (%s)", version, e)
         log.info("weights v%d: %d bytes in %d buckets broadcast to %d actors in %.3f s",
                  version, sum(b.num_bytes for b in plan), len(plan), len(members),

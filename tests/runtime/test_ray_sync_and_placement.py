@@ -6,7 +6,8 @@ Per path: a new version published while requests run on both actors (policy ``co
 the load lands under running requests) is applied once, after both serve it; tokens after the
 boundary carry it, samples started after it see only it; then the actors hold bit-identical
 copies of the published tensors, at the published version, and again for a second version.
-A short run with ``broadcast`` trains and its trainer–engine logprob mismatch stays ~0."""
+A short run with ``broadcast`` trains and its trainer–engine logprob mismatch stays ~0. Then
+a short async run in each placement (runtime/placement.py), on the module's Ray too."""
 
 from __future__ import annotations
 
@@ -157,29 +158,101 @@ def test_a_path_delivers_identical_weights_at_the_version_under_the_contract(act
     transport.close()
 
 
+def _run_config(tmp_path: Path, name: str, *extra: str):
+    from rollstream.config import load_config
+
+    return load_config(None, [
+        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+        "model.tiny.max_position=64", "model.warm_start.steps=0",
+        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", f"name={name}",
+        "tasks.sources=[{kind: tick, max_items: 8}]", "tasks.num_eval=0",
+        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.group_size=4",
+        "rollout.filter_zero_variance=false", "train.groups_per_step=2",
+        "train.micro_batch_tokens=64", "monitor.progress=false", "runtime.kind=ray",
+        "runtime.ray.engine_num_cpus=0.5", *extra])
+
+
+def _train_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+
+
 def test_a_run_with_broadcast_trains_with_engine_weights_equal_to_the_trainer(actors, tmp_path,
                                                                              caplog):
     """A 2-step sync run on the module's Ray with ``weight_sync: broadcast``: step 1 samples
     with the weights of step 0, broadcast to both actors (mismatch ~ 0)."""
-    from rollstream.config import load_config
     from rollstream.runtime.train import run_training
 
-    cfg = load_config(None, [
-        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-        "model.tiny.max_position=64", "model.warm_start.steps=0",
-        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=bcast",
-        "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=0",
-        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.mode=sync",
-        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=2",
-        "train.groups_per_step=2", "train.micro_batch_tokens=64", "monitor.progress=false",
-        "runtime.kind=ray", "engine.num_engines=2", "runtime.ray.engine_num_cpus=0.5",
-        "runtime.ray.weight_sync=broadcast", f"runtime.ray.bucket_bytes={1 << 20}"])
+    cfg = _run_config(tmp_path, "bcast", "rollout.mode=sync", "train.steps=2",
+                      "engine.num_engines=2", "runtime.ray.weight_sync=broadcast",
+                      f"runtime.ray.bucket_bytes={1 << 20}")
     caplog.set_level(logging.INFO, logger="rollstream.runtime.ray.weights")
     summary = run_training(cfg)
     assert "broadcast to 2 actors" in caplog.text and "object store" not in caplog.text
     assert summary["steps"] == 2 and summary["trained_samples"] == 16, summary
-    metrics = [json.loads(line) for line in (tmp_path / "bcast" / "metrics.jsonl").open()]
+    metrics = _train_metrics(tmp_path / "bcast")
     steps = [m for m in metrics if m["kind"] == "train"]
     assert all(m["num_tokens"] > 0 for m in steps)
     assert steps[1]["mismatch"] < 1e-4, steps[1]  # engine weights == trainer weights (v1)
     assert any("sync_s" in m for m in metrics)
+
+
+def _spy_steps(monkeypatch, probe):
+    """Call ``probe(proxies)`` on the trainer's thread as each step starts and ends."""
+    from rollstream.runtime.ray import engines
+    from rollstream.train.trainer import Trainer
+
+    proxies: list = []
+    build, step = engines.build_ray_engines, Trainer.step
+
+    def spy_build(*args, **kwargs):
+        proxies.extend(built := build(*args, **kwargs))
+        return built
+
+    def spy_step(self, groups, step_index):
+        probe(proxies)
+        out = step(self, groups, step_index)
+        probe(proxies)
+        return out
+
+    monkeypatch.setattr(engines, "build_ray_engines", spy_build)
+    monkeypatch.setattr(Trainer, "step", spy_step)
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_a_run_in_each_placement_trains_where_it_should(actors, tmp_path, monkeypatch,
+                                                        placement):
+    """3 async steps (staleness 1, partial rollout), one engine actor: ``disaggregated`` runs
+    the engine's step thread and the trainer's on the cores split_cores gives them;
+    ``colocated`` has no request running on the engine while the trainer steps (async
+    generation would otherwise overlap it)."""
+    import os
+
+    import ray
+
+    from rollstream.runtime.placement import split_cores
+    from rollstream.runtime.train import run_training
+
+    seen: list = []
+
+    def probe(proxies):
+        actor = proxies[0].actor
+        seen.append((sorted(os.sched_getaffinity(0)), ray.get(actor.cpu_affinity.remote()),
+                     ray.get(actor.stats.remote()).num_running))
+
+    _spy_steps(monkeypatch, probe)
+    cfg = _run_config(tmp_path, placement, "rollout.mode=async", "rollout.max_staleness=1",
+                      "train.steps=3", "engine.num_engines=1",
+                      f"runtime.ray.placement={placement}")
+    summary = run_training(cfg)
+    assert summary["steps"] == 3 and summary["trained_samples"] == 24, summary
+    assert not summary["unfinished_samples"]
+    assert len(seen) == 6
+    if placement == "disaggregated":
+        engine_cores, trainer_cores = split_cores(os.sched_getaffinity(0))
+        for trainer, threads, _ in seen[1:]:  # the trainer pins itself inside its 1st step
+            assert trainer == list(trainer_cores)
+            step_threads = [c for name, c in threads.items()
+                            if name.startswith("rollstream-ray-")]
+            assert step_threads and all(c == list(engine_cores) for c in step_threads), threads
+    else:
+        assert [running for _, _, running in seen] == [0] * 6
