@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,46 @@ def test_a_run_in_each_placement_trains_where_it_should(actors, tmp_path, monkey
             assert step_threads and all(c == list(engine_cores) for c in step_threads), threads
     else:
         assert [running for _, _, running in seen] == [0] * 6
+
+
+def test_broadcast_goes_on_when_a_member_dies(actors, caplog):
+    """A second actor beside ray-0 joins the broadcast group and is killed: the next sync installs
+    the version in the live actor (the broadcast, or the object store when the broadcast
+    failed) and fails only the dead one's load; the sync after it forms a group of the live
+    actor alone. Last in the module: it leaves the killed actor's CPUs free."""
+    import ray
+
+    from rollstream.runtime.ray.engines import RayEngine
+    from rollstream.runtime.ray.weights import BroadcastWeights
+
+    caplog.set_level(logging.INFO, logger="rollstream.runtime.ray.weights")
+    model, owners = actors
+    transport = BroadcastWeights(bucket_bytes=16 << 10, timeout_s=5)  # the stall it bounds
+    victim_actor = owners[1]._spawn(0)
+    engines = [RayEngine(engine_id=owners[0].engine_id, spawn=owners[0]._spawn,
+                         weights=transport, version=0, max_restarts=0, actor=owners[0].actor),
+               RayEngine(engine_id="victim", spawn=owners[1]._spawn, weights=transport,
+                         version=0, max_restarts=0, actor=victim_actor)]
+    transport.members = lambda: {e.engine_id: a for e in engines
+                                 if (a := e.live_actor()) is not None}
+
+    async def main():
+        v1 = _perturbed(model, 1)  # one dict for every engine, as weight sync hands them
+        await asyncio.gather(*(e.load_weights(1, v1) for e in engines))
+        assert "broadcast to 2 actors" in caplog.text
+        ray.kill(victim_actor, no_restart=True)
+        v2 = _perturbed(model, 2)
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(e.load_weights(2, v2) for e in engines),
+                                   return_exceptions=True)
+        assert time.perf_counter() - t0 < transport.timeout_s + 15  # stalled at most that
+        assert out[0] is None and isinstance(out[1], RuntimeError), out
+        assert engines[1].live_actor() is None
+        v3 = _perturbed(model, 3)
+        await engines[0].load_weights(3, v3)  # weight sync loads the live engines only
+        assert "broadcast to 1 actors" in caplog.text
+        served = await engines[0].actor.state_dict.remote()
+        assert all(torch.equal(served[k], t) for k, t in v3.items())
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+    transport.close()

@@ -66,6 +66,7 @@ class EngineActor:
 
         self.engine = LocalEngine(Path(model_path), cfg, engine_id=engine_id, version=version)
         self._group: Any = None  # the broadcast group it belongs to (weight_sync: broadcast)
+        self._receiving = asyncio.Lock()  # one round's broadcasts at a time, in call order
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         return await self.engine.generate(request)
@@ -77,21 +78,23 @@ class EngineActor:
         await self.engine.load_weights(version, tensors)
 
     async def join_weight_group(self, host: str, port: int, prefix: str, rank: int,
-                                world: int) -> None:
+                                world: int, timeout_s: float) -> None:
         """Join the driver's broadcast group (``weight_sync: broadcast``), leaving any older
         one."""
         from rollstream.runtime.ray.weights import join_group
 
         self._group = None
-        self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world)
+        self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world,
+                                              timeout_s)
 
     async def receive_weights(self, version: int, plan: list[Bucket]) -> None:
         """Receive one version's buckets from the driver's broadcast and install them."""
         from rollstream.runtime.ray.weights import receive_buckets
 
-        if self._group is None:
-            raise RuntimeError("receive_weights before join_weight_group")
-        tensors = await asyncio.to_thread(receive_buckets, self._group, plan)
+        async with self._receiving:
+            if self._group is None:
+                raise RuntimeError("receive_weights before join_weight_group")
+            tensors = await asyncio.to_thread(receive_buckets, self._group, plan)
         await self.engine.load_weights(version, tensors)
 
     async def load_shared(self, version: int, path: str) -> None:

@@ -20,8 +20,10 @@ which weight sync hands every engine alike).
 The broadcast group is formed at the first sync and formed again when its members change (an
 actor died or was replaced), under a new key prefix of one TCP store the driver serves (bound
 to the driver's node address: 127.0.0.1 for a local Ray). A round whose broadcast fails (a
-member died during it) installs the version through the object store on the actors still
-alive, and the next round forms a new group. A replaced actor (:meth:`revive`) gets the
+member died during it; gloo notices within the group's timeout, ``GROUP_TIMEOUT_S``, so such
+a round stalls up to that long) installs the version through the object store on the actors
+still alive, and the next round forms a new group. Rounds never overlap (one lock on each
+side). A replaced actor (:meth:`revive`) gets the
 current version through the object store on every path: it is one actor, once.
 """
 
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from rollstream.config.runtime import RayConfig
 
 log = logging.getLogger(__name__)
-GROUP_TIMEOUT_S = 120.0  # a rendezvous or broadcast that waits longer has lost a member
+GROUP_TIMEOUT_S = 30.0  # a rendezvous or one bucket's broadcast waiting longer lost a member
 ALIGN_BYTES = 64  # each tensor starts at a multiple of this in its bucket (dtype views)
 
 
@@ -127,25 +129,26 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list
     return buckets
 
 
-def make_group(store: Any, prefix: str, rank: int, world: int, host: str) -> Any:
+def make_group(store: Any, prefix: str, rank: int, world: int, host: str,
+               timeout_s: float) -> Any:
     """A gloo process group of ``world`` ranks (not torch.distributed's default group, so it
     lives beside any other), its pairs on ``host``'s address; blocks until all ranks join."""
     import torch.distributed as dist
 
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    opts._timeout = timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, opts)
 
 
-def join_group(store_host: str, store_port: int, prefix: str, rank: int, world: int) -> Any:
+def join_group(store_host: str, store_port: int, prefix: str, rank: int, world: int,
+               timeout_s: float) -> Any:
     """An actor's side of :func:`make_group` (blocking: run it off the event loop)."""
     import ray
     import torch.distributed as dist
 
-    store = dist.TCPStore(store_host, store_port, world, False,
-                          timedelta(seconds=GROUP_TIMEOUT_S))
-    return make_group(store, prefix, rank, world, ray.util.get_node_ip_address())
+    store = dist.TCPStore(store_host, store_port, world, False, timedelta(seconds=timeout_s))
+    return make_group(store, prefix, rank, world, ray.util.get_node_ip_address(), timeout_s)
 
 
 def send_buckets(group: Any, tensors: Mapping[str, torch.Tensor], plan: list[Bucket]) -> None:
@@ -182,8 +185,10 @@ def receive_buckets(group: Any, plan: list[Bucket]) -> dict[str, torch.Tensor]:
 class BroadcastWeights:
     """``broadcast``: one gloo group of the driver and the live engine actors."""
 
-    def __init__(self, bucket_bytes: int) -> None:
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, bucket_bytes: int, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        """``timeout_s``: how long a rendezvous or one bucket's broadcast waits for every
+        member (a member that died mid-round stalls that round this long)."""
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.members: Callable[[], dict[str, Any]] = dict  # engine id -> live actor
         self.fallback = ObjectStoreWeights()
         self._group: Any = None
@@ -191,6 +196,7 @@ class BroadcastWeights:
         self._generation = 0
         self._store: Any = None  # the TCP store of the groups' rendezvous (driver side)
         self._round: tuple[Mapping[str, torch.Tensor], asyncio.Future] | None = None
+        self._one_at_a_time = asyncio.Lock()  # rounds of different tensors never overlap
 
     async def load(self, engine_id: str, actor: Any, version: int,
                    tensors: Mapping[str, torch.Tensor]) -> None:
@@ -221,6 +227,11 @@ class BroadcastWeights:
 
     async def _broadcast(self, version: int,
                          tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        async with self._one_at_a_time:  # (weight sync sends one version at a time anyway)
+            return await self._broadcast_now(version, tensors)
+
+    async def _broadcast_now(self, version: int,
+                             tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
         members = self.members()
         if self._group is None or members.keys() != self._group_actors.keys() or any(
                 a is not self._group_actors[k] for k, a in members.items()):
@@ -249,16 +260,26 @@ class BroadcastWeights:
             sock.bind((host, 0))
             sock.listen()
             self._store = dist.TCPStore(host, sock.getsockname()[1], None, True,
-                                        timedelta(seconds=GROUP_TIMEOUT_S),
+                                        timedelta(seconds=self.timeout_s),
                                         wait_for_workers=False, master_listen_fd=sock.fileno())
             sock.detach()  # the store owns the socket now and closes it when it goes
         self._generation += 1
         prefix, world, port = f"g{self._generation}", len(members) + 1, self._store.port
-        joins = [a.join_weight_group.remote(host, port, prefix, rank, world)
-                 for rank, a in enumerate(members.values(), start=1)]
-        group = await asyncio.to_thread(make_group, self._store, prefix, 0, world, host)
-        await asyncio.gather(*joins)
-        self._group, self._group_actors = group, dict(members)
+        joins = [asyncio.wrap_future(a.join_weight_group.remote(
+            host, port, prefix, rank, world, self.timeout_s).future())
+            for rank, a in enumerate(members.values(), start=1)]
+        driver = asyncio.ensure_future(
+            asyncio.to_thread(make_group, self._store, prefix, 0, world, host, self.timeout_s))
+        driver.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if left
+        # A member that died fails its join at once, while the driver's rendezvous would wait
+        # for it until timeout_s: the first failure ends the attempt (that thread ends
+        # at its timeout; the next attempt uses a new prefix).
+        done, _ = await asyncio.wait([driver, *joins], return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        await asyncio.gather(driver, *joins)
+        self._group, self._group_actors = driver.result(), dict(members)
 
     def close(self) -> None:
         self._group, self._group_actors, self._store, self._round = None, {}, None, None
