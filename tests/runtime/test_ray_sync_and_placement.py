@@ -6,7 +6,8 @@ Per path: a new version published while requests run on both actors (policy ``co
 the load lands under running requests) is applied once, after both serve it; tokens after the
 boundary carry it, samples started after it see only it; then the actors hold bit-identical
 copies of the published tensors, at the published version, and again for a second version.
-A short run with ``broadcast`` trains and its trainer–engine logprob mismatch stays ~0. Then
+A short run with ``broadcast``, then ``shared_memory``, trains and its trainer–engine logprob
+mismatch stays ~0. Then
 a short async run in each placement (runtime/placement.py), on the module's Ray too."""
 
 from __future__ import annotations
@@ -177,20 +178,21 @@ def _train_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
 
 
-def test_a_run_with_broadcast_trains_with_engine_weights_equal_to_the_trainer(actors, tmp_path,
-                                                                             caplog):
-    """A 2-step sync run on the module's Ray with ``weight_sync: broadcast``: step 1 samples
-    with the weights of step 0, broadcast to both actors (mismatch ~ 0)."""
+@pytest.mark.parametrize("path", ["broadcast", "shared_memory"])
+def test_a_run_trains_with_engine_weights_equal_to_the_trainer(actors, tmp_path, caplog, path):
+    """A 2-step sync run on the module's Ray with each new path: step 1 samples with the
+    weights of step 0, sent to both actors that way (mismatch ~ 0)."""
     from rollstream.runtime.train import run_training
 
-    cfg = _run_config(tmp_path, "bcast", "rollout.mode=sync", "train.steps=2",
-                      "engine.num_engines=2", "runtime.ray.weight_sync=broadcast",
+    cfg = _run_config(tmp_path, path, "rollout.mode=sync", "train.steps=2",
+                      "engine.num_engines=2", f"runtime.ray.weight_sync={path}",
                       f"runtime.ray.bucket_bytes={1 << 20}")
     caplog.set_level(logging.INFO, logger="rollstream.runtime.ray.weights")
     summary = run_training(cfg)
-    assert "broadcast to 2 actors" in caplog.text and "object store" not in caplog.text
+    sent = "broadcast to 2 actors" if path == "broadcast" else "bytes written to"
+    assert sent in caplog.text and "object store" not in caplog.text
     assert summary["steps"] == 2 and summary["trained_samples"] == 16, summary
-    metrics = _train_metrics(tmp_path / "bcast")
+    metrics = _train_metrics(tmp_path / path)
     steps = [m for m in metrics if m["kind"] == "train"]
     assert all(m["num_tokens"] > 0 for m in steps)
     assert steps[1]["mismatch"] < 1e-4, steps[1]  # engine weights == trainer weights (v1)
