@@ -152,6 +152,7 @@ def test_a_path_delivers_identical_weights_at_the_version_under_the_contract(act
         assert [p.name for p in root.iterdir()] == [transport.store.latest.path.name]
         transport.close()
         assert not root.exists(), "shared memory left behind"
+        assert not root.parent.exists() or any(root.parent.iterdir())  # gone unless shared
     if path == "broadcast":
         port = transport._store.port
         transport.close()

@@ -30,6 +30,7 @@ current version through the object store on every path: it is one actor, once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -328,6 +329,8 @@ class SharedMemoryWeights:
 
     def close(self) -> None:
         self.store.clear()
+        with contextlib.suppress(OSError):  # the shared parent, once no run uses it
+            self.store.root.parent.rmdir()
         self._round = None
         self.fallback.close()
 
