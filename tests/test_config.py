@@ -223,6 +223,28 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
      "than runtime.ray.num_cpus = 2"),
     (["runtime.kind=ray", "runtime.ray.object_store_bytes=1000"],
      "runtime.ray.object_store_bytes"),
+    (["runtime.kind=ray", "runtime.ray.weight_sync=nccl"],
+     "runtime.ray.weight_sync"),
+    (["runtime.kind=ray", "runtime.ray.bucket_bytes=1048576"],
+     "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast or "
+     "shared_memory (it is object_store)"),
+    (["runtime.kind=ray", "runtime.ray.weight_sync=broadcast", "runtime.ray.bucket_bytes=1000"],
+     "runtime.ray.bucket_bytes"),
+    (["runtime.kind=ray", "runtime.ray.weight_sync=shared_memory",
+      "runtime.ray.address=10.0.0.1:6379"],
+     "runtime.ray.weight_sync = 'shared_memory' reaches actors on this host only"),
+    (["runtime.kind=ray", "runtime.ray.placement=colocated", "runtime.ray.address=h:6379"],
+     "runtime.ray.placement = 'colocated' places processes on this host's CPUs"),
+    (["runtime.kind=ray", "runtime.ray.placement=disaggregated", "train.cpu_affinity=[0]"],
+     "train.cpu_affinity = [0] contradicts runtime.ray.placement = 'disaggregated'"),
+    (["runtime.kind=ray", "runtime.ray.placement=disaggregated",
+      "engine.local.cpu_affinity=[1]"],
+     "engine.local.cpu_affinity = [1] contradicts runtime.ray.placement = 'disaggregated'"),
+    (["runtime.kind=ray", "runtime.ray.placement=disaggregated", "train.backend=fsdp"],
+     "train.backend = 'fsdp' runs rank processes it does not pin"),
+    (["runtime.kind=ray", "runtime.ray.placement=apart"], "runtime.ray.placement"),
+    (["runtime.ray.weight_sync=broadcast"],
+     "runtime.ray.weight_sync is read only with runtime.kind: ray (it is embedded)"),
 ])
 def test_runtime_settings_that_contradict_fail_at_load(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -235,3 +257,6 @@ def test_runtime_ray_settings_load():
                              "runtime.ray.num_cpus=2", "runtime.ray.engine_num_cpus=0.5"])
     assert (cfg.runtime.kind, cfg.runtime.ray.num_cpus, cfg.engine.num_engines) == ("ray", 2, 2)
     assert load_config(None, []).runtime.kind == "embedded"
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.ray.weight_sync=broadcast",
+                             f"runtime.ray.bucket_bytes={8 << 20}"])
+    assert (cfg.runtime.ray.weight_sync, cfg.runtime.ray.bucket_bytes) == ("broadcast", 8 << 20)

@@ -27,6 +27,7 @@ BENCHES = {
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
     "vllm": "local engine vs a real vLLM server; weight-sync time",
+    "weightsync": "weight sync to Ray engine actors: object store vs broadcast vs shared memory",
     "sim": "the simulator: calibration error against real runs, 512-engine speed, GPU gain",
     "resume": "a run killed with SIGKILL 5 times and resumed: lost, duplicated, repeated",
     "soak": "resident memory over a long run (--minutes, default 20): RSS slope in MB/h",

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rollstream.config.schema import RunConfig
 
 MIN_OBJECT_STORE_BYTES = 78643200  # Ray refuses less (75 MiB)
+DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 class RayConfig(Section):
@@ -31,6 +32,21 @@ class RayConfig(Section):
     ``address`` null."""
     engine_num_cpus: float = Field(1.0, gt=0)
     """Logical CPUs each engine actor reserves (Ray places actors by these)."""
+    weight_sync: Literal["object_store", "broadcast", "shared_memory"] = "object_store"
+    """How new weights reach the engine actors: ``object_store`` (one ``ray.put`` per version,
+    a reference per actor), ``broadcast`` (a gloo process group of the driver and the actors,
+    the weights in buckets of ``bucket_bytes``), ``shared_memory`` (written once under
+    /dev/shm in buckets, read by each actor; actors on this host only, so not with
+    ``address``). A revived actor gets the current version through the object store."""
+    placement: Literal["colocated", "disaggregated"] | None = None
+    """Where engines and the trainer run on this host's CPUs: ``disaggregated`` pins the
+    engine actors and the trainer to separate cores (the lower and upper half); ``colocated``
+    lets them share every core and take turns (the engines stop while the trainer steps and
+    resume with its new weights); null: Ray places the actors by ``engine_num_cpus``, nothing
+    pinned. One host only (not with ``address``); docs/distributed.md."""
+    bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1 << 20)
+    """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (a larger tensor goes
+    alone); bounds the extra memory of a sync to about one bucket per process."""
 
     @model_validator(mode="after")
     def _local_settings_need_a_local_ray(self) -> RayConfig:
@@ -39,6 +55,19 @@ class RayConfig(Section):
                 raise ValueError(
                     f"runtime.ray.{name} sizes the local Ray a run starts, but runtime.ray."
                     f"address = {self.address!r} joins an existing cluster: drop one of them")
+        if self.placement is not None and self.address is not None:
+            raise ValueError(
+                f"runtime.ray.placement = {self.placement!r} places processes on this host's "
+                f"CPUs, but runtime.ray.address = {self.address!r} joins a cluster: drop one")
+        if self.weight_sync == "shared_memory" and self.address is not None:
+            raise ValueError(
+                "runtime.ray.weight_sync = 'shared_memory' reaches actors on this host only, "
+                f"but runtime.ray.address = {self.address!r} joins a cluster: use broadcast "
+                "or object_store there")
+        if self.weight_sync == "object_store" and self.bucket_bytes != DEFAULT_BUCKET_BYTES:
+            raise ValueError(
+                "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast "
+                "or shared_memory (it is object_store): set one or drop bucket_bytes")
         return self
 
 
@@ -73,6 +102,18 @@ def check_runtime(cfg: RunConfig) -> None:
             f"engine.kind = {cfg.engine.kind!r} is not available with runtime.kind: ray yet "
             "(engine actors host the local engine): use engine.kind: local, or runtime.kind: "
             "embedded for vllm")
+    if rt.ray.placement == "disaggregated":
+        for name, value in (("engine.local.cpu_affinity", cfg.engine.local.cpu_affinity),
+                            ("train.cpu_affinity", cfg.train.cpu_affinity)):
+            if value:
+                raise ValueError(
+                    f"{name} = {list(value)} contradicts runtime.ray.placement = "
+                    "'disaggregated', which pins engines and trainer itself: drop one")
+        if cfg.train.backend != "local":
+            raise ValueError(
+                f"runtime.ray.placement = 'disaggregated' pins the trainer's thread, but "
+                f"train.backend = {cfg.train.backend!r} runs rank processes it does not pin "
+                "(not built): use train.backend: local or another placement")
     need = cfg.engine.num_engines * rt.ray.engine_num_cpus
     if rt.ray.num_cpus is not None and need > rt.ray.num_cpus:
         raise ValueError(

@@ -31,6 +31,7 @@ from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
+from rollstream.runtime.placement import TimeShare, placed_engine, placed_train
 from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
 from rollstream.sync.weights import WeightSync, sync_policy
 from rollstream.trajectory import SINGLE_TURN
@@ -81,7 +82,7 @@ def build_trainer(cfg: RunConfig, model_path: Path) -> Trainer | FsdpTrainer:
         from rollstream.train.fsdp import FsdpTrainer as make
     else:
         from rollstream.train.trainer import Trainer as make
-    return make(cfg.train, model_path, staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+    return make(placed_train(cfg), model_path, staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
                 max_response_tokens=cfg.sampling.max_new_tokens,
                 temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                 top_k=cfg.sampling.top_k)
@@ -181,6 +182,8 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
     supervisor = EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
+    colocated = cfg.runtime.kind == "ray" and cfg.runtime.ray.placement == "colocated"
+    turn = TimeShare(dispatcher, sync).trainer_turn if colocated else None
     meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
                          lambda: {**rollout.stats(), **dispatcher.gauges()}, clock=clock)
     reconfigure = Reconfigure(cfg, dispatcher=dispatcher, rollout=rollout, tasks=tasks,
@@ -189,7 +192,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         rollout=rollout, trainer=trainer, sync=sync, meter=meter, metrics=metrics,
         steps=cfg.train.steps, groups_per_step=cfg.train.groups_per_step,
         max_wall_s=cfg.max_wall_s, start_step=start_step, supervisor=supervisor, clock=clock,
-        reconfigure=reconfigure,
+        reconfigure=reconfigure, trainer_turn=turn,
     )
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
                 controller=controller, reconfigure=reconfigure)
@@ -245,11 +248,13 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
                              version=version) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import LOG_DIR, RayCluster
     from rollstream.runtime.ray.engines import build_ray_engines
+    from rollstream.runtime.ray.weights import build_transport
 
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
     try:
-        engines = build_ray_engines(weights, cfg.engine.local, num_engines=cfg.engine.num_engines,
-                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus)
+        engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
+                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
+                                    weights=build_transport(cfg.runtime.ray))
     except BaseException:
         cluster.stop()
         raise

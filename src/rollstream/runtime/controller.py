@@ -27,6 +27,7 @@ any group is admitted under ``v``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class ControllerResult:
 
 AfterStep = Callable[[int, dict[str, float]], Awaitable[None]]
 BeforeStop = Callable[["ControllerResult"], Awaitable[None]]
+TrainerTurn = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
 
 
 class Controller:
@@ -72,7 +74,10 @@ class Controller:
                  meter: RolloutMeter, metrics: MetricsLike, steps: int, groups_per_step: int,
                  max_wall_s: float | None = None, after_step: AfterStep | None = None,
                  start_step: int = 0, supervisor: EngineSupervisor | None = None,
-                 clock: Clock | None = None, reconfigure: Reconfigure | None = None) -> None:
+                 clock: Clock | None = None, reconfigure: Reconfigure | None = None,
+                 trainer_turn: TrainerTurn | None = None) -> None:
+        """``trainer_turn``: entered around each trainer step (colocated placement: the
+        engines stop for it; runtime/placement.py); None: they run on."""
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
@@ -81,6 +86,7 @@ class Controller:
         self.clock = clock or WallClock()  # times wait_s / train_s (virtual in `sim`)
         self.after_step = after_step
         self.reconfigure = reconfigure
+        self.trainer_turn = trainer_turn or contextlib.nullcontext
         self.before_stop: BeforeStop | None = None
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._stop_reason: str | None = None
@@ -139,7 +145,8 @@ class Controller:
             finally:
                 self._waiting = None
             wait_s = self.clock.now() - t0
-            out = await self.in_trainer(self.trainer.step, batch, step)
+            async with self.trainer_turn():
+                out = await self.in_trainer(self.trainer.step, batch, step)
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
             values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),

@@ -5,8 +5,8 @@
     ----------------------------------------------       ---------------------------
     RayEngine.generate ------- actor.generate.remote ---> LocalEngine.generate
     RayEngine.interrupt ------ actor.interrupt.remote --> LocalEngine.interrupt
-    RayEngine.load_weights --- actor.load_weights.remote(version, ObjectRef)
-                               (one ray.put per version, shared by every actor)
+    RayEngine.load_weights --- the run's weight transport (weights.py): one ray.put per
+                               version, a gloo broadcast in buckets, or shared memory
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
                                (and every PEEK_S one actor.peek.remote: partial tokens)
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -50,6 +51,8 @@ from rollstream.engine.protocol import (
 if TYPE_CHECKING:
     import torch
 
+    from rollstream.runtime.ray.weights import Bucket, WeightTransport
+
 log = logging.getLogger(__name__)
 PEEK_S = 0.2  # how often the driver copies the running requests' tokens while it polls
 
@@ -62,6 +65,8 @@ class EngineActor:
         from rollstream.engine.local import LocalEngine
 
         self.engine = LocalEngine(Path(model_path), cfg, engine_id=engine_id, version=version)
+        self._group: Any = None  # the broadcast group it belongs to (weight_sync: broadcast)
+        self._receiving = asyncio.Lock()  # one round's broadcasts at a time, in call order
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         return await self.engine.generate(request)
@@ -72,31 +77,55 @@ class EngineActor:
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         await self.engine.load_weights(version, tensors)
 
+    async def join_weight_group(self, host: str, port: int, prefix: str, rank: int,
+                                world: int, timeout_s: float) -> None:
+        """Join the driver's broadcast group (``weight_sync: broadcast``), leaving any older
+        one."""
+        from rollstream.runtime.ray.weights import join_group
+
+        self._group = None
+        self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world,
+                                              timeout_s)
+
+    async def receive_weights(self, version: int, plan: list[Bucket]) -> None:
+        """Receive one version's buckets from the driver's broadcast and install them."""
+        from rollstream.runtime.ray.weights import receive_buckets
+
+        async with self._receiving:
+            if self._group is None:
+                raise RuntimeError("receive_weights before join_weight_group")
+            tensors = await asyncio.to_thread(receive_buckets, self._group, plan)
+        await self.engine.load_weights(version, tensors)
+
+    async def load_shared(self, version: int, path: str) -> None:
+        """Install the version the driver wrote to shared memory (``weight_sync:
+        shared_memory``)."""
+        from rollstream.runtime.ray.weights import read_buckets
+
+        tensors = await asyncio.to_thread(read_buckets, Path(path))
+        await self.engine.load_weights(version, tensors)
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights the engine serves, HF-named, read off the engine thread: for
+        checks of weight sync while no load is pending (the local engine keeps its weights
+        to itself; its module is at its size budget)."""
+        return {k: v.clone() for k, v in self.engine._weights.hf_views.items()}
+
     async def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def cpu_affinity(self) -> dict[str, list[int]]:
+        """The cores each thread of this process may run on, by thread name (placement)."""
+        import threading
+
+        return {t.name: sorted(os.sched_getaffinity(t.native_id))
+                for t in threading.enumerate() if t.native_id is not None}
 
     async def peek(self) -> list[GenerateOutput]:
         return await self.engine.peek()
 
     async def close(self) -> None:
         await self.engine.close()
-
-
-class SharedWeights:
-    """The object-store copy of the newest weights: weight sync hands every engine the same
-    tensors, so they are put once and each actor gets the reference."""
-
-    def __init__(self) -> None:
-        self._tensors: Mapping[str, torch.Tensor] | None = None  # held: `is` stays valid
-        self._ref: Any = None
-
-    def ref(self, tensors: Mapping[str, torch.Tensor]) -> Any:
-        import ray
-
-        if tensors is not self._tensors:
-            self._ref = ray.put(dict(tensors))
-            self._tensors = tensors
-        return self._ref
 
 
 def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, version: int,
@@ -111,7 +140,7 @@ class RayEngine:
     """Implements the engine protocol (and ``Closeable``, ``Restartable``) over an
     :class:`EngineActor`; ``spawn(version)`` makes a new actor (at start and on restart)."""
 
-    def __init__(self, *, engine_id: str, spawn: Callable[[int], Any], weights: SharedWeights,
+    def __init__(self, *, engine_id: str, spawn: Callable[[int], Any], weights: WeightTransport,
                  version: int, max_restarts: int, actor: Any = None) -> None:
         """``actor``: one ``spawn(version)`` made already (None: spawn it now)."""
         self.engine_id = engine_id
@@ -172,7 +201,7 @@ class RayEngine:
         if self._death is not None:
             raise RuntimeError(self._death)
         try:
-            await actor.load_weights.remote(version, self._weights.ref(tensors))
+            await self._weights.load(self.engine_id, actor, version, tensors)
         except (RuntimeError, *_actor_errors()) as e:  # a dead local engine raises RuntimeError
             self._fault(actor, e)
             raise RuntimeError(self._death or f"ray engine {self.engine_id}: {e}") from e
@@ -193,6 +222,11 @@ class RayEngine:
             busy_s=before.busy_s + last.busy_s,
             work={k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
             health=health, health_reason=self._death)
+
+    def live_actor(self) -> Any:
+        """The actor while it serves (None once it died or was closed)."""
+        self._poll()
+        return None if self._death is not None or self._closed else self.actor
 
     # ---- restarts and close --------------------------------------------------------------
     def needs_restart(self) -> bool:
@@ -215,7 +249,7 @@ class RayEngine:
         actor = self._spawn(version)
         try:
             if tensors is not None:
-                await actor.load_weights.remote(version, self._weights.ref(tensors))
+                await self._weights.revive(actor, version, tensors)
             self._last = await actor.stats.remote()
         except BaseException:
             ray.kill(actor, no_restart=True)
@@ -237,6 +271,7 @@ class RayEngine:
                 pass  # it died meanwhile: nothing left to close
         self._death = self._death or f"ray engine {self.engine_id} closed"
         ray.kill(self.actor, no_restart=True)
+        self._weights.close()  # shared by the run's proxies: no load comes after a close
 
     # ---- helpers -------------------------------------------------------------------------
     def _poll(self) -> None:
@@ -323,9 +358,13 @@ def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -
 
 
 def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,
-                      version: int, num_cpus: float) -> list[RayEngine]:
-    """``num_engines`` engine actors (all started before any is awaited) and their proxies."""
-    weights = SharedWeights()
+                      version: int, num_cpus: float,
+                      weights: WeightTransport | None = None) -> list[RayEngine]:
+    """``num_engines`` engine actors (all started before any is awaited) and their proxies,
+    which share ``weights`` (None: the object store)."""
+    from rollstream.runtime.ray.weights import BroadcastWeights, ObjectStoreWeights
+
+    weights = weights or ObjectStoreWeights()
     engines: list[RayEngine] = []
     spawns = {f"ray-{i}": _spawner(model_path, cfg, f"ray-{i}", num_cpus)
               for i in range(num_engines)}
@@ -341,6 +380,9 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
         for actor in actors.values():
             ray.kill(actor, no_restart=True)
         raise
+    if isinstance(weights, BroadcastWeights):  # the group: every engine whose actor serves
+        weights.members = lambda: {e.engine_id: a for e in engines
+                                   if (a := e.live_actor()) is not None}
     return engines
 
 

@@ -1,0 +1,127 @@
+"""Benchmark: weight sync from the driver to Ray engine actors on each path of
+``runtime.ray.weight_sync`` (object store, gloo broadcast in buckets, shared memory).
+
+    rollstream bench weightsync [--json OUT] [--quick]
+
+A local Ray (2 CPUs) and two engine actors (local engine, 1 CPU each) per model: the kit's
+tiny model at ``TinyModelConfig`` defaults and a bigger kit model (width 512, 8 layers; with
+--quick only the tiny one). Per path: proxies over the same actors sharing one transport, one
+warm-up sync (the broadcast group forms there), then ``NUM_SYNCS`` syncs of a full fp32 state
+dict, each timed as weight sync does its loads (``load_weights`` on both engines, gathered)
+while the engines are idle: the transport's cost, not the interrupt or drain around it. The
+median per path, seconds per MB, and the ratio to the object store are reported (ratios
+travel better than seconds on this shared machine; its load average is reported too). A
+benchmark measures; it does not assert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PATHS = ("object_store", "broadcast", "shared_memory")
+NUM_SYNCS = 5
+BIGGER = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
+          "intermediate_size": 1536}
+
+
+def _model(folder: Path, **overrides: Any) -> Path:
+    from rollstream.config.schema import TinyModelConfig
+    from rollstream.models.tiny import build_tiny_model
+    from rollstream.models.tokenizer import build_char_tokenizer
+
+    return build_tiny_model(TinyModelConfig(seed=0, **overrides), build_char_tokenizer(), folder)
+
+
+async def _sync_seconds(engines: list, state: dict, first_version: int) -> list[float]:
+    times = []
+    for v in range(first_version, first_version + NUM_SYNCS + 1):
+        tensors = {k: t.clone() for k, t in state.items()}  # a new version: a new dict
+        t0 = time.perf_counter()
+        await asyncio.gather(*(e.load_weights(v, tensors) for e in engines))
+        times.append(time.perf_counter() - t0)
+    return times[1:]  # the first is the warm-up
+
+
+async def _bench_model(folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from rollstream.config.runtime import RayConfig
+    from rollstream.config.schema import LocalEngineConfig
+    from rollstream.runtime.ray.engines import RayEngine, build_ray_engines
+    from rollstream.runtime.ray.weights import BroadcastWeights, build_transport
+
+    state = load_file(folder / "model.safetensors")
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    owners = build_ray_engines(folder, LocalEngineConfig(max_slots=4, max_seq_len=64,
+                                                         threads=1),
+                               num_engines=2, version=0, num_cpus=1)
+    out: dict[str, Any] = {"num_bytes": num_bytes, "paths": {}}
+    version = 1
+    try:
+        for path in PATHS:
+            transport = build_transport(RayConfig(weight_sync=path))  # type: ignore[arg-type]
+            engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=transport,
+                                 version=0, max_restarts=0, actor=o.actor) for o in owners]
+            if isinstance(transport, BroadcastWeights):
+                transport.members = lambda engines=engines: {e.engine_id: e.actor
+                                                             for e in engines}
+            times = await _sync_seconds(engines, state, version)
+            version += NUM_SYNCS + 1
+            transport.close()
+            median = statistics.median(times)
+            out["paths"][path] = {"median_s": median, "s_per_mb": median / (num_bytes / 1e6),
+                                  "times_s": times}
+    finally:
+        for o in owners:
+            await o.close()
+    base = out["paths"]["object_store"]["median_s"]
+    for row in out["paths"].values():
+        row["vs_object_store"] = row["median_s"] / base
+    return out
+
+
+def main(json_out: Path | None = None, quick: bool = False) -> dict:
+    from rollstream.config.runtime import RayConfig
+    from rollstream.runtime.ray.cluster import RayCluster
+
+    load_start = os.getloadavg()[0]
+    models = {"tiny": {}} if quick else {"tiny": {}, "bigger": BIGGER}
+    result: dict[str, Any] = {"quick": quick, "num_syncs": NUM_SYNCS, "num_actors": 2,
+                              "models": {}}
+    cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=1 << 30))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, overrides in models.items():
+                folder = _model(Path(tmp) / name, **overrides)
+                result["models"][name] = {"config": overrides or "TinyModelConfig defaults",
+                                          **asyncio.run(_bench_model(folder))}
+    finally:
+        cluster.stop()
+    result["loadavg_1m"] = {"start": load_start, "end": os.getloadavg()[0]}
+    _print_table(result)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="weight sync to 2 Ray engine actors (median of "
+                        f"{result['num_syncs']}, engines idle)")
+    for col in ("model", "MB", "path", "s / sync", "s / MB", "vs object_store"):
+        table.add_column(col)
+    for name, m in result["models"].items():
+        for path, row in m["paths"].items():
+            table.add_row(name, f"{m['num_bytes'] / 1e6:.1f}", path, f"{row['median_s']:.4f}",
+                          f"{row['s_per_mb']:.4f}", f"{row['vs_object_store']:.2f}")
+    Console().print(table)
+    print(f"load average (1 min): {result['loadavg_1m']}")

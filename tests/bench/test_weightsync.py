@@ -1,0 +1,25 @@
+"""``bench weightsync --quick``: every path timed on the tiny model, its Ray stopped after."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def test_quick_weightsync_bench_times_every_path(tmp_path):
+    import ray
+
+    from rollstream.bench import weightsync
+
+    out = tmp_path / "ws.json"
+    result = weightsync.main(json_out=out, quick=True)
+    assert json.loads(out.read_text()) == result
+    tiny = result["models"]["tiny"]
+    assert tiny["num_bytes"] > 0 and set(tiny["paths"]) == set(weightsync.PATHS)
+    for row in tiny["paths"].values():
+        assert len(row["times_s"]) == weightsync.NUM_SYNCS and row["median_s"] > 0
+    assert tiny["paths"]["object_store"]["vs_object_store"] == 1.0
+    assert not ray.is_initialized()
