@@ -68,7 +68,8 @@ async def _turn(policy: str):
     groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(1, 2, 3), prompt_text="",
                              reference=""), 2) for i in range(6)]
     running = [asyncio.create_task(dispatcher.run_group(g)) for g in groups]
-    while sum(len(e._running) for e in engines) < 8:
+    # running, and some tokens in (an interrupt before the first token leaves nothing of v0)
+    while sum(len(e._running) for e in engines) < 8 or sum(e.generated for e in engines) < 16:
         await asyncio.sleep(0.002)
     async with TimeShare(dispatcher, sync).trainer_turn():
         for _ in range(20):  # the trainer's step: nothing generates meanwhile
