@@ -202,9 +202,13 @@ class _Held:
 
     def __init__(self, engine) -> None:
         self.inner, self.engine_id, self.gate = engine, engine.engine_id, asyncio.Event()
+        self.num_failures = 0  # calls that raise (a bug of ours, not an engine's error reply)
 
     async def generate(self, request):
         await self.gate.wait()
+        if self.num_failures:
+            self.num_failures -= 1
+            raise RuntimeError("a bug in the middle of a call")
         return await self.inner.generate(request)
 
     async def interrupt(self, request_ids=None):
@@ -255,3 +259,25 @@ async def test_sessions_are_routed_by_the_calls_in_flight_and_stay_with_their_pr
         assert failed.value.status_code == 502
         for c in clients:
             await c.close()
+
+
+async def test_a_call_that_fails_midway_has_the_next_one_start_a_new_sample(engine):
+    """A call that raised after it put its prompt on the sample (HTTP 500) leaves no half
+    state: the SDK's retry of the same messages starts a new sample, with the reason."""
+    held = _Held(engine)
+    held.gate.set()
+    held.num_failures = 1
+    async with AgentProxy([held], build_char_tokenizer()) as proxy:
+        handle = proxy.open_session("flaky")
+        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key,
+                                    max_retries=1)  # the retry is the second call
+        messages = [{"role": "user", "content": "a"}]
+        reply = await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+        await client.close()
+        failed, sample = proxy.close_session(handle.api_key)
+    assert held.num_failures == 0 and failed.num_calls == 0 and failed.segments == []
+    assert sample.started_because == "the previous call failed" and sample.num_calls == 2
+    check_alignment(ChatRenderer(build_char_tokenizer()), sample.messages, sample.token_ids)

@@ -281,6 +281,9 @@ class AgentProxy:
                                      started_because=None if not session.samples else at,
                                      segments=[] if bound is None else bound.segments)
                 session.samples.append(sample)
+            # the sample now holds this call's prompt: until its reply is recorded, a call that
+            # fails (engine, or an error of ours) has the next one start a new sample
+            session.seen = None
             stop = tuple(renderer.stop_token_ids(sample.messages))
             params = SamplingParams(
                 temperature=float(body.get("temperature", 1.0)),
@@ -316,7 +319,6 @@ class AgentProxy:
         """A turn on the session's engine (sticky while UP), appended to ``sample``."""
         engine = self.router.pick_near(session.engine)
         if engine is None:
-            session.seen = None
             raise EngineFailed("no engine is UP to take the call")
         session.engine, turn = engine, []
         self.router.load.add(engine, 1)
@@ -325,7 +327,6 @@ class AgentProxy:
         finally:
             self.router.load.add(engine, -1)
         if out.error is not None:
-            session.seen = None
             raise EngineFailed(f"the engine failed the call: {out.error}")
         sample.segments += turn
         return out, turn
