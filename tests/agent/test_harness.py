@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import random
+import re
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -103,6 +107,19 @@ class SnapshotDrawn(Drawn):
 
     async def restore(self, state: dict) -> None:
         self.secret = state["secret"]
+
+
+@dataclasses.dataclass
+class BadSnapshot(Drawn):
+    """Drawn, with a snapshot hook whose state a checkpoint cannot hold as it is."""
+
+    state: object = None
+
+    async def snapshot(self):
+        return self.state
+
+    async def restore(self, state) -> None:
+        raise AssertionError("never restored: its snapshot was refused")
 
 
 @dataclasses.dataclass
@@ -374,6 +391,31 @@ async def test_a_snapshot_taken_at_reset_restores_an_episode_saved_in_its_first_
     answers = [TOKENIZER.decode(g.token_ids) for g in sample.segments if g.kind is SegmentKind.ENV]
     secret = snapshot["state"]["secret"]
     assert len(answers) == 2 and all(f"s{secret}" in a for a in answers), (secret, answers)
+
+
+@pytest.mark.parametrize(("state", "error"), [
+    ({"at": {1, 2}}, "the snapshot of BadSnapshot is not JSON: Object of type set"),
+    ({"x": float("nan")}, "the snapshot of BadSnapshot is not JSON: Out of range float"),
+    ({1: "a"}, "does not come back unchanged from JSON .*reads back as {'1': 'a'}"),
+    ({"pair": (1, 2)}, "does not come back unchanged from JSON"),
+    ([1, 2], r"BadSnapshot.snapshot\(\) returned a list, not a dict"),
+])
+async def test_a_snapshot_a_checkpoint_cannot_hold_fails_its_sample_with_the_reason(
+        engine, tmp_path: Path, state, error):
+    """Refused when it is taken (before the first model turn), so the sample fails with the
+    reason and the group stays checkpointable, instead of a checkpoint failing later."""
+    source = ScriptedSource(turns=3, kind=functools.partial(BadSnapshot, state=state))
+    disp, graders = _dispatcher(engine, source, Ledger(tmp_path / "l.jsonl"))
+    group = Group.new(_task(), 2)
+    try:
+        await asyncio.wait_for(disp.run_group(group), 60)
+    finally:
+        graders.close()
+    for s in group.samples:
+        assert s.status is SampleStatus.FAILED and s.failure.startswith("episode: TypeError: ")
+        assert re.search(error, s.failure), s.failure
+        assert s.segments == [] and s.env_snapshot is None and source.steps == []
+    json.dumps(group_to_dict(group), allow_nan=False)  # what a checkpoint writes
 
 
 async def test_a_replay_that_diverges_fails_the_sample(engine, tmp_path: Path):

@@ -195,3 +195,89 @@ async def test_a_session_whose_engine_went_away_continues_on_another(model_dir, 
         samples = proxy.close_session(handle.api_key)
         assert len(samples) == 1 and samples[0].num_calls == 2  # the same sample goes on
     await other.close()
+
+
+class _Held:
+    """A real engine whose calls wait at a gate before they reach it (to keep one in flight)."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.engine_id, self.gate = engine, engine.engine_id, asyncio.Event()
+        self.num_failures = 0  # calls that raise (a bug of ours, not an engine's error reply)
+
+    async def generate(self, request):
+        await self.gate.wait()
+        if self.num_failures:
+            self.num_failures -= 1
+            raise RuntimeError("a bug in the middle of a call")
+        return await self.inner.generate(request)
+
+    async def interrupt(self, request_ids=None):
+        await self.inner.interrupt(request_ids)
+
+    def stats(self):
+        return self.inner.stats()
+
+
+async def test_sessions_are_routed_by_the_calls_in_flight_and_stay_with_their_prefix(
+        model_dir, engine):
+    """The rollout's Router picks the engines: a first call goes where the proxy has the fewest
+    calls in flight (the engine's own queue does not show a call that has not reached it yet),
+    a later call stays on the engine that holds its session's prefix, and with no engine UP a
+    call fails with the reason."""
+    from rollstream.config.schema import EngineConfig, LocalEngineConfig
+    from rollstream.engine import build_engine
+
+    other = build_engine(EngineConfig(kind="local", local=LocalEngineConfig(
+        max_slots=4, max_seq_len=512, threads=1, device="cpu")), model_dir, engine_id="local-1")
+    held = _Held(engine)
+    async with AgentProxy([held, other], build_char_tokenizer()) as proxy:
+        handles = [proxy.open_session(f"s{i}") for i in range(3)]
+        clients = [openai.AsyncOpenAI(base_url=h.base_url, api_key=h.api_key, max_retries=0)
+                   for h in handles]
+
+        async def call(i: int, text: str) -> None:
+            await clients[i].chat.completions.create(
+                model="t", messages=[{"role": "user", "content": text}], max_tokens=4)
+
+        first = asyncio.create_task(call(0, "a"))  # held at the gate of engine local-0
+        async with asyncio.timeout(30):
+            while proxy.router.load[held] == 0:
+                await asyncio.sleep(0.005)
+        await asyncio.wait_for(call(1, "b"), 30)  # (sent to local-0, it would wait there)
+        await asyncio.wait_for(call(2, "c"), 30)
+        engines = [proxy._sessions[h.api_key].engine for h in handles]
+        assert engines == [held, other, other]  # local-0 had a call in flight
+        held.gate.set()
+        await first
+        await call(2, "c")  # the same session again: local-0 is idle now, yet it stays
+        assert proxy._sessions[handles[2].api_key].engine is other
+        assert proxy.router.load[held] == proxy.router.load[other] == 0
+        await engine.close()
+        await other.close()  # no engine is UP now
+        with pytest.raises(openai.APIStatusError, match="no engine is UP") as failed:
+            await call(0, "d")
+        assert failed.value.status_code == 502
+        for c in clients:
+            await c.close()
+
+
+async def test_a_call_that_fails_midway_has_the_next_one_start_a_new_sample(engine):
+    """A call that raised after it put its prompt on the sample (HTTP 500) leaves no half
+    state: the SDK's retry of the same messages starts a new sample, with the reason."""
+    held = _Held(engine)
+    held.gate.set()
+    held.num_failures = 1
+    async with AgentProxy([held], build_char_tokenizer()) as proxy:
+        handle = proxy.open_session("flaky")
+        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key,
+                                    max_retries=1)  # the retry is the second call
+        messages = [{"role": "user", "content": "a"}]
+        reply = await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+        await client.close()
+        failed, sample = proxy.close_session(handle.api_key)
+    assert held.num_failures == 0 and failed.num_calls == 0 and failed.segments == []
+    assert sample.started_because == "the previous call failed" and sample.num_calls == 2
+    check_alignment(ChatRenderer(build_char_tokenizer()), sample.messages, sample.token_ids)

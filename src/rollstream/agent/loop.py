@@ -279,7 +279,13 @@ class AgentLoop:
         if not isinstance(state, dict):
             raise TypeError(f"{type(env).__name__}.snapshot() returned a "
                             f"{type(state).__name__}, not a dict (a JSON object)")
-        ep.snapshot = EnvSnapshot(num_segments=n, state=_json_copy(state, type(env).__name__),
+        name = type(env).__name__
+        copied = _json_copy(state, name)
+        if copied != state:  # restore() must get back what snapshot() gave
+            raise TypeError(f"the snapshot of {name} does not come back unchanged from JSON "
+                            f"(keys that are not strings, tuples?): {state!r} reads back as "
+                            f"{copied!r}")
+        ep.snapshot = EnvSnapshot(num_segments=n, state=copied,
                                   messages=_json_copy(ep.messages, "the conversation"))
 
     async def _restore(self, ep: Episode, env: Environment, stop: tuple[int, ...]) -> None:
@@ -362,7 +368,7 @@ async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, 
 def _json_copy(value: Any, what: str) -> Any:
     """A copy of ``value`` through JSON (what a checkpoint writes): it must be JSON."""
     try:
-        return json.loads(json.dumps(value))
+        return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise TypeError(f"the snapshot of {what} is not JSON: {e}") from None
 

@@ -9,8 +9,11 @@ messages plus the reply it got plus new ones (tool results, a user turn) continu
 trajectory, the new messages rendered incrementally after the tokens already served
 (``ChatRenderer.extend``); a call that rewrote history (dropped, edited or reordered earlier
 messages), or follows a call the engine failed, starts a new sample, recorded with the
-reason. A session sticks to the engine its first call went to (which holds its prefix) while
-that engine is UP, and moves to the least loaded one otherwise.
+reason. Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with
+prefix affinity, counting the proxy's calls in flight: a session's first call goes to the
+least-loaded UP engine, and its later calls stay on the engine that holds its prefix while the
+router keeps them there (UP, with a free sequence and not far above the least loaded), else
+move to the least loaded. A training session's turns are routed by the run's dispatcher.
 
 Security: binds to 127.0.0.1 unless told otherwise, and every call needs the bearer key of an
 open session (401 otherwise). The run side opens a session, hands its URL and key to a
@@ -37,8 +40,9 @@ from fastapi import Request
 from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.loop import generate_turn
 from rollstream.agent.tools import HermesToolParser, ToolCallParser
-from rollstream.engine import Engine, EngineHealth, FinishReason, SamplingParams
+from rollstream.engine import Engine, FinishReason, SamplingParams
 from rollstream.rollout.dispatcher import TurnOutput
+from rollstream.rollout.routing import Router
 from rollstream.trajectory import Segment, SegmentKind, ToolCall, ToolResult, Turn
 
 DEFAULT_MAX_TOKENS = 256
@@ -123,7 +127,8 @@ class AgentProxy:
                  parser: ToolCallParser | None = None) -> None:
         if not engines:
             raise ValueError("AgentProxy needs at least one engine")
-        self.engines, self.tokenizer = list(engines), tokenizer
+        self.router = Router(engines, prefix_affinity=True)  # for sessions not bound to a run
+        self.tokenizer = tokenizer
         self.host, self.port = host, port
         self.parser = parser or HermesToolParser()
         self._sessions: dict[str, _Session] = {}
@@ -276,6 +281,9 @@ class AgentProxy:
                                      started_because=None if not session.samples else at,
                                      segments=[] if bound is None else bound.segments)
                 session.samples.append(sample)
+            # the sample now holds this call's prompt: until its reply is recorded, a call that
+            # fails (engine, or an error of ours) has the next one start a new sample
+            session.seen = None
             stop = tuple(renderer.stop_token_ids(sample.messages))
             params = SamplingParams(
                 temperature=float(body.get("temperature", 1.0)),
@@ -309,12 +317,16 @@ class AgentProxy:
     async def _engine_turn(self, session: _Session, sample: ProxySample, params: SamplingParams,
                            rid: str) -> tuple[TurnOutput, list[Segment]]:
         """A turn on the session's engine (sticky while UP), appended to ``sample``."""
-        if session.engine is None or session.engine.stats().health is not EngineHealth.UP:
-            session.engine = self._pick_engine()  # first call, or its engine went away
-        turn: list[Segment] = []
-        out = await generate_turn(session.engine, sample.token_ids, params, rid, turn)
+        engine = self.router.pick_near(session.engine)
+        if engine is None:
+            raise EngineFailed("no engine is UP to take the call")
+        session.engine, turn = engine, []
+        self.router.load.add(engine, 1)
+        try:
+            out = await generate_turn(engine, sample.token_ids, params, rid, turn)
+        finally:
+            self.router.load.add(engine, -1)
         if out.error is not None:
-            session.seen = None
             raise EngineFailed(f"the engine failed the call: {out.error}")
         sample.segments += turn
         return out, turn
@@ -374,10 +386,6 @@ class AgentProxy:
             {"id": f"call_{session.num_calls}_{i}", "type": "function",
              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
             for i, c in enumerate(parsed.calls)]}
-
-    def _pick_engine(self) -> Engine:
-        up = [e for e in self.engines if e.stats().health is EngineHealth.UP] or self.engines
-        return min(up, key=lambda e: (s := e.stats()).num_running + s.num_waiting)
 
 
 def _plain(message: Any) -> Message:

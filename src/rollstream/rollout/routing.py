@@ -41,6 +41,22 @@ class Router:
         least = self.load.least(self.admits)
         return None if least is None else self.route(least, sample)
 
+    def pick_near(self, home: Engine | None) -> Engine | None:
+        """The engine for the next request of a conversation whose prefix ``home`` holds (None
+        for its first): ``home`` while :meth:`keeps` it, else the least-loaded routable
+        engine; None while no engine may take one. The agent proxy's sessions go this way."""
+        least = self.load.least(self.admits)
+        if least is None:
+            return None
+        return home if home is not None and self.keeps(home, least) else least
+
+    def keeps(self, home: Engine, least: Engine) -> bool:
+        """Whether a request whose prefix ``home`` holds stays there instead of going to
+        ``least`` (the least-loaded routable engine): ``home`` is routable and has room, a free
+        sequence and at most ``AFFINITY_SLACK`` requests more than ``least``."""
+        return self.admits(home) and self.load[home] < home.stats().capacity and \
+            self.load[home] <= self.load[least] + AFFINITY_SLACK
+
     def may_come_back(self) -> bool:
         """Whether an engine that takes no request now may later: one RECOVERING, or one
         UP but drained."""
@@ -51,15 +67,13 @@ class Router:
     def route(self, least: Engine, sample: Sample) -> Engine:
         """``least`` (the least-loaded routable engine); with prefix affinity the engine that
         holds the sample's prefix instead (the one its episode's last turn ran on, else the
-        one its group's first sample went to) while it is routable and has room: a free
-        sequence and at most ``AFFINITY_SLACK`` requests more than the least loaded.
-        Otherwise the sample goes to ``least``, and its group is re-pinned there."""
+        one its group's first sample went to) while it :meth:`keeps` it. Otherwise the sample
+        goes to ``least``, and its group is re-pinned there."""
         if not self.prefix_affinity:
             return least
         episode = sample.engine_id if sample.segments else None
         home = self.by_id.get(episode or self.home.get(sample.group_id, ""))
-        if home is not None and self.admits(home) and self.load[home] < \
-                home.stats().capacity and self.load[home] <= self.load[least] + AFFINITY_SLACK:
+        if home is not None and self.keeps(home, least):
             return home
         self.home[sample.group_id] = least.engine_id
         return least
