@@ -113,3 +113,10 @@ def group_value_named(task: Task, texts: list[str]) -> object:
 GROUP_VALUES: dict[str, object] = {
     "short": [1.0], "scalar": 1.0, "str": "1.0", "nan_at_1": [0.0, math.nan], "ok": (0.5, 1),
 }
+
+
+def write_pid_and_hang(path: str) -> None:
+    """Writes this worker's pid to ``path``, then never returns."""
+    Path(path).write_text(str(os.getpid()))
+    while True:
+        time.sleep(60)

@@ -9,6 +9,10 @@ pipes with ``add_reader``, so every message arrives as a loop callback::
     worker:  "ready" (imports done) ... recv call (unpickling imports the reward's module)
              -> "started" -> fn(*args) -> "done", result
 
+A worker dies with the process that started it (Linux's parent-death signal, SIGKILL): a run
+that was SIGKILLed cannot close the pipe of a worker stuck in a call, and such a worker (an
+agent that never returns, a reward in an endless loop) would otherwise outlive it.
+
 A worker takes calls only once it is ready, and a call's ``timeout_s`` counts from
 "started": a worker's start-up and the import of a reward's module are not the reward's time
 (they are bounded by ``STARTUP_S``). A call still running at its deadline is killed with its
@@ -26,13 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 STARTUP_S = 120.0  # a worker's start-up, or its import of a reward's module, past this fails
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 MAX_FAILED_STARTS = 3  # workers that die before "ready", in a row: the pool stops replacing
 
 
@@ -55,7 +62,7 @@ class PoolClosed(Exception):
 class _Worker:
     def __init__(self, ctx: Any, role: str) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True,
+        self.proc = ctx.Process(target=_serve, args=(child, os.getpid()), daemon=True,
                                 name=f"rollstream-{role}")
         self.proc.start()
         child.close()
@@ -204,8 +211,22 @@ class ProcessWorkers:
         worker.conn.close()
 
 
-def _serve(conn: Connection) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when the thread that started it ends (its
+    process's death; the pool starts workers from the event loop's thread). Linux only:
+    elsewhere a worker outlives a killed parent until its call returns."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _serve(conn: Connection, parent: int) -> None:
     """A worker's main loop: one call at a time, until the pipe closes."""
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     conn.send(("ready", None))
     while True:
