@@ -259,10 +259,17 @@ class Sample:
             return [], None
         return list(self.segments[i].token_ids), self.turns[i].finish_reason
 
+    # per segment (min/max in C), not per token: the simulator asks for every sample of
+    # every buffered group at each step, at ~150 tokens a sample
     def min_version(self) -> int | None:
         """Oldest policy version among the sampled tokens (None: no sampled token yet)."""
-        vs = [v for seg in self.segments if seg.kind is SegmentKind.POLICY for v in seg.versions]
-        return min(vs, default=None)
+        return min((min(seg.versions) for seg in self.segments
+                    if seg.kind is SegmentKind.POLICY and seg.versions), default=None)
+
+    def max_version(self) -> int | None:
+        """Newest policy version among the sampled tokens (None: no sampled token yet)."""
+        return max((max(seg.versions) for seg in self.segments
+                    if seg.kind is SegmentKind.POLICY and seg.versions), default=None)
 
     def append_policy_tokens(
         self, token_ids: list[int], logprobs: list[float], versions: list[int]
