@@ -11,8 +11,10 @@
    fitted from that run. Keys: ``calibration_error_step_time`` and
    ``calibration_error_utilization`` per mode, the relative error |simulated - measured| /
    measured of the mean step time and of the engine utilization (busy share); the same on
-   the profile fitted from both runs (``calibration.joint``) and from the other run
-   (``calibration.cross``), and the fitted profiles.
+   the profile fitted from both runs, contention terms included
+   (``calibration_joint_error_step_time``, ``calibration_joint_error_utilization``; details
+   in ``calibration.joint``) and from the other run (``calibration.cross``), and the fitted
+   profiles.
 2. **Speed.** ``examples/sim/kimi_k2_512.yaml`` (512 engines, Kimi-K2-like workload, 10
    steps): wall seconds per mode; ``sim_wall_s_512_engines`` is the slowest mode's.
 3. **GPU async gain.** ``examples/sim/seer_moonlight_64.yaml``'s workload and profile at 256
@@ -180,6 +182,11 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         "date": datetime.date.today().isoformat(), "quick": quick,
         "calibration_error_step_time": {k: r["error_step_time"] for k, r in rows.items()},
         "calibration_error_utilization": {k: r["error_utilization"] for k, r in rows.items()},
+        # one profile (with its contention terms) fitted from both runs, predicting each
+        "calibration_joint_error_step_time": {k: r["error_step_time"]
+                                              for k, r in calib["joint"].items()},
+        "calibration_joint_error_utilization": {k: r["error_utilization"]
+                                                for k, r in calib["joint"].items()},
         "sim_wall_s_512_engines": max(speed["wall_s"].values()),
         "sim_cpu_s_512_engines": max(speed["cpu_s"].values()),
         "gpu_async_partial_vs_sync": gpu["ratio"],

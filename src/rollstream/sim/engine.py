@@ -80,6 +80,7 @@ class SimEngine:
         self._timer: asyncio.TimerHandle | None = None
         self._admit_soon: asyncio.Handle | None = None
         self._stats: EngineStats | None = None  # rebuilt after an event (routing reads it a lot)
+        self._slow = 1.0  # cost factor of its passes now (contention with the trainer)
         self.busy_s = 0.0
         self.generated_tokens = 0  # real tokens
         self.num_preemptions = 0
@@ -139,6 +140,19 @@ class SimEngine:
                            generated_tokens=self.generated_tokens, busy_s=self.busy_s,
                            health=EngineHealth.UP, work=self.work)
 
+    # ---- contention with a trainer on the same cores (Profile.contention) -----------------
+    def set_slowdown(self, factor: float) -> None:
+        """From now on each pass takes ``factor`` times its cost (the decode in progress is
+        re-timed; a prefill or weight-load pause already under way keeps its end)."""
+        if factor != self._slow:
+            self._advance()
+            self._slow = factor
+            self._settle()
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self._running)
+
     # ---- the event machinery --------------------------------------------------------------
     def _advance(self) -> None:
         """Credit the running batch with the decode steps done since the segment started."""
@@ -148,7 +162,8 @@ class SimEngine:
         self._stats = None
         if self._running:
             batch, decode = len(self._running), self.profile.decode
-            n = decode.steps_in(batch, self._context, now - self._seg_t, self._seg_limit)
+            n = decode.steps_in(batch, self._context, (now - self._seg_t) / self._slow,
+                                self._seg_limit)
             self.busy_s += now - self._seg_t
             self.work["decode_s"] += now - self._seg_t
             if n:
@@ -186,7 +201,7 @@ class SimEngine:
             self._context += ctx
             prefill += ctx
         if prefill:
-            pause = prof.prefill.time_s(prefill)
+            pause = prof.prefill.time_s(prefill) * self._slow
             self._seg_t = max(self._seg_t, now) + pause
             self.busy_s += pause
             self.work["prefill_count"] += 1
@@ -206,7 +221,8 @@ class SimEngine:
         to_end = min(r.end_blocks * block - r.gen for r in self._running)
         to_full = (prof.kv_capacity_tokens - self._context) // batch
         self._seg_limit = max(1, min(to_end, to_full))
-        t = max(self._seg_t, now) + prof.decode.steps_s(batch, self._context, self._seg_limit)
+        t = max(self._seg_t, now) + self._slow * prof.decode.steps_s(batch, self._context,
+                                                                      self._seg_limit)
         self._timer = loop.call_at(t, self._on_timer)
 
     def _on_arrivals(self) -> None:

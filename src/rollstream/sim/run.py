@@ -24,6 +24,7 @@ took.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import tempfile
 import time
@@ -97,7 +98,8 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     engines = [SimEngine(f"sim-{i}", profile, workload) for i in range(sc.engines)]
     trainer = SimTrainer(profile.trainer, devices=sc.trainer_devices,
                          policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
-                         token_block=sc.token_block)
+                         token_block=sc.token_block, contention=profile.contention.trainer,
+                         engines_busy=lambda: sum(e.is_busy for e in engines) / len(engines))
     clock = LoopClock()
     metrics, spans, ledger = SimMetrics(clock), Spans(), Ledger(ledger_path)
     # every reward call at once: grading is instantaneous in the simulation
@@ -107,9 +109,25 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
                       clock=clock, params=params, span=spans)
-    loop.controller.train_pool = VirtualExecutor(lambda _: trainer.take_elapsed())
+    loop.controller.train_pool = VirtualExecutor(
+        lambda _: _contend(trainer.take_elapsed(), engines, profile.contention.engine))
     loop.controller.supervisor = None
     return loop, engines, trainer, metrics, spans, ledger
+
+
+def _contend(step_s: float, engines: list[SimEngine], engine_contention: float) -> float:
+    """A trainer step of ``step_s`` starts now: with contention the engines' passes are
+    slower until it ends (Profile.contention)."""
+    if engine_contention > 0 and step_s > 0:
+        for e in engines:
+            e.set_slowdown(1 + engine_contention)
+        asyncio.get_running_loop().call_later(step_s, _uncontend, engines)
+    return step_s
+
+
+def _uncontend(engines: list[SimEngine]) -> None:
+    for e in engines:
+        e.set_slowdown(1.0)
 
 
 def make_workload(sc: Scenario) -> Workload | ReplayWorkload:
