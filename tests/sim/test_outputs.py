@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import rollstream.sim.outputs as outputs
 from rollstream.cli import main as cli_main
+from rollstream.sim import outputs
 from rollstream.sim.study import STUDY_MODES, scaled
 
 

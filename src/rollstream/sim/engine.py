@@ -191,10 +191,15 @@ class SimEngine:
         """Bring a running request's ``gen`` and per-block ``versions`` up to the engine's
         steps: block ``b`` completed at step ``b * block - offset``, under the version
         loaded last before that step."""
-        gen = self._steps + req.offset
-        for b in range(len(req.versions) + 1, gen // self.block + 1):
-            step = b * self.block - req.offset
-            req.versions.append(self._version_of[bisect.bisect_left(self._version_steps, step) - 1])
+        gen, block, offset = self._steps + req.offset, self.block, req.offset
+        b, last = len(req.versions) + 1, gen // block
+        if last >= b:
+            loads = self._version_steps
+            i = bisect.bisect_left(loads, b * block - offset) - 1  # the version of block b
+            while b <= last:  # the blocks done before the next load: version i, in one run
+                upto = last if i + 1 == len(loads) else min(last, (loads[i + 1] + offset) // block)
+                req.versions.extend([self._version_of[i]] * (upto - b + 1))
+                b, i = max(b, upto + 1), i + 1
         req.gen = gen
 
     def _stop_running(self, req: _Request) -> None:
@@ -275,11 +280,11 @@ class SimEngine:
         self._settle()
 
     def _drop(self, req: _Request) -> None:
-        if req in self._waiting:
-            self._waiting.remove(req)
-        elif req.admitted >= 0:
+        if req.admitted >= 0:
             self._running.remove(req)
             self._stop_running(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
 
     def _resolve(self, req: _Request, reason: FinishReason) -> None:
         if req.fut.done():
