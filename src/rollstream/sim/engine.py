@@ -163,9 +163,11 @@ class SimEngine:
             self._slow = factor
             self._settle()
 
-    @property
-    def is_busy(self) -> bool:
-        return bool(self._running)
+    def busy_now(self) -> float:
+        """Busy seconds so far, the decode segment in progress included (read-only: an
+        ``_advance`` here would move the segment's start)."""
+        now = asyncio.get_running_loop().time()
+        return self.busy_s + (now - self._seg_t if self._running and now > self._seg_t else 0.0)
 
     # ---- the event machinery --------------------------------------------------------------
     def _advance(self) -> None:

@@ -6,15 +6,15 @@
 TRAINED / FILTERED and staleness exactly as in a run. Its cost, the profile's trainer step
 time over the kept samples' prompt and response tokens (real tokens), is charged on virtual
 time by the :class:`~rollstream.sim.vloop.VirtualExecutor` the controller runs steps on
-(:meth:`take_elapsed`), times ``1 + contention * u`` when trainer and engines share cores
-(``u``: the engines' busy share at the step's start; Profile.contention). Not modelled: importance-sampling masks, several updates per step
+(:meth:`take_elapsed`); with Profile.contention, ``sim/run.py`` lengthens it by the engines'
+busy share while it ran. Not modelled: importance-sampling masks, several updates per step
 (the per-token rate covers a step), the weights themselves (``state_dict`` is empty, so
 weight sync moves nothing and its time is the engines' ``weight_sync_s``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rollstream.rollout.staleness import StalenessPolicy
@@ -24,11 +24,8 @@ from rollstream.trajectory import Group, KeptTokens, SampleStatus, StepResult
 
 class SimTrainer:
     def __init__(self, cost: TrainerCost, *, devices: int, policy: StalenessPolicy,
-                 token_block: int, contention: float = 0.0,
-                 engines_busy: Callable[[], float] = lambda: 0.0) -> None:
+                 token_block: int) -> None:
         self.cost, self.devices, self.policy, self.block = cost, devices, policy, token_block
-        # a step costs (1 + contention * the engines' busy share at its start) times more
-        self.contention, self.engines_busy = contention, engines_busy
         self.trained_tokens = 0  # real tokens (prompt + kept response) of every step
         self.num_steps = 0
         self._pending_s = 0.0
@@ -47,8 +44,6 @@ class SimTrainer:
                 if n:
                     tokens += (n + len(s.task.prompt_ids)) * self.block
         step_s = self.cost.step_s(tokens, self.devices)
-        if self.contention:
-            step_s *= 1 + self.contention * self.engines_busy()
         self._pending_s += step_s
         self.trained_tokens += tokens
         self.num_steps += 1

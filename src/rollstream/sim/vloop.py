@@ -42,10 +42,13 @@ IDLE_TIMEOUT_S = 1.0  # seconds a deadlocked simulation (no timer, nothing ready
 
 class VirtualExecutor(concurrent.futures.Executor):
     """Runs ``fn(*args)`` inline on the loop; its future resolves ``duration(result)`` virtual
-    seconds later (the work's cost under the cost model, not the wall time it took)."""
+    seconds later (the work's cost under the cost model, not the wall time it took), plus
+    ``extend(that duration)`` seconds asked when it is over (work slowed by what happened
+    meanwhile: contention with the engines)."""
 
-    def __init__(self, duration: Callable[[Any], float]) -> None:
-        self.duration = duration
+    def __init__(self, duration: Callable[[Any], float],
+                 extend: Callable[[float], float] | None = None) -> None:
+        self.duration, self.extend = duration, extend
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         raise RuntimeError("VirtualExecutor runs only through loop.run_in_executor of a "
@@ -85,8 +88,16 @@ class VirtualTimeLoop(looptime.LoopTimeEventLoop, asyncio.SelectorEventLoop):
         except Exception as e:  # noqa: BLE001 (not swallowed: the awaiting task gets it)
             fut.set_exception(e)
             return fut
-        self.call_at(self.time() + executor.duration(result), _resolve, fut, result)
+        base = executor.duration(result)
+        if executor.extend is None:
+            self.call_at(self.time() + base, _resolve, fut, result)
+        else:
+            self.call_at(self.time() + base, self._extended, executor.extend, base, fut, result)
         return fut
+
+    def _extended(self, extend: Callable[[float], float], base: float,
+                  fut: asyncio.Future[Any], result: Any) -> None:
+        self.call_at(self.time() + extend(base), _resolve, fut, result)
 
 
 class SimulationError(RuntimeError):
