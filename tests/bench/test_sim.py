@@ -29,6 +29,9 @@ def test_bench_sim_quick_fits_a_profile_and_predicts_both_runs(tmp_path):
                 "calibration_joint_error_step_time", "calibration_joint_error_utilization"):
         assert set(got[key]) == {"sync", "async"} and all(v >= 0 for v in got[key].values())
     calib = got["calibration"]
+    assert set(calib["joint_no_contention"]) == {"sync", "async"}
+    assert calib["profiles"]["joint_no_contention"]["contention"] == {"engine": 0.0,
+                                                                     "trainer": 0.0}
     for label in ("sync", "async", "joint"):
         fitted = load_profile(str(tmp_path / "runs" / f"cpu_fitted_{label}.yaml"))
         assert fitted.decode.combine == "sum" and fitted.decode.step_s(8, 800) > 0

@@ -31,6 +31,7 @@ average before and after, and the simulations' CPU seconds beside their wall sec
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -117,14 +118,26 @@ def predict(rec: RunRecord, profile_path: Path) -> dict[str, Any]:
     }
 
 
+def without_overlap(rec: RunRecord) -> RunRecord:
+    """``rec`` as if its recording did not say what overlapped a trainer step (no pass
+    flagged, no busy share): what the fit had before its contention terms."""
+    out = copy.copy(rec)
+    out.passes = [{**p, "trainer": 0} for p in rec.passes]
+    out.metrics = [{k: v for k, v in m.items() if k != "engine_busy_in_train"}
+                   for m in rec.metrics]
+    return out
+
+
 def calibration(records: dict[str, RunRecord], out_dir: Path) -> dict[str, Any]:
     """Each run predicted on the profile fitted from it (the headline: ``rows``), on the one
-    fitted from both runs (``joint``), and on the other run's (``cross``: what changes
-    between a sync and an async run on this machine that one profile does not hold)."""
+    fitted from both runs (``joint``, with its contention terms), on the same without the
+    overlap in the recording (``joint_no_contention``: what the terms buy), and on the other
+    run's (``cross``: what one run alone cannot tell about the other)."""
     profiles: dict[str, Any] = {}
     paths: dict[str, Path] = {}
     for label, recs in [*((k, [r]) for k, r in records.items()),
-                        ("joint", list(records.values()))]:
+                        ("joint", list(records.values())),
+                        ("joint_no_contention", [without_overlap(r) for r in records.values()])]:
         profile = fit_profile(recs)
         paths[label] = out_dir / f"cpu_fitted_{label}.yaml"
         paths[label].write_text(profile_yaml(profile))
@@ -134,6 +147,8 @@ def calibration(records: dict[str, RunRecord], out_dir: Path) -> dict[str, Any]:
         "profiles": profiles,
         "rows": {k: predict(r, paths[k]) for k, r in records.items()},
         "joint": {k: predict(r, paths["joint"]) for k, r in records.items()},
+        "joint_no_contention": {k: predict(r, paths["joint_no_contention"])
+                                for k, r in records.items()},
         "cross": {k: predict(r, paths[labels[1 - i]]) | {"profile_of": labels[1 - i]}
                   for i, (k, r) in enumerate(records.items())},
     }
@@ -244,7 +259,8 @@ def print_tables(result: dict[str, Any]) -> None:
     for col in ("mode", "profile", "step s real", "step s sim", "error", "util real",
                 "util sim", "error"):
         t.add_column(col, justify="right")
-    for part, name in (("rows", "itself"), ("joint", "both"), ("cross", "other")):
+    for part, name in (("rows", "itself"), ("joint", "both"),
+                       ("joint_no_contention", "both, no contention"), ("cross", "other")):
         for mode, r in calib[part].items():
             m, s = r["measured"], r["simulated"]
             t.add_row(mode, name, f"{m['step_s_mean']:.3f}", f"{s['step_s_mean']:.3f}",
