@@ -157,9 +157,10 @@ class Controller:
             values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),
                       "wait_s": wait_s, "train_s": self.clock.now() - t0 - wait_s,
                       # engines' busy share while the step computed (the trainer's
-                      # contention with them: sim/calibrate.py)
-                      "engine_busy_in_train": busy / (step_s * len(self.rollout.dispatcher.engines))
-                      if step_s > 0 else 0.0}
+                      # contention with them: sim/calibrate.py); at most 1: an engine credits
+                      # a pass when it ends, one begun before the step counts in full
+                      "engine_busy_in_train": min(1.0, busy / (
+                          step_s * len(self.rollout.dispatcher.engines))) if step_s > 0 else 0.0}
             for s in trained:
                 self.metrics.observe("staleness", float(step - (s.min_trained_version or step)))
             rollout = self.meter.read()
