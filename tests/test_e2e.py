@@ -65,6 +65,11 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     assert {p["kind"] for p in passes} >= {"decode", "load"}  # prefills fused by default
     assert all(p["count"] > 0 and p["seconds"] > 0 for p in passes if p["kind"] == "decode")
     assert 0 < sum(p["count"] for p in passes if p["kind"] == "load") <= 40  # a load per version
+    # an async run decodes while the trainer computes: those passes are binned apart, and
+    # each step records the engines' busy share meanwhile (the simulator's contention fit)
+    assert {p["trainer"] for p in passes if p["kind"] == "decode"} == {0, 1}
+    busy = [m["engine_busy_in_train"] for m in metrics if m["kind"] == "train"]
+    assert len(busy) == 40 and all(0 <= b <= 1 for b in busy) and max(busy) > 0
 
 
 # The agent task (tally): the smallest shape seen to learn copying across turns in its warm

@@ -6,7 +6,8 @@
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
     rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
     rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
-    rollstream sim SCENARIO.yaml [--json OUT]      the real schedulers on simulated engines
+    rollstream sim SCENARIO.yaml [--json OUT] [--out DIR] [--study 8,...,1024]
+                                                   the real schedulers on simulated engines
     rollstream config [SECTION]                    the config tree: defaults and what each means
 
 Heavy modules are imported inside each command so that ``--help`` is instant.
@@ -97,6 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("scenario", type=Path, help="scenario YAML (see examples/sim/)")
     s.add_argument("--json", dest="json_out", type=Path, default=None, help="write results here")
+    s.add_argument("--out", dest="out_dir", type=Path, default=None,
+                   help="write result.json, PNG plots (with the `sim` extra: matplotlib) and "
+                   "index.html, the comparison page, into this folder")
+    s.add_argument("--study", default=None, metavar="ENGINES",
+                   help="instead of the scenario's own size: the scaling study, the scenario "
+                   "at each of these engine counts (comma-separated, e.g. 8,64,512,1024), its "
+                   "groups and trainer devices scaled alike; tail share and speedups beside "
+                   "the published figures (docs/simulator.md)")
+    s.add_argument("--steps", type=int, default=None,
+                   help="with --study: simulated steps per mode (default: the scenario's)")
 
     c = sub.add_parser(
         "config",
@@ -196,9 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "engines":
             _engines(args.run_dir, args.drain, args.undrain)
         elif args.command == "sim":
-            from rollstream.sim.report import main as sim_main
+            if args.study is not None:
+                from rollstream.sim.study import main as study_main
 
-            sim_main(args.scenario, json_out=args.json_out)
+                study_main(args.scenario, engines=args.study, steps=args.steps,
+                           out_dir=args.out_dir, json_out=args.json_out)
+            else:
+                if args.steps is not None:
+                    raise ValueError("--steps is an option of --study (set steps in the "
+                                     "scenario otherwise)")
+                from rollstream.sim.report import main as sim_main
+
+                sim_main(args.scenario, json_out=args.json_out, out_dir=args.out_dir)
         elif args.command == "config":
             from rollstream.config.describe import describe
 

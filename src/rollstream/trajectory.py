@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 
@@ -228,21 +229,22 @@ class Sample:
         return f"{self.group_id}/{self.sample_idx}"
 
     # --- concatenated per-token views (response only; the prompt is task.prompt_ids) ---
+    # (chain: concatenated in C, not a Python loop per token)
     @property
     def response_ids(self) -> list[int]:
-        return [t for s in self.segments for t in s.token_ids]
+        return list(chain.from_iterable(s.token_ids for s in self.segments))
 
     @property
     def logprobs(self) -> list[float]:
-        return [x for s in self.segments for x in s.logprobs]
+        return list(chain.from_iterable(s.logprobs for s in self.segments))
 
     @property
     def versions(self) -> list[int]:
-        return [v for s in self.segments for v in s.versions]
+        return list(chain.from_iterable(s.versions for s in self.segments))
 
     @property
     def loss_mask(self) -> list[bool]:
-        return [m for s in self.segments for m in s.loss_mask]
+        return list(chain.from_iterable(s.loss_mask for s in self.segments))
 
     @property
     def num_response_tokens(self) -> int:
@@ -259,10 +261,17 @@ class Sample:
             return [], None
         return list(self.segments[i].token_ids), self.turns[i].finish_reason
 
+    # per segment (min/max in C), not per token: the simulator asks for every sample of
+    # every buffered group at each step, at ~150 tokens a sample
     def min_version(self) -> int | None:
         """Oldest policy version among the sampled tokens (None: no sampled token yet)."""
-        vs = [v for seg in self.segments if seg.kind is SegmentKind.POLICY for v in seg.versions]
-        return min(vs, default=None)
+        return min((min(seg.versions) for seg in self.segments
+                    if seg.kind is SegmentKind.POLICY and seg.versions), default=None)
+
+    def max_version(self) -> int | None:
+        """Newest policy version among the sampled tokens (None: no sampled token yet)."""
+        return max((max(seg.versions) for seg in self.segments
+                    if seg.kind is SegmentKind.POLICY and seg.versions), default=None)
 
     def append_policy_tokens(
         self, token_ids: list[int], logprobs: list[float], versions: list[int]

@@ -25,14 +25,23 @@ def test_bench_sim_quick_fits_a_profile_and_predicts_both_runs(tmp_path):
     main(json_out=out, quick=True, run_root=tmp_path / "runs",
          overrides=[*TINY, f"model.cache_dir={tmp_path}"])
     got = json.loads(out.read_text())
-    for key in ("calibration_error_step_time", "calibration_error_utilization"):
+    for key in ("calibration_error_step_time", "calibration_error_utilization",
+                "calibration_joint_error_step_time", "calibration_joint_error_utilization"):
         assert set(got[key]) == {"sync", "async"} and all(v >= 0 for v in got[key].values())
     calib = got["calibration"]
+    assert set(calib["joint_no_contention"]) == {"sync", "async"}
+    assert calib["profiles"]["joint_no_contention"]["contention"] == {"engine": 0.0,
+                                                                     "trainer": 0.0}
     for label in ("sync", "async", "joint"):
         fitted = load_profile(str(tmp_path / "runs" / f"cpu_fitted_{label}.yaml"))
         assert fitted.decode.combine == "sum" and fitted.decode.step_s(8, 800) > 0
         assert fitted.model_dump(mode="json") == calib["profiles"][label]
     assert {r["profile_of"] for r in calib["cross"].values()} == {"sync", "async"}
+    # a sync run's engine never decodes during a trainer step: nothing to fit a slowdown on
+    assert calib["profiles"]["sync"]["contention"]["engine"] == 0
+    assert all(v >= 0 for v in calib["profiles"]["joint"]["contention"].values())
+    curve = got["speed_curve"]
+    assert len(curve) == 5 and all(r["samples"] > 0 and r["cpu_s"] > 0 for r in curve)
     for mode, row in [*calib["rows"].items(), *calib["joint"].items()]:
         real, sim = row["measured"], row["simulated"]
         assert real["step_s_mean"] > 0 and 0 < real["engine_utilization"] <= 1, mode

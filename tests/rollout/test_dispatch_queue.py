@@ -384,3 +384,15 @@ def test_a_group_whose_home_is_full_is_re_pinned() -> None:
     assert route(g.samples[3]) == "b"  # its new home
     router.drained.add("b")
     assert route(g.samples[4]) == "a"  # a drained home is not routed to
+
+
+def test_the_upper_quantile_follows_the_window_of_recent_lengths() -> None:
+    """The predictor keeps each source's recent lengths sorted as they come and go (not a
+    sort per observation); its upper quantile is the sorted window's, at every step."""
+    rng = random.Random(1)
+    history = {"s": deque([rng.randint(1, 50) for _ in range(5)], maxlen=16)}
+    predictor = LengthPredictor(history, default=10.0, window=16)
+    for i in range(200):
+        predictor.observe(_group(i).samples[0], rng.choice([1, 7, 7, rng.randint(1, 500)]))
+        ordered = sorted(history["s"])
+        assert predictor.rank(_group(1000 + i).samples[0])[0] == ordered[int(0.9 * len(ordered))]

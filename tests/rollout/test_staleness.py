@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 
 import pytest
 
 from rollstream.config import RolloutConfig, TrainConfig
 from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.rollout.staleness import StalenessPolicy
-from rollstream.trajectory import Group, SampleStatus, Task
+from rollstream.trajectory import Group, SampleStatus, Segment, Task
 
 
 def _task(i: int = 0) -> Task:
@@ -55,6 +56,31 @@ def test_token_mask_and_kept_tokens():
     g.samples[0].segments[0].loss_mask[3] = False
     assert p.kept_tokens(g.samples[0], 5) == (1, 4)
     assert StalenessPolicy(max_staleness=2).kept_tokens(g.samples[0], 5) == (3, 2)
+
+
+def test_kept_tokens_and_version_range_match_their_per_token_definitions():
+    """kept_tokens and min/max_version work per segment; on random mixes of policy segments
+    (some tokens out of the loss) and environment segments they agree with the per-token
+    rule: loss-masked tokens of a version >= the oldest kept one."""
+    rng = random.Random(0)
+    for trial in range(300):
+        s = _group(trial, []).samples[0]
+        for _ in range(rng.randint(0, 4)):
+            n = rng.randint(1, 6)
+            if rng.random() < 0.3:
+                s.segments.append(Segment.env([9] * n))
+                continue
+            s.append_policy_tokens([5] * n, [-0.1] * n, [rng.randint(0, 6) for _ in range(n)])
+            if rng.random() < 0.5:
+                s.segments[-1].loss_mask[rng.randrange(len(s.segments[-1]))] = False
+        policy = [v for v in s.versions if v >= 0]
+        assert (s.min_version(), s.max_version()) == (min(policy, default=None),
+                                                      max(policy, default=None))
+        for age in (None, 0, 2):
+            p = StalenessPolicy(max_staleness=2, max_token_age=age, max_context_age=6)
+            since = max(p.oldest_kept_version(7), 0)
+            kept = [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m and v >= since]
+            assert p.kept_tokens(s, 7) == (len(kept), min(kept, default=None))
 
 
 def test_verdicts_and_reasons():

@@ -39,7 +39,8 @@ def test_decode_and_prefill_fits_recover_the_costs_that_made_the_passes():
         passes.add("prefill", rows, tokens, _noisy(rng, pre.time_s(tokens)))
     lines = passes.lines()
     assert sum(p["count"] for p in lines) == 22_000 and len(lines) < 22_000
-    fit = fit_decode(lines)
+    fit, contention = fit_decode(lines)
+    assert contention == 0  # no pass overlapped training
     assert fit.combine == "sum"
     assert fit.overhead_s == pytest.approx(truth.overhead_s, rel=0.1)
     assert fit.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.05)
@@ -54,9 +55,37 @@ def test_trainer_fit_recovers_overhead_and_rate():
     rng = random.Random(1)
     tokens = [rng.randint(5_000, 40_000) for _ in range(40)]
     seconds = [_noisy(rng, truth.step_s(t, 1)) for t in tokens]
-    fit = fit_trainer(tokens, seconds)
+    fit, contention = fit_trainer(tokens, seconds)
+    assert contention == 0
     assert fit.step_overhead_s == pytest.approx(truth.step_overhead_s, rel=0.25)
     assert fit.tokens_per_s_per_device == pytest.approx(truth.tokens_per_s_per_device, rel=0.05)
+
+
+def test_calibration_recovers_known_contention_from_a_synthetic_trace():
+    """Passes recorded during trainer steps cost 1.9x (the recorder's ``training`` flag), a
+    trainer step 1 + 0.8 x the engines' busy share: one joint fit of a sync-like part (no
+    overlap) and an async-like part recovers both factors and the base costs."""
+    truth = DecodeCost(overhead_s=4e-3, weights_s=0, per_seq_s=9e-5, per_context_token_s=6e-7,
+                       combine="sum")
+    rng, passes, training = random.Random(3), PassTimes(), [False]
+    passes.training = lambda: training[0]
+    for i in range(20_000):
+        training[0] = i >= 10_000 and rng.random() < 0.6  # the async half overlaps 60%
+        rows = rng.randint(1, 64)
+        context = rows * rng.randint(8, 240)
+        step = truth.step_s(rows, context) * (1.9 if training[0] else 1.0)
+        passes.add("decode", rows, context, _noisy(rng, step))
+    fit, engine = fit_decode(passes.lines())
+    assert engine == pytest.approx(0.9, rel=0.05)
+    assert fit.per_seq_s == pytest.approx(truth.per_seq_s, rel=0.1)
+    assert fit.per_context_token_s == pytest.approx(truth.per_context_token_s, rel=0.1)
+    cost = TrainerCost(step_overhead_s=1.3, tokens_per_s_per_device=2_500)
+    tokens = [rng.randint(3_000, 9_000) for _ in range(24)]
+    busy = [0.0] * 12 + [rng.uniform(0.6, 0.95) for _ in range(12)]  # sync, then async steps
+    seconds = [_noisy(rng, cost.step_s(t, 1) * (1 + 0.8 * u)) for t, u in zip(tokens, busy)]
+    trainer, contention = fit_trainer(tokens, seconds, engines_busy=busy)
+    assert contention == pytest.approx(0.8, rel=0.15)
+    assert trainer.tokens_per_s_per_device == pytest.approx(2_500, rel=0.15)
 
 
 def test_a_cost_the_data_would_make_negative_is_zero_and_the_rest_refitted():
@@ -65,7 +94,7 @@ def test_a_cost_the_data_would_make_negative_is_zero_and_the_rest_refitted():
     coef = fit_nonneg(x, y)
     assert coef[0] == 0 and coef[1] == pytest.approx(np.dot(x[:, 1], y) / np.dot(x[:, 1], x[:, 1]))
     # steps too alike to show an overhead: the whole time is charged per token
-    flat = fit_trainer([100, 200, 300], [1.0, 1.0, 1.0 - 1e-9])
+    flat, _ = fit_trainer([100, 200, 300], [1.0, 1.0, 1.0 - 1e-9])
     assert flat.step_overhead_s == 0 and flat.tokens_per_s_per_device == pytest.approx(600 / 3)
 
 

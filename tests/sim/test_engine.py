@@ -165,3 +165,24 @@ def test_steps_in_is_the_last_step_whose_midpoint_is_due(combine):
         assert 0 <= n <= limit and (n == 0 or mid[0] <= seconds)
         assert n == limit or mid[1] > seconds
     assert flat.steps_in(4, 100, 1.0, 7) == 7 and cost.steps_in(4, 100, 0.0, 7) == 0
+
+
+def test_a_slowdown_from_the_trainer_stretches_the_decode_in_progress():
+    """Profile.contention: while a trainer step computes, every pass costs ``factor`` times
+    more; a request slowed 2x for its second half ends at 1.5x its plain time, same tokens."""
+    workload = Workload(WORKLOAD, seed=0, token_block=8)
+    profile = load_profile("cpu_this_machine")
+    prompt = list(workload.task(3).prompt_ids)
+    seed = next(s for s in range(100) if workload.outcome(prompt, s)[1] > 40)
+
+    async def run(slow_at: float | None) -> tuple[float, int]:
+        loop = asyncio.get_running_loop()
+        engine, t0 = SimEngine("e0", profile, workload), loop.time()
+        if slow_at is not None:
+            loop.call_later(slow_at, engine.set_slowdown, 2.0)
+        out = await engine.generate(_request("a@0", prompt, 10_000, seed))
+        return loop.time() - t0, len(out.token_ids)
+
+    plain, n = run_virtual(run(None))
+    slowed, m = run_virtual(run(plain / 2))
+    assert m == n and slowed == pytest.approx(1.5 * plain, rel=0.02)

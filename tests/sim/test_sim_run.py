@@ -137,3 +137,28 @@ def test_tail_share_is_the_last_tenth_of_a_batch_over_its_rollout():
     # step 0: the 90th percentile finish is the 18th (18.0): (40 - 18) / 40; step 1: the 9th
     # (109): (110 - 109) / 10
     assert sim_run._tail_share(rows, spans) == (22 / 40 + 1 / 10) / 2
+
+
+def test_contention_slows_only_what_overlaps_the_trainer(small, tmp_path):
+    """Profile.contention: a sync run never computes in engines and trainer at once, so it
+    is unchanged; an async run overlaps them, and both slowdowns lengthen its steps."""
+    base = load_profile("cpu_this_machine")
+    sc = small.model_copy(update={"profile": "cpu_this_machine", "token_block": 1,
+                                  "trainer_devices": 1, "modes": small.modes[:2]})
+    sc = sc.model_validate({**sc.model_dump(), "workload": {"prompt_tokens": 8,
+                            "mean_response_tokens": 60, "max_response_tokens": 240}})
+
+    def run(engine: float, trainer: float) -> dict:
+        path = tmp_path / f"p{engine}-{trainer}.yaml"
+        path.write_text(json.dumps({**base.model_dump(mode="json"),
+                                    "contention": {"engine": engine, "trainer": trainer}}))
+        return run_scenario(sc.model_copy(update={"profile": str(path)}))["rows"]
+
+    plain, engine_only, trainer_only = run(0, 0), run(1.0, 0), run(0, 1.0)
+    for key in ("sim_s", "engine_utilization"):
+        assert engine_only["sync"][key] == trainer_only["sync"][key] == plain["sync"][key]
+    # engines twice as slow while the trainer computes: busier (the trainer is the
+    # bottleneck here, so the steps hardly change); a slowed trainer: longer steps
+    assert engine_only["k1_partial"]["engine_utilization"] > \
+        1.5 * plain["k1_partial"]["engine_utilization"]
+    assert trainer_only["k1_partial"]["sim_s"] > 1.2 * plain["k1_partial"]["sim_s"]

@@ -11,11 +11,15 @@
    fitted from that run. Keys: ``calibration_error_step_time`` and
    ``calibration_error_utilization`` per mode, the relative error |simulated - measured| /
    measured of the mean step time and of the engine utilization (busy share); the same on
-   the profile fitted from both runs (``calibration.joint``) and from the other run
-   (``calibration.cross``), and the fitted profiles.
+   the profile fitted from both runs, contention terms included
+   (``calibration_joint_error_step_time``, ``calibration_joint_error_utilization``; details
+   in ``calibration.joint``) and from the other run (``calibration.cross``), and the fitted
+   profiles.
 2. **Speed.** ``examples/sim/kimi_k2_512.yaml`` (512 engines, Kimi-K2-like workload, 10
    steps): wall seconds per mode; ``sim_wall_s_512_engines`` is the slowest mode's.
-3. **GPU async gain.** ``examples/sim/seer_moonlight_64.yaml``'s workload and profile at 256
+3. **Cost curve.** The same scenario's sync mode for 3 steps at a few sizes (``CURVE``):
+   CPU seconds per sample as engines and requests grow (``speed_curve``).
+4. **GPU async gain.** ``examples/sim/seer_moonlight_64.yaml``'s workload and profile at 256
    engines (256 groups of 8 per step, 64 trainer GPUs): ``gpu_async_partial_vs_sync``, async
    k = 2 with partial rollout's trained tokens/s over sync's.
 
@@ -27,6 +31,7 @@ average before and after, and the simulations' CPU seconds beside their wall sec
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -44,7 +49,9 @@ from rollstream.sim.calibrate import (
     profile_yaml,
     replay_scenario,
 )
+from rollstream.sim.profile import load_profile
 from rollstream.sim.report import run_scenario
+from rollstream.sim.run import simulate_mode
 from rollstream.sim.scenario import ModeConfig, load_scenario
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -111,14 +118,26 @@ def predict(rec: RunRecord, profile_path: Path) -> dict[str, Any]:
     }
 
 
+def without_overlap(rec: RunRecord) -> RunRecord:
+    """``rec`` as if its recording did not say what overlapped a trainer step (no pass
+    flagged, no busy share): what the fit had before its contention terms."""
+    out = copy.copy(rec)
+    out.passes = [{**p, "trainer": 0} for p in rec.passes]
+    out.metrics = [{k: v for k, v in m.items() if k != "engine_busy_in_train"}
+                   for m in rec.metrics]
+    return out
+
+
 def calibration(records: dict[str, RunRecord], out_dir: Path) -> dict[str, Any]:
     """Each run predicted on the profile fitted from it (the headline: ``rows``), on the one
-    fitted from both runs (``joint``), and on the other run's (``cross``: what changes
-    between a sync and an async run on this machine that one profile does not hold)."""
+    fitted from both runs (``joint``, with its contention terms), on the same without the
+    overlap in the recording (``joint_no_contention``: what the terms buy), and on the other
+    run's (``cross``: what one run alone cannot tell about the other)."""
     profiles: dict[str, Any] = {}
     paths: dict[str, Path] = {}
     for label, recs in [*((k, [r]) for k, r in records.items()),
-                        ("joint", list(records.values()))]:
+                        ("joint", list(records.values())),
+                        ("joint_no_contention", [without_overlap(r) for r in records.values()])]:
         profile = fit_profile(recs)
         paths[label] = out_dir / f"cpu_fitted_{label}.yaml"
         paths[label].write_text(profile_yaml(profile))
@@ -128,6 +147,8 @@ def calibration(records: dict[str, RunRecord], out_dir: Path) -> dict[str, Any]:
         "profiles": profiles,
         "rows": {k: predict(r, paths[k]) for k, r in records.items()},
         "joint": {k: predict(r, paths["joint"]) for k, r in records.items()},
+        "joint_no_contention": {k: predict(r, paths["joint_no_contention"])
+                                for k, r in records.items()},
         "cross": {k: predict(r, paths[labels[1 - i]]) | {"profile_of": labels[1 - i]}
                   for i, (k, r) in enumerate(records.items())},
     }
@@ -144,6 +165,32 @@ def speed_512(sizes: Sizes) -> dict[str, Any]:
             "wall_s": {k: r["wall_s"] for k, r in res["rows"].items()},
             "cpu_s": {k: r["cpu_s"] for k, r in res["rows"].items()},
             "step_s_mean": {k: r["step_s_mean"] for k, r in res["rows"].items()}}
+
+
+# (engines, groups per step) of the cost curve: requests and engines x requests both grow,
+# and the last row has the 512-engine row's requests on a quarter of its engines
+CURVE = ((64, 100), (128, 200), (256, 400), (512, 800), (128, 800))
+
+
+def cost_curve(sizes: Sizes) -> list[dict[str, Any]]:
+    """The Kimi-K2-like scenario's sync mode, 3 steps, at each ``CURVE`` size: CPU seconds
+    per ledger line (sample), to show how the cost grows with engines x requests."""
+    base = load_scenario(KIMI_512)
+    out = []
+    for engines, groups in CURVE:
+        sc = base.model_validate({**base.model_dump(), "steps": 3 if sizes.sim_steps is None
+                                  else 1, "engines": max(1, engines // sizes.sim_scale),
+                                  "groups_per_step": max(1, groups // sizes.sim_scale),
+                                  "modes": [base.modes[0].model_dump()]})
+        row = simulate_mode(sc, sc.modes[0], load_profile(sc.profile))
+        samples = sum(row["statuses"].values())
+        out.append({"engines": sc.engines, "groups_per_step": sc.groups_per_step,
+                    "samples": samples, "cpu_s": row["cpu_s"], "wall_s": row["wall_s"],
+                    "ms_per_sample": 1000 * row["cpu_s"] / samples,
+                    "us_per_sample_engine": 1e6 * row["cpu_s"] / samples / sc.engines})
+        print(f"bench sim: cost curve {sc.engines} engines x {samples} samples: "
+              f"{row['cpu_s']:.1f} CPU s", flush=True)
+    return out
 
 
 def gpu_256(sizes: Sizes) -> dict[str, Any]:
@@ -174,16 +221,21 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-sim-"))
     load_before, t0 = os.getloadavg(), time.perf_counter()
     calib = calibration(real_runs(sizes, run_root, overrides), run_root)
-    speed, gpu = speed_512(sizes), gpu_256(sizes)
+    speed, curve, gpu = speed_512(sizes), cost_curve(sizes), gpu_256(sizes)
     rows = calib["rows"]
     result = {
         "date": datetime.date.today().isoformat(), "quick": quick,
         "calibration_error_step_time": {k: r["error_step_time"] for k, r in rows.items()},
         "calibration_error_utilization": {k: r["error_utilization"] for k, r in rows.items()},
+        # one profile (with its contention terms) fitted from both runs, predicting each
+        "calibration_joint_error_step_time": {k: r["error_step_time"]
+                                              for k, r in calib["joint"].items()},
+        "calibration_joint_error_utilization": {k: r["error_utilization"]
+                                                for k, r in calib["joint"].items()},
         "sim_wall_s_512_engines": max(speed["wall_s"].values()),
         "sim_cpu_s_512_engines": max(speed["cpu_s"].values()),
         "gpu_async_partial_vs_sync": gpu["ratio"],
-        "calibration": calib, "speed_512": speed, "gpu_256": gpu,
+        "calibration": calib, "speed_512": speed, "speed_curve": curve, "gpu_256": gpu,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "cpus": len(os.sched_getaffinity(0)), "run_root": str(run_root),
         "bench_wall_s": time.perf_counter() - t0,
@@ -207,7 +259,8 @@ def print_tables(result: dict[str, Any]) -> None:
     for col in ("mode", "profile", "step s real", "step s sim", "error", "util real",
                 "util sim", "error"):
         t.add_column(col, justify="right")
-    for part, name in (("rows", "itself"), ("joint", "both"), ("cross", "other")):
+    for part, name in (("rows", "itself"), ("joint", "both"),
+                       ("joint_no_contention", "both, no contention"), ("cross", "other")):
         for mode, r in calib[part].items():
             m, s = r["measured"], r["simulated"]
             t.add_row(mode, name, f"{m['step_s_mean']:.3f}", f"{s['step_s_mean']:.3f}",
@@ -218,6 +271,13 @@ def print_tables(result: dict[str, Any]) -> None:
     console.print(f"{sp['engines']} engines, {sp['steps']} steps: wall s (CPU s) "
                   + ", ".join(f"{k} {v:.1f} ({sp['cpu_s'][k]:.1f})"
                               for k, v in sp["wall_s"].items()))
+    t = Table(title="cost curve: sync, Kimi-K2-like, CPU seconds (speed_curve)")
+    for col in ("engines", "groups/step", "samples", "CPU s", "ms per sample"):
+        t.add_column(col, justify="right")
+    for r in result["speed_curve"]:
+        t.add_row(str(r["engines"]), str(r["groups_per_step"]), f"{r['samples']:,}",
+                  f"{r['cpu_s']:.2f}", f"{r['ms_per_sample']:.3f}")
+    console.print(t)
     console.print(f"256 engines (Seer-like, {gpu['steps']} steps): async k=2 partial / sync "
                   f"trained tok/s = {gpu['ratio']:.2f}")
     console.print(f"load average before {result['load_avg_before'][0]:.1f}, after "

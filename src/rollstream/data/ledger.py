@@ -87,7 +87,6 @@ class Ledger:
         self._open.pop(sample.uid, None)
         self.counts[status.value] += 1
         if self._fh is not None:
-            versions = [v for v in sample.versions if v >= 0]
             entry = {
                 "sample_uid": sample.uid,
                 "task_uid": sample.task.uid,
@@ -97,8 +96,8 @@ class Ledger:
                 "reward": sample.reward,
                 "num_tokens": sample.num_response_tokens,
                 "prompt_tokens": len(sample.task.prompt_ids),
-                "min_version": min(versions) if versions else None,
-                "max_version": max(versions) if versions else None,
+                "min_version": sample.min_version(),
+                "max_version": sample.max_version(),
                 "num_interrupts": sample.num_interrupts,
                 "finish_reason": sample.finish_reason,
                 "num_turns": sum(t.kind is SegmentKind.POLICY for t in sample.turns),

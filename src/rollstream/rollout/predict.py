@@ -17,6 +17,7 @@ got when it was first dispatched is compared with its final length when it finis
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import MutableMapping
 
@@ -25,8 +26,7 @@ from rollstream.trajectory import Sample
 HIGH_QUANTILE = 0.9  # a group not heard from yet is ranked as if this long (rank())
 
 
-def _quantile(values: deque[int], q: float) -> float:
-    ordered = sorted(values)
+def _quantile(ordered: list[int], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
@@ -45,7 +45,9 @@ class LengthPredictor:
         self.prior_weight = prior_weight
         self._siblings: dict[str, tuple[float, int]] = {}  # group id -> (sum, count) finished
         self._started: dict[str, set[str]] = {}  # group id -> uids of its samples dispatched
-        self._high = {src: _quantile(v, HIGH_QUANTILE) for src, v in history.items() if v}
+        # each source's recent lengths kept sorted too (insort per observation, not a sort)
+        self._sorted = {src: sorted(v) for src, v in history.items()}
+        self._high = {src: _quantile(v, HIGH_QUANTILE) for src, v in self._sorted.items() if v}
         self._first: dict[str, dict[str, float]] = {}  # group id -> uid -> first prediction
         self.errors: list[float] = []  # |predicted - actual| / actual, drained by the meters
 
@@ -85,10 +87,15 @@ class LengthPredictor:
         total, n = self._siblings.get(sample.group_id, (0.0, 0))
         self._siblings[sample.group_id] = (total + length, n + 1)
         recent = self._history.setdefault(sample.task.source, deque(maxlen=self._window))
-        dropped = recent[0] if recent.maxlen is not None and len(recent) == recent.maxlen else 0
+        full = recent.maxlen is not None and len(recent) == recent.maxlen
+        dropped = recent[0] if full else 0
         recent.append(length)
         self._sums[sample.task.source] = self._sums.get(sample.task.source, 0.0) + length - dropped
-        self._high[sample.task.source] = _quantile(recent, HIGH_QUANTILE)
+        ordered = self._sorted.setdefault(sample.task.source, [])
+        if full:
+            del ordered[bisect.bisect_left(ordered, dropped)]
+        bisect.insort(ordered, length)
+        self._high[sample.task.source] = _quantile(ordered, HIGH_QUANTILE)
         first = self._first.get(sample.group_id, {}).pop(sample.uid, None)
         if first is not None:
             self.errors.append(abs(first - length) / max(length, 1))

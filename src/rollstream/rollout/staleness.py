@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from rollstream.trajectory import Group, Sample
+from rollstream.trajectory import Group, Sample, SegmentKind
 
 if TYPE_CHECKING:
     from rollstream.config import RolloutConfig, TrainConfig
@@ -131,9 +131,21 @@ class StalenessPolicy:
         """(number, oldest version) of the loss-masked policy tokens a loss at ``step`` keeps
         by age (before any importance-sampling mask the trainer may add)."""
         since = max(self.oldest_kept_version(step), 0)
-        kept = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True)
-                if m and v >= since]
-        return len(kept), min(kept, default=None)
+        num, oldest = 0, None
+        for seg in sample.segments:  # per segment: min/all in C for the common whole ones
+            if seg.kind is not SegmentKind.POLICY or not seg.versions:
+                continue  # environment tokens are never in a loss
+            low = min(seg.versions)
+            if low >= since and all(seg.loss_mask):
+                n = len(seg.versions)
+            else:
+                kept = [v for v, m in zip(seg.versions, seg.loss_mask, strict=True)
+                        if m and v >= since]
+                n, low = len(kept), min(kept, default=None)
+            if n:
+                num += n
+                oldest = low if oldest is None else min(oldest, low)
+        return num, oldest
 
     # ---- verdicts --------------------------------------------------------------------------
     def sample_verdict(self, sample: Sample, step: int) -> Verdict:

@@ -91,6 +91,9 @@ class Controller:
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._stop_reason: str | None = None
         self._waiting: asyncio.Timeout | None = None
+        # a trainer step is computing (the local engine's pass recorder reads it from its
+        # thread: passes that overlap training are binned apart, sim/calibrate.py)
+        self.training = False
 
     def request_stop(self, reason: str) -> None:
         """End the run at the next step boundary (now, if it is waiting for a batch)."""
@@ -123,6 +126,9 @@ class Controller:
         """Run ``fn`` on the trainer's thread (between steps: checkpoints)."""
         return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
 
+    def _engines_busy_s(self) -> float:
+        return sum(e.stats().busy_s for e in self.rollout.dispatcher.engines)
+
     async def _train_loop(self, result: ControllerResult) -> None:
         loop = asyncio.get_running_loop()
         deadline = None if self.max_wall_s is None else loop.time() + self.max_wall_s
@@ -146,11 +152,22 @@ class Controller:
                 self._waiting = None
             wait_s = self.clock.now() - t0
             async with self.trainer_turn():
-                out = await self.in_trainer(self.trainer.step, batch, step)
+                busy0 = self._engines_busy_s()
+                self.training = True
+                try:
+                    out = await self.in_trainer(self.trainer.step, batch, step)
+                finally:
+                    self.training = False
+            step_s, busy = self.clock.now() - t0 - wait_s, self._engines_busy_s() - busy0
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
             values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),
-                      "wait_s": wait_s, "train_s": self.clock.now() - t0 - wait_s}
+                      "wait_s": wait_s, "train_s": self.clock.now() - t0 - wait_s,
+                      # engines' busy share while the step computed (the trainer's
+                      # contention with them: sim/calibrate.py); at most 1: an engine credits
+                      # a pass when it ends, one begun before the step counts in full
+                      "engine_busy_in_train": min(1.0, busy / (
+                          step_s * len(self.rollout.dispatcher.engines))) if step_s > 0 else 0.0}
             for s in trained:
                 self.metrics.observe("staleness", float(step - (s.min_trained_version or step)))
             rollout = self.meter.read()

@@ -113,6 +113,9 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
         next_round += 1
         return next_round - 1
     controller, dispatcher = run.loop.controller, run.loop.dispatcher
+    for e in run.engines:  # the local engine's pass recorder bins passes during training apart
+        if (passes := getattr(e, "passes", None)) is not None:
+            passes.training = lambda: controller.training
     totals = dict(saved.get("totals", {"train_wall_s": 0.0, "generated_tokens": 0}))
     result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
     last_ckpt = ckpt.step if ckpt is not None else -1

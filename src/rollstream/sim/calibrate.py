@@ -12,7 +12,12 @@ are least squares (numpy), each weighted by how many passes a bin holds:
 * trainer step: ``train_s = step_overhead + tokens / tokens_per_s`` over the steps, tokens =
   prompt + kept response tokens of the samples the step trained (what ``SimTrainer`` counts);
 * weight sync: the mean time of a weight load (copy, and the cache recompute when rows were
-  in flight).
+  in flight);
+* contention (engines and trainer on the same cores): decode passes recorded during a trainer
+  step (``trainer: 1`` in the bins) cost ``1 + contention.engine`` times the others, and a
+  trainer step ``1 + contention.trainer * u`` times its cost, ``u`` the engines' busy share
+  during it (``engine_busy_in_train`` in ``metrics.jsonl``), fitted jointly with the costs
+  (:func:`fit_contended`), so one profile holds a sync run (no overlap) and an async one.
 
 A coefficient the data would make negative is fixed at 0 and the rest refitted (a cost never
 shrinks with more work). :func:`replay_scenario` then builds the scenario that simulates a
@@ -34,7 +39,7 @@ import yaml
 
 from rollstream.config.loader import read_yaml_mapping
 from rollstream.data.ledger import read_ledger
-from rollstream.sim.profile import DecodeCost, PrefillCost, Profile, TrainerCost
+from rollstream.sim.profile import Contention, DecodeCost, PrefillCost, Profile, TrainerCost
 from rollstream.sim.scenario import ModeConfig, Scenario
 
 
@@ -54,6 +59,26 @@ def fit_nonneg(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.
     return coef
 
 
+def fit_contended(x: np.ndarray, y: np.ndarray, share: np.ndarray,
+                  w: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """``y ~ (x @ c) * (1 + k * share)``, every ``c >= 0`` and ``k >= 0``: alternating least
+    squares (``c`` for a fixed ``k``, weighted so the residuals stay in ``y``'s units; then
+    ``k``'s closed form for the fixed ``c``) until ``k`` settles. ``share`` is how much of
+    each row overlapped the other party (0: none, so rows without overlap fit ``c`` alone)."""
+    w = np.ones(len(y)) if w is None else np.asarray(w, dtype=float)
+    k = 0.0
+    for _ in range(100):
+        scale = 1 + k * share
+        coef = fit_nonneg(x, y / scale, w * scale ** 2)
+        base = x @ coef
+        den = np.sum(w * (base * share) ** 2)
+        k_new = max(0.0, float(np.sum(w * base * share * (y - base)) / den)) if den > 0 else 0.0
+        if abs(k_new - k) < 1e-9 * max(1.0, k):
+            break
+        k = k_new
+    return coef, k
+
+
 def _bins(passes: Sequence[dict[str, Any]], kind: str) -> tuple[np.ndarray, ...]:
     rows = [p for p in passes if p["kind"] == kind and p["count"] > 0]
     if not rows:
@@ -61,35 +86,46 @@ def _bins(passes: Sequence[dict[str, Any]], kind: str) -> tuple[np.ndarray, ...]
     count = np.array([p["count"] for p in rows], dtype=float)
     return (np.array([p["rows"] for p in rows], dtype=float), np.array(
         [p["tokens"] for p in rows], dtype=float) / count, np.array(
-        [p["seconds"] for p in rows], dtype=float) / count, count)
+        [p["seconds"] for p in rows], dtype=float) / count, count,
+        np.array([p.get("trainer", 0) for p in rows], dtype=float))
 
 
-def fit_decode(passes: Sequence[dict[str, Any]]) -> DecodeCost:
-    """``overhead + per_seq * rows + per_context_token * context`` (combine: sum)."""
-    rows, context, seconds, count = _bins(passes, "decode")
-    c = fit_nonneg(np.column_stack([np.ones_like(rows), rows, context]), seconds, count)
+def fit_decode(passes: Sequence[dict[str, Any]]) -> tuple[DecodeCost, float]:
+    """``(overhead + per_seq * rows + per_context_token * context) * (1 + contention *
+    during_training)`` (combine: sum); returns the cost and the engine's contention."""
+    rows, context, seconds, count, during = _bins(passes, "decode")
+    c, k = fit_contended(np.column_stack([np.ones_like(rows), rows, context]), seconds,
+                         during, count)
     return DecodeCost(overhead_s=c[0], weights_s=0.0, per_seq_s=c[1], per_context_token_s=c[2],
-                      combine="sum")
+                      combine="sum"), k
 
 
 def fit_prefill(passes: Sequence[dict[str, Any]]) -> PrefillCost:
     """``overhead + per_token * tokens`` over the prefill passes."""
-    _, tokens, seconds, count = _bins(passes, "prefill")
-    c = fit_nonneg(np.column_stack([np.ones_like(tokens), tokens]), seconds, count)
+    _, tokens, seconds, count, during = _bins(passes, "prefill")
+    # the engine's contention comes from the decode passes (most of them); prefill passes
+    # during training are left out of the base cost rather than fitted a factor of their own
+    keep = during == 0 if (during == 0).any() else np.ones_like(during, dtype=bool)
+    c = fit_nonneg(np.column_stack([np.ones_like(tokens), tokens])[keep], seconds[keep],
+                   count[keep])
     return PrefillCost(overhead_s=c[0], per_token_s=c[1])
 
 
-def fit_trainer(tokens: Sequence[float], seconds: Sequence[float], devices: int = 1) -> TrainerCost:
-    """``step_overhead + tokens / (tokens_per_s_per_device * devices)`` over the steps. Steps
-    too alike in size to separate the two (the time does not grow with tokens in the fit)
-    charge the whole time per token: no overhead, the mean rate."""
+def fit_trainer(tokens: Sequence[float], seconds: Sequence[float], devices: int = 1,
+                engines_busy: Sequence[float] | None = None) -> tuple[TrainerCost, float]:
+    """``(step_overhead + tokens / (tokens_per_s_per_device * devices)) * (1 + contention *
+    engines_busy)`` over the steps (``engines_busy``: the engines' busy share during each
+    step; None: 0); returns the cost and the trainer's contention. Steps too alike in size to
+    separate overhead and rate (the time does not grow with tokens in the fit) charge the
+    whole time per token: no overhead, the mean rate."""
     t, s = np.asarray(tokens, dtype=float), np.asarray(seconds, dtype=float)
+    u = np.zeros_like(t) if engines_busy is None else np.asarray(engines_busy, dtype=float)
     if t.sum() <= 0:
         raise ValueError("calibration: no trained token in the runs' ledgers")
-    c = fit_nonneg(np.column_stack([np.ones_like(t), t]), s)
+    c, k = fit_contended(np.column_stack([np.ones_like(t), t]), s, u)
     if c[1] <= 0:
-        c = np.array([0.0, s.sum() / t.sum()])
-    return TrainerCost(step_overhead_s=c[0], tokens_per_s_per_device=1.0 / (c[1] * devices))
+        c = np.array([0.0, float(np.sum(s / (1 + k * u)) / t.sum())])
+    return TrainerCost(step_overhead_s=c[0], tokens_per_s_per_device=1.0 / (c[1] * devices)), k
 
 
 def fit_weight_sync(passes: Sequence[dict[str, Any]]) -> float:
@@ -130,20 +166,24 @@ def fit_profile(records: Sequence[RunRecord], *, name: str = "cpu_this_machine",
                 source: str = "") -> Profile:
     """A profile fitted from every pass and step of ``records`` (same engine and model)."""
     passes = [p for r in records for p in r.passes]
-    tokens, seconds = [], []
+    tokens, seconds, busy = [], [], []
     for r in records:
         by_step = r.trained_tokens_by_step()
         for m in r.train_steps():
             tokens.append(by_step.get(m["step"], 0))
             seconds.append(m["train_s"])
+            busy.append(m.get("engine_busy_in_train", 0.0))
     local = records[0].config["engine"]["local"]
+    decode, engine_contention = fit_decode(passes)
+    trainer, trainer_contention = fit_trainer(tokens, seconds, engines_busy=busy)
     return Profile(
         name=name, source=source or "fitted by rollstream.sim.calibrate from "
         + ", ".join(str(r.run_dir) for r in records),
-        decode=fit_decode(passes), prefill=fit_prefill(passes),
+        decode=decode, prefill=fit_prefill(passes),
         kv_capacity_tokens=local["max_slots"] * local["max_seq_len"],
         max_num_seqs=local["max_slots"], weight_sync_s=fit_weight_sync(passes),
-        trainer=fit_trainer(tokens, seconds))
+        trainer=trainer, contention=Contention(engine=engine_contention,
+                                               trainer=trainer_contention))
 
 
 def profile_yaml(profile: Profile) -> str:

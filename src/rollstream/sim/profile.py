@@ -16,6 +16,13 @@ token. Prefill of ``t`` tokens: ``overhead_s + per_token_s * t`` (no decode mean
 engine without chunked prefill). Weight sync: ``weight_sync_s`` per load, decode paused.
 Trainer step: ``step_overhead_s + tokens / (tokens_per_s_per_device * devices)`` over the
 prompt and response tokens of the samples it trains.
+
+Contention (``contention``; 0 for engines and trainer on devices of their own): on one CPU
+the engine and the trainer slow each other when they compute at once. While a trainer step
+computes, every engine pass takes ``1 + contention.engine`` times its cost; a trainer step
+takes ``1 + contention.trainer * u`` times its cost, ``u`` the engines' busy share when it
+starts. Both fitted from runs that record which passes overlapped a trainer step
+(``sim/calibrate.py``).
 """
 
 from __future__ import annotations
@@ -133,6 +140,15 @@ class TrainerCost(_Section):
         return self.step_overhead_s + tokens / (self.tokens_per_s_per_device * devices)
 
 
+class Contention(_Section):
+    engine: float = Field(0.0, ge=0)
+    """Extra share of an engine pass's (prefill, decode) time while a trainer step computes:
+    the pass takes ``1 + engine`` times its cost (0: the trainer has devices of its own)."""
+    trainer: float = Field(0.0, ge=0)
+    """Extra share of a trainer step's time per unit of the engines' busy share ``u`` when it
+    starts: the step takes ``1 + trainer * u`` times its cost."""
+
+
 class Profile(_Section):
     name: str
     """Short name shown in tables."""
@@ -151,6 +167,8 @@ class Profile(_Section):
     """Seconds an engine spends loading a new weight version (decode paused)."""
     trainer: TrainerCost
     """Trainer step cost."""
+    contention: Contention = Contention()
+    """How engines and trainer slow each other when they compute at once (module docstring)."""
 
 
 def load_profile(name_or_path: str) -> Profile:

@@ -1,4 +1,5 @@
-"""``rollstream sim SCENARIO.yaml``: every mode of a scenario, a comparison table, a JSON file."""
+"""``rollstream sim SCENARIO.yaml``: every mode of a scenario, a comparison table, a JSON file,
+and with ``--out DIR`` plots and an HTML page (``sim/outputs.py``)."""
 
 from __future__ import annotations
 
@@ -64,11 +65,17 @@ def print_table(result: dict[str, Any]) -> None:
             console.print(f"{name} stopped early: {r['stop_reason']}")
 
 
-def main(scenario: Path, *, json_out: Path | None = None) -> dict[str, Any]:
+def main(scenario: Path, *, json_out: Path | None = None,
+         out_dir: Path | None = None) -> dict[str, Any]:
     result = run_scenario(load_scenario(scenario), progress=True)
     print_table(result)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2))
         print(f"wrote {json_out}")
+    if out_dir is not None:
+        from rollstream.sim.outputs import NO_PLOTS, have_matplotlib, write_scenario_outputs
+
+        print(f"wrote {write_scenario_outputs(result, out_dir)}"
+              + ("" if have_matplotlib() else f" ({NO_PLOTS})"))
     return result

@@ -24,6 +24,7 @@ took.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import tempfile
 import time
@@ -107,9 +108,42 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
                       clock=clock, params=params, span=spans)
-    loop.controller.train_pool = VirtualExecutor(lambda _: trainer.take_elapsed())
+    loop.controller.train_pool = _train_pool(trainer, engines, profile)
     loop.controller.supervisor = None
     return loop, engines, trainer, metrics, spans, ledger
+
+
+def _train_pool(trainer: SimTrainer, engines: list[SimEngine],
+                profile: Profile) -> VirtualExecutor:
+    """Trainer steps on virtual time. With Profile.contention, while a step computes the
+    engines' passes cost ``1 + contention.engine`` times more, and the step itself, once its
+    cost ``d`` is spent, goes on for ``d * contention.trainer * u`` more, ``u`` the engines'
+    busy share meanwhile (as the real run's ``engine_busy_in_train`` measures it)."""
+    c = profile.contention
+    if c.engine == 0 and c.trainer == 0:
+        return VirtualExecutor(lambda _: trainer.take_elapsed())
+    busy_at_start = 0.0
+
+    def start(_: object) -> float:
+        nonlocal busy_at_start
+        busy_at_start = sum(e.busy_now() for e in engines)
+        for e in engines:
+            e.set_slowdown(1 + c.engine)
+        return trainer.take_elapsed()
+
+    def extend(step_s: float) -> float:
+        u = (sum(e.busy_now() for e in engines) - busy_at_start) / (step_s * len(engines)) \
+            if step_s > 0 else 0.0
+        extra = step_s * c.trainer * min(max(u, 0.0), 1.0)
+        asyncio.get_running_loop().call_later(extra, _uncontend, engines)
+        return extra
+
+    return VirtualExecutor(start, extend)
+
+
+def _uncontend(engines: list[SimEngine]) -> None:
+    for e in engines:
+        e.set_slowdown(1.0)
 
 
 def make_workload(sc: Scenario) -> Workload | ReplayWorkload:

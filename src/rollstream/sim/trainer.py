@@ -6,7 +6,8 @@
 TRAINED / FILTERED and staleness exactly as in a run. Its cost, the profile's trainer step
 time over the kept samples' prompt and response tokens (real tokens), is charged on virtual
 time by the :class:`~rollstream.sim.vloop.VirtualExecutor` the controller runs steps on
-(:meth:`take_elapsed`). Not modelled: importance-sampling masks, several updates per step
+(:meth:`take_elapsed`); with Profile.contention, ``sim/run.py`` lengthens it by the engines'
+busy share while it ran. Not modelled: importance-sampling masks, several updates per step
 (the per-token rate covers a step), the weights themselves (``state_dict`` is empty, so
 weight sync moves nothing and its time is the engines' ``weight_sync_s``).
 """

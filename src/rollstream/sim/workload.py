@@ -73,6 +73,7 @@ class Workload:
         self.prompt_blocks = max(1, math.ceil(cfg.prompt_tokens / token_block))
         self.max_blocks = math.ceil(cfg.max_response_tokens / token_block)
         self._tasks: dict[int, TaskSpec] = {}
+        self._drawn: dict[tuple[int, int], tuple[int, bool]] = {}  # (task, seed) -> outcome
 
     def spec(self, index: int) -> TaskSpec:
         spec = self._tasks.get(index)
@@ -93,12 +94,15 @@ class Workload:
         any cap, whether its answer is correct) for a request."""
         if seed is None:
             raise ValueError("simulated engines need a per-request seed (a run seed)")
-        spec = self.spec(prompt_ids[0] - TASK_TOKEN_OFFSET)
-        rng = random.Random(seed)
-        length = spec.difficulty_tokens * math.exp(rng.gauss(0.0, self.cfg.sigma_within))
-        correct = rng.random() < spec.pass_rate
-        return (len(prompt_ids) - self.prompt_blocks, max(1, math.ceil(length / self.block)),
-                correct)
+        index = prompt_ids[0] - TASK_TOKEN_OFFSET
+        drawn = self._drawn.get((index, seed))
+        if drawn is None:  # seeding a Random is most of the cost: once per sample
+            spec = self.spec(index)
+            rng = random.Random(seed)
+            length = spec.difficulty_tokens * math.exp(rng.gauss(0.0, self.cfg.sigma_within))
+            drawn = (max(1, math.ceil(length / self.block)), rng.random() < spec.pass_rate)
+            self._drawn[(index, seed)] = drawn
+        return (len(prompt_ids) - self.prompt_blocks, *drawn)
 
 
 class TaskStream:

@@ -1,7 +1,9 @@
 """Forward-pass times of the local engine, aggregated by shape: what a cost model is fitted
 from (``rollstream.sim.calibrate``, docs/simulator.md "Calibration").
 
-Each pass adds to the bin of its (kind, rows, tokens // TOKEN_BIN): a count, the seconds and
+Each pass adds to the bin of its (kind, rows, tokens // TOKEN_BIN, whether a trainer step was
+computing meanwhile: ``training``, a callable the run sets, read once per pass): a count, the
+seconds and
 the tokens summed. A bin's sums are all a linear least-squares fit needs (its mean tokens are
 exact, whatever the bin's width), and the number of bins stays bounded however long the run
 (at most rows x max tokens / TOKEN_BIN per kind). Kinds: ``decode`` (rows: live sequences,
@@ -14,18 +16,26 @@ steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 TOKEN_BIN = 256
 KINDS = ("decode", "prefill", "load")
 
 
+def _never() -> bool:
+    return False
+
+
 class PassTimes:
     def __init__(self) -> None:
-        self.bins: dict[tuple[str, int, int], list[float]] = {}
+        self.bins: dict[tuple[str, int, int, bool], list[float]] = {}
+        # whether the trainer computes now (the run sets it: Controller.training); a pass
+        # that ends while it does is binned as one that shared the CPU with it
+        self.training: Callable[[], bool] = _never
 
     def add(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
-        key = (kind, rows, tokens // TOKEN_BIN)
+        key = (kind, rows, tokens // TOKEN_BIN, self.training())
         b = self.bins.get(key)
         if b is None:
             self.bins[key] = [1, seconds, tokens]
@@ -35,6 +45,8 @@ class PassTimes:
             b[2] += tokens
 
     def lines(self) -> list[dict[str, Any]]:
-        """One dict per bin: kind, rows, count, seconds (summed), tokens (summed)."""
-        return [{"kind": k, "rows": r, "count": int(c), "seconds": s, "tokens": int(t)}
-                for (k, r, _), (c, s, t) in sorted(self.bins.items())]
+        """One dict per bin: kind, rows, count, seconds (summed), tokens (summed), and
+        ``trainer`` (1: passes during a trainer step)."""
+        return [{"kind": k, "rows": r, "count": int(c), "seconds": s, "tokens": int(t),
+                 "trainer": int(tr)}
+                for (k, r, _, tr), (c, s, t) in sorted(self.bins.items())]
