@@ -20,7 +20,7 @@ from rollstream.config import load_config
 from rollstream.config.runtime import RayConfig
 from rollstream.config.schema import RewardConfig
 from rollstream.reward import GraderPool, get_reward
-from rollstream.reward.workers import ProcessWorkers
+from rollstream.reward.workers import ProcessWorkers, WorkerDied
 from rollstream.runtime.build import build_workers
 from rollstream.runtime.ray.cluster import RayCluster
 from rollstream.runtime.ray.workers import RayWorkers
@@ -168,6 +168,20 @@ async def test_close_ends_every_call_and_leaves_no_actor(pools, tmp_path: Path) 
         with pytest.raises(RayActorError):
             await asyncio.wait_for(actor.pid.remote(), 10)
     assert workers.pids == []
+
+
+async def test_harness_actors_on_the_driver_node_name_their_role(ray_cluster) -> None:
+    """The harness's pool (pinned to the driver's node, where the agent proxy listens on
+    127.0.0.1; one node here, so this checks that Ray places such actors, not where): a
+    death is reported as the harness worker's, and the replacement serves."""
+    workers = RayWorkers(1, role="harness", on_driver_node=True)
+    try:
+        with pytest.raises(WorkerDied, match=r"^harness worker died \(its worker process"):
+            await workers.call(w.die, (None, ""), 30)
+        pid = int(await workers.call(w.pid, (None, ""), 30))
+        assert workers.pids == [pid]
+    finally:
+        workers.close()
 
 
 def test_build_workers_picks_the_pool_by_runtime_kind() -> None:
