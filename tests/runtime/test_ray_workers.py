@@ -129,7 +129,7 @@ async def test_an_actor_killed_mid_call_fails_that_call_and_is_replaced(
 
 
 async def test_an_actor_that_died_idle_costs_no_call(pools) -> None:
-    pool, workers = _pool(pools, {"pid": w.pid}, num_workers=1)
+    pool, _ = _pool(pools, {"pid": w.pid}, num_workers=1)
     first = int((await pool.grade(task(source="pid"), STOPPED)).reward)
     os.kill(first, signal.SIGKILL)
     assert _gone(first, within_s=10)
@@ -173,13 +173,17 @@ async def test_close_ends_every_call_and_leaves_no_actor(pools, tmp_path: Path) 
 async def test_harness_actors_on_the_driver_node_name_their_role(ray_cluster) -> None:
     """The harness's pool (pinned to the driver's node, where the agent proxy listens on
     127.0.0.1; one node here, so this checks that Ray places such actors, not where): a
-    death is reported as the harness worker's, and the replacement serves."""
+    death is reported as the harness worker's, the replacement serves, and an exception the
+    function raises reaches the caller as itself."""
     workers = RayWorkers(1, role="harness", on_driver_node=True)
     try:
         with pytest.raises(WorkerDied, match=r"^harness worker died \(its worker process"):
             await workers.call(w.die, (None, ""), 30)
         pid = int(await workers.call(w.pid, (None, ""), 30))
         assert workers.pids == [pid]
+        with pytest.raises(ValueError, match="bad answer format"):  # fn's own exception
+            await workers.call(w.boom, (None, ""), 30)
+        assert workers.pids == [pid]  # and the actor lives on
     finally:
         workers.close()
 

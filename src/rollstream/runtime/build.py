@@ -22,9 +22,9 @@ from rollstream.config import RunConfig, SamplingConfig
 from rollstream.data.ledger import REPLAYS, Ledger
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import reconcile_ledger, reconcile_logs
-from rollstream.reward.workers import ProcessWorkers, Workers
 from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
+from rollstream.reward.workers import ProcessWorkers, Workers
 from rollstream.rollout.concurrency import concurrency_limits
 from rollstream.rollout.dispatcher import Dispatcher, Harness
 from rollstream.rollout.lifecycle import Lifecycle

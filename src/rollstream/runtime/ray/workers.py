@@ -228,9 +228,9 @@ class RayWorkers:
     def _on_ready(self, worker: _Worker, ready: asyncio.Future[int]) -> None:
         if worker.ready_deadline is not None:
             worker.ready_deadline.cancel()
+        error = None if ready.cancelled() else ready.exception()  # retrieved either way
         if worker not in self._all or ready.cancelled():
             return
-        error = ready.exception()
         if error is None:
             assert self._idle is not None
             worker.pid, self._failed_starts = ready.result(), 0
@@ -277,6 +277,6 @@ def death_cause(error: BaseException) -> str:
     """Ray's account of an actor's death, short: ``it was killed by `ray.kill```, ``its worker
     process has died. Worker exit type: SYSTEM_ERROR ...`` (its first sentence or two)."""
     text = str(error)
-    m = re.search(r"The actor is dead because (.*)", text, re.S)
+    m = re.search(r"The actor is dead because (.*)", text, re.DOTALL)
     cause = (m.group(1) if m else text).split(" Some common causes")[0]
     return " ".join(cause.split())[:300].rstrip(".")
