@@ -221,6 +221,14 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     (["runtime.kind=ray", "engine.num_engines=3", "runtime.ray.num_cpus=2"],
      "engine.num_engines = 3 actors of runtime.ray.engine_num_cpus = 1.0 need 3 CPUs, more "
      "than runtime.ray.num_cpus = 2"),
+    (["runtime.kind=ray", "runtime.ray.num_cpus=2", "runtime.ray.worker_num_cpus=0.25",
+      "reward.num_workers=4", "engine.num_engines=2"],
+     "runtime.ray.worker_num_cpus = 0.25 for 4 worker actors (reward.num_workers + "
+     "agent.harness_workers) and 2 CPUs of engine actors need more than runtime.ray.num_cpus "
+     "= 2"),
+    (["runtime.kind=ray", "runtime.ray.worker_num_cpus=-1"], "runtime.ray.worker_num_cpus"),
+    (["runtime.ray.worker_num_cpus=0.5"],
+     "runtime.ray.worker_num_cpus is read only with runtime.kind: ray (it is embedded)"),
     (["runtime.kind=ray", "runtime.ray.object_store_bytes=1000"],
      "runtime.ray.object_store_bytes"),
     (["runtime.kind=ray", "runtime.ray.weight_sync=nccl"],

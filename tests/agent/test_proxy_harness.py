@@ -27,6 +27,7 @@ from rollstream.engine import SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
+from rollstream.reward.workers import ProcessWorkers
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.trajectory import Group, Sample, SampleStatus, Segment, SegmentKind, Task
@@ -56,7 +57,8 @@ def _dispatcher(engine, sources, ledger: Ledger, budgets: Budgets,
                 workers: int = 0) -> tuple[Dispatcher, Any]:
     graders = GraderPool(RewardConfig(num_workers=1), lambda task: get_reward("exact_match"))
     harness = ProxyHarness(tokenizer=TOKENIZER, sources={s.name: s for s in sources},
-                           budgets=budgets, workers=workers)
+                           budgets=budgets,
+                           workers=ProcessWorkers(workers, role="harness") if workers else None)
     disp = Dispatcher(engines=[engine], params=SamplingParams(temperature=1.0), graders=graders,
                       decode=lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True),
                       lifecycle=Lifecycle(ledger, WallClock()), clock=WallClock(), seed=3,

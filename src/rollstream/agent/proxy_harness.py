@@ -15,14 +15,15 @@ built-in loop's. The episode's reward is the source's reward on the last model t
 
 Where the agents run (``agent.harness_workers``): 0, as coroutines in the run's process;
 N > 0, in a pool of N long-lived worker processes (``ProcessWorkers``, the reward pool's,
-``spawn``-ed at the first episode and reused for every later one), one episode per worker at
-a time, so at most N of these episodes run at once and the others wait for a worker. A worker
-gets the agent's import path, the session (the proxy's loopback URL and the episode's key),
-the task and the sampling settings over its pipe, runs the agent on an event loop of its own
-and reports how it ended; the agent reaches the proxy over 127.0.0.1. A worker that dies
-during an episode, or whose agent runs past ``agent.max_wall_s`` (it is SIGKILLed: blocking
-code cannot delay it), is replaced and only that episode's sample fails, with the reason.
-``close()`` stops every worker.
+``spawn``-ed at the first episode and reused for every later one; on ``runtime.kind: ray``,
+``RayWorkers``' actors, on the driver's node), one episode per worker at a time, so at most
+N of these episodes run at once and the others wait for a worker. A worker gets the agent's
+import path, the session (the proxy's loopback URL and the episode's key), the task and the
+sampling settings (over its pipe, or as the actor call's arguments), runs the agent on an
+event loop of its own and reports how it ended; the agent reaches the proxy over 127.0.0.1.
+A worker that dies during an episode, or whose agent runs past ``agent.max_wall_s`` (it is
+SIGKILLed, or ``ray.kill``-ed: blocking code cannot delay it), is replaced and only that
+episode's sample fails, with the reason. ``close()`` stops every worker.
 
 What fails a sample here, with the reason in the ledger: the agent raising, running past
 ``agent.max_wall_s`` or its worker process dying; a call the session refuses (the agent
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rollstream.agent.loop import Budgets
 from rollstream.agent.proxy import AgentProxy, Binding, SessionHandle
 from rollstream.engine import SamplingParams
-from rollstream.reward.workers import CallTimeout, PoolClosed, ProcessWorkers, WorkerDied
+from rollstream.reward.workers import CallTimeout, PoolClosed, WorkerDied, Workers
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Task
 
 if TYPE_CHECKING:
@@ -107,16 +108,15 @@ def run_agent(path: str, session: SessionHandle, task: Task,
 
 class ProxyHarness:
     """Runs the episodes of sources whose agents talk to the proxy (module docstring).
-    ``workers``: 0 runs the agents as coroutines here; N > 0 in N worker processes."""
+    ``workers``: None runs the agents as coroutines here; else the pool they run in (the
+    run's ``build_workers``, role ``harness``), which the harness closes."""
 
     def __init__(self, *, tokenizer: Any, sources: Mapping[str, OpenAIAgentSource],
-                 budgets: Budgets, workers: int = 0) -> None:
-        if workers < 0:
-            raise ValueError(f"ProxyHarness.workers must be >= 0, got {workers}")
+                 budgets: Budgets, workers: Workers | None = None) -> None:
         self.tokenizer, self.budgets = tokenizer, budgets
         self.sources = dict(sources)
         self.agents = {name: resolve_agent(src.agent) for name, src in self.sources.items()}
-        self.workers = ProcessWorkers(workers, role="harness") if workers else None
+        self.workers = workers
         self.proxies: dict[str, AgentProxy] = {}  # per source: its tool-call format
         self._starting: asyncio.Lock | None = None
 

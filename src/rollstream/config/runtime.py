@@ -32,6 +32,11 @@ class RayConfig(Section):
     ``address`` null."""
     engine_num_cpus: float = Field(1.0, gt=0)
     """Logical CPUs each engine actor reserves (Ray places actors by these)."""
+    worker_num_cpus: float = Field(0.0, ge=0)
+    """Logical CPUs each reward worker actor (``reward.num_workers`` of them) and harness
+    worker actor (``agent.harness_workers``) reserves. 0: none; they mostly wait, and a
+    reservation would take CPUs the engine actors are placed by. Set it on a cluster to have
+    Ray spread CPU-heavy rewards by their CPUs."""
     weight_sync: Literal["object_store", "broadcast", "shared_memory"] = "object_store"
     """How new weights reach the engine actors: ``object_store`` (one ``ray.put`` per version,
     a reference per actor), ``broadcast`` (a gloo process group of the driver and the actors,
@@ -75,9 +80,10 @@ class RuntimeConfig(Section):
     """Where the run's components live."""
 
     kind: Literal["embedded", "ray"] = "embedded"
-    """``embedded``: everything in this process (engines on threads). ``ray``: each engine is a
-    Ray actor (its own process) behind the same engine protocol; the controller, trainer and
-    graders stay in this process."""
+    """``embedded``: everything in this process (engines on threads, reward and harness
+    workers in processes it spawns). ``ray``: each engine, reward worker and harness worker is
+    a Ray actor (its own process) behind the same protocols; the controller, trainer and
+    grader pool stay in this process."""
     ray: RayConfig = RayConfig()
     """Settings of ``kind: ray``."""
 
@@ -115,3 +121,10 @@ def check_runtime(cfg: RunConfig) -> None:
             f"engine.num_engines = {cfg.engine.num_engines} actors of runtime.ray."
             f"engine_num_cpus = {rt.ray.engine_num_cpus} need {need:g} CPUs, more than "
             f"runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray would never place them all")
+    workers = cfg.reward.num_workers + cfg.agent.harness_workers
+    if rt.ray.num_cpus is not None and need + workers * rt.ray.worker_num_cpus > rt.ray.num_cpus:
+        raise ValueError(
+            f"runtime.ray.worker_num_cpus = {rt.ray.worker_num_cpus} for {workers} worker "
+            f"actors (reward.num_workers + agent.harness_workers) and {need:g} CPUs of engine "
+            f"actors need more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray would never "
+            "place them all")

@@ -27,7 +27,9 @@ marks the sample FAILED with it). Guarantees:
 
 The worker processes are :class:`~rollstream.reward.workers.ProcessWorkers`: driven by the
 event loop (no thread in this process), a timed-out call's worker is SIGKILLed and replaced
-(``workers.py`` says why not pebble or ``concurrent.futures``).
+(``workers.py`` says why not pebble or ``concurrent.futures``). On ``runtime.kind: ray`` they
+are Ray actors (:class:`~rollstream.runtime.ray.workers.RayWorkers`, the same guarantees),
+handed in by the run's ``build_workers``; this pool does not know which.
 
 Not covered: an ``async def`` reward that blocks the event loop (calls ``time.sleep``) or
 swallows cancellation cannot be bounded from inside the loop; write async rewards that await.
@@ -45,7 +47,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rollstream.reward.registry import Call, Response, Reward
-from rollstream.reward.workers import CallTimeout, PoolClosed, ProcessWorkers, WorkerDied
+from rollstream.reward.workers import (
+    CallTimeout,
+    PoolClosed,
+    ProcessWorkers,
+    WorkerDied,
+    Workers,
+)
 from rollstream.trajectory import Task
 
 if TYPE_CHECKING:
@@ -64,11 +72,16 @@ class GradeResult:
 class GraderPool:
     """Runs reward calls for the rollout loop (module docstring)."""
 
-    def __init__(self, cfg: RewardConfig, resolve: Callable[[Task], Reward]) -> None:
+    def __init__(self, cfg: RewardConfig, resolve: Callable[[Task], Reward],
+                 workers: Workers | None = None) -> None:
+        """``workers``: where sync rewards run, ``cfg.num_workers`` of them (the run's
+        ``build_workers`` picks them by ``runtime.kind``; None: :class:`ProcessWorkers`, which
+        start at the first sync call). The pool closes them."""
         self._cfg = cfg
         self._resolve = resolve
         self._slots = asyncio.Semaphore(cfg.num_workers)
-        self._workers: ProcessWorkers | None = None
+        self._workers: Workers = (workers if workers is not None
+                                  else ProcessWorkers(cfg.num_workers))
         self._closed = False
 
     async def grade(self, task: Task, response: Response) -> GradeResult:
@@ -103,8 +116,7 @@ class GraderPool:
     def close(self) -> None:
         """Stop accepting calls and stop the worker processes (nothing is left running)."""
         self._closed = True
-        if self._workers is not None:
-            self._workers.close()
+        self._workers.close()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -136,8 +148,6 @@ class GraderPool:
 
     async def _call_sync(self, reward: Reward,
                          call: Call) -> tuple[list[float] | None, str | None]:
-        if self._workers is None:
-            self._workers = ProcessWorkers(self._cfg.num_workers)
         try:
             return await self._workers.call(call_in_worker, (reward.fn, call),
                                             self._cfg.timeout_s)

@@ -36,18 +36,37 @@ import os
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 STARTUP_S = 120.0  # a worker's start-up, or its import of a reward's module, past this fails
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 MAX_FAILED_STARTS = 3  # workers that die before "ready", in a row: the pool stops replacing
 
 
-class WorkerDied(Exception):
-    """The worker process exited (or could not start) during a call."""
+class Workers(Protocol):
+    """A pool of workers that run one blocking call each at a time, away from the event loop
+    (a reward, an agent's episode). :class:`ProcessWorkers` here;
+    :class:`~rollstream.runtime.ray.workers.RayWorkers` on ``runtime.kind: ray``;
+    ``runtime/build.py``'s ``build_workers`` picks one from the config."""
 
-    def __init__(self, exitcode: int | None, why: str = "died", role: str = "reward") -> None:
-        super().__init__(f"{role} worker {why} (exit code {exitcode})")
+    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                   timeout_s: float | None) -> Any:
+        """``fn(*args)`` in a worker. Raises CallTimeout (the worker was killed and replaced),
+        WorkerDied (it died during the call; replaced), PoolClosed."""
+        ...
+
+    def close(self) -> None:
+        """Kill every worker; calls still running or waiting fail with PoolClosed."""
+        ...
+
+
+class WorkerDied(Exception):
+    """The worker process exited (or could not start) during a call. ``cause``: why, when
+    the exit code is not known (a Ray actor's death)."""
+
+    def __init__(self, exitcode: int | None, why: str = "died", role: str = "reward",
+                 cause: str | None = None) -> None:
+        super().__init__(f"{role} worker {why} ({cause or f'exit code {exitcode}'})")
         self.exitcode = exitcode
 
 

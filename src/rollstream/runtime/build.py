@@ -24,6 +24,7 @@ from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import reconcile_ledger, reconcile_logs
 from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
+from rollstream.reward.workers import ProcessWorkers, Workers
 from rollstream.rollout.concurrency import concurrency_limits
 from rollstream.rollout.dispatcher import Dispatcher, Harness
 from rollstream.rollout.lifecycle import Lifecycle
@@ -105,6 +106,19 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
     (run_dir / "config.yaml").write_text(dumped)
 
 
+def build_workers(cfg: RunConfig, size: int, role: str) -> Workers:
+    """The pool of ``size`` workers a ``role`` (``reward``, ``harness``) runs its blocking
+    calls in: processes this one spawns (``runtime.kind: embedded``) or Ray actors (``ray``;
+    harness actors on the driver's node, where the agent proxy listens on 127.0.0.1). The one
+    place that picks them; the grader pool and the harness only see :class:`Workers`."""
+    if cfg.runtime.kind == "embedded":
+        return ProcessWorkers(size, role=role)
+    from rollstream.runtime.ray.workers import RayWorkers
+
+    return RayWorkers(size, role=role, num_cpus=cfg.runtime.ray.worker_num_cpus,
+                      on_driver_node=role == "harness")
+
+
 def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, Harness]:
     """The harnesses the run's task sources need: the agent loop, and the OpenAI-SDK agents
     behind the proxy, for sources whose tasks are episodes (``cfg.agent`` sets their budgets;
@@ -128,8 +142,9 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
                                         tool_timeout_s=a.tool_timeout_s,
                                         max_tool_concurrency=a.max_tool_concurrency)
     if OPENAI in by_harness:
+        pool = build_workers(cfg, a.harness_workers, "harness") if a.harness_workers else None
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
-                                         budgets=budgets, workers=a.harness_workers)
+                                         budgets=budgets, workers=pool)
     return harnesses
 
 
@@ -302,7 +317,8 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     weights = resume.model_dir if resume is not None else model_path
     engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)
     try:  # a Ray the run started must not outlive a failed build
-        graders = GraderPool(cfg.reward, resolve)
+        graders = GraderPool(cfg.reward, resolve,
+                             build_workers(cfg, cfg.reward.num_workers, "reward"))
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         trainer = build_trainer(cfg_now, model_path)
         loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
