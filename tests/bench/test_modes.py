@@ -48,6 +48,8 @@ def test_bench_modes_quick_writes_json(tmp_path):
         parts = sum(work[k] for k in ("prefill_s", "recompute_s", "sort_s", "decode_s"))
         assert 0 < parts <= work["busy_s"] + 1e-6, work
         assert 0 <= row["engine_idle_share"] < 1 and 0 <= row["trainer_idle_share"] < 1
+    assert set(written["trainer_process_vs_thread"]) == {HEADLINE_ASYNC, "async_k2_drain"}
+    assert all(r > 0 for r in written["trainer_process_vs_thread"].values())
     assert written["rows"]["sync"]["max_staleness"] == 0
     assert written["rows"]["async_k4_drain"]["max_staleness"] == 4
     assert not written["rows"]["async_k4_drain"]["partial_rollout"]

@@ -16,7 +16,10 @@ rollout (rollout/staleness.py), next to the headline row's (the base YAML's rule
 each other rule of ``drop`` (``max_context_age`` = k: a group holding a token older than k is
 dropped), ``mask`` (``train.max_token_age`` = k: older tokens masked) and ``admission`` (k
 bounds admission only, samples trained whole up to ``max_context_age`` 2k), all with the
-base's loss; key ``staleness_semantics``.
+base's loss; key ``staleness_semantics``. Two more run the headline row and its drain pair
+with the trainer in a process of its own (``trainer_proc_<row>``: the fsdp backend with one
+rank, pinned to the trainer's core), so that the engine and the trainer no longer share an
+interpreter; key ``trainer_process_vs_thread`` (trained samples/s, process ÷ thread).
 
 The headline pair (``sync`` and ``async_k2_partial``, the examples' own rollout
 settings) runs first and again last, A B ... B A, so a drift in the machine's load hits both
@@ -78,6 +81,10 @@ from rollstream.trajectory import eval_group_id, is_eval_uid
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
 DRAIN_PAIR = "async_k2_drain"  # the same k without partial rollout
+# The trainer in a process of its own (the fsdp backend with one rank, pinned to the trainer's
+# core) instead of a thread beside the engine's: the interpreter (GIL) is no longer shared
+TRAINER_PROCESS = "trainer_proc_"
+TRAINER_PROCESS_SETTINGS = ("train.backend=fsdp", "train.fsdp.world_size=1")
 # async k=2 partial rollout under each staleness semantics (rollout/staleness.py): the
 # overrides that make a row follow the rule (the headline row follows the base YAML's)
 def rule_settings(rule: str, k: int) -> list[str]:
@@ -122,6 +129,9 @@ def mode_configs(base_rule: str = "admission") -> list[tuple[str, list[str]]]:
     for rule in STALENESS_RULES:  # the other two staleness semantics
         if rule != base_rule:
             out.append((f"{HEADLINE_ASYNC}_{rule}", [*k2, *rule_settings(rule, 2)]))
+    by_label = dict(out)
+    for label in (HEADLINE_ASYNC, DRAIN_PAIR):  # the same, the trainer in a process of its own
+        out.append((f"{TRAINER_PROCESS}{label}", [*by_label[label], *TRAINER_PROCESS_SETTINGS]))
     return out
 
 
@@ -395,6 +405,11 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "async_best_share_of_bound": share_of_bound,
         # partial rollout vs drain at the same k (trained samples/s)
         "async_partial_vs_drain": partial_vs_drain,
+        # trained samples/s with the trainer in its own process over the same row's with the
+        # trainer on a thread of the engine's process (issue 15: the GIL the two share)
+        "trainer_process_vs_thread": {
+            label: rows[f"{TRAINER_PROCESS}{label}"]["trained_samples_per_s"]
+            / rows[label]["trained_samples_per_s"] for label in (HEADLINE_ASYNC, DRAIN_PAIR)},
         "reward_partial_minus_drain": head["reward_final"] - rows[DRAIN_PAIR]["reward_final"],
         # a long sample that spans more than k versions: dropped, masked, or kept whole
         "staleness_semantics": {

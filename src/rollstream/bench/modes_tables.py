@@ -84,6 +84,10 @@ def print_tables(result: dict[str, Any]) -> None:
         f"(x{result['async_bound_vs_sync']:.2f} vs sync); {HEADLINE_ASYNC} vs {DRAIN_PAIR}: "
         f"trained samples/s x{result['async_partial_vs_drain']:.2f}, reward "
         f"{result['reward_partial_minus_drain']:+.3f}")
+    console.print("trainer in a process of its own vs on a thread beside the engine: "
+                  + ", ".join(f"{label} x{ratio:.2f}" for label, ratio
+                              in result["trainer_process_vs_thread"].items())
+                  + " (trained samples/s)")
     console.print(
         f"{result['async_config']} vs sync: trained tok/s x"
         f"{result['async_partial_vs_sync_throughput']:.2f} (ceiling if generation were free: "

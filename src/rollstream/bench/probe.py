@@ -104,6 +104,7 @@ class ThreadMeter:
 
 # ---- the engine's saturated rate and the contention probe -------------------------------
 BATCH_SIZES = (1, 4, 16, 64)  # requests kept in the engine for the batch-economy rates
+MIN_TOKEN_WAIT_S = 60.0  # a window lasts until the engine made a token, up to this long
 
 
 def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size: int,
@@ -129,7 +130,13 @@ def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size:
     for _ in range(slots or engine.stats().capacity):
         submit()
     tokens0, t0 = engine.stats().generated_tokens, time.perf_counter()
-    while time.perf_counter() - t0 < seconds and not (until is not None and until.done()):
+    def more() -> bool:  # a rate needs a token: a loaded machine may make none in a short window
+        elapsed = time.perf_counter() - t0
+        if engine.stats().generated_tokens == tokens0 and elapsed < MIN_TOKEN_WAIT_S:
+            return True
+        return elapsed < seconds and not (until is not None and until.done())
+
+    while more():
         done, _ = cf.wait(list(live), timeout=0.5, return_when=cf.FIRST_COMPLETED)
         for fut in done:
             task = live.pop(fut)
