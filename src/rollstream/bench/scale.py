@@ -113,9 +113,10 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     load_before, t0 = os.getloadavg(), time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, row in enumerate(run_order(sizes)):
-        label = f"{row}-{i}"
+        label, load = f"{row}-{i}", os.getloadavg()[0]
         done = run_pair(common, {label: ROWS[row]}, bench="scale")[label]
-        runs.setdefault(row, []).append(row_numbers(run_root / label, done))
+        runs.setdefault(row, []).append({**row_numbers(run_root / label, done),
+                                         "load_before": load})
     in_process = on_ray(folder, sizes)
     rows = {row: {**max(r, key=lambda x: x["samples_per_s"]), "runs": r}
             for row, r in runs.items()}
@@ -159,6 +160,9 @@ def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
         # one engine in every row: its forward passes' share of the training time
         "engine_busy_share": busy_s / summary["train_wall_s"],
         "engine_busy_in_train": statistics.fmean(m["engine_busy_in_train"] for m in steps),
+        # tokens per second of forward passes: how fast the engine ran while it ran (its core
+        # shared with another thread or process makes it slower)
+        "engine_tok_per_busy_s": collected["gen_tokens"] / busy_s,
         "reward_initial": collected["reward_initial"],
         "reward_final": collected["reward_final"],
         "reward_final_se": collected["reward_final_se"],
@@ -288,17 +292,19 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=150)  # a log file is not a terminal: no 80-column wrap
     table = Table(title="bench scale: examples/tick.yaml, one run per row and round "
                         "(samples/s: trained ÷ the steps' wait_s + train_s)")
-    for col in ("row", "samples/s (runs)", "train s", "wait share", "engine busy",
-                "gen tok/s", "reward final", "ctl bytes / trained sample"):
+    for col in ("row", "samples/s (runs)", "train s", "wait share", "train_s / step",
+                "engine busy", "engine tok / busy s", "gen tok/s", "reward final",
+                "ctl bytes / trained sample"):
         table.add_column(col)
     for row, r in result["rows"].items():
         runs = " / ".join(f"{x['samples_per_s']:.1f}" for x in r["runs"])
         ctl = f"{r['control_plane_bytes_per_trained_sample']:,.0f}" if r["wire_calls"] else "-"
         table.add_row(row, f"{r['samples_per_s']:.1f} ({runs})", f"{r['train_wall_s']:.1f}",
-                      f"{r['wait_share']:.2f}", f"{r['engine_busy_share']:.2f}",
+                      f"{r['wait_share']:.2f}", f"{r['train_s_mean']:.2f}",
+                      f"{r['engine_busy_share']:.2f}", f"{r['engine_tok_per_busy_s']:,.0f}",
                       f"{r['gen_tok_s']:,.0f}",
                       f"{r['reward_final']:.3f} ± {r['reward_final_se']:.3f}", ctl)
     console.print(table)
