@@ -240,8 +240,6 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     (["runtime.kind=ray", "runtime.ray.placement=disaggregated",
       "engine.local.cpu_affinity=[1]"],
      "engine.local.cpu_affinity = [1] contradicts runtime.ray.placement = 'disaggregated'"),
-    (["runtime.kind=ray", "runtime.ray.placement=disaggregated", "train.backend=fsdp"],
-     "train.backend = 'fsdp' runs rank processes it does not pin"),
     (["runtime.kind=ray", "runtime.ray.placement=apart"], "runtime.ray.placement"),
     (["runtime.ray.weight_sync=broadcast"],
      "runtime.ray.weight_sync is read only with runtime.kind: ray (it is embedded)"),

@@ -111,16 +111,15 @@ def _stream_len(engine) -> int:
     return 2000 if engine.kind == "vllm" else 100
 
 
-def _require_mid_stream(engine, landed: bool, what: str) -> None:
+def _mid_stream_tries(engine) -> int:
     """vLLM 0.32 on these 2-core CPU machines stalls its API server while the engine generates
     (even on a quiet machine: a 6000-token stream sent its first token at once, then nothing
     for ~4 s until the end; docs/vllm.md), so an interrupt or a load sent mid-stream can reach
-    it only after the stream is done. Then the test says so and skips. The embedded engine, in
-    this process or in a Ray actor, has no such excuse: it must land."""
-    if not landed and engine.kind == "vllm":
-        pytest.skip(f"{engine.kind}: the {what} reached the server only after the stream ended "
-                    "(its API server stalls during generation on this CPU machine)")
-    assert landed, f"the {what} should land mid-stream"
+    it only after the stream is done: measured here, 0 to 5 of 6 tries landed. The tests try
+    that many times; when none lands, they check what a late command must leave instead
+    (whole streams, every token labelled with the version that sampled it). The embedded
+    engine, in this process or in a Ray actor, has no such excuse: its first try must land."""
+    return 8 if engine.kind == "vllm" else 1
 
 
 async def test_interrupt_then_resume_continues_greedy_stream(engine):
@@ -142,7 +141,7 @@ async def test_interrupt_then_resume_continues_greedy_stream(engine):
     head = part.token_ids
     if part.finish_reason is not FinishReason.ABORT:
         # vLLM here: the interrupt reached its stalled API server after the stream ended
-        # (_require_mid_stream). The stream is then whole, and the resume is checked from its
+        # (_mid_stream_tries). The stream is then whole, and the resume is checked from its
         # middle, as if the interrupt had landed there
         assert engine.kind == "vllm", "the interrupt should land mid-stream"
         assert part.finish_reason is FinishReason.LENGTH and part.token_ids == full.token_ids
@@ -165,18 +164,26 @@ async def test_interrupt_all_returns_running_partials_and_queued_empty(engine):
     prompts = _prompts(10, engine.vocab_size, seed=7)
     max_new = _stream_len(engine)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new)
-    start = e.stats().generated_tokens  # a running total: earlier tests generated too
-    tasks = [asyncio.create_task(_gen(e, f"r{i}", p, params)) for i, p in enumerate(prompts)]
-    await _wait_for_tokens(e, start + 2, *tasks)
-    await e.interrupt()
-    outs = await asyncio.gather(*tasks)
-    _require_mid_stream(engine, all(o.finish_reason is FinishReason.ABORT for o in outs),
-                        "interrupt")
-    assert all(o.finish_reason is FinishReason.ABORT for o in outs)
-    assert all(len(o.token_ids) < max_new for o in outs)
-    capacity = e.stats().capacity
-    assert sum(len(o.token_ids) == 0 for o in outs) >= len(prompts) - capacity  # never admitted
-    assert sum(len(o.token_ids) > 0 for o in outs) >= 1
+    for attempt in range(_mid_stream_tries(engine)):
+        start = e.stats().generated_tokens  # a running total: earlier tests generated too
+        tasks = [asyncio.create_task(_gen(e, f"r{attempt}-{i}", p, params))
+                 for i, p in enumerate(prompts)]
+        await _wait_for_tokens(e, start + 2, *tasks)
+        await e.interrupt()
+        outs = await asyncio.gather(*tasks)
+        # a late interrupt (vLLM, see _mid_stream_tries) finds some streams done: those are
+        # whole, the others cut; nothing is lost either way
+        assert all(o.finish_reason is FinishReason.ABORT and len(o.token_ids) < max_new
+                   or o.finish_reason is FinishReason.LENGTH and len(o.token_ids) == max_new
+                   for o in outs), [(o.finish_reason, len(o.token_ids)) for o in outs]
+        if all(o.finish_reason is FinishReason.ABORT for o in outs):
+            break
+    else:
+        assert engine.kind == "vllm", "the interrupt should land mid-stream"
+    if all(o.finish_reason is FinishReason.ABORT for o in outs):
+        capacity = e.stats().capacity
+        assert sum(len(o.token_ids) == 0 for o in outs) >= len(prompts) - capacity  # queued
+        assert sum(len(o.token_ids) > 0 for o in outs) >= 1
     again = await _gen(e, "after", prompts[0], GREEDY)  # still serving
     assert again.finish_reason is FinishReason.LENGTH
 
@@ -195,7 +202,7 @@ async def test_load_weights_mid_stream_tags_versions(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     old = await _gen(e, "old", prompt, params)
     base = _perturbed_weights(engine.model_path, seed=0, scale=0.0)
-    for attempt in range(1, 4):  # the load must land mid-stream; retry if the stream won
+    for attempt in range(1, _mid_stream_tries(engine) + 1):  # retry if the stream won
         version = 2 * attempt - 1
         new_weights = _perturbed_weights(engine.model_path, seed=1)
         start = e.stats().generated_tokens
@@ -207,10 +214,16 @@ async def test_load_weights_mid_stream_tags_versions(engine):
         k = mixed.versions.index(version) if version in mixed.versions else max_new
         if 0 < k < max_new:
             break
+        # a late load (vLLM, see _mid_stream_tries): the stream is whole and all of it carries
+        # the version that sampled it, the old one
+        assert k == max_new and mixed.token_ids == old.token_ids, k
+        assert mixed.versions == [old.versions[0]] * max_new
         await e.load_weights(version + 1, base)  # back to the original weights, retry
         old = await _gen(e, f"old{attempt}", prompt, params)
         assert old.versions == [version + 1] * max_new
-    _require_mid_stream(engine, 0 < k < max_new, "weight load")
+    else:
+        assert engine.kind == "vllm", "the weight load should land mid-stream"
+        return  # every try checked what a late load leaves
     first = old.versions[0]
     assert mixed.versions == [first] * k + [version] * (max_new - k)
     assert mixed.token_ids[:k] == old.token_ids[:k]

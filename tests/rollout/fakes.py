@@ -13,6 +13,7 @@ import asyncio
 import random
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import Self
 
 from rollstream.engine.protocol import (
     EngineHealth,
@@ -147,3 +148,61 @@ async def run_then_close(loop, graders, ledger):
     finally:
         graders.close()
         ledger.close()
+
+
+def task_groups(start: int, n: int, *, prompt_len: int = 4, group_size: int = 2) -> list:
+    """``n`` groups of tasks ``t/start`` ... with a prompt of ``prompt_len`` tokens."""
+    from rollstream.trajectory import Group, Task
+
+    return [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=tuple(range(1, prompt_len + 1)),
+                           prompt_text="", reference=""), group_size)
+            for i in range(start, start + n)]
+
+
+class TwoEngineSync:
+    """Two :class:`RandomEngine` doubles (``a``, ``b``) behind a real dispatcher, lifecycle,
+    graders (reward 1, graded in the loop) and :class:`~rollstream.sync.weights.WeightSync`
+    under ``policy``, its loop running: the weight-sync ordering tests' scene. ``async with``
+    starts and stops it."""
+
+    def __init__(self, policy: str, *, max_len: int, on_applied=None) -> None:
+        from rollstream.clock import WallClock
+        from rollstream.config import RewardConfig
+        from rollstream.data.ledger import Ledger
+        from rollstream.engine.protocol import SamplingParams
+        from rollstream.reward.pool import GraderPool
+        from rollstream.reward.registry import get_reward
+        from rollstream.rollout.dispatcher import Dispatcher
+        from rollstream.rollout.lifecycle import Lifecycle
+        from rollstream.sync.weights import WeightSync
+
+        self.engines = [RandomEngine(1, "a", max_delay_s=0.004, max_len=max_len),
+                        RandomEngine(2, "b", max_delay_s=0.004, max_len=max_len)]
+        reward = get_reward(_reward_one)
+        self.graders = GraderPool(RewardConfig(), lambda task: reward)
+        self.dispatcher = Dispatcher(
+            engines=self.engines, params=SamplingParams(max_new_tokens=max_len),
+            graders=self.graders, decode=lambda ids: "", clock=WallClock(),
+            lifecycle=Lifecycle(Ledger(), WallClock()))
+        self.sync = WeightSync(self.engines, self.dispatcher, policy,  # type: ignore[arg-type]
+                               on_applied or (lambda v, s: None))
+        self._loop: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Self:
+        self._loop = asyncio.create_task(self.sync.run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._loop is not None
+        self._loop.cancel()
+        self.graders.close()
+
+    async def until_running(self, num_requests: int, num_tokens: int = 0) -> None:
+        """Wait until ``num_requests`` run on the engines and ``num_tokens`` were generated."""
+        while (sum(len(e._running) for e in self.engines) < num_requests
+               or sum(e.generated for e in self.engines) < num_tokens):
+            await asyncio.sleep(0.002)
+
+
+async def _reward_one(task, text: str) -> float:  # async: graded in the loop, no worker
+    return 1.0

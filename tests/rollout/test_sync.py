@@ -16,57 +16,29 @@ import asyncio
 
 import pytest
 
-from rollstream.clock import WallClock
-from rollstream.config import RewardConfig
-from rollstream.data.ledger import Ledger
-from rollstream.engine.protocol import SamplingParams
-from rollstream.reward.pool import GraderPool
-from rollstream.reward.registry import get_reward
-from rollstream.rollout.dispatcher import Dispatcher
-from rollstream.rollout.lifecycle import Lifecycle
-from rollstream.sync.weights import WeightSync
-from rollstream.trajectory import Group, SampleStatus, Task
+from rollstream.trajectory import SampleStatus
 
-from .fakes import RandomEngine
-
-
-async def _reward(task: Task, text: str) -> float:  # async: graded in the loop, no worker
-    return 1.0
-
-
-def _groups(start: int, n: int) -> list[Group]:
-    return [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(1, 2, 3, 4), prompt_text="",
-                           reference=""), 2) for i in range(start, start + n)]
+from .fakes import TwoEngineSync, task_groups
 
 
 async def _scenario(policy: str):
-    engines = [RandomEngine(1, "a", max_delay_s=0.004, max_len=80),
-               RandomEngine(2, "b", max_delay_s=0.004, max_len=80)]
-    reward = get_reward(_reward)
-    graders = GraderPool(RewardConfig(), lambda task: reward)
-    dispatcher = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=80),
-                            graders=graders, decode=lambda ids: "", clock=WallClock(),
-                            lifecycle=Lifecycle(Ledger(), WallClock()))
     applied: list[tuple[int, list[int]]] = []
 
     def on_applied(version: int, sync_s: float) -> None:
-        applied.append((version, [e.stats().version for e in engines]))
+        applied.append((version, [e.stats().version for e in scene.engines]))
 
-    sync = WeightSync(engines, dispatcher, policy, on_applied)  # type: ignore[arg-type]
-    loop = asyncio.create_task(sync.run())
-    old = _groups(0, 6)
-    running = [asyncio.create_task(dispatcher.run_group(g)) for g in old]
-    while sum(len(e._running) for e in engines) < 8:  # requests in flight on both engines
-        await asyncio.sleep(0.002)
-    assert all(e._running for e in engines)
-    sync.publish(1, {})
-    await sync.wait_applied()
-    new = _groups(10, 4)
-    running += [asyncio.create_task(dispatcher.run_group(g)) for g in new]
-    await asyncio.gather(*running)
-    loop.cancel()
-    graders.close()
-    return engines, applied, old, new
+    scene = TwoEngineSync(policy, max_len=80, on_applied=on_applied)
+    async with scene:
+        old = task_groups(0, 6)
+        running = [asyncio.create_task(scene.dispatcher.run_group(g)) for g in old]
+        await scene.until_running(8)  # requests in flight on both engines
+        assert all(e._running for e in scene.engines)
+        scene.sync.publish(1, {})
+        await scene.sync.wait_applied()
+        new = task_groups(10, 4)
+        running += [asyncio.create_task(scene.dispatcher.run_group(g)) for g in new]
+        await asyncio.gather(*running)
+    return scene.engines, applied, old, new
 
 
 @pytest.mark.parametrize("policy", ["interrupt", "continue", "drain"])

@@ -10,18 +10,10 @@ import asyncio
 
 import pytest
 
-from rollstream.clock import WallClock
-from rollstream.config import RewardConfig, load_config
-from rollstream.data.ledger import Ledger
-from rollstream.engine.protocol import SamplingParams
-from rollstream.reward.pool import GraderPool
-from rollstream.reward.registry import get_reward
-from rollstream.rollout.dispatcher import Dispatcher
-from rollstream.rollout.lifecycle import Lifecycle
+from rollstream.config import load_config
 from rollstream.runtime.placement import TimeShare, placed_engine, placed_train, split_cores
-from rollstream.sync.weights import WeightSync
-from rollstream.trajectory import Group, SampleStatus, Task
-from tests.rollout.fakes import RandomEngine
+from rollstream.trajectory import SampleStatus
+from tests.rollout.fakes import TwoEngineSync, task_groups
 
 
 @pytest.mark.parametrize(("cores", "engines", "trainer"), [
@@ -51,35 +43,20 @@ def test_placed_settings_are_derived_not_written_back(monkeypatch):
         assert placed_engine(other) is other.engine.local and placed_train(other) is other.train
 
 
-async def _one(task: Task, text: str) -> float:
-    return 1.0
-
-
 async def _turn(policy: str):
-    engines = [RandomEngine(1, "a", max_delay_s=0.004, max_len=60),
-               RandomEngine(2, "b", max_delay_s=0.004, max_len=60)]
-    reward = get_reward(_one)
-    graders = GraderPool(RewardConfig(), lambda task: reward)
-    dispatcher = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=60),
-                            graders=graders, decode=lambda ids: "", clock=WallClock(),
-                            lifecycle=Lifecycle(Ledger(), WallClock()))
-    sync = WeightSync(engines, dispatcher, policy, lambda v, s: None)  # type: ignore[arg-type]
-    loop = asyncio.create_task(sync.run())
-    groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(1, 2, 3), prompt_text="",
-                             reference=""), 2) for i in range(6)]
-    running = [asyncio.create_task(dispatcher.run_group(g)) for g in groups]
-    # running, and some tokens in (an interrupt before the first token leaves nothing of v0)
-    while sum(len(e._running) for e in engines) < 8 or sum(e.generated for e in engines) < 16:
-        await asyncio.sleep(0.002)
-    async with TimeShare(dispatcher, sync).trainer_turn():
-        for _ in range(20):  # the trainer's step: nothing generates meanwhile
-            assert not any(e._running for e in engines)
-            await asyncio.sleep(0.005)
-        sync.publish(1, {})
-    await sync.wait_applied()
-    await asyncio.gather(*running)
-    loop.cancel()
-    graders.close()
+    async with TwoEngineSync(policy, max_len=60) as scene:
+        engines = scene.engines
+        groups = task_groups(0, 6, prompt_len=3)
+        running = [asyncio.create_task(scene.dispatcher.run_group(g)) for g in groups]
+        # running, and some tokens in (an interrupt before the first token leaves nothing of v0)
+        await scene.until_running(8, num_tokens=16)
+        async with TimeShare(scene.dispatcher, scene.sync).trainer_turn():
+            for _ in range(20):  # the trainer's step: nothing generates meanwhile
+                assert not any(e._running for e in engines)
+                await asyncio.sleep(0.005)
+            scene.sync.publish(1, {})
+        await scene.sync.wait_applied()
+        await asyncio.gather(*running)
     return engines, groups
 
 

@@ -58,6 +58,9 @@ def test_the_study_scales_groups_and_trainer_with_the_engines_and_writes_its_pag
         assert p["partial_speedup"] == pytest.approx(rows["async_k2_partial"]["trained_tok_s"]
                                                      / rows["sync"]["trained_tok_s"])
         assert p["tail_share"] == rows["sync"]["tail_share_mean"]
+        for row in rows.values():  # what each mode's samples became
+            assert row["statuses"].get("trained", 0) == sum(row["staleness_hist"].values()) > 0
+        assert rows["async_k2_partial"]["interrupts"] > 0 == rows["sync"]["interrupts"]
     page = (tmp_path / "st" / "index.html").read_text()
     assert "AReaL" in page and "Seer" in page and "<td>6</td>" in page
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
 from rollstream.rollout.staleness import StalenessPolicy
-from rollstream.train.fsdp import FsdpTrainer, RankTrainer
+from rollstream.train.fsdp import FsdpTrainer, RankTrainer, rank_cores
 from rollstream.train.trainer import Trainer
 from tests.train.conftest import make_group
 
@@ -98,9 +99,13 @@ def test_two_ranks_match_the_single_process_trainer(tiny_model_path: Path,
 
 def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path) -> None:
     """The controller-side handle: step, logprobs, state_dict and a reconfiguration
-    (follow_rollout) as the local trainer's; checkpoints round-trip; close leaves no rank running; a rank's error is raised here."""
+    (follow_rollout) as the local trainer's; checkpoints round-trip; close leaves no rank
+    running; a rank's error is raised here. ``cpu_affinity`` pins each rank's compute thread
+    to its share of the cores."""
     cfg = TrainConfig(micro_batch_tokens=24, backend="fsdp")
-    trainer = FsdpTrainer(cfg, tiny_model_path, staleness=STALE1)
+    cores = tuple(sorted(os.sched_getaffinity(0))[:2])
+    trainer = FsdpTrainer(cfg.model_copy(update={"cpu_affinity": cores}), tiny_model_path,
+                          staleness=STALE1)
     procs = list(trainer._procs)
     try:
         local = Trainer(cfg, tiny_model_path, staleness=STALE1)
@@ -110,6 +115,10 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
         assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-5
         got, want = trainer.step(batch(), 1), local.step(batch(), 1)
         assert math.isclose(got.metrics["loss"], want.metrics["loss"], rel_tol=LOSS_RTOL)
+        for rank, proc in enumerate(procs):  # the main thread computes (tid = pid)
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            allowed = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list"))
+            assert allowed.split()[-1] == ",".join(map(str, rank_cores(cores, rank, 2))), allowed
         weights = trainer.state_dict()
         assert weights.keys() == local.state_dict().keys()  # tied weights under both names
         for n, w in local.state_dict().items():
@@ -125,6 +134,7 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
         assert all(torch.equal(again[n], w) for n, w in weights.items())
         with pytest.raises(RuntimeError, match="fsdp rank 0 failed"):
             trainer.step([make_group("bad", [1], [[999]], rewards=[1.0])], 2)  # id > vocab
+        # (an error, not a death: runtime/train.py restarts ranks only for TrainerRankDied)
         assert not any(p.is_alive() for p in procs)  # an error ends every rank
     finally:
         trainer.close()
@@ -161,3 +171,64 @@ def test_embedded_run_with_fsdp_trains_and_syncs_weights(tmp_path: Path) -> None
     assert steps[1]["mismatch"] < 1e-4, steps[1]  # engine weights == trainer weights (v1)
     assert (tmp_path / "fsdp" / "checkpoint" / "model.safetensors").exists()
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_loses_its_step_and_the_run_resumes_from_its_checkpoint(
+        tmp_path: Path) -> None:
+    """Rank 1 is killed (SIGKILL) after the step-2 checkpoint: the step it was computing is
+    not published, every rank is started again, and the same command resumes from the
+    checkpoint and finishes, every sample recorded exactly once."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    from rollstream.config import load_config
+    from rollstream.durable.audit import audit_run
+    from rollstream.runtime.train import run_training
+
+    cfg = load_config(None, [
+        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+        "model.tiny.max_position=64", "model.warm_start.steps=0",
+        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=kill",
+        "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=0",
+        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.mode=async",
+        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=6",
+        "train.groups_per_step=2", "train.micro_batch_tokens=64", "train.backend=fsdp",
+        "train.fsdp.world_size=2", "train.checkpoint_every=2", "monitor.progress=false"])
+    run_dir = tmp_path / "kill"
+    killed: list[int] = []
+
+    def kill_rank_1() -> None:  # once the step-2 checkpoint is whole
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            if (run_dir / "checkpoints" / "step_000002" / "state.json").exists():
+                for p in multiprocessing.active_children():
+                    if p.name == "rollstream-fsdp-1":
+                        os.kill(p.pid, signal.SIGKILL)
+                        killed.append(p.pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    summary = run_training(cfg)
+    killer.join()
+    assert killed and summary["trainer_restarts"] == 1, summary
+    assert summary["steps"] == 6 and summary["resumed_from_step"] in (2, 4), summary
+    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").open())
+             if m["kind"] == "train"]
+    assert steps == list(range(6)), steps  # what the lost process trained past its checkpoint
+    audit = audit_run(run_dir, group_size=4, eval_group_size=4, groups_per_step=2, steps=6)
+    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
+    assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
+    assert not multiprocessing.active_children()
+
+
+
+def test_rank_cores_share_out_the_trainers_cores() -> None:
+    assert [rank_cores((4, 5, 6, 7, 8), r, 2) for r in range(2)] == [(4, 5, 6), (7, 8)]
+    assert [rank_cores((1,), r, 2) for r in range(2)] == [(1,), (1,)]
+    assert [rank_cores((3, 1), r, 3) for r in range(3)] == [(1,), (3,), (1,)]
+    assert [rank_cores((0, 1, 2, 3), r, 4) for r in range(4)] == [(0,), (1,), (2,), (3,)]

@@ -109,11 +109,6 @@ def check_runtime(cfg: RunConfig) -> None:
                 raise ValueError(
                     f"{name} = {list(value)} contradicts runtime.ray.placement = "
                     "'disaggregated', which pins engines and trainer itself: drop one")
-        if cfg.train.backend != "local":
-            raise ValueError(
-                f"runtime.ray.placement = 'disaggregated' pins the trainer's thread, but "
-                f"train.backend = {cfg.train.backend!r} runs rank processes it does not pin "
-                "(not built): use train.backend: local or another placement")
     need = cfg.engine.num_engines * rt.ray.engine_num_cpus
     if rt.ray.num_cpus is not None and need > rt.ray.num_cpus:
         raise ValueError(

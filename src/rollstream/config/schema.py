@@ -150,6 +150,11 @@ class FsdpConfig(Section):
     NCCL with ``device: cuda``). docs/distributed.md."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the ranks compute: ``cpu`` (gloo) or ``cuda`` (rank r on GPU r, NCCL)."""
+    max_restarts: int = Field(1, ge=0)
+    """Times a run resumes from its newest durable checkpoint (``train.checkpoint_every``)
+    after a rank process died (killed, crashed, out of memory): the step being computed is
+    lost, every rank is started again and the run continues as ``resume=true`` would, in the
+    same command. A rank that raised an error is not restarted (it would raise again)."""
 
 
 class TrainConfig(Section):
@@ -213,7 +218,10 @@ class TrainConfig(Section):
     """torch intra-op threads of the trainer (0 = leave as is)."""
     cpu_affinity: tuple[NonNegativeInt, ...] = ()
     """CPU cores the trainer's calling thread is pinned to (Linux ``sched_setaffinity`` of
-    that thread only; empty = leave as is)."""
+    that thread only; empty = leave as is). With ``backend: fsdp`` the cores the rank
+    processes share out: each rank's compute thread is pinned to its own slice (ranks share
+    cores round-robin when there are fewer cores than ranks), with as many torch threads as
+    its slice has cores unless ``threads`` is set."""
     checkpoint_every: int = Field(0, ge=0)
     """Save a durable checkpoint (``checkpoints/step_NNNNNN``: weights, optimizer, data
     cursor, buffer, in-flight partial samples; docs/run-dir.md) every N steps; one is also

@@ -14,8 +14,9 @@
 The derived settings (which cores, how many threads) are returned by :func:`placed_engine`
 and :func:`placed_train`, never written back into the config. Simplifications: CPU only and
 this host only (refused with a cluster's ``address`` at load); a colocated engine keeps its
-KV cache while it waits (CPU memory is not the constraint the GPU's is); the fsdp backend's
-rank processes are not pinned (refused with ``disaggregated`` at load).
+KV cache while it waits (CPU memory is not the constraint the GPU's is). With the fsdp
+backend the trainer's cores are shared out among its rank processes
+(:func:`rollstream.train.fsdp.rank_cores`).
 """
 
 from __future__ import annotations

@@ -60,12 +60,52 @@ def run_training(cfg: RunConfig, *,
     check_inputs(cfg, rewards)
     run_dir = Path(cfg.run_root) / cfg.name
     ckpt = resume_point(cfg, run_dir) if cfg.resume else None
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    summary = asyncio.run(_run(cfg, run_dir, ckpt, rewards))
+    restarts = 0
+    while True:
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        try:
+            summary = asyncio.run(_run(cfg, run_dir, ckpt, rewards, trainer_restarts=restarts))
+            break
+        except BaseException as e:
+            died = _rank_death(e)
+            if died is None or cfg.train.backend != "fsdp":
+                raise
+            if restarts >= cfg.train.fsdp.max_restarts:
+                raise RunStopped(f"{died}; train.fsdp.max_restarts = "
+                                 f"{cfg.train.fsdp.max_restarts} restarts used") from e
+            if durable.latest(run_dir) is None:
+                raise RunStopped(f"{died} before the run's first durable checkpoint: nothing to "
+                                 "resume from (train.checkpoint_every)") from e
+            restarts += 1
+            print(f"trainer: {died}: resuming from the newest checkpoint (restart {restarts} "
+                  f"of {cfg.train.fsdp.max_restarts})", flush=True)
+            cfg = cfg.model_copy(update={"resume": True})
+            ckpt = resume_point(cfg, run_dir)
     if summary["stalled"]:
         raise RunStopped(summary["stop_reason"])
     return summary
+
+
+def _rank_death(exc: BaseException) -> BaseException | None:
+    """The :class:`~rollstream.train.fsdp.TrainerRankDied` that ended a run, found in the
+    exception groups (the controller's task group) and causes around it; None if another
+    error did."""
+    from rollstream.train.fsdp import TrainerRankDied
+
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, TrainerRankDied):
+            return e
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
 
 
 def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
@@ -91,7 +131,8 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
 
 
 async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
-               rewards: Mapping[str, RewardFn] | None = None) -> dict[str, Any]:
+               rewards: Mapping[str, RewardFn] | None = None, *,
+               trainer_restarts: int = 0) -> dict[str, Any]:
     from rollstream.monitor.progress import Progress
 
     t_start = time.perf_counter()
@@ -168,7 +209,8 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
     controller.before_stop = before_stop
     loop = asyncio.get_running_loop()
     stop_msg = "SIGTERM received: stopped at a step boundary with a checkpoint"
-    with _on_sigterm(loop, lambda: controller.request_stop(stop_msg)):
+    with _on_sigterm(loop, lambda: controller.request_stop(stop_msg)), \
+            _closed_on_error(run):
         try:
             if ckpt is not None:
                 initial = saved["totals"]["initial"]
@@ -206,6 +248,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
                        engines={k: {n: v - work_before.get(k, {}).get(n, 0.0)
                                     for n, v in w.items()}
                                 for k, w in work_done.items()})
+    summary["trainer_restarts"] = trainer_restarts  # in this command (train.fsdp.max_restarts)
     run.ledger.close()
     run.metrics.close()
     write_passes(run, run_dir / "engine_passes.jsonl")
@@ -233,6 +276,19 @@ async def _eval(run: Run, round_index: int, step: int) -> dict[str, float]:
         run.metrics.record("eval", step, res)
         run.metrics.record("phase", step, {"eval_s": time.perf_counter() - t0})
     return res
+
+
+@contextlib.contextmanager
+def _closed_on_error(run: Run) -> Any:
+    """A run that fails (a trainer rank died: ``run_training`` may resume it in this process)
+    leaves its files closed and its trainer stopped."""
+    try:
+        yield
+    except BaseException:
+        run.trainer.close()
+        run.ledger.close()
+        run.metrics.close()
+        raise
 
 
 @contextlib.contextmanager

@@ -84,9 +84,12 @@ def run_study(base: Scenario, engine_counts: list[int], steps: int | None = None
             "tail_share": rows["sync"]["tail_share_mean"],
             "async_speedup": drain / sync, "partial_speedup": part / sync,
             "partial_vs_drain": part / drain,
+            # per mode, what the samples became (statuses, staleness, preemptions): why a
+            # mode's utilization or speedup moves with the engine count
             "rows": {k: {m: r[m] for m in ("step_s_mean", "engine_utilization",
                                            "tail_share_mean", "trained_tok_s", "gen_tok_s",
-                                           "staleness_max", "interrupts", "wall_s", "cpu_s")}
+                                           "staleness_max", "staleness_hist", "statuses",
+                                           "interrupts", "preemptions", "wall_s", "cpu_s")}
                      for k, r in rows.items()}}
         points.append(point)
         if progress:

@@ -37,6 +37,7 @@ import random
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Sequence
@@ -58,9 +59,19 @@ from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 if TYPE_CHECKING:
     from rollstream.rollout.staleness import StalenessPolicy
 
+DEATH_GRACE_S = 2.0  # after a rank's error: how long a peer's death may take to show
 REPLICATED = frozenset({"grad_norm", "num_updates"})  # sums every rank adds alike (global)
 COMMANDS = frozenset({"step", "logprobs", "state_dict", "save_checkpoint",
                       "save_training_state", "load_training_state", "follow"})
+
+
+class TrainerRankDied(RuntimeError):
+    """A rank process of the fsdp trainer died (killed, crashed, out of memory), as opposed
+    to a rank that raised (an error that would happen again on resume)."""
+
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        self.rank, self.exitcode = rank, exitcode
+        super().__init__(f"fsdp rank {rank} died (exit code {exitcode})")
 
 
 class RankTrainer(Trainer):
@@ -165,6 +176,18 @@ class RankTrainer(Trainer):
         random.setstate(state["python_rng"])
 
 
+def rank_cores(cores: Sequence[int], rank: int, world_size: int) -> tuple[int, ...]:
+    """The cores of ``train.cpu_affinity`` that rank ``rank`` is pinned to: consecutive
+    equal slices (the remainder to the first ranks); with fewer cores than ranks, ranks
+    share them round-robin."""
+    cores = sorted(cores)
+    if len(cores) < world_size:
+        return (cores[rank % len(cores)],)
+    size, extra = divmod(len(cores), world_size)
+    start = rank * size + min(rank, extra)
+    return tuple(cores[start:start + size + (rank < extra)])
+
+
 def _rank_main(rank: int, world_size: int, store: str, device: str, kwargs: dict[str, Any],
                conn: Connection) -> None:
     """A rank process: build the rank's trainer, then run the driver's calls until it
@@ -172,6 +195,10 @@ def _rank_main(rank: int, world_size: int, store: str, device: str, kwargs: dict
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)
+        elif kwargs["cfg"].cpu_affinity:  # this rank's share of the trainer's cores
+            cores = rank_cores(kwargs["cfg"].cpu_affinity, rank, world_size)
+            kwargs["cfg"] = kwargs["cfg"].model_copy(update={
+                "cpu_affinity": cores, "threads": kwargs["cfg"].threads or len(cores)})
         elif not kwargs["cfg"].threads:  # ranks share the cores instead of each taking all
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         dist.init_process_group("nccl" if device == "cuda" else "gloo",
@@ -264,7 +291,11 @@ class FsdpTrainer:
             if not self._finalizer.alive:
                 raise RuntimeError("the fsdp trainer is closed")
             for conn in self._conns:
-                conn.send((name, args))
+                try:
+                    conn.send((name, args))
+                except OSError:  # BrokenPipeError: a rank died since the last call
+                    self._raise_death(wait_s=DEATH_GRACE_S)
+                    raise
             return self._replies()
 
     def _replies(self) -> Any:
@@ -277,17 +308,40 @@ class FsdpTrainer:
             ready = wait([*waiting, *sentinels])
             for conn in [c for c in ready if c in waiting]:  # before deaths: an error's reason
                 rank = waiting.pop(conn)
-                status, out = conn.recv()
+                try:
+                    status, out = conn.recv()
+                except (EOFError, OSError):  # it died before it could answer (reset pipe)
+                    self._raise_death(wait_s=DEATH_GRACE_S)
+                    raise
                 if status == "error":
+                    # after a peer's death a rank fails in its collective: the death is the cause
+                    self._raise_death(wait_s=DEATH_GRACE_S)
                     self._abort()
                     raise RuntimeError(f"fsdp rank {rank} failed:\n{out}")
                 replies[rank] = out
-            dead = [r for s, r in sentinels.items() if s in ready]
-            if dead:
-                code = self._procs[dead[0]].exitcode
-                self._abort()
-                raise RuntimeError(f"fsdp rank {dead[0]} died (exit code {code})")
+            ended = [r for s, r in sentinels.items() if s in ready]
+            if ended:
+                for r in ended:  # its pipe closes before its exit code can be read
+                    self._procs[r].join(timeout=DEATH_GRACE_S)
+                self._raise_death()
+                self._abort()  # it exited 0 without answering (not a death)
+                raise RuntimeError(f"fsdp rank {ended[0]} ended without answering")
         return replies[0]
+
+    def _raise_death(self, wait_s: float = 0.0) -> None:
+        """Raise :class:`TrainerRankDied` (after ending every rank) if a rank process was
+        killed or crashed (a rank that raised reports it and exits 0), waiting up to
+        ``wait_s`` for one to be."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                    if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if dead:
+            self._abort()
+            raise TrainerRankDied(*dead[0])
 
 
     def _abort(self) -> None:
