@@ -130,11 +130,13 @@ def write_tick_dataset(path: Path, base: Any, folder: Path, *, num_train: int,
     return path
 
 
-def run_pair(common: Sequence[str], rows: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+def run_pair(common: Sequence[str], rows: dict[str, list[str]], *,
+             bench: str = "dispatch") -> dict[str, dict[str, Any]]:
     """Run each row as a ``rollstream train`` process, all at once: the two sides of a
     comparison share the machine's load (it is shared, and its load moves by minutes), and
     an equal wall time means equal conditions. Each pins its engine and trainer threads as
-    ``bench modes`` does, so the two engines share one core and the two trainers the other."""
+    ``bench modes`` does, so the two engines share one core and the two trainers the other.
+    (One row: one run; ``bench`` names the benchmark in what it prints.)"""
     from rollstream.bench.modes import row_config
 
     procs = {}
@@ -145,7 +147,7 @@ def run_pair(common: Sequence[str], rows: dict[str, list[str]]) -> dict[str, dic
         path = Path(cfg.run_root) / f"{label}.json"  # JSON is YAML
         path.write_text(json.dumps(cfg.model_dump(mode="json")))
         log = (Path(cfg.run_root) / f"{label}.log").open("w")
-        print(f"bench dispatch: training run {label} ({run_dir}) ...", flush=True)
+        print(f"bench {bench}: training run {label} ({run_dir}) ...", flush=True)
         procs[label] = (cfg, log, subprocess.Popen(
             [sys.executable, "-m", "rollstream", "train", str(path)], stdout=log,
             stderr=subprocess.STDOUT, env=_child_env()))
@@ -155,7 +157,7 @@ def run_pair(common: Sequence[str], rows: dict[str, list[str]]) -> dict[str, dic
         log.close()
         if rc != 0:
             tail = Path(log.name).read_text()[-3000:]
-            raise RuntimeError(f"bench dispatch: training run {label} exited {rc}:\n{tail}")
+            raise RuntimeError(f"bench {bench}: training run {label} exited {rc}:\n{tail}")
         out[label] = collect(cfg)
     return out
 

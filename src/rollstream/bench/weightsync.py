@@ -31,7 +31,7 @@ BIGGER = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4
           "intermediate_size": 1536}
 
 
-def _model(folder: Path, **overrides: Any) -> Path:
+def build_model(folder: Path, **overrides: Any) -> Path:
     from rollstream.config.schema import TinyModelConfig
     from rollstream.models.tiny import build_tiny_model
     from rollstream.models.tokenizer import build_char_tokenizer
@@ -49,7 +49,7 @@ async def _sync_seconds(engines: list, state: dict, first_version: int) -> list[
     return times[1:]  # the first is the warm-up
 
 
-async def _bench_model(folder: Path) -> dict[str, Any]:
+async def bench_model(folder: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from rollstream.config.runtime import RayConfig
@@ -99,9 +99,9 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name, overrides in models.items():
-                folder = _model(Path(tmp) / name, **overrides)
+                folder = build_model(Path(tmp) / name, **overrides)
                 result["models"][name] = {"config": overrides or "TinyModelConfig defaults",
-                                          **asyncio.run(_bench_model(folder))}
+                                          **asyncio.run(bench_model(folder))}
     finally:
         cluster.stop()
     result["loadavg_1m"] = {"start": load_start, "end": os.getloadavg()[0]}

@@ -9,6 +9,7 @@
                                version, a gloo broadcast in buckets, or shared memory
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
                                (and every PEEK_S one actor.peek.remote: partial tokens)
+    (wire.py counts these calls and their pickled bytes, in stats().work)
 
 Everything the protocol promises (token-boundary interrupts, per-token versions, partial
 tokens on abort, bad requests failing alone) is the local engine's, unchanged: the proxy only
@@ -47,6 +48,8 @@ from rollstream.engine.protocol import (
     GenerateOutput,
     GenerateRequest,
 )
+
+from rollstream.runtime.ray.wire import WireMeter
 
 if TYPE_CHECKING:
     import torch
@@ -145,18 +148,18 @@ class RayEngine:
         """``actor``: one ``spawn(version)`` made already (None: spawn it now)."""
         self.engine_id = engine_id
         self._spawn, self._weights, self._max_restarts = spawn, weights, max_restarts
-        self.num_restarts = 0
-        self._version = version
+        self.num_restarts, self._version, self._closed = 0, version, False
         self._death: str | None = None  # why the current actor stopped serving
-        self._closed = False
         self._inflight: dict[str, Any] = {}  # request id -> ObjectRef of its generate
         self._before = _Totals()  # counters of the actors this one replaced
         self._delivered_tokens = 0  # tokens returned by the current actor's calls
         self._partial: dict[str, GenerateOutput] = {}  # in flight: its tokens at the last peek
-        self._peek: Any = None  # the peek in flight
-        self._peek_at = 0.0  # time.monotonic() it was sent
+        self._peek: Any = None  # the peek in flight, and time.monotonic() it was sent
+        self._peek_at = 0.0
+        self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
         self.actor = actor if actor is not None else spawn(version)
         self._pending: Any = self.actor.stats.remote()
+        self.wire.call()
         self._last = self._read(self._pending, wait=True)
         self._pending = None
 
@@ -166,6 +169,7 @@ class RayEngine:
         if self._death is not None:
             return _abort(request.request_id, self._death)
         ref = actor.generate.remote(request)
+        self.wire.call(request)
         self._inflight[request.request_id] = ref
         try:
             out = await ref
@@ -182,6 +186,7 @@ class RayEngine:
             if self._inflight.get(request.request_id) is ref:
                 del self._inflight[request.request_id]
                 self._partial.pop(request.request_id, None)
+        self.wire.reply(out)
         if actor is self.actor:
             self._delivered_tokens += len(out.token_ids)
         return out
@@ -190,8 +195,10 @@ class RayEngine:
         actor = self.actor
         if self._death is not None:
             return  # a dead engine has nothing to stop
+        ids = None if request_ids is None else list(request_ids)
+        self.wire.call(ids)
         try:
-            await actor.interrupt.remote(None if request_ids is None else list(request_ids))
+            await actor.interrupt.remote(ids)
         except _actor_errors() as e:
             self._fault(actor, e)
 
@@ -220,7 +227,8 @@ class RayEngine:
             num_waiting=n - running,
             generated_tokens=before.tokens + max(last.generated_tokens, self._delivered_tokens),
             busy_s=before.busy_s + last.busy_s,
-            work={k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
+            work={**{k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
+                  **self.wire.totals()},
             health=health, health_reason=self._death)
 
     def live_actor(self) -> Any:
@@ -286,6 +294,7 @@ class RayEngine:
         if self._peek is None and self._inflight and \
                 time.monotonic() - self._peek_at >= PEEK_S and self._death is None:
             self._peek, self._peek_at = self.actor.peek.remote(), time.monotonic()
+            self.wire.call()
         if self._pending is not None:
             ready, _ = ray.wait([self._pending], timeout=0)
             if not ready:
@@ -293,6 +302,7 @@ class RayEngine:
             self._last = self._read(self._pending)
         if self._death is None:
             self._pending = self.actor.stats.remote()
+            self.wire.call()
 
     def _take_peek(self) -> None:
         import ray
@@ -303,6 +313,7 @@ class RayEngine:
         except _actor_errors() as e:
             self._fault(actor, e)
             return
+        self.wire.reply(outs)
         self._partial.update((o.request_id, o) for o in outs if o.request_id in self._inflight)
 
     def _read(self, ref: Any, *, wait: bool = False) -> EngineStats:
@@ -317,6 +328,7 @@ class RayEngine:
                 raise
             self._fault(actor, e)
             return self._last
+        self.wire.reply(st)
         if st.health is not EngineHealth.UP:
             self._fault(actor, RuntimeError(st.health_reason))
         return st

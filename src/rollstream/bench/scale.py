@@ -1,0 +1,330 @@
+"""Benchmark: the embedded runtime vs ``runtime.kind: ray`` on this host (issue 13).
+
+    rollstream bench scale [--json OUT] [--quick]
+
+**Training rows**, each a ``rollstream train`` process of examples/tick.yaml (the demo's
+warm-started model from the cache, async k=2 with partial rollout, 16 groups x 8 samples per
+step), the same config but for the runtime, one run at a time:
+
+* ``embedded``: engine and trainer as threads of one process, the engine's step thread pinned
+  to core 0 and the trainer's to core 1 (``bench modes``' placement);
+* ``ray_disaggregated``: ``runtime.ray.placement=disaggregated``: the engine actor (its own
+  process) on core 0, the trainer's thread on core 1 (the placement pins them itself);
+* ``ray_colocated`` (not with ``--quick``): ``placement=colocated``, sharing both cores and
+  taking turns.
+
+Full: two rounds in the order A B C, then C B A, so a drift in the machine's load hits every
+row alike; each row keeps its faster run (``bench modes``' rule) and every run is kept under
+``runs``. Trained samples/s = trained samples over the steps' ``wait_s + train_s`` in
+``metrics.jsonl``, so Ray's start, the model load and the evaluations are left out.
+
+**In this process**, on a local Ray of 2 CPUs after the rows: weight sync seconds per MB per
+path of ``runtime.ray.weight_sync`` (``bench weightsync``'s measurement, on the run's model
+and, full, its bigger model), and the restart of an engine actor: an actor serving version v
+is killed with ``ray.kill``; the proxy notices through its stats poll (``detect_s``), then
+:meth:`RayEngine.restart` spawns a new actor and installs v (``replace_s``); timed until a
+request on the new actor returns tokens of version v (``actor_restart_s``, median of
+``restart_trials``).
+
+**Control-plane bytes per sample**: each Ray row's proxies count the pickled payload of every
+call they make to their actor and of its reply (``runtime/ray/wire.py``: generate, interrupt,
+stats polls, peeks; weights excluded), training phase only (``summary.json``'s ``engines``),
+divided by trained samples and by generated samples (every training sample that reached the
+ledger: trained, filtered, dropped). There is no separate data plane yet (issue 13 item 5):
+token arrays ride the actor calls, so these bytes are what a sample costs the boundary.
+
+A benchmark measures; it does not assert. The machine is shared: the JSON records the load
+average before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.bench.sampling import DEMO_YAML
+
+EMBEDDED, DISAGGREGATED, COLOCATED = "embedded", "ray_disaggregated", "ray_colocated"
+RAY = ["runtime.kind=ray", f"runtime.ray.object_store_bytes={256 << 20}"]
+ROWS: dict[str, list[str]] = {
+    EMBEDDED: [],  # bench_overrides pins engine and trainer threads
+    # the placements pin (or share) the cores themselves: bench_overrides' pins would contradict
+    DISAGGREGATED: [*RAY, "runtime.ray.placement=disaggregated",
+                    "engine.local.cpu_affinity=[]", "train.cpu_affinity=[]"],
+    COLOCATED: [*RAY, "runtime.ray.placement=colocated",
+                "engine.local.cpu_affinity=[]", "train.cpu_affinity=[]"],
+}
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Sizes:
+    steps: int
+    num_eval: int
+    samples_per_task: int
+    rows: tuple[str, ...]
+    rounds: int
+    bigger_model: bool  # weight sync on bench weightsync's bigger model too
+    restart_trials: int
+    extra: tuple[str, ...] = ()
+
+
+FULL = Sizes(steps=12, num_eval=32, samples_per_task=4, rows=(EMBEDDED, DISAGGREGATED, COLOCATED),
+             rounds=2, bigger_model=True, restart_trials=3)
+# a smoke run: a test's barely trained model solves nothing; keep every group
+QUICK = Sizes(steps=2, num_eval=4, samples_per_task=1, rows=(EMBEDDED, DISAGGREGATED), rounds=1,
+              bigger_model=False, restart_trials=1,
+              extra=("train.groups_per_step=2", "rollout.group_size=4", "reward.num_workers=1",
+                     "rollout.filter_zero_variance=false"))
+
+
+def run_order(sizes: Sizes) -> list[str]:
+    """Rows in run order: A B C, then C B A, ... (one round with --quick)."""
+    return [row for i in range(sizes.rounds)
+            for row in (sizes.rows if i % 2 == 0 else tuple(reversed(sizes.rows)))]
+
+
+def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | None = None,
+         overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``overrides`` (key=value) apply to every row (tests pass a tiny model there)."""
+    import torch
+
+    from rollstream.bench.modes import bench_overrides
+    from rollstream.bench.sampling import run_pair
+    from rollstream.config import load_config
+    from rollstream.models.warmstart import prepare_model
+
+    torch.set_num_threads(1)  # a warm start that is not cached yet runs here (bench modes)
+    sizes = QUICK if quick else FULL
+    base = load_config(DEMO_YAML, list(overrides))
+    folder = prepare_model(base.model, base.tasks)
+    run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-scale-"))
+    common = [*overrides, *bench_overrides(folder, run_root), *sizes.extra,
+              f"train.steps={sizes.steps}", f"tasks.num_eval={sizes.num_eval}",
+              f"eval.samples_per_task={sizes.samples_per_task}"]
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for i, row in enumerate(run_order(sizes)):
+        label, load = f"{row}-{i}", os.getloadavg()[0]
+        done = run_pair(common, {label: ROWS[row]}, bench="scale")[label]
+        runs.setdefault(row, []).append({**row_numbers(run_root / label, done),
+                                         "load_before": load})
+    in_process = on_ray(folder, sizes)
+    rows = {row: {**max(r, key=lambda x: x["samples_per_s"]), "runs": r}
+            for row, r in runs.items()}
+    result = summarise(rows, in_process, quick=quick, sizes=sizes, folder=folder,
+                       load_before=load_before, bench_wall_s=time.perf_counter() - t0,
+                       run_root=run_root)
+    print_table(result)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+# ---- one training run ---------------------------------------------------------------------
+def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
+    """One finished run's numbers: ``collected`` (bench/sampling.py's) and, from its metrics,
+    summary and ledger, samples/s, the steps' wait and train time, the engines' busy share
+    and the control plane's calls and bytes (Ray rows)."""
+    from rollstream.bench.modes import read_metrics
+    from rollstream.data.ledger import read_ledger
+    from rollstream.runtime.ray.wire import WIRE_KEYS
+    from rollstream.trajectory import is_eval_uid
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [m for m in read_metrics(run_dir) if m.get("kind") == "train"]
+    wait_s, train_s = (sum(m[k] for m in steps) for k in ("wait_s", "train_s"))
+    trained = summary["trained_samples"]
+    generated = sum(1 for r in read_ledger(run_dir / "ledger.jsonl")
+                    if not is_eval_uid(r["sample_uid"]))
+    engines = summary["engines"].values()
+    busy_s = sum(e["busy_s"] for e in engines)
+    wire = {k: sum(e.get(k, 0.0) for e in engines) for k in WIRE_KEYS}
+    wire_bytes = wire["wire_sent_bytes"] + wire["wire_received_bytes"]
+    return {
+        "samples_per_s": trained / (wait_s + train_s),
+        "samples_per_s_wall": trained / summary["train_wall_s"],
+        "train_wall_s": summary["train_wall_s"], "wall_s": summary["wall_s"],
+        "steps": summary["steps"], "trained_samples": trained, "generated_samples": generated,
+        "wait_s_mean": wait_s / len(steps), "train_s_mean": train_s / len(steps),
+        "wait_share": wait_s / (wait_s + train_s),
+        "gen_tok_s": collected["gen_tokens"] / summary["train_wall_s"],
+        # one engine in every row: its forward passes' share of the training time
+        "engine_busy_share": busy_s / summary["train_wall_s"],
+        "engine_busy_in_train": statistics.fmean(m["engine_busy_in_train"] for m in steps),
+        # tokens per second of forward passes: how fast the engine ran while it ran (its core
+        # shared with another thread or process makes it slower)
+        "engine_tok_per_busy_s": collected["gen_tokens"] / busy_s,
+        "reward_initial": collected["reward_initial"],
+        "reward_final": collected["reward_final"],
+        "reward_final_se": collected["reward_final_se"],
+        "dropped_stale": collected["dropped_stale"], "filtered": collected["filtered"],
+        "aborted": collected["aborted"], "failed": collected["failed"],
+        **wire, "wire_bytes": wire_bytes,
+        "control_plane_bytes_per_trained_sample": wire_bytes / trained,
+        "control_plane_bytes_per_generated_sample": wire_bytes / generated,
+        "load_after": os.getloadavg()[0],
+    }
+
+
+# ---- on a local Ray in this process -----------------------------------------------------
+def on_ray(folder: Path, sizes: Sizes) -> dict[str, Any]:
+    """Weight sync s/MB per path (bench weightsync's) and the actor restart, on a local Ray
+    of 2 CPUs (bench weightsync's)."""
+    from rollstream.bench import weightsync
+    from rollstream.config.runtime import RayConfig
+    from rollstream.runtime.ray.cluster import RayCluster
+
+    cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=1 << 30))
+    try:
+        models = {"run_model": asyncio.run(weightsync.bench_model(folder))}
+        if sizes.bigger_model:
+            with tempfile.TemporaryDirectory() as tmp:
+                bigger = weightsync.build_model(Path(tmp) / "bigger", **weightsync.BIGGER)
+                models["bigger"] = asyncio.run(weightsync.bench_model(bigger))
+        restart = asyncio.run(restart_seconds(folder, sizes.restart_trials))
+    finally:
+        cluster.stop()
+    return {"weight_sync": models, "restart": restart}
+
+
+async def restart_seconds(folder: Path, trials: int) -> dict[str, Any]:
+    """Kill the engine actor ``trials`` times, each time serving a new version v: seconds
+    until the proxy noticed (its stats poll), until :meth:`RayEngine.restart` returned (a new
+    actor with the model folder's weights, then v's tensors, as the rollout's supervisor has
+    weight sync do it), and until a request on the new actor returned tokens of version v."""
+    import ray
+    from safetensors.torch import load_file
+
+    from rollstream.config.schema import LocalEngineConfig
+    from rollstream.engine.protocol import GenerateRequest, SamplingParams
+    from rollstream.runtime.ray.engines import build_ray_engines
+
+    state = load_file(folder / "model.safetensors")
+    cfg = LocalEngineConfig(max_slots=4, max_seq_len=64, threads=1, max_restarts=trials)
+    (engine,) = build_ray_engines(folder, cfg, num_engines=1, version=0, num_cpus=1)
+    params = SamplingParams(max_new_tokens=8, seed=0)
+    out: list[dict[str, float]] = []
+    try:
+        for version in range(1, trials + 1):
+            tensors = {k: t.clone() for k, t in state.items()}
+            await engine.load_weights(version, tensors)
+            t0 = time.perf_counter()
+            ray.kill(engine.actor, no_restart=True)
+            while not engine.needs_restart():
+                await asyncio.sleep(0.001)
+            t_detect = time.perf_counter()
+            await engine.restart(version, tensors)
+            t_up = time.perf_counter()
+            served = await engine.generate(GenerateRequest(
+                request_id=f"after-{version}", prompt_ids=[1, 2, 3], params=params))
+            t_served = time.perf_counter()
+            if served.error or set(served.versions) != {version}:
+                raise RuntimeError(f"the restarted actor did not serve version {version}: "
+                                   f"{served.error or served.versions}")
+            out.append({"detect_s": t_detect - t0, "replace_s": t_up - t_detect,
+                        "actor_restart_s": t_served - t0})
+    finally:
+        await engine.close()
+    return {"trials": out, **{k: statistics.median(t[k] for t in out) for k in out[0]}}
+
+
+# ---- the result -------------------------------------------------------------------------
+def summarise(rows: dict[str, dict[str, Any]], on_ray: dict[str, Any], *, quick: bool,
+              sizes: Sizes, folder: Path, load_before: tuple[float, float, float],
+              bench_wall_s: float, run_root: Path) -> dict[str, Any]:
+    emb, ray_row = rows[EMBEDDED], rows[DISAGGREGATED]
+
+    def vs_embedded(row: str) -> float:
+        return rows[row]["samples_per_s"] / emb["samples_per_s"]
+
+    # the ratio within each round (runs of one round are neighbours in time)
+    by_round = [r["samples_per_s"] / e["samples_per_s"]
+                for e, r in zip(emb["runs"], ray_row["runs"], strict=True)]
+    restart = on_ray["restart"]
+    return {
+        "benchmark": "scale",
+        "quick": quick,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "load_before": list(load_before),
+                    "load_after": list(os.getloadavg()), "bench_wall_s": bench_wall_s},
+        "settings": {"config": str(DEMO_YAML), "model": str(folder), "steps": sizes.steps,
+                     "rounds": sizes.rounds, "order": run_order(sizes),
+                     "num_eval": sizes.num_eval, "extra": list(sizes.extra),
+                     "rows": {row: ROWS[row] for row in sizes.rows}, "run_root": str(run_root)},
+        "rows": rows,
+        "ray_vs_embedded_samples_per_s": vs_embedded(DISAGGREGATED),
+        "ray_vs_embedded_samples_per_s_by_round": by_round,
+        "ray_colocated_vs_embedded_samples_per_s":
+            vs_embedded(COLOCATED) if COLOCATED in rows else None,
+        "weight_sync_s_per_mb": {path: m["s_per_mb"] for path, m in
+                                 on_ray["weight_sync"]["run_model"]["paths"].items()},
+        "weight_sync": on_ray["weight_sync"],
+        "control_plane_bytes_per_sample": {
+            "per_trained_sample": ray_row["control_plane_bytes_per_trained_sample"],
+            "per_generated_sample": ray_row["control_plane_bytes_per_generated_sample"],
+            "sent_per_trained_sample": ray_row["wire_sent_bytes"] / ray_row["trained_samples"],
+            "received_per_trained_sample":
+                ray_row["wire_received_bytes"] / ray_row["trained_samples"],
+            "calls_per_trained_sample": ray_row["wire_calls"] / ray_row["trained_samples"],
+            "row": DISAGGREGATED,
+            "note": "pickled payload of every generate, interrupt, stats and peek call and "
+                    "reply, training phase; Ray's per-call framing and weights not counted. "
+                    "No separate data plane exists yet (issue 13 item 5): token arrays ride "
+                    "the actor calls.",
+        },
+        "actor_restart_s": restart["actor_restart_s"],
+        "actor_restart": restart,
+        "targets": {"ray_vs_embedded_samples_per_s_ge_1":
+                    rows[DISAGGREGATED]["samples_per_s"] >= emb["samples_per_s"]},
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)  # a log file is not a terminal: no 80-column wrap
+    table = Table(title="bench scale: examples/tick.yaml, one run per row and round "
+                        "(samples/s: trained ÷ the steps' wait_s + train_s)")
+    for col in ("row", "samples/s (runs)", "train s", "wait share", "train_s / step",
+                "engine busy", "engine tok / busy s", "gen tok/s", "reward final",
+                "ctl bytes / trained sample"):
+        table.add_column(col)
+    for row, r in result["rows"].items():
+        runs = " / ".join(f"{x['samples_per_s']:.1f}" for x in r["runs"])
+        ctl = f"{r['control_plane_bytes_per_trained_sample']:,.0f}" if r["wire_calls"] else "-"
+        table.add_row(row, f"{r['samples_per_s']:.1f} ({runs})", f"{r['train_wall_s']:.1f}",
+                      f"{r['wait_share']:.2f}", f"{r['train_s_mean']:.2f}",
+                      f"{r['engine_busy_share']:.2f}", f"{r['engine_tok_per_busy_s']:,.0f}",
+                      f"{r['gen_tok_s']:,.0f}",
+                      f"{r['reward_final']:.3f} ± {r['reward_final_se']:.3f}", ctl)
+    console.print(table)
+    sync = Table(title="weight sync to 2 engine actors, s per MB (bench weightsync)")
+    for col in ("model", "MB", *result["weight_sync"]["run_model"]["paths"]):
+        sync.add_column(col)
+    for name, m in result["weight_sync"].items():
+        sync.add_row(name, f"{m['num_bytes'] / 1e6:.1f}",
+                     *(f"{p['s_per_mb']:.4f}" for p in m["paths"].values()))
+    console.print(sync)
+    ctl, rs = result["control_plane_bytes_per_sample"], result["actor_restart"]
+    colo = result["ray_colocated_vs_embedded_samples_per_s"]
+    print(f"ray_vs_embedded_samples_per_s {result['ray_vs_embedded_samples_per_s']:.2f} "
+          f"(by round: {', '.join(f'{x:.2f}' for x in result['ray_vs_embedded_samples_per_s_by_round'])})"
+          + ("" if colo is None else f"; colocated vs embedded {colo:.2f}"))
+    print(f"control plane: {ctl['per_trained_sample']:,.0f} B per trained sample "
+          f"({ctl['per_generated_sample']:,.0f} per generated; {ctl['calls_per_trained_sample']:.1f} "
+          "calls per trained sample); no separate data plane yet")
+    print(f"actor restart: {rs['actor_restart_s']:.2f} s kill to serving (detect "
+          f"{rs['detect_s']:.3f} s, replace {rs['replace_s']:.2f} s; median of "
+          f"{len(rs['trials'])})")
+    print(f"load average before {result['machine']['load_before']}, after "
+          f"{result['machine']['load_after']}")

@@ -1,0 +1,63 @@
+"""Smoke test of ``rollstream bench scale --quick`` on a tiny model: the embedded row and the
+disaggregated Ray row train, and the JSON has issue 13's keys with positive, finite values
+(a smoke run: its numbers mean nothing, so no target is checked). Its Ray is stopped after."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+        "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64",
+        "model.tiny.max_position=96", "model.warm_start.steps=3",
+        "model.warm_start.tokens_per_step=256", "tasks.sources=[{kind: tick, max_items: 4}]",
+        "engine.local.max_slots=16", "engine.local.max_seq_len=96",
+        "sampling.max_new_tokens=24", "train.updates_per_step=1"]
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def test_quick_scale_bench_writes_every_key(tmp_path):
+    import ray
+
+    from rollstream.bench.scale import DISAGGREGATED, EMBEDDED, main
+    from rollstream.bench.weightsync import PATHS
+
+    out = tmp_path / "scale.json"
+    result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
+                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result))
+    assert set(written["rows"]) == {EMBEDDED, DISAGGREGATED}
+    for label, row in written["rows"].items():
+        assert row["trained_samples"] == 2 * 2 * 4, label  # steps x groups x group size
+        for key in ("samples_per_s", "train_wall_s", "gen_tok_s", "engine_busy_share"):
+            assert _positive(row[key]), (label, key, row[key])
+        assert 0 <= row["reward_final"] <= 1 and 0 < row["wait_share"] < 1, label
+        assert row["generated_samples"] >= row["trained_samples"], label
+    # only the proxies of Ray engines count the control plane; every kind of call shows
+    assert written["rows"][EMBEDDED]["wire_calls"] == 0
+    ray_row = written["rows"][DISAGGREGATED]
+    assert ray_row["wire_calls"] > 0 and ray_row["wire_sent_bytes"] > 0
+    assert ray_row["wire_received_bytes"] > ray_row["wire_sent_bytes"]  # tokens come back
+    assert _positive(written["ray_vs_embedded_samples_per_s"])
+    assert written["ray_vs_embedded_samples_per_s"] == pytest.approx(
+        ray_row["samples_per_s"] / written["rows"][EMBEDDED]["samples_per_s"])
+    assert written["ray_colocated_vs_embedded_samples_per_s"] is None  # not in a quick run
+    assert set(written["weight_sync_s_per_mb"]) == set(PATHS)
+    assert all(_positive(v) for v in written["weight_sync_s_per_mb"].values())
+    ctl = written["control_plane_bytes_per_sample"]
+    for key in ("per_trained_sample", "per_generated_sample", "calls_per_trained_sample"):
+        assert _positive(ctl[key]), key
+    assert ctl["per_trained_sample"] >= ctl["per_generated_sample"]
+    restart = written["actor_restart"]
+    assert _positive(written["actor_restart_s"]) and len(restart["trials"]) == 1
+    trial = restart["trials"][0]
+    assert trial["detect_s"] + trial["replace_s"] <= trial["actor_restart_s"]
+    assert not ray.is_initialized()
