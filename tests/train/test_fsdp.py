@@ -106,7 +106,7 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
     cores = tuple(sorted(os.sched_getaffinity(0))[:2])
     trainer = FsdpTrainer(cfg.model_copy(update={"cpu_affinity": cores}), tiny_model_path,
                           staleness=STALE1)
-    procs = list(trainer._procs)
+    procs = list(trainer.ranks.procs)
     try:
         local = Trainer(cfg, tiny_model_path, staleness=STALE1)
         samples = [s for g in batch() for s in g.samples]
@@ -140,7 +140,7 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
         trainer.close()
     assert not any(p.is_alive() for p in procs)
     assert not multiprocessing.active_children()
-    assert not Path(trainer._folder).exists()
+    assert not Path(trainer.ranks._folder).exists()
 
 
 @pytest.mark.slow
