@@ -228,7 +228,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
 
 @dataclass(slots=True, kw_only=True)
 class Run:
-    """Every component of one run (built by :func:`build_run`, closed by :meth:`close`)."""
+    """Every component of one run (built by :func:`build_run`, closed by :meth:`close`, then :meth:`stop`)."""
 
     cfg: RunConfig
     run_dir: Path
