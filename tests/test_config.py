@@ -251,6 +251,25 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     (["runtime.kind=ray", "runtime.ray.placement=apart"], "runtime.ray.placement"),
     (["runtime.ray.weight_sync=broadcast"],
      "runtime.ray.weight_sync is read only with runtime.kind: ray (it is embedded)"),
+    (["runtime.kind=ray", "engine.num_engines=3", "runtime.ray.scale_units=2"],
+     "engine.num_engines = 3 does not split into runtime.ray.scale_units = 2 equal units"),
+    (["runtime.kind=ray", "engine.num_engines=2", "runtime.ray.scale_units=2",
+      "train.backend=fsdp", "train.fsdp.world_size=3"],
+     "train.fsdp.world_size = 3 does not split into runtime.ray.scale_units = 2 equal units: "
+     "each unit holds an equal share: allowed scale_units divide engine.num_engines = 2 and "
+     "train.fsdp.world_size = 3"),
+    (["runtime.kind=ray", "runtime.ray.scale_units=0"], "runtime.ray.scale_units"),
+    (["runtime.kind=ray", "runtime.ray.rank_num_cpus=0.5"],
+     "runtime.ray.rank_num_cpus = 0.5 is read only with train.backend = fsdp (it is local)"),
+    (["runtime.kind=ray", "train.backend=fsdp", "train.fsdp.device=cuda"],
+     "train.fsdp.device = 'cuda' with runtime.kind: ray is not built yet"),
+    (["runtime.kind=ray", "runtime.ray.num_cpus=2", "engine.num_engines=1",
+      "train.backend=fsdp"],
+     "engine.num_engines = 1 actors of runtime.ray.engine_num_cpus = 1.0 and "
+     "train.fsdp.world_size = 2 rank actors of runtime.ray.rank_num_cpus = 1.0 need 3 CPUs, "
+     "more than runtime.ray.num_cpus = 2"),
+    (["runtime.ray.scale_units=2"],
+     "runtime.ray.scale_units is read only with runtime.kind: ray (it is embedded)"),
 ])
 def test_runtime_settings_that_contradict_fail_at_load(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -266,3 +285,7 @@ def test_runtime_ray_settings_load():
     cfg = load_config(None, ["runtime.kind=ray", "runtime.ray.weight_sync=broadcast",
                              f"runtime.ray.bucket_bytes={8 << 20}"])
     assert (cfg.runtime.ray.weight_sync, cfg.runtime.ray.bucket_bytes) == ("broadcast", 8 << 20)
+    cfg = load_config(None, ["runtime.kind=ray", "engine.num_engines=2", "train.backend=fsdp",
+                             "train.fsdp.world_size=4", "runtime.ray.scale_units=2",
+                             "runtime.ray.num_cpus=4", "runtime.ray.rank_num_cpus=0.5"])
+    assert (cfg.runtime.ray.scale_units, cfg.runtime.ray.rank_num_cpus) == (2, 0.5)

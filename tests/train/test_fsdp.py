@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -97,16 +98,70 @@ def test_two_ranks_match_the_single_process_trainer(tiny_model_path: Path,
             assert torch.allclose(weights[n], w, rtol=0, atol=WEIGHT_ATOL), (name, n)
 
 
-def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path) -> None:
-    """The controller-side handle: step, logprobs, state_dict and a reconfiguration
-    (follow_rollout) as the local trainer's; checkpoints round-trip; close leaves no rank
-    running; a rank's error is raised here. ``cpu_affinity`` pins each rank's compute thread
-    to its share of the cores."""
+@pytest.fixture
+def launch(request: pytest.FixtureRequest):
+    """How the ranks start: spawned processes (``None``, the default), or Ray actors in one
+    scale unit (1 engine of 1 CPU + 2 ranks of 0.5) of a local Ray of 2 CPUs, which the
+    fixture stops; with a function returning each rank's pid."""
+    if request.param == "process":
+        yield None, lambda trainer: [p.pid for p in trainer.ranks.procs]
+        return
+    from functools import partial
+
+    import ray
+
+    from rollstream.config import load_config
+    from rollstream.config.runtime import RayConfig
+    from rollstream.runtime.ray.cluster import RayCluster
+    from rollstream.runtime.ray.ranks import RayRanks
+    from rollstream.runtime.ray.units import ScaleUnits
+
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.ray.num_cpus=2",
+                             "engine.num_engines=1", "train.backend=fsdp",
+                             "runtime.ray.rank_num_cpus=0.5"])
+    cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
+    try:
+        units = ScaleUnits.reserve(cfg)
+        assert ray.available_resources().get("CPU", 0) == 0  # the unit holds both CPUs
+
+        def pids(trainer):  # and every rank runs inside the unit
+            where = ray.get([a.placement.remote() for a in trainer.ranks.actors])
+            assert {w["placement_group"] for w in where} == {units.group.id.hex()}, where
+            return [w["pid"] for w in where]
+
+        yield partial(RayRanks, num_cpus=0.5, units=units), pids
+        units.remove()
+    finally:
+        cluster.stop()
+
+
+def _gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Every process of ``pids`` has exited (Ray ends a killed actor's process shortly)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                   for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("launch", ["process", pytest.param("ray", marks=pytest.mark.ray)],
+                         indirect=True)
+def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path,
+                                           launch) -> None:
+    """The controller-side handle, on either rank transport: step, logprobs, state_dict and
+    a reconfiguration (follow_rollout) as the local trainer's; checkpoints round-trip; close
+    leaves no rank running; a rank's error is raised here. ``cpu_affinity`` pins each rank's
+    compute thread to its share of the cores."""
+    make, rank_pids = launch
     cfg = TrainConfig(micro_batch_tokens=24, backend="fsdp")
     cores = tuple(sorted(os.sched_getaffinity(0))[:2])
     trainer = FsdpTrainer(cfg.model_copy(update={"cpu_affinity": cores}), tiny_model_path,
-                          staleness=STALE1)
-    procs = list(trainer._procs)
+                          staleness=STALE1, launch=make)
+    pids = rank_pids(trainer)
     try:
         local = Trainer(cfg, tiny_model_path, staleness=STALE1)
         samples = [s for g in batch() for s in g.samples]
@@ -115,8 +170,11 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
         assert max(abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)) < 1e-5
         got, want = trainer.step(batch(), 1), local.step(batch(), 1)
         assert math.isclose(got.metrics["loss"], want.metrics["loss"], rel_tol=LOSS_RTOL)
-        for rank, proc in enumerate(procs):  # the main thread computes (tid = pid)
-            status = Path(f"/proc/{proc.pid}/status").read_text()
+        assert math.isclose(got.metrics["grad_norm"], want.metrics["grad_norm"],
+                            rel_tol=LOSS_RTOL)
+        assert got.kept == want.kept
+        for rank, pid in enumerate(pids):  # the thread that computes: the main one (tid = pid)
+            status = Path(f"/proc/{pid}/status").read_text()
             allowed = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list"))
             assert allowed.split()[-1] == ",".join(map(str, rank_cores(cores, rank, 2))), allowed
         weights = trainer.state_dict()
@@ -135,12 +193,15 @@ def test_driver_trains_syncs_and_cleans_up(tiny_model_path: Path, tmp_path: Path
         with pytest.raises(RuntimeError, match="fsdp rank 0 failed"):
             trainer.step([make_group("bad", [1], [[999]], rewards=[1.0])], 2)  # id > vocab
         # (an error, not a death: runtime/train.py restarts ranks only for TrainerRankDied)
-        assert not any(p.is_alive() for p in procs)  # an error ends every rank
+        assert _gone(pids)  # an error ends every rank
+        with pytest.raises(RuntimeError, match="closed"):
+            trainer.logprobs(samples)
     finally:
         trainer.close()
-    assert not any(p.is_alive() for p in procs)
+    assert _gone(pids)
     assert not multiprocessing.active_children()
-    assert not Path(trainer._folder).exists()
+    if make is None:
+        assert not Path(trainer.ranks._folder).exists()
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """The config of where a run's components live (docs/distributed.md): one process
 (``embedded``) or Ray actors (``ray``). The controller is the same on both; this section only
-says where engines run and which Ray they run on.
+says where engines, workers and fsdp ranks run (scale units) and which Ray they run on.
 """
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ class RayConfig(Section):
     ``address`` null."""
     engine_num_cpus: float = Field(1.0, gt=0)
     """Logical CPUs each engine actor reserves (Ray places actors by these)."""
+    rank_num_cpus: float = Field(1.0, gt=0)
+    """Logical CPUs each fsdp rank actor reserves (``train.backend: fsdp``, whose ranks are
+    Ray actors on this runtime). Read only with that backend."""
+    scale_units: int = Field(1, ge=1)
+    """Scale units: groups of engine actors and fsdp rank actors placed together on one node
+    (one node's worth of the run), so a cluster is described as N units. Each unit holds
+    ``engine.num_engines / scale_units`` engines and ``train.fsdp.world_size / scale_units``
+    ranks (both must divide evenly); the run reserves one Ray placement group with a bundle
+    per unit (its actors' CPUs), units spread over nodes. docs/distributed.md."""
     worker_num_cpus: float = Field(0.0, ge=0)
     """Logical CPUs each reward worker actor (``reward.num_workers`` of them) and harness
     worker actor (``agent.harness_workers``) reserves. 0: none; they mostly wait, and a
@@ -81,9 +90,11 @@ class RuntimeConfig(Section):
 
     kind: Literal["embedded", "ray"] = "embedded"
     """``embedded``: everything in this process (engines on threads, reward and harness
-    workers in processes it spawns). ``ray``: each engine, reward worker and harness worker is
-    a Ray actor (its own process) behind the same protocols; the controller, trainer and
-    grader pool stay in this process."""
+    workers in processes it spawns). ``ray``: each engine, reward worker, harness worker and
+    (with ``train.backend: fsdp``) trainer rank is a Ray actor (its own process) behind the
+    same protocols, engines and ranks in ``ray.scale_units`` placement-group units; the
+    controller and grader pool (and a ``train.backend: local`` trainer) stay in this
+    process."""
     ray: RayConfig = RayConfig()
     """Settings of ``kind: ray``."""
 
@@ -115,16 +126,45 @@ def check_runtime(cfg: RunConfig) -> None:
                 raise ValueError(
                     f"{name} = {list(value)} contradicts runtime.ray.placement = "
                     "'disaggregated', which pins engines and trainer itself: drop one")
-    need = cfg.engine.num_engines * rt.ray.engine_num_cpus
+    _check_units(cfg)
+    fsdp = cfg.train.backend == "fsdp"
+    ranks = cfg.train.fsdp.world_size if fsdp else 0
+    need = cfg.engine.num_engines * rt.ray.engine_num_cpus + ranks * rt.ray.rank_num_cpus
     if rt.ray.num_cpus is not None and need > rt.ray.num_cpus:
         raise ValueError(
             f"engine.num_engines = {cfg.engine.num_engines} actors of runtime.ray."
-            f"engine_num_cpus = {rt.ray.engine_num_cpus} need {need:g} CPUs, more than "
-            f"runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray would never place them all")
+            f"engine_num_cpus = {rt.ray.engine_num_cpus}"
+            + (f" and train.fsdp.world_size = {ranks} rank actors of runtime.ray.rank_num_cpus"
+               f" = {rt.ray.rank_num_cpus}" if fsdp else "")
+            + f" need {need:g} CPUs, more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray "
+            "would never place them all")
     workers = cfg.reward.num_workers + cfg.agent.harness_workers
     if rt.ray.num_cpus is not None and need + workers * rt.ray.worker_num_cpus > rt.ray.num_cpus:
         raise ValueError(
             f"runtime.ray.worker_num_cpus = {rt.ray.worker_num_cpus} for {workers} worker "
-            f"actors (reward.num_workers + agent.harness_workers) and {need:g} CPUs of engine "
-            f"actors need more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray would never "
-            "place them all")
+            f"actors (reward.num_workers + agent.harness_workers) and {need:g} CPUs of "
+            f"{'engine and rank' if fsdp else 'engine'} actors need more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray "
+            "would never place them all")
+
+
+def _check_units(cfg: RunConfig) -> None:
+    """The scale units against the engines and fsdp ranks they hold."""
+    ray, fsdp = cfg.runtime.ray, cfg.train.backend == "fsdp"
+    if not fsdp and ray.rank_num_cpus != RayConfig.model_fields["rank_num_cpus"].default:
+        raise ValueError(
+            f"runtime.ray.rank_num_cpus = {ray.rank_num_cpus} is read only with train.backend "
+            f"= fsdp (it is {cfg.train.backend}): set backend: fsdp or drop rank_num_cpus")
+    if fsdp and cfg.train.fsdp.device != "cpu":
+        raise ValueError(
+            f"train.fsdp.device = {cfg.train.fsdp.device!r} with runtime.kind: ray is not built "
+            "yet (rank actors compute on CPU): use train.fsdp.device: cpu, or runtime.kind: "
+            "embedded")
+    counts = {"engine.num_engines": cfg.engine.num_engines}
+    if fsdp:
+        counts["train.fsdp.world_size"] = cfg.train.fsdp.world_size
+    for field, count in counts.items():
+        if count % ray.scale_units:
+            raise ValueError(
+                f"{field} = {count} does not split into runtime.ray.scale_units = "
+                f"{ray.scale_units} equal units: each unit holds an equal share: "
+                f"allowed scale_units divide {' and '.join(f'{k} = {v}' for k, v in counts.items())}")

@@ -145,7 +145,8 @@ class ISCorrectionConfig(Section):
 
 class FsdpConfig(Section):
     world_size: int = Field(2, ge=1)
-    """Trainer ranks: processes the controller starts, each holding a shard of the policy and
+    """Trainer ranks: processes the controller starts (Ray actors in ``runtime.ray.scale_units``
+    units on ``runtime.kind: ray``), each holding a shard of the policy and
     of AdamW's state and computing every ``world_size``-th micro-batch of a step (gloo on CPU,
     NCCL with ``device: cuda``). docs/distributed.md."""
     device: Literal["cpu", "cuda"] = "cpu"

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from rollstream.reward.pool import GraderPool
     from rollstream.reward.registry import RewardFn
     from rollstream.runtime.ray.cluster import RayCluster
+    from rollstream.runtime.ray.units import ScaleUnits
     from rollstream.train.fsdp import FsdpTrainer
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Task
@@ -76,17 +77,29 @@ def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
     )
 
 
-def build_trainer(cfg: RunConfig, model_path: Path) -> Trainer | FsdpTrainer:
-    """The trainer of ``train.backend``: in this process (``local``) or FSDP rank processes
-    (``fsdp``); either way :meth:`close` releases it."""
-    if cfg.train.backend == "fsdp":
-        from rollstream.train.fsdp import FsdpTrainer as make
-    else:
-        from rollstream.train.trainer import Trainer as make
-    return make(placed_train(cfg), model_path, staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
-                max_response_tokens=cfg.sampling.max_new_tokens,
-                temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                top_k=cfg.sampling.top_k)
+def build_trainer(cfg: RunConfig, model_path: Path,
+                  units: ScaleUnits | None = None) -> Trainer | FsdpTrainer:
+    """The trainer of ``train.backend``: in this process (``local``) or FSDP ranks
+    (``fsdp``): Ray actors in the run's scale ``units`` where given (``runtime.kind: ray``),
+    else processes this one spawns; either way :meth:`close` releases it."""
+    kwargs: dict[str, Any] = dict(
+        staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        max_response_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
+    if cfg.train.backend == "local":
+        from rollstream.train.trainer import Trainer
+
+        return Trainer(placed_train(cfg), model_path, **kwargs)
+    from rollstream.train.fsdp import FsdpTrainer
+
+    if units is not None:
+        from functools import partial
+
+        from rollstream.runtime.ray.ranks import RayRanks
+
+        kwargs["launch"] = partial(RayRanks, num_cpus=cfg.runtime.ray.rank_num_cpus,
+                                   units=units)
+    return FsdpTrainer(placed_train(cfg), model_path, **kwargs)
 
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> None:
@@ -215,7 +228,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
 
 @dataclass(slots=True, kw_only=True)
 class Run:
-    """Every component of one run (built by :func:`build_run`, closed by :meth:`close`)."""
+    """Every component of one run (built by :func:`build_run`, closed by :meth:`close`, then :meth:`stop`)."""
 
     cfg: RunConfig
     run_dir: Path
@@ -231,31 +244,37 @@ class Run:
     eval_params: SamplingParams
     resumed: durable.Checkpoint | None = None  # the checkpoint this run continues
     superseded_lines: int = 0  # ledger lines a resume moved to ledger.superseded.jsonl
-    cluster: RayCluster | None = None  # runtime.kind: ray (stopped after the engines close)
+    cluster: RayCluster | None = None  # runtime.kind: ray (stopped after the trainer closes)
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """Close the trainer, then stop the Ray the run uses (fsdp rank actors live in it):
+        after :meth:`close` and the final checkpoint."""
         try:
-            for harness in self.loop.dispatcher.harnesses.values():
-                close = getattr(harness, "close", None)
-                if close is not None:
-                    await close()
-            for e in self.engines:
-                close = getattr(e, "close", None)
-                if close is not None:
-                    await close()
-            res: Any = self.graders.close()
-            if asyncio.iscoroutine(res):
-                await res
+            self.trainer.close()
         finally:
             if self.cluster is not None:
                 self.cluster.stop()
+
+    async def close(self) -> None:
+        """Close harnesses, engines and graders (the trainer and Ray stay: :meth:`stop`)."""
+        for harness in self.loop.dispatcher.harnesses.values():
+            close = getattr(harness, "close", None)
+            if close is not None:
+                await close()
+        for e in self.engines:
+            close = getattr(e, "close", None)
+            if close is not None:
+                await close()
+        res: Any = self.graders.close()
+        if asyncio.iscoroutine(res):
+            await res
 
 
 def build_engines(cfg: RunConfig, weights: Path, *, version: int,
                   run_dir: Path) -> tuple[list[Engine], RayCluster | None]:
     """The run's engines serving ``weights`` tagged ``version``: in this process
-    (``runtime.kind: embedded``) or one Ray actor each (``ray``, with the Ray they run on,
-    which the run stops at the end)."""
+    (``runtime.kind: embedded``) or one Ray actor each (``ray``, in the run's scale units,
+    with the Ray they run on, which holds the units and which the run stops at the end)."""
     from rollstream.engine.factory import build_engine
 
     if cfg.runtime.kind == "embedded":
@@ -265,11 +284,15 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
     from rollstream.runtime.ray.engines import build_ray_engines
     from rollstream.runtime.ray.weights import build_transport
 
+    from rollstream.runtime.ray.units import ScaleUnits
+
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
     try:
+        cluster.units = ScaleUnits.reserve(cfg)
         engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
                                     version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                                    weights=build_transport(cfg.runtime.ray))
+                                    weights=build_transport(cfg.runtime.ray),
+                                    units=cluster.units)
     except BaseException:
         cluster.stop()
         raise
@@ -316,11 +339,12 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     version = resume.step if resume is not None else 0  # weight version = steps done
     weights = resume.model_dir if resume is not None else model_path
     engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)
-    try:  # a Ray the run started must not outlive a failed build
+    trainer = None
+    try:  # a Ray the run started (and the trainer's ranks) must not outlive a failed build
         graders = GraderPool(cfg.reward, resolve,
                              build_workers(cfg, cfg.reward.num_workers, "reward"))
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-        trainer = build_trainer(cfg_now, model_path)
+        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None)
         loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           ledger=ledger, metrics=metrics, clock=WallClock(),
@@ -333,8 +357,12 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
             loop.reconfigure.restore(saved, version=version)
         loop.rollout.skip(skip)
     except BaseException:
-        if cluster is not None:
-            cluster.stop()
+        try:
+            if trainer is not None:
+                trainer.close()
+        finally:
+            if cluster is not None:
+                cluster.stop()
         raise
     return Run(
         cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,

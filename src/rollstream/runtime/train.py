@@ -242,7 +242,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
     try:
         final_dir = save_checkpoint(run.trainer, run_dir / "checkpoint")
     finally:
-        run.trainer.close()  # the fsdp backend's rank processes
+        run.stop()  # the trainer (the fsdp backend's ranks), then the run's Ray
     summary = _summary(run, result, initial, final, final_dir, time.perf_counter() - t_start,
                        done_totals["train_wall_s"], done_totals["generated_tokens"],
                        engines={k: {n: v - work_before.get(k, {}).get(n, 0.0)
@@ -281,13 +281,15 @@ async def _eval(run: Run, round_index: int, step: int) -> dict[str, float]:
 @contextlib.contextmanager
 def _closed_on_error(run: Run) -> Any:
     """A run that fails (a trainer rank died: ``run_training`` may resume it in this process)
-    leaves its files closed and its trainer stopped."""
+    leaves its files closed, its trainer and its Ray stopped."""
     try:
         yield
     except BaseException:
-        run.trainer.close()
-        run.ledger.close()
-        run.metrics.close()
+        try:
+            run.stop()
+        finally:
+            run.ledger.close()
+            run.metrics.close()
         raise
 
 

@@ -18,11 +18,15 @@ Two halves:
   - the step's metrics and per-sample kept tokens are merged from every rank.
 
 * :class:`FsdpTrainer`, in the controller's process: starts the ``world_size`` ranks
-  (spawned, rendezvous through a file store in a temporary folder), and forwards each call
-  of the trainer's interface (``step``, ``logprobs``, ``state_dict``, checkpoints) to all of
-  them; rank 0 answers. A rank that raises or dies ends every rank and raises here with its
-  traceback; :meth:`FsdpTrainer.close` (and, failing that, garbage collection or interpreter
-  exit: the ranks are daemons) stops them.
+  through a :class:`Ranks` transport and forwards each call of the trainer's interface
+  (``step``, ``logprobs``, ``state_dict``, checkpoints) to all of them; rank 0 answers. A
+  rank that raises or dies ends every rank and raises here (with its traceback, or
+  :class:`TrainerRankDied`); :meth:`FsdpTrainer.close` stops them. Two transports, the only
+  difference between the two ways a run hosts its ranks: spawned processes of this one
+  behind pipes, rendezvous through a file store (``train/rank_processes.py``, the
+  default), and Ray actors placed in the run's scale units, rendezvous through a TCP store
+  on rank 0's node (``runtime/ray/ranks.py``, ``runtime.kind: ray``). Both run
+  :func:`start_rank` and :func:`run_command` in the rank.
 
 Simplified: the reference model (``kl_coef > 0``) is a full copy on every rank, not
 sharded; ``state_dict`` gathers the full weights to rank 0 and ships them to the controller
@@ -34,20 +38,13 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import threading
-import time
-import traceback
-import weakref
-from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
@@ -69,9 +66,11 @@ class TrainerRankDied(RuntimeError):
     """A rank process of the fsdp trainer died (killed, crashed, out of memory), as opposed
     to a rank that raised (an error that would happen again on resume)."""
 
-    def __init__(self, rank: int, exitcode: int | None) -> None:
+    def __init__(self, rank: int, exitcode: int | None, cause: str | None = None) -> None:
+        """``exitcode``: the process's, where the driver can read it (a spawned process);
+        ``cause``: Ray's account of an actor's death."""
         self.rank, self.exitcode = rank, exitcode
-        super().__init__(f"fsdp rank {rank} died (exit code {exitcode})")
+        super().__init__(f"fsdp rank {rank} died ({cause or f'exit code {exitcode}'})")
 
 
 class RankTrainer(Trainer):
@@ -188,68 +187,80 @@ def rank_cores(cores: Sequence[int], rank: int, world_size: int) -> tuple[int, .
     return tuple(cores[start:start + size + (rank < extra)])
 
 
-def _rank_main(rank: int, world_size: int, store: str, device: str, kwargs: dict[str, Any],
-               conn: Connection) -> None:
-    """A rank process: build the rank's trainer, then run the driver's calls until it
-    closes the pipe. An error is sent back with its traceback (the driver ends every rank)."""
-    try:
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-        elif kwargs["cfg"].cpu_affinity:  # this rank's share of the trainer's cores
-            cores = rank_cores(kwargs["cfg"].cpu_affinity, rank, world_size)
-            kwargs["cfg"] = kwargs["cfg"].model_copy(update={
-                "cpu_affinity": cores, "threads": kwargs["cfg"].threads or len(cores)})
-        elif not kwargs["cfg"].threads:  # ranks share the cores instead of each taking all
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                init_method=f"file://{store}", rank=rank, world_size=world_size)
-        on = f"cuda:{rank}" if device == "cuda" else "cpu"
-        trainer = RankTrainer(rank=rank, world_size=world_size, device=on, **kwargs)
-        conn.send(("ok", None))
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:  # the driver is gone
-                break
-            if msg is None:
-                break
-            name, args = msg
-            out = getattr(trainer, name)(*args)
-            conn.send(("ok", out if rank == 0 else None))
-        dist.destroy_process_group()
-    except BaseException:  # a fault boundary: the driver raises it and ends every rank
-        conn.send(("error", traceback.format_exc()))
+def start_rank(rank: int, world_size: int, device: str, kwargs: dict[str, Any], *,
+               init_method: str | None = None, store: Any = None) -> RankTrainer:
+    """In a rank's process (either transport): pin it to its share of the trainer's cores
+    (or share the cores' threads), join the process group (``init_method``, or a
+    torch.distributed ``store``) and build the rank's trainer."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    elif kwargs["cfg"].cpu_affinity:  # this rank's share of the trainer's cores
+        cores = rank_cores(kwargs["cfg"].cpu_affinity, rank, world_size)
+        kwargs = {**kwargs, "cfg": kwargs["cfg"].model_copy(update={
+            "cpu_affinity": cores, "threads": kwargs["cfg"].threads or len(cores)})}
+    elif not kwargs["cfg"].threads:  # ranks share the cores instead of each taking all
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method,
+                            store=store, rank=rank, world_size=world_size)
+    on = f"cuda:{rank}" if device == "cuda" else "cpu"
+    return RankTrainer(rank=rank, world_size=world_size, device=on, **kwargs)
+
+
+def run_command(trainer: RankTrainer, name: str, args: Sequence[Any]) -> Any:
+    """One call of the driver on a rank: rank 0's result (the others' is None)."""
+    assert name in COMMANDS, name
+    out = getattr(trainer, name)(*args)
+    return out if trainer.rank == 0 else None
+
+
+class Ranks(Protocol):
+    """The transport between :class:`FsdpTrainer` and its rank processes: spawned processes
+    behind pipes (``train/rank_processes.py``) or Ray actors (``runtime/ray/ranks.py``).
+    Made by a :data:`LaunchRanks` with every rank's trainer built."""
+
+    def call(self, name: str, args: tuple[Any, ...]) -> Any:
+        """Run ``name`` on every rank; rank 0's result. A rank that died raises
+        :class:`TrainerRankDied` (a death is reported before the errors it causes in its
+        peers' collectives, waiting up to ``DEATH_GRACE_S`` for it to show); one that raised
+        raises :func:`rank_failed`'s error. Either way the caller then :meth:`kill` s them."""
+
+    def kill(self) -> None:
+        """End every rank now (one may wait in a collective that never completes)."""
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent)."""
+
+
+LaunchRanks = Callable[[int, str, dict[str, Any]], Ranks]
+"""``(world_size, device, trainer kwargs) -> Ranks`` with every rank's trainer built."""
+
+
+def rank_failed(rank: int, trace: str) -> RuntimeError:
+    """The error of a rank that raised (not a death: runtime/train.py does not restart it)."""
+    return RuntimeError(f"fsdp rank {rank} failed:\n{trace}")
 
 
 class FsdpTrainer:
     """The trainer interface of the controller, computed by ``cfg.fsdp.world_size`` FSDP
-    ranks (module docstring). Arguments: as :class:`~rollstream.train.trainer.Trainer`."""
+    ranks (module docstring). Arguments: as :class:`~rollstream.train.trainer.Trainer`, and
+    ``launch``, which starts the ranks (None: spawned processes of this one)."""
 
     def __init__(self, cfg: TrainConfig, model_path: Path, *, staleness: StalenessPolicy,
                  max_response_tokens: int | None = None, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0) -> None:
+                 top_p: float = 1.0, top_k: int = 0, launch: LaunchRanks | None = None) -> None:
         self.world_size = cfg.fsdp.world_size
-        if cfg.fsdp.device == "cuda" and torch.cuda.device_count() < self.world_size:
+        if cfg.fsdp.device == "cuda" and launch is None and \
+                torch.cuda.device_count() < self.world_size:
             raise ValueError(f"train.fsdp.world_size = {self.world_size} with device cuda needs "
                              f"as many GPUs; {torch.cuda.device_count()} found")
+        if launch is None:
+            from rollstream.train.rank_processes import ProcessRanks as launch
         self._lock = threading.Lock()  # one call at a time: the ranks pair collectives
-        self._folder = folder = tempfile.mkdtemp(prefix="rollstream-fsdp-")  # the store
+        self._closed = False
         kwargs = dict(cfg=cfg, model_path=Path(model_path), staleness=staleness,
                       max_response_tokens=max_response_tokens, temperature=temperature,
                       top_p=top_p, top_k=top_k)
-        ctx = mp.get_context("spawn")
-        self._procs, self._conns = [], []
-        for rank in range(self.world_size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, daemon=True, name=f"rollstream-fsdp-{rank}",
-                               args=(rank, self.world_size, os.path.join(folder, "store"),
-                                     cfg.fsdp.device, kwargs, theirs))
-            proc.start()
-            theirs.close()
-            self._procs.append(proc)
-            self._conns.append(ours)
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, folder)
-        self._replies()  # every rank built its shard
+        self.ranks = launch(self.world_size, cfg.fsdp.device, kwargs)
 
     # -- the trainer interface ------------------------------------------------------------------
 
@@ -266,8 +277,9 @@ class FsdpTrainer:
                                   temperature=temperature))
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The full HF-named weights, gathered from the shards: a copy (in shared memory), so
-        unlike the local trainer's it does not change with the next step."""
+        """The full HF-named weights, gathered from the shards: a copy (in shared memory, or
+        out of Ray's object store), so unlike the local trainer's it does not change with the
+        next step."""
         return self._call("state_dict")
 
     def save_checkpoint(self, out_dir: Path) -> Path:
@@ -281,92 +293,20 @@ class FsdpTrainer:
 
     def close(self) -> None:
         """Stop the ranks (waits for them to leave their process group)."""
-        self._finalizer()
+        self._closed = True
+        self.ranks.close()
 
     # -- internals ------------------------------------------------------------------------------
 
     def _call(self, name: str, *args: Any) -> Any:
         assert name in COMMANDS, name
         with self._lock:
-            if not self._finalizer.alive:
+            if self._closed:
                 raise RuntimeError("the fsdp trainer is closed")
-            for conn in self._conns:
-                try:
-                    conn.send((name, args))
-                except OSError:  # BrokenPipeError: a rank died since the last call
-                    self._raise_death(wait_s=DEATH_GRACE_S)
-                    raise
-            return self._replies()
-
-    def _replies(self) -> Any:
-        """Every rank's reply to the last call (rank 0's result); a rank that failed or died
-        stops them all and raises."""
-        replies: dict[int, Any] = {}
-        waiting = {c: r for r, c in enumerate(self._conns)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while waiting:
-            ready = wait([*waiting, *sentinels])
-            for conn in [c for c in ready if c in waiting]:  # before deaths: an error's reason
-                rank = waiting.pop(conn)
-                try:
-                    status, out = conn.recv()
-                except (EOFError, OSError):  # it died before it could answer (reset pipe)
-                    self._raise_death(wait_s=DEATH_GRACE_S)
-                    raise
-                if status == "error":
-                    # after a peer's death a rank fails in its collective: the death is the cause
-                    self._raise_death(wait_s=DEATH_GRACE_S)
-                    self._abort()
-                    raise RuntimeError(f"fsdp rank {rank} failed:\n{out}")
-                replies[rank] = out
-            ended = [r for s, r in sentinels.items() if s in ready]
-            if ended:
-                for r in ended:  # its pipe closes before its exit code can be read
-                    self._procs[r].join(timeout=DEATH_GRACE_S)
-                self._raise_death()
-                self._abort()  # it exited 0 without answering (not a death)
-                raise RuntimeError(f"fsdp rank {ended[0]} ended without answering")
-        return replies[0]
-
-    def _raise_death(self, wait_s: float = 0.0) -> None:
-        """Raise :class:`TrainerRankDied` (after ending every rank) if a rank process was
-        killed or crashed (a rank that raised reports it and exits 0), waiting up to
-        ``wait_s`` for one to be."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
-                    if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        if dead:
-            self._abort()
-            raise TrainerRankDied(*dead[0])
-
-
-    def _abort(self) -> None:
-        """After a rank failed: the others may wait in a collective that never completes."""
-        for proc in self._procs:
-            proc.terminate()
-        self._finalizer()
-
-
-def _stop(procs: list[Any], conns: list[Connection], folder: str) -> None:
-    """End the ranks: ask, then wait a little, then terminate (and kill) what is left."""
-    for conn in conns:
-        try:
-            conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-    for proc in procs:
-        proc.join(timeout=10)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    for conn in conns:
-        conn.close()
-    shutil.rmtree(folder, ignore_errors=True)
+            try:
+                return self.ranks.call(name, args)
+            except BaseException:  # a rank raised or died: the others may wait in a collective
+                self._closed = True
+                self.ranks.kill()
+                self.ranks.close()
+                raise

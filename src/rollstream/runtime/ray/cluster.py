@@ -16,8 +16,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollstream.config.runtime import RayConfig
+
+if TYPE_CHECKING:
+    from rollstream.runtime.ray.units import ScaleUnits
 
 log = logging.getLogger(__name__)
 LOG_DIR = "ray-logs"
@@ -36,6 +40,7 @@ class RayCluster:
     owned: bool  # started by this run: stopped by :meth:`stop`
     temp_dir: Path | None = None  # the local Ray's session folder (owned only)
     log_dir: Path | None = None  # where its logs go at the end
+    units: ScaleUnits | None = None  # the run's reservation (runtime/ray/units.py), if made
 
     @classmethod
     def start(cls, cfg: RayConfig, log_dir: Path | None = None) -> RayCluster:
@@ -61,8 +66,11 @@ class RayCluster:
         return cls(owned=True, temp_dir=temp_dir, log_dir=log_dir)
 
     def stop(self) -> None:
-        """Stop the local Ray this run started (its processes exit) and keep its logs; a
-        Ray the run joined is left running."""
+        """Give back the run's scale units, then stop the local Ray this run started (its
+        processes exit) and keep its logs; a Ray the run joined is left running."""
+        if self.units is not None:
+            self.units.remove()
+            self.units = None
         if not self.owned:
             return
         import ray

@@ -54,6 +54,7 @@ from rollstream.runtime.ray.wire import WireMeter
 if TYPE_CHECKING:
     import torch
 
+    from rollstream.runtime.ray.units import ScaleUnits
     from rollstream.runtime.ray.weights import Bucket, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -132,10 +133,13 @@ class EngineActor:
 
 
 def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, version: int,
-                num_cpus: float) -> Any:
+                num_cpus: float, strategy: Any = None) -> Any:
+    """An engine actor; ``strategy``: its Ray scheduling strategy (its scale unit's bundle,
+    ``units.py``; None: where Ray places it)."""
     import ray
 
-    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000)
+    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000,
+                                             scheduling_strategy=strategy)
     return remote.remote(str(model_path), cfg, engine_id, version)
 
 
@@ -371,14 +375,17 @@ def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -
 
 def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,
                       version: int, num_cpus: float,
-                      weights: WeightTransport | None = None) -> list[RayEngine]:
+                      weights: WeightTransport | None = None,
+                      units: ScaleUnits | None = None) -> list[RayEngine]:
     """``num_engines`` engine actors (all started before any is awaited) and their proxies,
-    which share ``weights`` (None: the object store)."""
+    which share ``weights`` (None: the object store); engine ``i`` (and its replacements) in
+    ``units.engine(i)`` (None: where Ray places them)."""
     from rollstream.runtime.ray.weights import BroadcastWeights, ObjectStoreWeights
 
     weights = weights or ObjectStoreWeights()
     engines: list[RayEngine] = []
-    spawns = {f"ray-{i}": _spawner(model_path, cfg, f"ray-{i}", num_cpus)
+    spawns = {f"ray-{i}": _spawner(model_path, cfg, f"ray-{i}", num_cpus,
+                                   units.engine(i) if units is not None else None)
               for i in range(num_engines)}
     actors = {engine_id: spawn(version) for engine_id, spawn in spawns.items()}
     try:
@@ -399,6 +406,6 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
 
 
 def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str,
-             num_cpus: float) -> Callable[[int], Any]:
+             num_cpus: float, strategy: Any) -> Callable[[int], Any]:
     return lambda version: spawn_actor(model_path, cfg, engine_id=engine_id, version=version,
-                                       num_cpus=num_cpus)
+                                       num_cpus=num_cpus, strategy=strategy)
