@@ -193,6 +193,22 @@ async def test_async_deadlines_each_call_its_own_and_an_outside_cancel_stays_a_c
     assert await twice() == [(None, "timeout after 0.5s"), (1.0, None)]
 
 
+def test_a_pool_used_again_on_a_new_loop_still_times_out_its_calls(make_pool) -> None:
+    async def quick(t: Task, text: str) -> float:
+        return 1.0
+
+    async def slow(t: Task, text: str) -> float:
+        await asyncio.sleep(10)
+        return 1.0
+
+    pool = make_pool({"quick": quick, "slow": slow}, timeout_s=0.2)
+    first = asyncio.run(pool.grade(task(source="quick"), STOPPED))  # its timer stays there
+    t0 = time.monotonic()
+    second = asyncio.run(pool.grade(task(source="slow"), STOPPED))
+    assert (first.reward, second.error) == (1.0, "timeout after 0.2s")
+    assert time.monotonic() - t0 < 5
+
+
 async def test_math_verify_runs_with_its_signal_timeouts_in_the_workers(make_pool) -> None:
     pool = make_pool({"math": math_reward, "alarm": w.alarm_fires}, num_workers=2)
     # signal handlers work only in a main thread: a worker runs calls in its main thread

@@ -180,12 +180,15 @@ class _Deadlines:
     fires. A call that finishes leaves the FIFO (at once when it is the oldest); a timer that
     fires after its call finished only finds nothing and stops. At the deadline the call's
     task is cancelled; the call ends in a timeout when that was the only cancel request made
-    meanwhile (the task is then uncancelled), and is left cancelled otherwise."""
+    meanwhile (the task is then uncancelled), and is left cancelled otherwise. Like the pool's
+    semaphore, it serves one event loop at a time: a pool used again on a new loop (after the
+    first one ended) arms a timer there and forgets calls left on the old one."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._calls: deque[_Deadline] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the timer's
 
     def start(self) -> _Deadline:
         """A call starts in the current task."""
@@ -194,8 +197,8 @@ class _Deadlines:
         loop = task.get_loop()
         d = _Deadline(task, loop.time() + self.timeout_s)
         self._calls.append(d)
-        if self._timer is None:
-            self._timer = loop.call_at(d.when, self._fire)
+        if self._timer is None or self._loop is not loop:
+            self._timer, self._loop = loop.call_at(d.when, self._fire, loop), loop
         return d
 
     def finish(self, d: _Deadline) -> bool:
@@ -209,20 +212,19 @@ class _Deadlines:
             d.timed_out = d.expired and d.task.uncancel() <= d.cancelling
         return d.timed_out
 
-    def _fire(self) -> None:
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            return  # a timer of a loop the pool has left
         self._timer = None
-        calls = self._calls
-        if not calls:
-            return
-        loop = calls[0].task.get_loop()
-        now = loop.time()
-        while calls and (calls[0].done or calls[0].when <= now):
+        calls, now = self._calls, loop.time()
+        while calls and (calls[0].done or calls[0].when <= now
+                         or calls[0].task.get_loop() is not loop):
             d = calls.popleft()
-            if not d.done:
+            if not d.done and d.task.get_loop() is loop:
                 d.expired = True
                 d.task.cancel()
         if calls:
-            self._timer = loop.call_at(calls[0].when, self._fire)
+            self._timer = loop.call_at(calls[0].when, self._fire, loop)
 
 
 class _Timeout(Exception):
