@@ -152,11 +152,11 @@ class Segment:
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        for name in ("logprobs", "versions", "loss_mask"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"Segment.{name} has {len(getattr(self, name))} entries, token_ids has {n}"
-                )
+        if len(self.logprobs) != n or len(self.versions) != n or len(self.loss_mask) != n:
+            for name in ("logprobs", "versions", "loss_mask"):
+                if len(getattr(self, name)) != n:
+                    raise ValueError(f"Segment.{name} has {len(getattr(self, name))} entries, "
+                                     f"token_ids has {n}")
         # min / count rather than a generator: a segment is built per request (the simulator
         # builds ~10^5 a minute)
         if self.kind is SegmentKind.POLICY:
@@ -223,10 +223,12 @@ class Sample:
     # not dispatched by a rollout); the trainer takes logprobs at the same temperature, so a
     # temperature reconfigured mid-run does not change the behaviour policy of older samples
     temperature: float | None = None
+    # ``{group_id}/{sample_idx}``, built once: the dispatcher, ledger and predictor key by it
+    # many times per request (group_id and sample_idx are fixed at construction)
+    uid: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def uid(self) -> str:
-        return f"{self.group_id}/{self.sample_idx}"
+    def __post_init__(self) -> None:
+        self.uid = f"{self.group_id}/{self.sample_idx}"
 
     # --- concatenated per-token views (response only; the prompt is task.prompt_ids) ---
     # (chain: concatenated in C, not a Python loop per token)
@@ -261,17 +263,28 @@ class Sample:
             return [], None
         return list(self.segments[i].token_ids), self.turns[i].finish_reason
 
-    # per segment (min/max in C), not per token: the simulator asks for every sample of
-    # every buffered group at each step, at ~150 tokens a sample
+    # per segment (min/max in C), not per token, and a plain loop, not a generator (most
+    # samples have one segment): the simulator asks for every sample of every buffered group
+    # at each step, at ~150 tokens a sample, and the ledger asks once per sample
     def min_version(self) -> int | None:
         """Oldest policy version among the sampled tokens (None: no sampled token yet)."""
-        return min((min(seg.versions) for seg in self.segments
-                    if seg.kind is SegmentKind.POLICY and seg.versions), default=None)
+        low = None
+        for seg in self.segments:
+            if seg.kind is SegmentKind.POLICY and seg.versions:
+                v = min(seg.versions)
+                if low is None or v < low:
+                    low = v
+        return low
 
     def max_version(self) -> int | None:
         """Newest policy version among the sampled tokens (None: no sampled token yet)."""
-        return max((max(seg.versions) for seg in self.segments
-                    if seg.kind is SegmentKind.POLICY and seg.versions), default=None)
+        high = None
+        for seg in self.segments:
+            if seg.kind is SegmentKind.POLICY and seg.versions:
+                v = max(seg.versions)
+                if high is None or v > high:
+                    high = v
+        return high
 
     def append_policy_tokens(
         self, token_ids: list[int], logprobs: list[float], versions: list[int]

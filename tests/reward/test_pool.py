@@ -163,6 +163,52 @@ async def test_async_rewards_timeouts_and_own_errors(make_pool) -> None:
     ]
 
 
+async def test_async_deadlines_each_call_its_own_and_an_outside_cancel_stays_a_cancel(
+        make_pool) -> None:
+    async def nap(t: Task, text: str) -> float:  # sleeps as many seconds as its reference
+        await asyncio.sleep(float(t.reference))
+        return 1.0
+
+    pool = make_pool({"test": nap}, timeout_s=0.5)
+
+    async def later(start_s: float, sleep_s: float) -> tuple[float | None, str | None]:
+        await asyncio.sleep(start_s)
+        r = await pool.grade(task(reference=str(sleep_s)), STOPPED)
+        return r.reward, r.error
+
+    # deadlines 0.5, 0.6, 0.7, 0.8 s: the calls in between finish, the long ones time out
+    assert await asyncio.gather(later(0.0, 5), later(0.1, 0.1), later(0.2, 5),
+                                later(0.3, 0.2)) == [
+        (None, "timeout after 0.5s"), (1.0, None), (None, "timeout after 0.5s"), (1.0, None)]
+
+    outside = asyncio.ensure_future(pool.grade(task(reference="5"), STOPPED))
+    await asyncio.sleep(0.05)
+    outside.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outside
+
+    async def twice() -> list[tuple[float | None, str | None]]:  # one task, two deadlines
+        return [await later(0, 5), await later(0, 0)]
+
+    assert await twice() == [(None, "timeout after 0.5s"), (1.0, None)]
+
+
+def test_a_pool_used_again_on_a_new_loop_still_times_out_its_calls(make_pool) -> None:
+    async def quick(t: Task, text: str) -> float:
+        return 1.0
+
+    async def slow(t: Task, text: str) -> float:
+        await asyncio.sleep(10)
+        return 1.0
+
+    pool = make_pool({"quick": quick, "slow": slow}, timeout_s=0.2)
+    first = asyncio.run(pool.grade(task(source="quick"), STOPPED))  # its timer stays there
+    t0 = time.monotonic()
+    second = asyncio.run(pool.grade(task(source="slow"), STOPPED))
+    assert (first.reward, second.error) == (1.0, "timeout after 0.2s")
+    assert time.monotonic() - t0 < 5
+
+
 async def test_math_verify_runs_with_its_signal_timeouts_in_the_workers(make_pool) -> None:
     pool = make_pool({"math": math_reward, "alarm": w.alarm_fires}, num_workers=2)
     # signal handlers work only in a main thread: a worker runs calls in its main thread

@@ -109,6 +109,23 @@ def test_a_deadlocked_simulation_fails_instead_of_hanging():
     assert time.perf_counter() - t0 < 30
 
 
+def test_the_collector_is_off_during_a_simulation_and_restored_after():
+    import gc
+
+    async def main():
+        return gc.isenabled()
+
+    assert gc.isenabled()
+    assert run_virtual(main()) is False
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    try:
+        assert run_virtual(main()) is False
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_an_error_in_a_loop_callback_stops_the_simulation():
     from rollstream.sim.vloop import SimulationError
 

@@ -100,7 +100,8 @@ class Ledger:
                 "max_version": sample.max_version(),
                 "num_interrupts": sample.num_interrupts,
                 "finish_reason": sample.finish_reason,
-                "num_turns": sum(t.kind is SegmentKind.POLICY for t in sample.turns),
+                "num_turns": (sum(t.kind is SegmentKind.POLICY for t in sample.turns)
+                              if sample.turns else 0),
                 "trained_at_step": sample.trained_at_step,
                 "min_trained_version": sample.min_trained_version,
                 "num_trained_tokens": sample.num_trained_tokens,

@@ -69,6 +69,7 @@ from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, Segm
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
 RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
+_OUTCOME = {FinishReason.ABORT: "interrupted", FinishReason.ERROR: "failed"}  # a span's; else "done"
 
 
 class NoEngineAlive(RuntimeError):
@@ -285,6 +286,9 @@ class Dispatcher:
         ``MAX_ENGINE_RETRIES`` failed attempts in a row), its group was cancelled, or no
         engine is alive; the caller leaves it as it is."""
         failures = interrupts = 0
+        # the request seed: the same on every attempt, so drawn once per turn
+        seed = (sample_seed(self.seed, sample.uid)
+                if params.seed is None and self.seed is not None else params.seed)
         while True:
             await self._gate.wait()
             if sample.group_id in self._cancelled or self.fatal is not None:
@@ -296,7 +300,7 @@ class Dispatcher:
                                   num_interrupts=interrupts)
             try:
                 once = await self._generate_once(
-                    sample, replace(params, max_new_tokens=remaining), deadline)
+                    sample, replace(params, max_new_tokens=remaining, seed=seed), deadline)
             except NoEngineAlive as e:
                 self.fatal = self.fatal or str(e)
                 return None
@@ -344,8 +348,6 @@ class Dispatcher:
             return None
         self.predictor.started(sample)
         request_id = f"{sample.uid}@{next(self._ids)}"
-        if params.seed is None and self.seed is not None:
-            params = replace(params, seed=sample_seed(self.seed, sample.uid))
         slot = self._take_slot()
         self.in_flight[request_id] = InFlight(
             sample=sample, engine=engine, slot=slot, t_start_s=self.clock.now(),
@@ -384,9 +386,7 @@ class Dispatcher:
             if not self.in_flight:
                 self._idle.set()
         self.stats.generated_tokens += len(out.token_ids)
-        outcome = {FinishReason.ABORT: "interrupted", FinishReason.ERROR: "failed"}.get(
-            out.finish_reason, "done"
-        )
+        outcome = _OUTCOME.get(out.finish_reason, "done")
         self.span(
             sample_uid=sample.uid, engine_id=engine.engine_id, slot=info.slot,
             t_start_s=info.t_start_s, t_end_s=self.clock.now(),

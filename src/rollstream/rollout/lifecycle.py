@@ -45,7 +45,7 @@ class Lifecycle:
                 f"sample {sample.uid}: {sample.status.value} -> {status.value} is not a "
                 "lifecycle transition")
         sample.status = status
-        if status.is_terminal():
+        if status in _TERMINAL:
             sample.failure = reason
             self.ledger.write(sample, self.clock.now())
         else:
