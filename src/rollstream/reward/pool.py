@@ -16,10 +16,8 @@ marks the sample FAILED with it). Guarantees:
   :func:`~rollstream.reward.registry.get_reward` rejects, at load time, one that cannot be
   sent (a lambda, a closure). Like any ``spawn`` child, a worker imports the main script, so a
   script that starts a run guards it with ``if __name__ == "__main__":`` (the CLI does);
-* ``async`` rewards run in the event loop and are cancelled at the deadline, as
-  ``asyncio.timeout`` would, but on one timer for all calls (:class:`_Deadlines`: every call
-  has the same ``timeout_s``, so deadlines fall in start order; a timer per call cost a heap
-  entry made and cancelled per reward, ~4% of a 512-engine simulation's CPU time);
+* ``async`` rewards run in the event loop and are cancelled at the deadline
+  (``asyncio.timeout``);
 * an exception becomes ``"<ExceptionType>: <message>"``; a result that is not a finite number
   (None, str, bool, NaN, inf, ...) becomes ``"reward returned <repr>, expected a finite
   number"``; a worker that dies (a crash in C code, ``os._exit``) becomes ``"reward worker
@@ -44,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -85,7 +82,6 @@ class GraderPool:
         self._slots = asyncio.Semaphore(cfg.num_workers)
         self._workers: Workers = (workers if workers is not None
                                   else ProcessWorkers(cfg.num_workers))
-        self._deadlines = _Deadlines(cfg.timeout_s)
         self._closed = False
 
     async def grade(self, task: Task, response: Response) -> GradeResult:
@@ -142,15 +138,13 @@ class GraderPool:
             return None, f"{type(e).__name__}: {e}"
 
     async def _call_async(self, reward: Reward, call: Call) -> object:
-        deadline = self._deadlines.start()
         try:
-            return await reward.fn(call.task, call.text, **call.kwargs)
-        except asyncio.CancelledError:
-            if self._deadlines.finish(deadline):  # cancelled by its deadline, by no one else
+            async with asyncio.timeout(self._cfg.timeout_s) as deadline:
+                return await reward.fn(call.task, call.text, **call.kwargs)
+        except TimeoutError:
+            if deadline.expired():
                 raise _Timeout() from None
-            raise
-        finally:
-            self._deadlines.finish(deadline)
+            raise  # the reward's own TimeoutError: report it as an error like any other
 
     async def _call_sync(self, reward: Reward,
                          call: Call) -> tuple[list[float] | None, str | None]:
@@ -161,70 +155,6 @@ class GraderPool:
             raise _Timeout() from None
         except PoolClosed:
             raise _Closed() from None
-
-
-class _Deadline:
-    __slots__ = ("task", "when", "cancelling", "expired", "done", "timed_out")
-
-    def __init__(self, task: asyncio.Task[object], when: float) -> None:
-        self.task, self.when = task, when
-        self.cancelling = task.cancelling()  # cancel requests the task had before the call
-        self.expired = self.done = self.timed_out = False
-
-
-class _Deadlines:
-    """The deadlines of async reward calls on one timer, with ``asyncio.timeout``'s rules.
-
-    Every call gets the same ``timeout_s`` from its start, so deadlines fall in start order:
-    a FIFO of the calls in flight and one timer at the oldest one's deadline, re-armed when it
-    fires. A call that finishes leaves the FIFO (at once when it is the oldest); a timer that
-    fires after its call finished only finds nothing and stops. At the deadline the call's
-    task is cancelled; the call ends in a timeout when that was the only cancel request made
-    meanwhile (the task is then uncancelled), and is left cancelled otherwise. Like the pool's
-    semaphore, it serves one event loop at a time: a pool used again on a new loop (after the
-    first one ended) arms a timer there and forgets calls left on the old one."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._calls: deque[_Deadline] = deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the timer's
-
-    def start(self) -> _Deadline:
-        """A call starts in the current task."""
-        task = asyncio.current_task()
-        assert task is not None, "reward calls run in a task"
-        loop = task.get_loop()
-        d = _Deadline(task, loop.time() + self.timeout_s)
-        self._calls.append(d)
-        if self._timer is None or self._loop is not loop:
-            self._timer, self._loop = loop.call_at(d.when, self._fire, loop), loop
-        return d
-
-    def finish(self, d: _Deadline) -> bool:
-        """The call is over (idempotent): whether it timed out."""
-        if not d.done:
-            d.done = True
-            calls = self._calls
-            while calls and calls[0].done:
-                calls.popleft()
-            # an expired call undoes its cancel, as asyncio.timeout does when it exits
-            d.timed_out = d.expired and d.task.uncancel() <= d.cancelling
-        return d.timed_out
-
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
-        if loop is not self._loop:
-            return  # a timer of a loop the pool has left
-        self._timer = None
-        calls, now = self._calls, loop.time()
-        while calls and (calls[0].done or calls[0].when <= now
-                         or calls[0].task.get_loop() is not loop):
-            d = calls.popleft()
-            if not d.done and d.task.get_loop() is loop:
-                d.expired = True
-                d.task.cancel()
-        if calls:
-            self._timer = loop.call_at(calls[0].when, self._fire, loop)
 
 
 class _Timeout(Exception):
