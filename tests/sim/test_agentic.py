@@ -145,3 +145,26 @@ def test_bad_agentic_or_drift_settings_name_the_field(workload, expected):
     with pytest.raises(ValueError) as e:
         Scenario.model_validate({"workload": workload})
     assert expected in str(e.value)
+
+
+def test_drift_grows_each_model_turn_by_the_version_of_its_first_request():
+    from rollstream.sim.agentic import ASSISTANT, END, TOOL
+    from rollstream.sim.scenario import WorkloadConfig
+    from rollstream.sim.workload import TOKEN
+
+    cfg = WorkloadConfig(mean_response_tokens=400, max_response_tokens=65536,
+                         length_drift_per_step=0.3, agent={"max_turn_tokens": 2048})
+
+    def fresh() -> AgentWorkload:
+        return AgentWorkload(cfg, seed=0, token_block=1)
+
+    first = list(fresh().task(2).prompt_ids)
+    second = first + [TOKEN] * 9 + [END, TOOL, END, ASSISTANT]  # after turn 0 and its tool
+    for seed in range(20):
+        for prompt in (first, second):
+            base, grown = fresh().outcome(prompt, seed, 0), fresh().outcome(prompt, seed, 5)
+            assert grown[0] == 0 and grown[2] == base[2]  # a new turn; the same call or answer
+            assert grown[1] == pytest.approx(base[1] * 1.3 ** 5, abs=4)  # blocks rounded up
+        w = fresh()
+        _, length, tail = w.outcome(second, seed, 5)
+        assert w.outcome(second + [TOKEN] * 3, seed, 8) == (3, length, tail)  # a resumed turn

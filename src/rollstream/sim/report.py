@@ -63,10 +63,11 @@ def print_table(result: dict[str, Any]) -> None:
     drift = sc["workload"]["length_drift_per_step"]
     for name, r in result["rows"].items():
         if drift:
-            steps = r["response_tokens_by_step"]
-            console.print(f"{name}: mean response tokens of trained samples by step "
-                          f"(drift {drift:+g} per step): "
-                          + " ".join(f"{float(v):,.0f}" for v in steps.values()))
+            key, what = (("turn_tokens_by_step", "model tokens per turn of trained episodes")
+                         if "turn_tokens_by_step" in r else
+                         ("response_tokens_by_step", "mean response tokens of trained samples"))
+            console.print(f"{name}: {what} by step (drift {drift:+g} per step): "
+                          + " ".join(f"{float(v):,.0f}" for v in r[key].values()))
         if "turns_mean" in r:
             share, turns = r["tool_time_share"], r["turns_mean"]
             console.print(f"{name}: model turns per trained episode "

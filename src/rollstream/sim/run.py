@@ -21,8 +21,10 @@ trained tokens/s (prompt + kept response tokens ÷ simulated time), generated to
 ledger's terminal statuses, interrupts and preemptions, the mean response tokens of the
 samples trained at each step (``response_tokens_by_step``: the length drift), and the wall and
 CPU time the mode took. Agentic scenarios (``workload.agent``) add the model turns per
-trained episode, the tool's calls, timeouts and mean seconds, and the share of the episodes'
-time (first dispatch to last return, summed) spent waiting on the tool.
+trained episode, the model tokens per turn of the episodes trained at each step
+(``turn_tokens_by_step``: the drift without the noise of turn counts), the tool's calls,
+timeouts and mean seconds, and the share of the episodes' time (first dispatch to last
+return, summed) spent waiting on the tool.
 """
 
 from __future__ import annotations
@@ -204,9 +206,17 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
     workload = engines[0].workload
     if isinstance(workload, AgentWorkload):
         tool = workload.tool
-        turns = [r["num_turns"] for r in rows if r["status"] == "trained"]
+        trained = [r for r in rows if r["status"] == "trained"]
+        turns = [r["num_turns"] for r in trained]
+        per_turn: dict[int, list[int]] = {}  # step -> [model tokens, model turns]
+        for r in trained:
+            acc = per_turn.setdefault(r["trained_at_step"], [0, 0])
+            acc[0] += r["num_trained_tokens"] * block  # the policy's tokens: no tool output
+            acc[1] += r["num_turns"]
         episode_s = sum(spans.last[u] - spans.first[u] for u in spans.last)
         out.update(turns_mean=sum(turns) / len(turns) if turns else None,
+                   turn_tokens_by_step={str(k): t / n for k, (t, n) in sorted(per_turn.items())
+                                        if n},
                    tool_calls=tool.num_calls, tool_timeouts=tool.num_timeouts,
                    tool_s_mean=tool.waited_s / tool.num_calls if tool.num_calls else None,
                    tool_time_share=tool.waited_s / episode_s if episode_s > 0 else None)
