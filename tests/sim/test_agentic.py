@@ -140,6 +140,8 @@ def test_pareto_has_the_heavier_tail_beyond_the_p99():
     ({"mean_response_tokens": 500, "agent": {"tool_latency": {"distribution": "weibull"}}},
      "distribution"),
     ({"length_drift_per_step": -1}, "length_drift_per_step"),
+    ({"mean_response_tokens": 500, "agent": {"turns_median": 20, "max_turns": 12}},
+     "turns_median (20) must not exceed max_turns (12)"),
 ])
 def test_bad_agentic_or_drift_settings_name_the_field(workload, expected):
     with pytest.raises(ValueError) as e:

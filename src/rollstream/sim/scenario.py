@@ -67,6 +67,13 @@ class AgentWorkloadConfig(_Section):
     tool_timeout_s: float = Field(600.0, gt=0)
     """agent.tool_timeout_s: a call still running then ends with an error message."""
 
+    @model_validator(mode="after")
+    def _check(self) -> AgentWorkloadConfig:
+        if self.turns_median > self.max_turns:
+            raise ValueError(f"turns_median ({self.turns_median:g}) must not exceed max_turns "
+                             f"({self.max_turns}): most episodes would be cut to max_turns")
+        return self
+
 
 class WorkloadConfig(_Section):
     prompt_tokens: int = Field(512, ge=1)
