@@ -29,8 +29,8 @@ def test_interrupt_returns_partial_tokens_with_versions_and_the_sample_resumes()
     workload = Workload(WORKLOAD, seed=0, token_block=8)
     profile = load_profile("gpu_h100_7b")
     prompt = list(workload.task(5).prompt_ids)
-    seed = next(s for s in range(100) if workload.outcome(prompt, s)[1] > 40)  # a long one
-    _, total, correct = workload.outcome(prompt, seed)
+    seed = next(s for s in range(100) if workload.outcome(prompt, s, 0)[1] > 40)  # a long one
+    _, total, (answer,) = workload.outcome(prompt, seed, 0)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -50,7 +50,7 @@ def test_interrupt_returns_partial_tokens_with_versions_and_the_sample_resumes()
                                               10_000 - len(part.token_ids), seed))
         assert rest.finish_reason is FinishReason.STOP
         assert len(part.token_ids) + len(rest.token_ids) == total  # the same sample's length
-        assert rest.token_ids[-1] == (CORRECT if correct else WRONG)
+        assert rest.token_ids[-1] == answer in (CORRECT, WRONG)
         assert set(rest.versions) == {1}
         assert engine.stats().busy_s > 0 and loop.time() - t0 > 0.6
         return loop.time() - t0
@@ -117,7 +117,7 @@ def test_workload_mean_under_the_cap_and_lengths_correlated_within_groups():
     groups = []
     for t in range(400):
         prompt = list(w.task(t).prompt_ids)
-        groups.append([min(w.outcome(prompt, 1000 * t + i)[1], 98304) for i in range(8)])
+        groups.append([min(w.outcome(prompt, 1000 * t + i, 0)[1], 98304) for i in range(8)])
     flat = [x for g in groups for x in g]
     assert statistics.fmean(flat) == pytest.approx(38959, rel=0.08)
     # within-group spread is smaller than the spread across prompts
@@ -173,7 +173,7 @@ def test_a_slowdown_from_the_trainer_stretches_the_decode_in_progress():
     workload = Workload(WORKLOAD, seed=0, token_block=8)
     profile = load_profile("cpu_this_machine")
     prompt = list(workload.task(3).prompt_ids)
-    seed = next(s for s in range(100) if workload.outcome(prompt, s)[1] > 40)
+    seed = next(s for s in range(100) if workload.outcome(prompt, s, 0)[1] > 40)
 
     async def run(slow_at: float | None) -> tuple[float, int]:
         loop = asyncio.get_running_loop()
@@ -186,3 +186,18 @@ def test_a_slowdown_from_the_trainer_stretches_the_decode_in_progress():
     plain, n = run_virtual(run(None))
     slowed, m = run_virtual(run(plain / 2))
     assert m == n and slowed == pytest.approx(1.5 * plain, rel=0.02)
+
+
+def test_length_drift_scales_a_sample_by_the_growth_per_version_and_resumes_keep_it():
+    cfg = WorkloadConfig(mean_response_tokens=3000, max_response_tokens=12288,
+                         length_drift_per_step=0.05)
+    w = Workload(cfg, seed=0, token_block=1)
+    for s in range(50):
+        grown = w.length_tokens(3, random.Random(s), 10)
+        assert grown == pytest.approx(w.length_tokens(3, random.Random(s), 0) * 1.05 ** 10,
+                                      rel=1e-12)
+    flat = Workload(WORKLOAD, seed=0, token_block=1)  # no drift: the version changes nothing
+    assert flat.length_tokens(3, random.Random(1), 10) == flat.length_tokens(3, random.Random(1), 0)
+    prompt = list(w.task(3).prompt_ids)
+    done, total, tail = w.outcome(prompt, 7, 2)  # drawn at its first request, version 2
+    assert done == 0 and w.outcome(prompt + [TOKEN] * 5, 7, 9) == (5, total, tail)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rollstream.data.ledger import read_ledger
 from rollstream.rollout.dispatcher import sample_seed
-from rollstream.sim.workload import TASK_TOKEN_OFFSET, TOKEN
+from rollstream.sim.workload import CORRECT, TASK_TOKEN_OFFSET, TOKEN, WRONG
 from rollstream.trajectory import Task, group_id_of
 
 _TRAIN_UID = re.compile(r"^(?P<group>.+#g(?P<k>\d+))/(?P<i>\d+)$")
@@ -88,9 +88,11 @@ class ReplayWorkload:
         return Task(uid=f"sim-{index}", source="replay", prompt_ids=prompt, prompt_text="",
                     reference="")
 
-    def outcome(self, prompt_ids: list[int], seed: int | None) -> tuple[int, int, bool]:
-        """(response blocks already in the prompt, the sample's length in blocks, whether its
-        answer is correct) for a request."""
+    def outcome(self, prompt_ids: list[int], seed: int | None,
+                version: int) -> tuple[int, int, tuple[int, ...]]:
+        """(response blocks already in the prompt, the sample's length in blocks, the token it
+        ends with: its answer) for a request (``version`` is not used: a replay has the
+        recorded lengths)."""
         index = prompt_ids[0] - TASK_TOKEN_OFFSET
         seeds = self._seeds.get(index)
         if seeds is None:
@@ -103,4 +105,5 @@ class ReplayWorkload:
                              "samples (the group was not admitted as the task's index)")
         s = self._group(index).samples[seeds[seed]]
         return (len(prompt_ids) - self._prompt_blocks(index),
-                max(1, math.ceil(s.response_tokens / self.block)), s.correct)
+                max(1, math.ceil(s.response_tokens / self.block)),
+                (CORRECT,) if s.correct else (WRONG,))

@@ -60,7 +60,21 @@ def print_table(result: dict[str, Any]) -> None:
                   str(r["statuses"].get("filtered", 0)), str(r["interrupts"]),
                   f"{r['wall_s']:.1f}")
     console.print(t)
+    drift = sc["workload"]["length_drift_per_step"]
     for name, r in result["rows"].items():
+        if drift:
+            key, what = (("turn_tokens_by_step", "model tokens per turn of trained episodes")
+                         if "turn_tokens_by_step" in r else
+                         ("response_tokens_by_step", "mean response tokens of trained samples"))
+            console.print(f"{name}: {what} by step (drift {drift:+g} per step): "
+                          + " ".join(f"{float(v):,.0f}" for v in r[key].values()))
+        if "turns_mean" in r:
+            share, turns = r["tool_time_share"], r["turns_mean"]
+            console.print(f"{name}: model turns per trained episode "
+                          f"{'-' if turns is None else f'{turns:.2f}'}, tool calls "
+                          f"{r['tool_calls']:,} ({r['tool_timeouts']:,} timed out), mean tool "
+                          f"s {r['tool_s_mean'] or 0:.2f}, tool time share of episodes "
+                          f"{'-' if share is None else f'{share:.2f}'}")
         if r["stop_reason"]:
             console.print(f"{name} stopped early: {r['stop_reason']}")
 

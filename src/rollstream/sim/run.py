@@ -18,8 +18,13 @@ the samples of its batch: time from the 90th percentile finish to the last finis
 the first dispatch to the last finish, as Seer's "last 10% of requests"; the mean over steps),
 the staleness histogram (trained samples in the ledger: trained step − oldest kept version),
 trained tokens/s (prompt + kept response tokens ÷ simulated time), generated tokens/s, the
-ledger's terminal statuses, interrupts and preemptions, and the wall and CPU time the mode
-took.
+ledger's terminal statuses, interrupts and preemptions, the mean response tokens of the
+samples trained at each step (``response_tokens_by_step``: the length drift), and the wall and
+CPU time the mode took. Agentic scenarios (``workload.agent``) add the model turns per
+trained episode, the model tokens per turn of the episodes trained at each step
+(``turn_tokens_by_step``: the drift without the noise of turn counts), the tool's calls,
+timeouts and mean seconds, and the share of the episodes' time (first dispatch to last
+return, summed) spent waiting on the tool.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from rollstream.agent.harness import AGENT
 from rollstream.config import RewardConfig
 from rollstream.config.loader import read_yaml_mapping
 from rollstream.data.ledger import Ledger, read_ledger
@@ -40,6 +46,7 @@ from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Reward
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import Loop, build_loop
+from rollstream.sim.agentic import END, AgentWorkload, agent_harness
 from rollstream.sim.engine import SimEngine
 from rollstream.sim.profile import Profile
 from rollstream.sim.replay import ReplayWorkload, read_groups
@@ -103,11 +110,13 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     metrics, spans, ledger = SimMetrics(clock), Spans(), Ledger(ledger_path)
     # every reward call at once: grading is instantaneous in the simulation
     graders = GraderPool(RewardConfig(num_workers=1 << 30), lambda task: SIM_REWARD)
+    agentic = isinstance(workload, AgentWorkload)  # episodes: the real agent harness
     params = SamplingParams(temperature=1.0, max_new_tokens=workload.max_blocks,
-                            stop_token_ids=(CORRECT, WRONG))
+                            stop_token_ids=(END,) if agentic else (CORRECT, WRONG))
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
-                      clock=clock, params=params, span=spans)
+                      clock=clock, params=params, span=spans,
+                      harnesses={AGENT: agent_harness(workload)} if agentic else None)
     loop.controller.train_pool = _train_pool(trainer, engines, profile)
     loop.controller.supervisor = None
     return loop, engines, trainer, metrics, spans, ledger
@@ -147,9 +156,11 @@ def _uncontend(engines: list[SimEngine]) -> None:
 
 
 def make_workload(sc: Scenario) -> Workload | ReplayWorkload:
-    """The scenario's generator, or the replay of its recorded run."""
+    """The scenario's generator (of episodes with ``workload.agent``), or the replay of its
+    recorded run."""
     if sc.replay is None:
-        return Workload(sc.workload, seed=sc.seed, token_block=sc.token_block)
+        kind = Workload if sc.workload.agent is None else AgentWorkload
+        return kind(sc.workload, seed=sc.seed, token_block=sc.token_block)
     run_dir = Path(sc.replay)
     recorded = read_yaml_mapping(run_dir / "config.yaml", "run config")
     return ReplayWorkload(read_groups(run_dir, sc.group_size), seed=sc.seed,
@@ -170,7 +181,11 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
     staleness = Counter(r["trained_at_step"] - r["min_trained_version"]
                         for r in rows if r["status"] == "trained")
     busy = sum(e.busy_s for e in engines)
-    return {
+    by_step: dict[int, list[int]] = {}
+    for r in rows:
+        if r["status"] == "trained":
+            by_step.setdefault(r["trained_at_step"], []).append(r["num_tokens"] * block)
+    out: dict[str, Any] = {
         "mode": mode.model_dump(),
         "steps_done": result.steps_done,
         "stop_reason": result.stop_reason,
@@ -186,7 +201,26 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
         "statuses": dict(Counter(r["status"] for r in rows)),
         "interrupts": loop.dispatcher.stats.num_interrupts,
         "preemptions": sum(e.num_preemptions for e in engines),
+        "response_tokens_by_step": {str(k): sum(v) / len(v) for k, v in sorted(by_step.items())},
     }
+    workload = engines[0].workload
+    if isinstance(workload, AgentWorkload):
+        tool = workload.tool
+        trained = [r for r in rows if r["status"] == "trained"]
+        turns = [r["num_turns"] for r in trained]
+        per_turn: dict[int, list[int]] = {}  # step -> [model tokens, model turns]
+        for r in trained:
+            acc = per_turn.setdefault(r["trained_at_step"], [0, 0])
+            acc[0] += r["num_trained_tokens"] * block  # the policy's tokens: no tool output
+            acc[1] += r["num_turns"]
+        episode_s = sum(spans.last[u] - spans.first[u] for u in spans.last)
+        out.update(turns_mean=sum(turns) / len(turns) if turns else None,
+                   turn_tokens_by_step={str(k): t / n for k, (t, n) in sorted(per_turn.items())
+                                        if n},
+                   tool_calls=tool.num_calls, tool_timeouts=tool.num_timeouts,
+                   tool_s_mean=tool.waited_s / tool.num_calls if tool.num_calls else None,
+                   tool_time_share=tool.waited_s / episode_s if episode_s > 0 else None)
+    return out
 
 
 def _tail_share(rows: list[dict[str, Any]], spans: Spans) -> float | None:

@@ -26,6 +26,55 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
+class ToolLatencyConfig(_Section):
+    """A tool call's latency: heavy-tailed, set by its median and 99th percentile."""
+
+    distribution: Literal["lognormal", "pareto"] = "lognormal"
+    """``lognormal``: sigma = ln(p99 / median) / 2.326; ``pareto``: x_m and alpha such that
+    the median and p99 are these (alpha = ln 50 / ln(p99 / median)): a heavier tail beyond
+    the p99 than the log-normal's."""
+    median_s: float = Field(0.05, gt=0)
+    """Median seconds of a call (``bench agentic``'s assumed tool: 50 ms)."""
+    p99_s: float = Field(2.0, gt=0)
+    """99th-percentile seconds of a call (``bench agentic``: 2 s); above median_s."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ToolLatencyConfig:
+        if not self.p99_s > self.median_s:
+            raise ValueError(f"p99_s ({self.p99_s:g}) must be above median_s "
+                             f"({self.median_s:g}): a heavy tail")
+        return self
+
+
+class AgentWorkloadConfig(_Section):
+    """Multi-turn episodes: model turns, each but the last followed by a tool call. Episodes
+    run through the real agent harness and loop (``sim/agentic.py``)."""
+
+    turns_median: float = Field(3.0, ge=1)
+    """Median model turns per episode: LogNormal(ln turns_median, turns_sigma), rounded,
+    within 1..max_turns (``bench agentic``: median 3, at most 12)."""
+    turns_sigma: float = Field(0.8, ge=0)
+    """Log-scale spread of the number of model turns."""
+    max_turns: int = Field(12, ge=1)
+    """At most this many model turns (agent.max_turns)."""
+    max_turn_tokens: int = Field(4096, ge=1)
+    """Cap on one model turn (agent.max_turn_tokens): a turn cut by it is the episode's
+    (wrong) answer. workload.mean_response_tokens is the mean model turn under this cap."""
+    tool_output_tokens: int = Field(256, ge=0)
+    """Tokens of each tool result (appended to the episode as environment tokens)."""
+    tool_latency: ToolLatencyConfig = ToolLatencyConfig()
+    """Seconds from a tool call to its result, on the virtual clock."""
+    tool_timeout_s: float = Field(600.0, gt=0)
+    """agent.tool_timeout_s: a call still running then ends with an error message."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentWorkloadConfig:
+        if self.turns_median > self.max_turns:
+            raise ValueError(f"turns_median ({self.turns_median:g}) must not exceed max_turns "
+                             f"({self.max_turns}): most episodes would be cut to max_turns")
+        return self
+
+
 class WorkloadConfig(_Section):
     prompt_tokens: int = Field(512, ge=1)
     """Prompt length of every task, real tokens."""
@@ -43,12 +92,25 @@ class WorkloadConfig(_Section):
     pass_rate_concentration: float = Field(2.0, gt=0)
     """alpha + beta of that Beta: small values make many prompts all-right or all-wrong
     (zero-variance groups the rollout filters; 2.0 gives about 25% of groups of 8)."""
+    length_drift_per_step: float = Field(0.0, gt=-1)
+    """Growth of response lengths per trainer step: the policy at weight version v writes
+    (1 + this) ** v times as long as at version 0 (the log-normal median moves; 0: no drift,
+    negative: lengths shrink). Published runs grow (WORKLOADS.md; docs/simulator.md, "The
+    workload")."""
+    agent: AgentWorkloadConfig | None = None
+    """Multi-turn episodes with tool calls instead of single responses (null: single-turn)."""
 
     @model_validator(mode="after")
     def _check(self) -> WorkloadConfig:
-        if self.mean_response_tokens >= self.max_response_tokens:
+        cap, name = ((self.agent.max_turn_tokens, "agent.max_turn_tokens") if self.agent
+                     else (self.max_response_tokens, "max_response_tokens"))
+        if self.mean_response_tokens >= cap:
             raise ValueError(f"mean_response_tokens ({self.mean_response_tokens:g}) must be "
-                             f"below max_response_tokens ({self.max_response_tokens})")
+                             f"below {name} ({cap})")
+        if self.agent is not None and self.agent.max_turn_tokens > self.max_response_tokens:
+            raise ValueError(f"agent.max_turn_tokens ({self.agent.max_turn_tokens}) must not "
+                             f"exceed max_response_tokens ({self.max_response_tokens}), the "
+                             "episode's budget")
         return self
 
 

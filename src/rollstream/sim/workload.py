@@ -7,6 +7,14 @@ the prompt's pass rate ``p ~ Beta`` with the configured mean and concentration, 
 sample is correct with probability ``p`` (a capped sample is wrong). ``mu`` is solved so that
 the mean of the *capped* length equals ``mean_response_tokens``.
 
+**Length drift over steps** (WORKLOADS.md: "lengths grow and drift during training", "mu
+drifting upward over steps"): with ``length_drift_per_step = g`` the policy at weight version
+``v`` writes responses ``(1 + g) ** v`` times as long as at version 0 (the log-normal's median
+moves, its spread does not; the cap stays, so more samples reach it as lengths grow). A
+sample's length is drawn once, at its first request, with the version of the engine serving
+that request: an interrupted sample resumes to the same length whatever version continues it
+(a simplification: a real policy would change course with new weights).
+
 A sample's outcome is a function of its task and of the request's seed, which the real
 dispatcher derives from the run seed and the sample uid (``dispatcher.sample_seed``, the same
 on every attempt): a sample interrupted and resumed, on any engine, still ends at the same
@@ -16,7 +24,9 @@ Tokens: one simulated token stands for ``token_block`` real tokens (lengths are 
 whole blocks), so the real components' per-token bookkeeping stays affordable at cluster
 scale. A prompt is ``(TASK_TOKEN_OFFSET + task index, TOKEN, ...)``; response tokens are
 ``TOKEN`` except the stop token that ends a finished sample: ``CORRECT`` or ``WRONG``, which
-:func:`sim_reward` reads.
+:func:`sim_reward` reads. :meth:`Workload.outcome` names the tokens a finished request ends
+with (its *tail*): the engine writes them at the end of the response (``sim/agentic.py`` has
+longer tails: a tool call and the end-of-turn token).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ TOKEN, CORRECT, WRONG = 1, 2, 3
 TASK_TOKEN_OFFSET = 16
 SOURCE = "sim"
 _N = NormalDist()
+_ENDS = ((WRONG,), (CORRECT,))  # a single-turn sample's tail, by whether it is correct
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,13 +78,15 @@ class Workload:
     def __init__(self, cfg: WorkloadConfig, *, seed: int, token_block: int) -> None:
         self.cfg, self.seed, self.block = cfg, seed, token_block
         sigma = math.hypot(cfg.sigma_prompt, cfg.sigma_within)
-        self.mu = solve_mu(cfg.mean_response_tokens, sigma, cfg.max_response_tokens)
+        cap = cfg.agent.max_turn_tokens if cfg.agent is not None else cfg.max_response_tokens
+        self.mu = solve_mu(cfg.mean_response_tokens, sigma, cap)  # episodes: per model turn
         m, c = cfg.pass_rate_mean, cfg.pass_rate_concentration
         self._beta = (m * c, (1 - m) * c)
         self.prompt_blocks = max(1, math.ceil(cfg.prompt_tokens / token_block))
         self.max_blocks = math.ceil(cfg.max_response_tokens / token_block)
         self._tasks: dict[int, TaskSpec] = {}
         self._drawn: dict[tuple[int, int], tuple[int, bool]] = {}  # (task, seed) -> outcome
+        self._growth = 1.0 + cfg.length_drift_per_step  # per weight version (module docstring)
 
     def spec(self, index: int) -> TaskSpec:
         spec = self._tasks.get(index)
@@ -89,20 +102,30 @@ class Workload:
         return Task(uid=f"sim-{index}", source=SOURCE, prompt_ids=prompt, prompt_text="",
                     reference="")
 
-    def outcome(self, prompt_ids: list[int], seed: int | None) -> tuple[int, int, bool]:
+    def outcome(self, prompt_ids: list[int], seed: int | None,
+                version: int) -> tuple[int, int, tuple[int, ...]]:
         """(response blocks already in the prompt, the sample's full length in blocks before
-        any cap, whether its answer is correct) for a request."""
+        any cap, the tokens it ends with when it stops: its answer) for a request served at
+        weight ``version`` (the length drift's, when this is the sample's first request)."""
         if seed is None:
             raise ValueError("simulated engines need a per-request seed (a run seed)")
         index = prompt_ids[0] - TASK_TOKEN_OFFSET
         drawn = self._drawn.get((index, seed))
         if drawn is None:  # seeding a Random is most of the cost: once per sample
-            spec = self.spec(index)
             rng = random.Random(seed)
-            length = spec.difficulty_tokens * math.exp(rng.gauss(0.0, self.cfg.sigma_within))
-            drawn = (max(1, math.ceil(length / self.block)), rng.random() < spec.pass_rate)
+            length = self.length_tokens(index, rng, version)
+            drawn = (max(1, math.ceil(length / self.block)),
+                     rng.random() < self.spec(index).pass_rate)
             self._drawn[(index, seed)] = drawn
-        return (len(prompt_ids) - self.prompt_blocks, *drawn)
+        return (len(prompt_ids) - self.prompt_blocks, drawn[0], _ENDS[drawn[1]])
+
+    def length_tokens(self, index: int, rng: random.Random, version: int) -> float:
+        """A response length (real tokens, before the cap) of task ``index`` drawn from
+        ``rng`` by the policy at weight ``version``: the task's difficulty times the
+        within-group spread, grown by the drift."""
+        length = self.spec(index).difficulty_tokens * math.exp(rng.gauss(0.0,
+                                                                         self.cfg.sigma_within))
+        return length if self._growth == 1.0 else length * self._growth ** version
 
 
 class TaskStream:
