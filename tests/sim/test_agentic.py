@@ -11,12 +11,14 @@ from rollstream.agent.chat import ChatRenderer
 from rollstream.agent.harness import AGENT, AgentHarness
 from rollstream.agent.tools import ToolManager
 from rollstream.data.ledger import read_ledger
+from rollstream.engine import FinishReason
 from rollstream.rollout.dispatcher import sample_seed
 from rollstream.sim.agentic import AgentWorkload, latency_quantile
 from rollstream.sim.profile import load_profile
 from rollstream.sim.run import build_sim, simulate_mode
 from rollstream.sim.scenario import Scenario, ToolLatencyConfig
 from rollstream.sim.vloop import run_virtual
+from rollstream.trajectory import SegmentKind
 
 
 @pytest.fixture
@@ -170,3 +172,59 @@ def test_drift_grows_each_model_turn_by_the_version_of_its_first_request():
         w = fresh()
         _, length, tail = w.outcome(second, seed, 5)
         assert w.outcome(second + [TOKEN] * 3, seed, 8) == (3, length, tail)  # a resumed turn
+
+
+class _HourLongTool:
+    """An environment whose every answer takes an hour of the event loop's time; it grades
+    after ``replies`` answers."""
+
+    def __init__(self, replies: int) -> None:
+        self.replies, self.answers = replies, 0
+
+    async def reset(self):
+        return [{"role": "user", "content": "go"}]
+
+    async def step(self, turn):
+        import asyncio
+
+        from rollstream.agent.environment import Observation
+
+        await asyncio.sleep(3600.0)
+        self.answers += 1
+        if self.answers > self.replies:
+            return Observation(messages=[], done=True, reward=1.0)
+        return Observation(messages=[{"role": "tool", "content": "ok"}], done=False)
+
+
+def _one_token_turns(token: int):
+    from rollstream.rollout.dispatcher import TurnOutput
+    from rollstream.trajectory import append_policy_tokens
+
+    async def generate(ep, params, *, rid, deadline):
+        ids = [token, params.stop_token_ids[0]]
+        append_policy_tokens(ep.segments, ids, [-1.0] * 2, [0] * 2)
+        return TurnOutput(finish_reason=FinishReason.STOP, num_tokens=2)
+
+    return generate
+
+
+def test_the_agent_loop_keeps_time_and_its_wall_budget_on_the_event_loops_clock():
+    """Turn records and ``max_wall_s`` follow the loop's clock: virtual hours in a
+    simulation, not the milliseconds of wall time the episode takes."""
+    from rollstream.agent.loop import AgentLoop, Budgets, EpisodeEnd
+    from rollstream.models.tokenizer import build_char_tokenizer
+
+    renderer = ChatRenderer(build_char_tokenizer())
+    token = renderer.tokenizer.encode("7", add_special_tokens=False)[0]
+    t0 = time.perf_counter()
+    ep = run_virtual(AgentLoop(renderer=renderer).run(
+        _HourLongTool(replies=2), episode_id="e", generate=_one_token_turns(token)))
+    assert ep.end is EpisodeEnd.DONE and ep.num_model_turns == 3
+    env_turns = [t for t in ep.turns if t.kind is SegmentKind.ENV]
+    assert [round(t.duration_s) for t in env_turns] == [3600, 3600]
+    assert round(ep.duration_s) == 3 * 3600  # the last answer grades after its hour too
+    assert time.perf_counter() - t0 < 5
+    budget = AgentLoop(renderer=renderer, budgets=Budgets(max_wall_s=5400.0))
+    ep = run_virtual(budget.run(_HourLongTool(replies=5), episode_id="w",
+                                generate=_one_token_turns(token)))
+    assert ep.end is EpisodeEnd.MAX_WALL and round(ep.duration_s) == 5400  # in the 2nd answer

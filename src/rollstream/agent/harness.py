@@ -32,7 +32,7 @@ what the trainer's length budget counts).
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -84,7 +84,8 @@ class _DispatchTurns:
                        deadline: float | None) -> TurnOutput | None:
         self.sample.env_snapshot = episode.snapshot
         clock = self.dispatcher.clock
-        at = None if deadline is None else clock.now() + (deadline - time.monotonic())
+        at = (None if deadline is None
+              else clock.now() + (deadline - asyncio.get_running_loop().time()))
         return await self.dispatcher.episode_turn(self.sample, params, deadline=at)
 
 

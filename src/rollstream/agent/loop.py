@@ -35,7 +35,6 @@ import asyncio
 import copy
 import enum
 import json
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -162,7 +161,7 @@ class AgentLoop:
         sample's, maybe restored with segments); its ``prompt_ids`` must be what the template
         renders for ``env.reset()``. ``env`` is first brought to where it stands: restored
         from ``episode.snapshot`` when it can be, and its recorded turns after that replayed."""
-        start = time.monotonic()
+        start = _now()
         deadline = None if self.budgets.max_wall_s is None else start + self.budgets.max_wall_s
         messages = await env.reset()
         prompt = await asyncio.to_thread(self.renderer.prompt, messages)
@@ -185,7 +184,7 @@ class AgentLoop:
                 await self._snapshot(ep, env)
                 if not await self._model_turn(ep, generate, episode_id, stop, start, deadline):
                     break  # the generator gave up on the episode: its owner records why
-        ep.duration_s = time.monotonic() - start
+        ep.duration_s = _now() - start
         return ep
 
     @staticmethod
@@ -201,7 +200,7 @@ class AgentLoop:
             return EpisodeEnd.MAX_TURNS
         if len(ep.response_ids) >= self.budgets.max_total_tokens:
             return EpisodeEnd.MAX_TOKENS
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and _now() >= deadline:
             return EpisodeEnd.MAX_WALL
         return None
 
@@ -212,7 +211,7 @@ class AgentLoop:
         last = ep.segments[-1] if ep.segments else None
         done = len(last) if last is not None and last.kind is SegmentKind.POLICY else 0
         budget = min(b.max_turn_tokens - done, b.max_total_tokens - len(ep.response_ids))
-        t0 = time.monotonic()
+        t0 = _now()
         params = replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop)
         index = ep.num_model_turns - (done > 0)
         out = await generate(ep, params, rid=f"{episode_id}/t{index}", deadline=deadline)
@@ -220,7 +219,7 @@ class AgentLoop:
             return False
         if ep.segments and ep.segments[-1].kind is SegmentKind.POLICY:
             ep.turns.append(Turn(kind=SegmentKind.POLICY, num_tokens=len(ep.segments[-1]),
-                                 started_s=t0 - start, duration_s=time.monotonic() - t0,
+                                 started_s=t0 - start, duration_s=_now() - t0,
                                  finish_reason=out.finish_reason.value,
                                  num_interrupts=out.num_interrupts))
         if out.error is not None:
@@ -241,10 +240,10 @@ class AgentLoop:
         """The environment's answer to the trailing model turn."""
         text, ended = await self._model_text(ep.segments[-1], stop)
         ep.messages.append({"role": "assistant", "content": text})
-        t1 = time.monotonic()
+        t1 = _now()
         step = env.step(ModelTurn(text=text, ended=ended, turn_index=ep.num_model_turns - 1))
         try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
+            async with asyncio.timeout_at(deadline):
                 obs = await step
         except TimeoutError:
             ep.end = EpisodeEnd.MAX_WALL
@@ -259,7 +258,7 @@ class AgentLoop:
         ep.segments.append(Segment.env(delta))
         ep.messages.extend(obs.messages)
         ep.turns.append(Turn(kind=SegmentKind.ENV, num_tokens=len(delta), started_s=t1 - start,
-                             duration_s=time.monotonic() - t1, tool_calls=obs.tool_calls,
+                             duration_s=_now() - t1, tool_calls=obs.tool_calls,
                              tool_results=obs.tool_results))
 
     async def _delta(self, ep: Episode, obs: Observation, ended: bool) -> list[int]:
@@ -336,7 +335,8 @@ async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, 
                         segments: list[Segment], deadline: float | None = None) -> TurnOutput:
     """One model turn on ``ids`` by ``engine``, appended to ``segments``: continues after
     interrupts (weight updates) until it stops, reaches ``params.max_new_tokens``, fails, or
-    ``deadline`` (``time.monotonic``) passes; then it is interrupted and what it has is kept."""
+    ``deadline`` (the event loop's clock, :func:`_now`) passes; then it is interrupted and what
+    it has is kept."""
     budget = params.max_new_tokens
     done = 0
     interrupts, out_of_time = 0, False
@@ -345,7 +345,7 @@ async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, 
         request = GenerateRequest(request_id=request_id, prompt_ids=ids,
                                   params=replace(params, max_new_tokens=budget - done))
         task = asyncio.ensure_future(engine.generate(request))
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = None if deadline is None else max(0.0, deadline - _now())
         finished, _ = await asyncio.wait({task}, timeout=timeout)
         if not finished:
             out_of_time = True
@@ -373,8 +373,7 @@ def _json_copy(value: Any, what: str) -> Any:
         raise TypeError(f"the snapshot of {what} is not JSON: {e}") from None
 
 
-def _loop_time(deadline: float | None) -> float | None:
-    """A ``time.monotonic`` deadline on the event loop's clock."""
-    if deadline is None:
-        return None
-    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+def _now() -> float:
+    """The episode's clock: the running event loop's (``time.monotonic`` on a real loop,
+    virtual time in the simulator, so wall budgets, deadlines and turn records follow it)."""
+    return asyncio.get_running_loop().time()
