@@ -2,7 +2,8 @@
 agent episode run through the dispatcher with deltas samples exactly what it samples with
 whole prompts; so do episodes whose histories the actor evicted (they are sent again whole)
 and an episode whose actor was killed and replaced mid-way; control messages stay under a
-bound however long the history, while the tokens go out of band; no Ray process is left.
+bound however long the history, while the tokens go out of band; no Ray process and no
+shared-memory segment is left.
 
 One local Ray and one engine actor for the module (its histories capped at
 ``ACTOR_CACHE_TOKENS``); each test makes its own proxies over it. Requests run one at a time,
@@ -12,6 +13,7 @@ logprobs, bit for bit, however its prompt reached the actor."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 import zlib
@@ -51,7 +53,7 @@ def owner(tmp_path_factory: pytest.TempPathFactory):
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # the interpreter's own (the reward workers start it)
-    before = _descendants()
+    before, segments = _descendants(), set(os.listdir("/dev/shm"))
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
     try:
         (engine,) = build_ray_engines(
@@ -67,6 +69,7 @@ def owner(tmp_path_factory: pytest.TempPathFactory):
     while (left := _descendants() - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"Ray processes outlived the module: {_cmdlines(left)}"
+    assert set(os.listdir("/dev/shm")) <= segments, "a shared-memory segment was left"
 
 
 def _cmdlines(pids: set[int]) -> list[str]:
