@@ -32,8 +32,8 @@ from tests.runtime.test_ray import _descendants
 pytestmark = pytest.mark.ray
 ACTOR_CACHE_TOKENS = 256  # the agent episode below fits (~90 tokens); three manual ones do not
 # a generate call's control message (request id, sampling params, stamps, the reference of
-# its tokens) and its reply's (finish reason, error, reference), pickled: measured 226 B and
-# 165 B, whatever the history's length
+# its tokens) and its reply's (finish reason, error, reference), pickled: measured 225 B and
+# 164 B, whatever the history's length
 CONTROL_BYTES_BOUND = 300
 _state: dict = {}
 

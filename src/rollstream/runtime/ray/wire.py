@@ -23,8 +23,8 @@ across actor restarts.
 
 from __future__ import annotations
 
-import io
 import pickle
+from dataclasses import replace
 from typing import Any
 
 WIRE_KEYS = ("wire_calls", "wire_sent_bytes", "wire_received_bytes")
@@ -65,23 +65,19 @@ class WireMeter:
         return dict(zip(METER_KEYS, map(float, values), strict=True))
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles an object reference as its id (Ray's own pickling of one registers it)."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        from ray import ObjectRef
-
-        super().__init__(file, protocol=5)
-        self._ref = ObjectRef
-
-    def persistent_id(self, obj: Any) -> bytes | None:
-        return obj.binary() if isinstance(obj, self._ref) else None
-
-
 def payload_bytes(value: Any) -> int:
-    """The bytes ``value`` pickles to, as Ray pickles an argument or a reply."""
-    if value is None or isinstance(value, (bytes, str, int, float)):
-        return len(pickle.dumps(value, protocol=5))
-    buf = io.BytesIO()
-    _Pickler(buf).dump(value)
-    return buf.getbuffer().nbytes
+    """The bytes ``value`` pickles to, as Ray pickles an argument or a reply; an object
+    reference in it (an argument, or a reply's ``tokens``) counted as its id (pickling a
+    reference itself would register it with Ray)."""
+    ref = _ref_type()
+    if isinstance(value, ref):
+        value = value.binary()
+    elif isinstance(getattr(value, "tokens", None), ref):
+        value = replace(value, tokens=value.tokens.binary())
+    return len(pickle.dumps(value, protocol=5))
+
+
+def _ref_type() -> type:
+    from ray import ObjectRef
+
+    return ObjectRef
