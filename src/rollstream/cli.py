@@ -30,7 +30,7 @@ BENCHES = {
     "vllm": "local engine vs a real vLLM server; weight-sync time",
     "weightsync": "weight sync to Ray engine actors: object store vs broadcast vs shared memory",
     "scale": "embedded runtime vs ray (disaggregated, colocated): samples/s, weight sync s/MB, "
-             "control-plane bytes per sample, actor restart",
+             "bytes per sample on the control and data planes, actor restart",
     "sim": "the simulator: calibration error against real runs, 512-engine speed, GPU gain",
     "resume": "a run killed with SIGKILL 5 times and resumed: lost, duplicated, repeated",
     "soak": "resident memory over a long run (--minutes, default 20): RSS slope in MB/h",

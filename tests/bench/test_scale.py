@@ -1,5 +1,5 @@
 """Smoke test of ``rollstream bench scale --quick`` on a tiny model: the embedded row and the
-disaggregated Ray row train, and the JSON has issue 13's keys with positive, finite values
+disaggregated Ray rows (token payloads on the calls, and all out of band) train, and the JSON has issue 13's keys with positive, finite values
 (a smoke run: its numbers mean nothing, so no target is checked). Its Ray is stopped after."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _positive(value: float) -> bool:
 def test_quick_scale_bench_writes_every_key(tmp_path):
     import ray
 
-    from rollstream.bench.scale import DISAGGREGATED, EMBEDDED, main
+    from rollstream.bench.scale import DISAGGREGATED, EMBEDDED, OUT_OF_BAND, main
     from rollstream.bench.weightsync import PATHS
 
     out = tmp_path / "scale.json"
@@ -34,7 +34,7 @@ def test_quick_scale_bench_writes_every_key(tmp_path):
                   overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
-    assert set(written["rows"]) == {EMBEDDED, DISAGGREGATED}
+    assert set(written["rows"]) == {EMBEDDED, DISAGGREGATED, OUT_OF_BAND}
     for label, row in written["rows"].items():
         assert row["trained_samples"] == 2 * 2 * 4, label  # steps x groups x group size
         for key in ("samples_per_s", "train_wall_s", "gen_tok_s", "engine_busy_share"):
@@ -46,6 +46,18 @@ def test_quick_scale_bench_writes_every_key(tmp_path):
     ray_row = written["rows"][DISAGGREGATED]
     assert ray_row["wire_calls"] > 0 and ray_row["wire_sent_bytes"] > 0
     assert ray_row["wire_received_bytes"] > ray_row["wire_sent_bytes"]  # tokens come back
+    # at the default threshold the tiny run's payloads ride the calls; at 0 every one goes
+    # out of band: each trained sample's prompt and tokens at least
+    planes = written["bytes_per_trained_sample_by_plane"]
+    assert set(planes) == {DISAGGREGATED, OUT_OF_BAND}
+    assert planes[DISAGGREGATED]["data"] == 0 and planes[DISAGGREGATED]["data_objects"] == 0
+    oob = planes[OUT_OF_BAND]
+    assert _positive(oob["data_sent"]) and _positive(oob["data_received"]), oob
+    assert oob["data_objects"] >= 2 and oob["episode_misses"] == 0, oob
+    trips = written["payload_round_trips"]["by_bytes"]
+    assert set(trips) == {str(1 << 10), str(1 << 20)}
+    assert all(_positive(t["inline_s"]) and _positive(t["out_of_band_s"])
+               for t in trips.values())
     assert _positive(written["ray_vs_embedded_samples_per_s"])
     assert written["ray_vs_embedded_samples_per_s"] == pytest.approx(
         ray_row["samples_per_s"] / written["rows"][EMBEDDED]["samples_per_s"])

@@ -11,9 +11,12 @@ step), the same config but for the runtime, one run at a time:
 * ``ray_disaggregated``: ``runtime.ray.placement=disaggregated``: the engine actor (its own
   process) on core 0, the trainer's thread on core 1 (the placement pins them itself);
 * ``ray_colocated`` (not with ``--quick``): ``placement=colocated``, sharing both cores and
-  taking turns.
+  taking turns;
+* ``ray_out_of_band``: ``ray_disaggregated`` with ``runtime.ray.out_of_band_bytes=0``: every
+  token payload through the object store, so both planes carry a sample (at the default
+  threshold the demo's payloads all ride the calls).
 
-Full: two rounds in the order A B C, then C B A, so a drift in the machine's load hits every
+Full: two rounds in the order A B C D, then D C B A, so a drift in the machine's load hits every
 row alike; each row keeps its faster run (``bench modes``' rule) and every run is kept under
 ``runs``. Trained samples/s = trained samples over the steps' ``wait_s + train_s`` in
 ``metrics.jsonl``, so Ray's start, the model load and the evaluations are left out.
@@ -24,14 +27,18 @@ and, full, its bigger model), and the restart of an engine actor: an actor servi
 is killed with ``ray.kill``; the proxy notices through its stats poll (``detect_s``), then
 :meth:`RayEngine.restart` spawns a new actor and installs v (``replace_s``); timed until a
 request on the new actor returns tokens of version v (``actor_restart_s``, median of
-``restart_trials``).
+``restart_trials``); and a payload's round trip to an actor, riding the calls or through the
+object store, by size (:func:`payload_round_trips`: where ``runtime.ray.out_of_band_bytes``
+pays).
 
-**Control-plane bytes per sample**: each Ray row's proxies count the pickled payload of every
-call they make to their actor and of its reply (``runtime/ray/wire.py``: generate, interrupt,
-stats polls, peeks; weights excluded), training phase only (``summary.json``'s ``engines``),
+**Bytes per sample on each plane**: each Ray row's proxies count the pickled payload of every
+call they make to their actor and of its reply (the control plane: ``runtime/ray/wire.py``:
+generate, interrupt, stats polls, peeks; weights excluded) and, apart, the token payloads
+that went through the object store (the data plane: those above
+``runtime.ray.out_of_band_bytes``), training phase only (``summary.json``'s ``engines``),
 divided by trained samples and by generated samples (every training sample that reached the
-ledger: trained, filtered, dropped). There is no separate data plane yet (issue 13 item 5):
-token arrays ride the actor calls, so these bytes are what a sample costs the boundary.
+ledger: trained, filtered, dropped). A continuing request (a sample resumed after an
+interrupt) sends only the tokens its actor does not hold (``episode_reused_tokens``).
 
 A benchmark measures; it does not assert. The machine is shared: the JSON records the load
 average before and after.
@@ -54,12 +61,16 @@ from typing import Any
 from rollstream.bench.sampling import DEMO_YAML
 
 EMBEDDED, DISAGGREGATED, COLOCATED = "embedded", "ray_disaggregated", "ray_colocated"
+OUT_OF_BAND = "ray_out_of_band"
 RAY = ["runtime.kind=ray", f"runtime.ray.object_store_bytes={256 << 20}"]
 ROWS: dict[str, list[str]] = {
     EMBEDDED: [],  # bench_overrides pins engine and trainer threads
     # the placements pin (or share) the cores themselves: bench_overrides' pins would contradict
     DISAGGREGATED: [*RAY, "runtime.ray.placement=disaggregated",
                     "engine.local.cpu_affinity=[]", "train.cpu_affinity=[]"],
+    # every token payload through the object store: both planes at work
+    OUT_OF_BAND: [*RAY, "runtime.ray.placement=disaggregated", "runtime.ray.out_of_band_bytes=0",
+                  "engine.local.cpu_affinity=[]", "train.cpu_affinity=[]"],
     COLOCATED: [*RAY, "runtime.ray.placement=colocated",
                 "engine.local.cpu_affinity=[]", "train.cpu_affinity=[]"],
 }
@@ -74,14 +85,20 @@ class Sizes:
     rounds: int
     bigger_model: bool  # weight sync on bench weightsync's bigger model too
     restart_trials: int
+    payload_bytes: tuple[int, ...]  # payload sizes timed inline and out of band
+    payload_trials: int
     extra: tuple[str, ...] = ()
 
 
-FULL = Sizes(steps=12, num_eval=32, samples_per_task=4, rows=(EMBEDDED, DISAGGREGATED, COLOCATED),
-             rounds=2, bigger_model=True, restart_trials=3)
+FULL = Sizes(steps=12, num_eval=32, samples_per_task=4,
+             rows=(EMBEDDED, DISAGGREGATED, COLOCATED, OUT_OF_BAND),
+             rounds=2, bigger_model=True, restart_trials=3,
+             payload_bytes=tuple(1 << k for k in range(8, 23, 2)), payload_trials=50)
 # a smoke run: a test's barely trained model solves nothing; keep every group
-QUICK = Sizes(steps=2, num_eval=4, samples_per_task=1, rows=(EMBEDDED, DISAGGREGATED), rounds=1,
-              bigger_model=False, restart_trials=1,
+QUICK = Sizes(steps=2, num_eval=4, samples_per_task=1, rows=(EMBEDDED, DISAGGREGATED, OUT_OF_BAND),
+              rounds=1,
+              bigger_model=False, restart_trials=1, payload_bytes=(1 << 10, 1 << 20),
+              payload_trials=3,
               extra=("train.groups_per_step=2", "rollout.group_size=4", "reward.num_workers=1",
                      "rollout.filter_zero_variance=false"))
 
@@ -136,7 +153,7 @@ def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
     and the control plane's calls and bytes (Ray rows)."""
     from rollstream.bench.modes import read_metrics
     from rollstream.data.ledger import read_ledger
-    from rollstream.runtime.ray.wire import WIRE_KEYS
+    from rollstream.runtime.ray.wire import METER_KEYS
     from rollstream.trajectory import is_eval_uid
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -147,8 +164,9 @@ def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
                     if not is_eval_uid(r["sample_uid"]))
     engines = summary["engines"].values()
     busy_s = sum(e["busy_s"] for e in engines)
-    wire = {k: sum(e.get(k, 0.0) for e in engines) for k in WIRE_KEYS}
+    wire = {k: sum(e.get(k, 0.0) for e in engines) for k in METER_KEYS}
     wire_bytes = wire["wire_sent_bytes"] + wire["wire_received_bytes"]
+    data_bytes = wire["data_sent_bytes"] + wire["data_received_bytes"]
     return {
         "samples_per_s": trained / (wait_s + train_s),
         "samples_per_s_wall": trained / summary["train_wall_s"],
@@ -168,9 +186,11 @@ def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
         "reward_final_se": collected["reward_final_se"],
         "dropped_stale": collected["dropped_stale"], "filtered": collected["filtered"],
         "aborted": collected["aborted"], "failed": collected["failed"],
-        **wire, "wire_bytes": wire_bytes,
+        **wire, "wire_bytes": wire_bytes, "data_bytes": data_bytes,
         "control_plane_bytes_per_trained_sample": wire_bytes / trained,
         "control_plane_bytes_per_generated_sample": wire_bytes / generated,
+        "data_plane_bytes_per_trained_sample": data_bytes / trained,
+        "data_plane_bytes_per_generated_sample": data_bytes / generated,
         "load_after": os.getloadavg()[0],
     }
 
@@ -191,9 +211,56 @@ def on_ray(folder: Path, sizes: Sizes) -> dict[str, Any]:
                 bigger = weightsync.build_model(Path(tmp) / "bigger", **weightsync.BIGGER)
                 models["bigger"] = asyncio.run(weightsync.bench_model(bigger))
         restart = asyncio.run(restart_seconds(folder, sizes.restart_trials))
+        payloads = payload_round_trips(sizes.payload_bytes, sizes.payload_trials)
     finally:
         cluster.stop()
-    return {"weight_sync": models, "restart": restart}
+    return {"weight_sync": models, "restart": restart, "payloads": payloads}
+
+
+class _Echo:
+    """An actor that returns a payload as it came (``inline``), or puts it in the object
+    store and returns its reference (``by_ref``): a generate call's two ways, without the
+    engine."""
+
+    def inline(self, blob: bytes) -> bytes:
+        return blob
+
+    def by_ref(self, blob: bytes) -> Any:  # Ray fetched the argument's reference
+        import ray
+
+        return [ray.put(blob)]  # a list: a returned reference alone would be resolved
+
+
+def payload_round_trips(sizes: Sequence[int], trials: int) -> dict[str, Any]:
+    """Seconds per round trip of a payload of each size to an actor and back, one call at a
+    time: riding the call both ways, or through the object store both ways (``ray.put`` by
+    the driver, by the actor for the reply; the calls carry the references), as
+    ``runtime.ray.out_of_band_bytes`` chooses; median of ``trials`` after a warm-up."""
+    import ray
+
+    actor = ray.remote(_Echo).options(num_cpus=0).remote()
+    try:
+        out: dict[str, Any] = {}
+        for size in sizes:
+            blob = os.urandom(size)
+            times: dict[str, list[float]] = {"inline_s": [], "out_of_band_s": []}
+            for i in range(trials + 1):
+                t0 = time.perf_counter()
+                back = ray.get(actor.inline.remote(blob))
+                t1 = time.perf_counter()
+                (ref,) = ray.get(actor.by_ref.remote(ray.put(blob)))
+                back2 = ray.get(ref)
+                t2 = time.perf_counter()
+                assert back == blob and back2 == blob
+                if i:  # the first is a warm-up
+                    times["inline_s"].append(t1 - t0)
+                    times["out_of_band_s"].append(t2 - t1)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            out[str(size)] = {**med, "out_of_band_vs_inline":
+                              med["out_of_band_s"] / med["inline_s"]}
+        return {"trials": trials, "by_bytes": out}
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 async def restart_seconds(folder: Path, trials: int) -> dict[str, Any]:
@@ -277,15 +344,31 @@ def summarise(rows: dict[str, dict[str, Any]], on_ray: dict[str, Any], *, quick:
             "calls_per_trained_sample": ray_row["wire_calls"] / ray_row["trained_samples"],
             "row": DISAGGREGATED,
             "note": "pickled payload of every generate, interrupt, stats and peek call and "
-                    "reply, training phase; Ray's per-call framing and weights not counted. "
-                    "No separate data plane exists yet (issue 13 item 5): token arrays ride "
-                    "the actor calls.",
+                    "reply, training phase, token payloads up to runtime.ray.out_of_band_bytes "
+                    "included; Ray's per-call framing and weights not counted",
         },
+        "bytes_per_trained_sample_by_plane": {row: planes(r) for row, r in rows.items()
+                                               if row != EMBEDDED},
+        "payload_round_trips": on_ray["payloads"],
         "actor_restart_s": restart["actor_restart_s"],
         "actor_restart": restart,
         "targets": {"ray_vs_embedded_samples_per_s_ge_1":
                     rows[DISAGGREGATED]["samples_per_s"] >= emb["samples_per_s"]},
     }
+
+
+def planes(row: dict[str, Any]) -> dict[str, float]:
+    """A Ray row's bytes per trained sample on each plane, and what its episodes reused."""
+    n = row["trained_samples"]
+    return {"control": row["control_plane_bytes_per_trained_sample"],
+            "data": row["data_plane_bytes_per_trained_sample"],
+            "control_sent": row["wire_sent_bytes"] / n,
+            "control_received": row["wire_received_bytes"] / n,
+            "data_sent": row["data_sent_bytes"] / n,
+            "data_received": row["data_received_bytes"] / n,
+            "calls": row["wire_calls"] / n, "data_objects": row["data_objects"] / n,
+            "reused_prompt_tokens": row["episode_reused_tokens"] / n,
+            "episode_misses": row["episode_misses"]}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -297,11 +380,12 @@ def print_table(result: dict[str, Any]) -> None:
                         "(samples/s: trained ÷ the steps' wait_s + train_s)")
     for col in ("row", "samples/s (runs)", "train s", "wait share", "train_s / step",
                 "engine busy", "engine tok / busy s", "gen tok/s", "reward final",
-                "ctl bytes / trained sample"):
+                "ctl / data bytes per trained sample"):
         table.add_column(col)
     for row, r in result["rows"].items():
         runs = " / ".join(f"{x['samples_per_s']:.1f}" for x in r["runs"])
-        ctl = f"{r['control_plane_bytes_per_trained_sample']:,.0f}" if r["wire_calls"] else "-"
+        ctl = (f"{r['control_plane_bytes_per_trained_sample']:,.0f} / "
+               f"{r['data_plane_bytes_per_trained_sample']:,.0f}") if r["wire_calls"] else "-"
         table.add_row(row, f"{r['samples_per_s']:.1f} ({runs})", f"{r['train_wall_s']:.1f}",
                       f"{r['wait_share']:.2f}", f"{r['train_s_mean']:.2f}",
                       f"{r['engine_busy_share']:.2f}", f"{r['engine_tok_per_busy_s']:,.0f}",
@@ -320,9 +404,17 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"ray_vs_embedded_samples_per_s {result['ray_vs_embedded_samples_per_s']:.2f} "
           f"(by round: {', '.join(f'{x:.2f}' for x in result['ray_vs_embedded_samples_per_s_by_round'])})"
           + ("" if colo is None else f"; colocated vs embedded {colo:.2f}"))
-    print(f"control plane: {ctl['per_trained_sample']:,.0f} B per trained sample "
-          f"({ctl['per_generated_sample']:,.0f} per generated; {ctl['calls_per_trained_sample']:.1f} "
-          "calls per trained sample); no separate data plane yet")
+    print(f"control plane ({DISAGGREGATED}): {ctl['per_trained_sample']:,.0f} B per trained "
+          f"sample ({ctl['per_generated_sample']:,.0f} per generated; "
+          f"{ctl['calls_per_trained_sample']:.1f} calls per trained sample)")
+    for row, p in result["bytes_per_trained_sample_by_plane"].items():
+        print(f"{row}: control {p['control']:,.0f} B + data {p['data']:,.0f} B per trained "
+              f"sample ({p['data_objects']:.2f} objects; {p['reused_prompt_tokens']:.1f} prompt "
+              "tokens not resent)")
+    trips = result["payload_round_trips"]["by_bytes"]
+    print("payload round trip to an actor, out of band / inline: " + ", ".join(
+        f"{int(n):,} B {t['out_of_band_s'] * 1e3:.2f}/{t['inline_s'] * 1e3:.2f} ms"
+        for n, t in trips.items()))
     print(f"actor restart: {rs['actor_restart_s']:.2f} s kill to serving (detect "
           f"{rs['detect_s']:.3f} s, replace {rs['replace_s']:.2f} s; median of "
           f"{len(rs['trials'])})")

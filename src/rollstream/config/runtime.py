@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 MIN_OBJECT_STORE_BYTES = 78643200  # Ray refuses less (75 MiB)
 DEFAULT_BUCKET_BYTES = 64 << 20
+# 1,024 episodes of 4,096 tokens; 16 MiB of int32 in an engine actor, and as much in its mirror
+DEFAULT_EPISODE_CACHE_TOKENS = 1 << 22
+# Ray's own inline limit (max_direct_call_object_size): below it, a payload by reference took
+# 2.3-3.2x an inline round trip; above it Ray stores the payload in its object store anyway
+# and the explicit reference cost 5-16% more (docs/distributed.md, "Control and data planes")
+DEFAULT_OUT_OF_BAND_BYTES = 100 << 10
 
 
 class RayConfig(Section):
@@ -58,6 +64,17 @@ class RayConfig(Section):
     lets them share every core and take turns (the engines stop while the trainer steps and
     resume with its new weights); null: Ray places the actors by ``engine_num_cpus``, nothing
     pinned. One host only (not with ``address``); docs/distributed.md."""
+    episode_cache_tokens: int = Field(DEFAULT_EPISODE_CACHE_TOKENS, ge=0)
+    """Tokens of episode histories each engine actor keeps (and the driver mirrors, 4 bytes a
+    token on each side), so that a request continuing an episode (its next turn, or a sample
+    resumed after an interrupt) sends only the tokens added since its last call; the oldest
+    are evicted first. 0: every request sends its whole prompt. An evicted or lost history
+    (a replaced actor) costs one more call with the whole prompt, never a wrong one."""
+    out_of_band_bytes: int = Field(DEFAULT_OUT_OF_BAND_BYTES, ge=0)
+    """Token payloads (a request's prompt tokens, a reply's tokens with their logprobs and
+    versions, a peek's) above this many bytes go through Ray's object store, the call carrying
+    their reference (shared memory on one host, Ray's object transfer across hosts); smaller
+    ones ride the call. 0: every payload out of band."""
     bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1 << 20)
     """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (a larger tensor goes
     alone); bounds the extra memory of a sync to about one bucket per process."""

@@ -78,6 +78,10 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # the episode it continues: requests of one episode (a sample's turns, its resubmissions
+    # after an interrupt) share it, each prompt extending the last prompt and its output; an
+    # engine may keep the history and move only what was added (KeepsEpisodes). None: alone
+    episode_id: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -143,6 +147,17 @@ class Engine(Protocol):
 @runtime_checkable
 class Closeable(Protocol):
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class KeepsEpisodes(Protocol):
+    """An engine that keeps an episode's history between its requests
+    (``GenerateRequest.episode_id``), so that a request continuing it moves only the tokens
+    added since (an engine actor of the Ray runtime). Correctness never depends on it: a
+    history it no longer holds is sent whole."""
+
+    def end_episode(self, episode_id: str) -> None:
+        """The episode sends no more requests: drop what was kept of it."""
 
 
 @runtime_checkable

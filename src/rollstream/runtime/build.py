@@ -292,7 +292,9 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
         engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
                                     version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
                                     weights=build_transport(cfg.runtime.ray),
-                                    units=cluster.units)
+                                    units=cluster.units,
+                                    episode_cache_tokens=cfg.runtime.ray.episode_cache_tokens,
+                                    out_of_band_bytes=cfg.runtime.ray.out_of_band_bytes)
     except BaseException:
         cluster.stop()
         raise

@@ -1,15 +1,20 @@
-"""Engines as Ray actors: :class:`EngineActor` hosts a local engine in its own process, and
-:class:`RayEngine` is the driver-side proxy that implements the engine protocol over it.
+"""Engines as Ray actors: an ``EngineActor`` (engine_actor.py) hosts a local engine in its own
+process, and :class:`RayEngine` is the driver-side proxy that implements the engine protocol
+over it.
 
     driver (controller, dispatcher, weight sync)         engine actor (own process)
     ----------------------------------------------       ---------------------------
     RayEngine.generate ------- actor.generate.remote ---> LocalEngine.generate
+      (dataplane.py: the tokens an episode added since its last call, packed; a payload
+       above runtime.ray.out_of_band_bytes by reference through the object store, both ways)
     RayEngine.interrupt ------ actor.interrupt.remote --> LocalEngine.interrupt
     RayEngine.load_weights --- the run's weight transport (weights.py): one ray.put per
                                version, a gloo broadcast in buckets, or shared memory
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
-                               (and every PEEK_S one actor.peek.remote: partial tokens)
-    (wire.py counts these calls and their pickled bytes, in stats().work)
+                               (and every PEEK_S one actor.peek.remote: the partial tokens
+                               sampled since the last peek)
+    (wire.py counts these calls and their pickled bytes, and the out-of-band payloads apart,
+     in stats().work)
 
 Everything the protocol promises (token-boundary interrupts, per-token versions, partial
 tokens on abort, bad requests failing alone) is the local engine's, unchanged: the proxy only
@@ -33,13 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine.protocol import (
     EngineHealth,
@@ -48,113 +53,40 @@ from rollstream.engine.protocol import (
     GenerateOutput,
     GenerateRequest,
 )
-
+from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
+from rollstream.runtime.ray.engine_actor import spawn_actor
 from rollstream.runtime.ray.wire import WireMeter
 
 if TYPE_CHECKING:
     import torch
 
     from rollstream.runtime.ray.units import ScaleUnits
-    from rollstream.runtime.ray.weights import Bucket, WeightTransport
+    from rollstream.runtime.ray.weights import WeightTransport
 
 log = logging.getLogger(__name__)
 PEEK_S = 0.2  # how often the driver copies the running requests' tokens while it polls
 
 
-class EngineActor:
-    """The actor body (made remote by :func:`spawn_actor`): a local engine in this process."""
-
-    def __init__(self, model_path: str, cfg: LocalEngineConfig, engine_id: str,
-                 version: int) -> None:
-        from rollstream.engine.local import LocalEngine
-
-        self.engine = LocalEngine(Path(model_path), cfg, engine_id=engine_id, version=version)
-        self._group: Any = None  # the broadcast group it belongs to (weight_sync: broadcast)
-        self._receiving = asyncio.Lock()  # one round's broadcasts at a time, in call order
-
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        return await self.engine.generate(request)
-
-    async def interrupt(self, request_ids: Sequence[str] | None) -> None:
-        await self.engine.interrupt(request_ids)
-
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        await self.engine.load_weights(version, tensors)
-
-    async def join_weight_group(self, host: str, port: int, prefix: str, rank: int,
-                                world: int, timeout_s: float) -> None:
-        """Join the driver's broadcast group (``weight_sync: broadcast``), leaving any older
-        one."""
-        from rollstream.runtime.ray.weights import join_group
-
-        self._group = None
-        self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world,
-                                              timeout_s)
-
-    async def receive_weights(self, version: int, plan: list[Bucket]) -> None:
-        """Receive one version's buckets from the driver's broadcast and install them."""
-        from rollstream.runtime.ray.weights import receive_buckets
-
-        async with self._receiving:
-            if self._group is None:
-                raise RuntimeError("receive_weights before join_weight_group")
-            tensors = await asyncio.to_thread(receive_buckets, self._group, plan)
-        await self.engine.load_weights(version, tensors)
-
-    async def load_shared(self, version: int, path: str) -> None:
-        """Install the version the driver wrote to shared memory (``weight_sync:
-        shared_memory``)."""
-        from rollstream.runtime.ray.weights import read_buckets
-
-        tensors = await asyncio.to_thread(read_buckets, Path(path))
-        await self.engine.load_weights(version, tensors)
-
-    async def state_dict(self) -> dict[str, torch.Tensor]:
-        """A copy of the weights the engine serves, HF-named, read off the engine thread: for
-        checks of weight sync while no load is pending (the local engine keeps its weights
-        to itself; its module is at its size budget)."""
-        return {k: v.clone() for k, v in self.engine._weights.hf_views.items()}
-
-    async def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    async def cpu_affinity(self) -> dict[str, list[int]]:
-        """The cores each thread of this process may run on, by thread name (placement)."""
-        import threading
-
-        return {t.name: sorted(os.sched_getaffinity(t.native_id))
-                for t in threading.enumerate() if t.native_id is not None}
-
-    async def peek(self) -> list[GenerateOutput]:
-        return await self.engine.peek()
-
-    async def close(self) -> None:
-        await self.engine.close()
-
-
-def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, version: int,
-                num_cpus: float, strategy: Any = None) -> Any:
-    """An engine actor; ``strategy``: its Ray scheduling strategy (its scale unit's bundle,
-    ``units.py``; None: where Ray places it)."""
-    import ray
-
-    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000,
-                                             scheduling_strategy=strategy)
-    return remote.remote(str(model_path), cfg, engine_id, version)
-
-
 class RayEngine:
-    """Implements the engine protocol (and ``Closeable``, ``Restartable``) over an
-    :class:`EngineActor`; ``spawn(version)`` makes a new actor (at start and on restart)."""
+    """Implements the engine protocol (and ``Closeable``, ``Restartable``, ``KeepsEpisodes``)
+    over an ``EngineActor``; ``spawn(version)`` makes a new actor (at start and on restart)."""
 
     def __init__(self, *, engine_id: str, spawn: Callable[[int], Any], weights: WeightTransport,
-                 version: int, max_restarts: int, actor: Any = None) -> None:
-        """``actor``: one ``spawn(version)`` made already (None: spawn it now)."""
+                 version: int, max_restarts: int, actor: Any = None,
+                 episodes: Episodes | None = None,
+                 out_of_band_bytes: int = DEFAULT_OUT_OF_BAND_BYTES) -> None:
+        """``actor``: one ``spawn(version)`` made already (None: spawn it now); ``episodes``:
+        the mirror of its actor's histories (None: one of the default size, holders of its
+        own); ``out_of_band_bytes``: prompts above it go by reference (as the actor's)."""
         self.engine_id = engine_id
         self._spawn, self._weights, self._max_restarts = spawn, weights, max_restarts
         self.num_restarts, self._version, self._closed = 0, version, False
         self._death: str | None = None  # why the current actor stopped serving
-        self._inflight: dict[str, Any] = {}  # request id -> ObjectRef of its generate
+        self._inflight: dict[str, object] = {}  # request id -> a token of its generate call
+        self._episodes = episodes if episodes is not None else \
+            Episodes(DEFAULT_EPISODE_CACHE_TOKENS)
+        self._out_of_band_bytes = out_of_band_bytes
+        self._peek_entries: tuple[tuple[str, int, int], ...] | None = None  # its tokens' wait
         self._before = _Totals()  # counters of the actors this one replaced
         self._delivered_tokens = 0  # tokens returned by the current actor's calls
         self._partial: dict[str, GenerateOutput] = {}  # in flight: its tokens at the last peek
@@ -172,28 +104,48 @@ class RayEngine:
         actor = self.actor
         if self._death is not None:
             return _abort(request.request_id, self._death)
-        ref = actor.generate.remote(request)
-        self.wire.call(request)
-        self._inflight[request.request_id] = ref
+        mine = self._inflight[request.request_id] = object()
         try:
-            out = await ref
-        except asyncio.CancelledError:
-            import ray
-
-            ray.cancel(ref)  # the actor's coroutine is cancelled: the engine interrupts it
-            raise
-        except _actor_errors() as e:  # its tokens at the last peek survive the process
+            out = await self._generate(actor, request)
+        except (*_actor_errors(), *_lost_errors()) as e:  # its tokens at the last peek survive
             self._fault(actor, e)
             return _abort(request.request_id, self._death or f"{self.engine_id}: {e}",
                           self._partial.get(request.request_id))
         finally:
-            if self._inflight.get(request.request_id) is ref:
+            if self._inflight.get(request.request_id) is mine:
                 del self._inflight[request.request_id]
                 self._partial.pop(request.request_id, None)
-        self.wire.reply(out)
         if actor is self.actor:
             self._delivered_tokens += len(out.token_ids)
         return out
+
+    async def _generate(self, actor: Any, request: GenerateRequest) -> GenerateOutput:
+        """``request`` on ``actor``: the tokens added since the episode's last call when the
+        actor holds its history, else (or when it no longer does) the whole prompt."""
+        for whole in (False, True):
+            call, ids = self._episodes.plan(request, whole=whole)
+            out = None
+            try:
+                prompt = self._send(pack_ids(ids))
+                ref = actor.generate.remote(call, prompt)
+                self.wire.call(call, prompt)
+                try:
+                    reply = await ref
+                except asyncio.CancelledError:
+                    import ray
+
+                    ray.cancel(ref)  # the actor's coroutine is cancelled: the engine interrupts it
+                    raise
+                self.wire.reply(reply)
+                if reply is not None:
+                    out = output(request.request_id, reply, await self._receive(reply.tokens))
+                    if call.base:
+                        self.wire.reused_tokens += len(request.prompt_ids) - len(ids)
+                    return out
+                self.wire.episode_misses += 1
+            finally:
+                self._episodes.done(request, call, out)
+        raise AssertionError(f"ray engine {self.engine_id}: a whole prompt found no history")
 
     async def interrupt(self, request_ids: Sequence[str] | None = None) -> None:
         actor = self.actor
@@ -225,7 +177,7 @@ class RayEngine:
         health = EngineHealth.UP
         if self._death is not None:
             health = EngineHealth.RECOVERING if self.needs_restart() else EngineHealth.DEAD
-        before = self._before
+        before = self._before  # wire's counters: the proxy's, across its actors
         return replace(
             last, engine_id=self.engine_id, version=self._version, num_running=running,
             num_waiting=n - running,
@@ -267,9 +219,16 @@ class RayEngine:
             ray.kill(actor, no_restart=True)
             raise
         self.actor, self._pending, self._peek, self._delivered_tokens = actor, None, None, 0
+        self._peek_entries = None
+        self._episodes.reset()  # the new actor holds no history
         self._version, self._death = version, None
         log.warning("ray engine %s restarted at version %d (restart %d of %d)",
                     self.engine_id, version, self.num_restarts, self._max_restarts)
+
+    def end_episode(self, episode_id: str) -> None:
+        """``KeepsEpisodes``: the actor that holds the episode's history drops it with its
+        next call."""
+        self._episodes.end(episode_id)
 
     async def close(self) -> None:
         """Close the engine (pending requests return ABORT) and end its actor."""
@@ -309,16 +268,61 @@ class RayEngine:
             self.wire.call()
 
     def _take_peek(self) -> None:
+        """A peek's reply, or the tokens it sent by reference (taken when they are here)."""
         import ray
 
         actor, ref, self._peek = self.actor, self._peek, None
         try:
-            outs = ray.get(ref, timeout=0)
-        except _actor_errors() as e:
+            value = ray.get(ref, timeout=0)
+        except (*_actor_errors(), *_lost_errors()) as e:
             self._fault(actor, e)
             return
-        self.wire.reply(outs)
-        self._partial.update((o.request_id, o) for o in outs if o.request_id in self._inflight)
+        if self._peek_entries is None:  # the reply
+            self.wire.reply(value)
+            if is_ref(value.tokens):
+                self._peek, self._peek_entries = value.tokens, value.entries
+                return
+            entries, tokens = value.entries, value.tokens
+        else:
+            self.wire.data_received(value.nbytes)
+            entries, tokens, self._peek_entries = self._peek_entries, value, None
+        self._merge_peek(entries, tokens)
+
+    def _merge_peek(self, entries: tuple[tuple[str, int, int], ...], tokens: Tokens) -> None:
+        """Append each request's new tokens to what earlier peeks brought (from 0: replace;
+        out of step with them, e.g. a reply of another proxy's peek: keep none)."""
+        ids, lps, versions = tokens.unpack()
+        at = 0
+        for rid, start, n in entries:
+            part, at = slice(at, at + n), at + n
+            have = self._partial.get(rid)
+            if rid not in self._inflight:
+                continue
+            if start == 0:
+                self._partial[rid] = GenerateOutput(
+                    request_id=rid, token_ids=ids[part], logprobs=lps[part],
+                    versions=versions[part], finish_reason=FinishReason.ABORT)
+            elif have is not None and len(have.token_ids) == start:
+                have.token_ids.extend(ids[part])
+                have.logprobs.extend(lps[part])
+                have.versions.extend(versions[part])
+            else:
+                self._partial.pop(rid, None)
+
+    def _send(self, blob: bytes) -> Any:
+        """A payload for the actor: itself, or its reference when above the threshold."""
+        sent = offload(blob, self._out_of_band_bytes)
+        if sent is not blob:
+            self.wire.data_sent(len(blob))
+        return sent
+
+    async def _receive(self, tokens: Any) -> Tokens:
+        """A reply's tokens: themselves, or fetched by their reference."""
+        if not is_ref(tokens):
+            return tokens
+        value = await tokens
+        self.wire.data_received(value.nbytes)
+        return value
 
     def _read(self, ref: Any, *, wait: bool = False) -> EngineStats:
         """A stats reply; a dead actor or engine is a fault (the last stats stay)."""
@@ -341,7 +345,7 @@ class RayEngine:
         """The current actor stopped serving (a reply of a replaced actor changes nothing)."""
         if actor is self.actor and self._death is None:
             self._death = f"ray engine {self.engine_id} died: {cause}"
-            self._pending = self._peek = None
+            self._pending = self._peek = self._peek_entries = None
             log.error("%s", self._death)
 
 
@@ -365,6 +369,13 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
     return (RayActorError,)
 
 
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    """The errors of fetching an object whose owner (the actor that sent it) died."""
+    from ray.exceptions import ObjectLostError
+
+    return (ObjectLostError,)
+
+
 def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -> GenerateOutput:
     """ABORT with ``partial``'s tokens (none when None)."""
     return GenerateOutput(request_id=request_id, error=error, finish_reason=FinishReason.ABORT,
@@ -376,23 +387,30 @@ def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -
 def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,
                       version: int, num_cpus: float,
                       weights: WeightTransport | None = None,
-                      units: ScaleUnits | None = None) -> list[RayEngine]:
+                      units: ScaleUnits | None = None,
+                      episode_cache_tokens: int = DEFAULT_EPISODE_CACHE_TOKENS,
+                      out_of_band_bytes: int = DEFAULT_OUT_OF_BAND_BYTES) -> list[RayEngine]:
     """``num_engines`` engine actors (all started before any is awaited) and their proxies,
-    which share ``weights`` (None: the object store); engine ``i`` (and its replacements) in
-    ``units.engine(i)`` (None: where Ray places them)."""
+    which share ``weights`` (None: the object store) and the record of which actor holds an
+    episode's history; engine ``i`` (and its replacements) in ``units.engine(i)`` (None: where
+    Ray places them). ``episode_cache_tokens``, ``out_of_band_bytes``: ``runtime.ray``'s."""
     from rollstream.runtime.ray.weights import BroadcastWeights, ObjectStoreWeights
 
     weights = weights or ObjectStoreWeights()
     engines: list[RayEngine] = []
+    plane = {"episode_cache_tokens": episode_cache_tokens, "out_of_band_bytes": out_of_band_bytes}
     spawns = {f"ray-{i}": _spawner(model_path, cfg, f"ray-{i}", num_cpus,
-                                   units.engine(i) if units is not None else None)
+                                   units.engine(i) if units is not None else None, plane)
               for i in range(num_engines)}
     actors = {engine_id: spawn(version) for engine_id, spawn in spawns.items()}
+    holders: dict[str, Episodes] = {}
     try:
         for engine_id, spawn in spawns.items():
             engines.append(RayEngine(engine_id=engine_id, spawn=spawn, weights=weights,
                                      version=version, max_restarts=cfg.max_restarts,
-                                     actor=actors[engine_id]))
+                                     actor=actors[engine_id],
+                                     episodes=Episodes(episode_cache_tokens, holders),
+                                     out_of_band_bytes=out_of_band_bytes))
     except BaseException:
         import ray
 
@@ -405,7 +423,7 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
     return engines
 
 
-def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str,
-             num_cpus: float, strategy: Any) -> Callable[[int], Any]:
+def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str, num_cpus: float,
+             strategy: Any, plane: dict[str, int]) -> Callable[[int], Any]:
     return lambda version: spawn_actor(model_path, cfg, engine_id=engine_id, version=version,
-                                       num_cpus=num_cpus, strategy=strategy)
+                                       num_cpus=num_cpus, strategy=strategy, **plane)

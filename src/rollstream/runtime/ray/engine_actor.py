@@ -1,0 +1,132 @@
+"""The engine actor's body: a local engine in its own process, made remote by
+:func:`spawn_actor`; :class:`~rollstream.runtime.ray.engines.RayEngine` is its driver-side
+proxy (engines.py has the picture). Its generate and peek calls take and return packed
+tokens and keep episode histories (``dataplane.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
+from rollstream.config.schema import LocalEngineConfig
+from rollstream.engine.protocol import EngineStats, FinishReason, GenerateRequest
+from rollstream.runtime.ray.dataplane import (
+    GenerateCall,
+    GenerateReply,
+    Histories,
+    PeekCursor,
+    PeekReply,
+    offload,
+    pack,
+    unpack_ids,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollstream.runtime.ray.weights import Bucket
+
+
+class EngineActor:
+    """The actor body (made remote by :func:`spawn_actor`): a local engine in this process."""
+
+    def __init__(self, model_path: str, cfg: LocalEngineConfig, engine_id: str,
+                 version: int, episode_cache_tokens: int, out_of_band_bytes: int) -> None:
+        from rollstream.engine.local import LocalEngine
+
+        self.engine = LocalEngine(Path(model_path), cfg, engine_id=engine_id, version=version)
+        self._group: Any = None  # the broadcast group it belongs to (weight_sync: broadcast)
+        self._receiving = asyncio.Lock()  # one round's broadcasts at a time, in call order
+        self._histories = Histories(episode_cache_tokens)
+        self._peeked = PeekCursor()
+        self._out_of_band_bytes = out_of_band_bytes
+
+    async def generate(self, call: GenerateCall, prompt: bytes) -> GenerateReply | None:
+        """One request: ``prompt`` (packed ids; Ray fetched them if they came by reference)
+        after the history ``call.base``. None: this actor does not hold that history."""
+        ids = self._histories.prompt(call, unpack_ids(prompt))
+        if ids is None:
+            return None
+        out = await self.engine.generate(GenerateRequest(request_id=call.request_id,
+                                                         prompt_ids=ids, params=call.params))
+        if out.finish_reason is not FinishReason.ERROR:
+            self._histories.keep(call.stamp, ids + out.token_ids)
+        tokens = pack(out.token_ids, out.logprobs, out.versions)
+        return GenerateReply(out.finish_reason, out.error,
+                             offload(tokens, self._out_of_band_bytes))
+
+    async def interrupt(self, request_ids: Sequence[str] | None) -> None:
+        await self.engine.interrupt(request_ids)
+
+    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        await self.engine.load_weights(version, tensors)
+
+    async def join_weight_group(self, host: str, port: int, prefix: str, rank: int,
+                                world: int, timeout_s: float) -> None:
+        """Join the driver's broadcast group (``weight_sync: broadcast``), leaving any older
+        one."""
+        from rollstream.runtime.ray.weights import join_group
+
+        self._group = None
+        self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world,
+                                              timeout_s)
+
+    async def receive_weights(self, version: int, plan: list[Bucket]) -> None:
+        """Receive one version's buckets from the driver's broadcast and install them."""
+        from rollstream.runtime.ray.weights import receive_buckets
+
+        async with self._receiving:
+            if self._group is None:
+                raise RuntimeError("receive_weights before join_weight_group")
+            tensors = await asyncio.to_thread(receive_buckets, self._group, plan)
+        await self.engine.load_weights(version, tensors)
+
+    async def load_shared(self, version: int, path: str) -> None:
+        """Install the version the driver wrote to shared memory (``weight_sync:
+        shared_memory``)."""
+        from rollstream.runtime.ray.weights import read_buckets
+
+        tensors = await asyncio.to_thread(read_buckets, Path(path))
+        await self.engine.load_weights(version, tensors)
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights the engine serves, HF-named, read off the engine thread: for
+        checks of weight sync while no load is pending (the local engine keeps its weights
+        to itself; its module is at its size budget)."""
+        return {k: v.clone() for k, v in self.engine._weights.hf_views.items()}
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def cpu_affinity(self) -> dict[str, list[int]]:
+        """The cores each thread of this process may run on, by thread name (placement)."""
+        import threading
+
+        return {t.name: sorted(os.sched_getaffinity(t.native_id))
+                for t in threading.enumerate() if t.native_id is not None}
+
+    async def peek(self) -> PeekReply:
+        """The tokens the running requests sampled since the last peek."""
+        entries, tokens = self._peeked.deltas(await self.engine.peek())
+        return PeekReply(entries, offload(tokens, self._out_of_band_bytes))
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, version: int,
+                num_cpus: float, strategy: Any = None,
+                episode_cache_tokens: int = DEFAULT_EPISODE_CACHE_TOKENS,
+                out_of_band_bytes: int = DEFAULT_OUT_OF_BAND_BYTES) -> Any:
+    """An engine actor; ``strategy``: its Ray scheduling strategy (its scale unit's bundle,
+    ``units.py``; None: where Ray places it)."""
+    import ray
+
+    remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000,
+                                             scheduling_strategy=strategy)
+    return remote.remote(str(model_path), cfg, engine_id, version, episode_cache_tokens,
+                         out_of_band_bytes)
