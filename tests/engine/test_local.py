@@ -519,3 +519,30 @@ def test_bfloat16_engine_serves(tiny_model_dir):
 def test_bad_device_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="device"):
         _local(tiny_model_dir, device="tpu")
+
+
+async def test_a_pass_that_finishes_a_batch_is_not_binned_as_one_during_training(tiny_model_dir):
+    """A pass reads whether a trainer step computes before it delivers the samples it
+    finished: the step those samples complete may start at once (a loaded machine runs the
+    event loop before the engine thread records the pass), and a synchronous run's passes
+    would then be binned as sharing the CPU with the trainer (sim/calibrate.py fits on it)."""
+    e = _local(tiny_model_dir)
+    started = []  # the trainer step starts the moment a sample is delivered: the worst case
+    deliver = e._deliver  # noqa: SLF001 - observe only
+
+    def deliver_and_start_training(*args):
+        started.append(True)
+        return deliver(*args)
+
+    e._deliver = deliver_and_start_training  # noqa: SLF001
+    e.passes.training = lambda: bool(started)
+    try:
+        prompt = _prompts(1, seed=3)[0]
+        out = await e.generate(_req("last", prompt, temperature=0.0, max_new_tokens=12))
+    finally:
+        await e.close()  # after the step that delivered: its pass is recorded
+    assert len(out.token_ids) == 12 and started
+    lines = e.passes.lines()
+    # a prefill with the first token, then a decode pass for each of the other 11
+    assert sum(x["count"] for x in lines if x["kind"] == "decode") == 11, lines
+    assert {x["trainer"] for x in lines} == {0}, lines

@@ -385,6 +385,7 @@ class LocalEngine:
             t1 = time.perf_counter()
             rows, context = runner.num_rows, int(runner.length_host[:runner.num_rows].sum())
             done = runner.decode(fused)
+            training = self.passes.training()  # before _finish delivers (PassTimes.add)
             self._generated_tokens += runner.num_rows  # one token each, finished ones too
             if fused:  # its time is the decode step's
                 self._work["fused_prefill_count"] += 1
@@ -392,7 +393,7 @@ class LocalEngine:
             self._finish(done, FinishReason.LENGTH)
             self._count("decode", seconds := time.perf_counter() - t1)
             if not fused:  # a fused pass is a decode and a prefill: not one shape to fit
-                self.passes.add("decode", rows, context, seconds)
+                self.passes.add("decode", rows, context, seconds, training)
         self._busy_s += time.perf_counter() - t0
 
     def _finish(self, rows: list[int], reason: FinishReason, error: str | None = None) -> None:

@@ -34,8 +34,12 @@ class PassTimes:
         # that ends while it does is binned as one that shared the CPU with it
         self.training: Callable[[], bool] = _never
 
-    def add(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
-        key = (kind, rows, tokens // TOKEN_BIN, self.training())
+    def add(self, kind: str, rows: int, tokens: int, seconds: float,
+            training: bool | None = None) -> None:
+        """``training``: the flag as read when the pass's compute ended (None: read now). A
+        pass that finishes samples reads it before delivering them: a batch they complete
+        may start a trainer step before the pass is recorded."""
+        key = (kind, rows, tokens // TOKEN_BIN, self.training() if training is None else training)
         b = self.bins.get(key)
         if b is None:
             self.bins[key] = [1, seconds, tokens]
