@@ -24,6 +24,7 @@ from rollstream.runtime.placement import split_cores
 from rollstream.runtime.ray.cluster import RayCluster
 from rollstream.runtime.train import run_training
 from tests.runtime.test_ray import _descendants
+from tests.train.fsdp_runs import tiny_fsdp_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,18 +42,11 @@ def test_a_killed_rank_actor_loses_its_step_and_the_run_resumes_from_its_checkpo
 
     assert not ray.is_initialized()
     before = _descendants()
-    cfg = load_config(None, [
-        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-        "model.tiny.max_position=64", "model.warm_start.steps=0",
-        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=kill",
-        "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=0",
-        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.mode=async",
-        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=3",
-        "train.groups_per_step=2", "train.micro_batch_tokens=64", "train.backend=fsdp",
-        "train.fsdp.world_size=2", "train.checkpoint_every=2", "monitor.progress=false",
-        "monitor.report=false", "runtime.kind=ray", "runtime.ray.num_cpus=2", f"runtime.ray.object_store_bytes={100 << 20}",
+    cfg = load_config(None, tiny_fsdp_run(tmp_path, "kill", mode="async", steps=3, extra=(
+        "train.checkpoint_every=2", "monitor.report=false", "runtime.kind=ray",
+        "runtime.ray.num_cpus=2", f"runtime.ray.object_store_bytes={100 << 20}",
         "runtime.ray.rank_num_cpus=0.5", "runtime.ray.engine_num_cpus=1",
-        "runtime.ray.placement=disaggregated"])
+        "runtime.ray.placement=disaggregated")))
     trainer_cores = ",".join(map(str, split_cores(sorted(os.sched_getaffinity(0)))[1]))
     run_dir = tmp_path / "kill"
     launched: list = []

@@ -24,6 +24,7 @@ from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.train.fsdp import FsdpTrainer, RankTrainer, rank_cores
 from rollstream.train.trainer import Trainer
 from tests.train.conftest import make_group
+from tests.train.fsdp_runs import tiny_fsdp_run
 
 STALE1 = StalenessPolicy(max_staleness=1)  # loss auto = decoupled_ppo; tokens of age 0 and 1
 WORLD = 2
@@ -214,15 +215,7 @@ def test_embedded_run_with_fsdp_trains_and_syncs_weights(tmp_path: Path) -> None
     from rollstream.config import load_config
     from rollstream.runtime.train import run_training
 
-    cfg = load_config(None, [
-        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-        "model.tiny.max_position=64", "model.warm_start.steps=0",
-        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=fsdp",
-        "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=0",
-        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.mode=sync",
-        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=2",
-        "train.groups_per_step=2", "train.micro_batch_tokens=64", "train.backend=fsdp",
-        "train.fsdp.world_size=2", "monitor.progress=false"])
+    cfg = load_config(None, tiny_fsdp_run(tmp_path, "fsdp", mode="sync", steps=2))
     summary = run_training(cfg)
     assert summary["steps"] == 2 and summary["trained_samples"] == 16, summary
     steps = [m for m in map(json.loads, (tmp_path / "fsdp" / "metrics.jsonl").open())
@@ -250,15 +243,8 @@ def test_a_killed_rank_loses_its_step_and_the_run_resumes_from_its_checkpoint(
     from rollstream.durable.audit import audit_run
     from rollstream.runtime.train import run_training
 
-    cfg = load_config(None, [
-        "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-        "model.tiny.max_position=64", "model.warm_start.steps=0",
-        f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=kill",
-        "tasks.sources=[{kind: tick, max_items: 4}]", "tasks.num_eval=0",
-        "engine.local.max_seq_len=64", "sampling.max_new_tokens=16", "rollout.mode=async",
-        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=6",
-        "train.groups_per_step=2", "train.micro_batch_tokens=64", "train.backend=fsdp",
-        "train.fsdp.world_size=2", "train.checkpoint_every=2", "monitor.progress=false"])
+    cfg = load_config(None, tiny_fsdp_run(tmp_path, "kill", mode="async", steps=6,
+                                      extra=("train.checkpoint_every=2",)))
     run_dir = tmp_path / "kill"
     killed: list[int] = []
 
