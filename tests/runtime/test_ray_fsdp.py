@@ -10,7 +10,6 @@ of Ray is left after.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -19,12 +18,11 @@ from pathlib import Path
 import pytest
 
 from rollstream.config import load_config
-from rollstream.durable.audit import audit_run
 from rollstream.runtime.placement import split_cores
 from rollstream.runtime.ray.cluster import RayCluster
 from rollstream.runtime.train import run_training
 from tests.runtime.test_ray import _descendants
-from tests.train.fsdp_runs import tiny_fsdp_run
+from tests.train.fsdp_runs import assert_resumed_whole, tiny_fsdp_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -96,10 +94,5 @@ def test_a_killed_rank_actor_loses_its_step_and_the_run_resumes_from_its_checkpo
     assert killed[0]["placement_group"] is not None  # in the run's scale unit
     assert killed[0]["cores"] == trainer_cores, killed  # disaggregated: the trainer's core
     assert summary["steps"] == 3 and summary["resumed_from_step"] == 2, summary
-    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").open())
-             if m["kind"] == "train"]
-    assert steps == list(range(3)), steps  # what the lost process trained past its checkpoint
-    audit = audit_run(run_dir, group_size=4, eval_group_size=4, groups_per_step=2, steps=3)
-    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
-    assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
+    assert_resumed_whole(run_dir, 3)
     assert _descendants() - before == set(), "a Ray process outlived the run"

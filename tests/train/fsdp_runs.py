@@ -19,3 +19,18 @@ def tiny_fsdp_run(tmp_path: Path, name: str, *, mode: str, steps: int,
         "rollout.group_size=4", "rollout.filter_zero_variance=false", f"train.steps={steps}",
         "train.groups_per_step=2", "train.micro_batch_tokens=64", "train.backend=fsdp",
         "train.fsdp.world_size=2", "monitor.progress=false", *extra]
+
+
+def assert_resumed_whole(run_dir: Path, steps: int) -> None:
+    """A run that lost its trainer mid-way and resumed: every step trained once (what the
+    lost process trained past its checkpoint is superseded), no sample lost or repeated."""
+    import json
+
+    from rollstream.durable.audit import audit_run
+
+    trained = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").open())
+               if m["kind"] == "train"]
+    assert trained == list(range(steps)), trained
+    audit = audit_run(run_dir, group_size=4, eval_group_size=4, groups_per_step=2, steps=steps)
+    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
+    assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
