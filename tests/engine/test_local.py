@@ -376,7 +376,9 @@ async def test_prefill_fused_into_decode_gives_what_a_separate_prefill_gives(tin
         finally:
             await e.close()
         assert (work["fused_prefill_count"] > 0) == fuse  # the path under test ran
-        assert (work["prefill_count"] == 1) == fuse  # the first admission has no rows to join
+        if fuse:  # a pass of its own only where no row was live to join (the first admission,
+            # and any the engine found empty): how many depends on when requests arrived
+            assert work["fused_prefill_tokens"] > work["prefill_tokens"]
     for req, fused, alone in zip(requests, outs[True], outs[False], strict=True):
         assert fused.token_ids == alone.token_ids, req.request_id
         assert max(abs(a - b) for a, b in zip(fused.logprobs, alone.logprobs)) < 1e-4
