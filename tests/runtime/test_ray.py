@@ -108,8 +108,10 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     from rollstream.runtime.ray import engines
 
     spawned, proxies, cut = [], [], []
-    spawn, build, generate = engines.spawn_actor, engines.build_ray_engines, \
-        engines.RayEngine.generate
+    spawn, build, generate, merge = engines.spawn_actor, engines.build_ray_engines, \
+        engines.RayEngine.generate, engines.RayEngine._merge_peek
+    run_dir = tmp_path / "kill"
+    killed = threading.Event()
 
     def spy_spawn(*args, **kwargs):
         spawned.append(actor := spawn(*args, **kwargs))
@@ -125,29 +127,23 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
             cut.append(out)
         return out
 
+    def spy_merge(self, entries, tokens):  # the kill lands in the driver's loop, right as a
+        merge(self, entries, tokens)  # peek brought a request its first tokens of 64 (so it
+        if killed.is_set() or self is not proxies[0]:  # is mid-generation, not done), once
+            return  # step 1 trained (so the replacement loads version >= 1)
+        metrics = run_dir / "metrics.jsonl"
+        if any(0 < len(o.token_ids) <= 16 for o in self._partial.values()) and \
+                metrics.exists() and '"kind":"train"' in metrics.read_text():
+            ray.kill(spawned[0], no_restart=True)
+            killed.set()
+
     monkeypatch.setattr(engines, "spawn_actor", spy_spawn)
     monkeypatch.setattr(engines, "build_ray_engines", spy_build)
     monkeypatch.setattr(engines.RayEngine, "generate", spy_generate)
-    run_dir = tmp_path / "kill"
-    killed = threading.Event()
-
-    def kill_after_first_step() -> None:  # at version >= 1, once a running request's tokens
-        deadline = time.monotonic() + 300  # were peeked by the driver
-        while time.monotonic() < deadline:
-            metrics = run_dir / "metrics.jsonl"
-            if metrics.exists() and '"kind":"train"' in metrics.read_text() and \
-                    any(o.token_ids for o in list(proxies[0]._partial.values())):
-                ray.kill(spawned[0], no_restart=True)
-                killed.set()
-                return
-            time.sleep(0.01)
-
-    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    monkeypatch.setattr(engines.RayEngine, "_merge_peek", spy_merge)
     before = _descendants()
-    killer.start()
     # 5 steps: groups of steps 3 and 4 are admitted only after version 1 (max_staleness 2)
     summary = _train(_config(tmp_path, tiny_run_cache, "kill", steps=5))
-    killer.join()
     assert killed.is_set() and len(spawned) == 3  # two at start, one replacement
     assert summary["steps"] == 5 and not summary["unfinished_samples"]
     # the requests the kill cut returned the tokens the driver had peeked (exact versions)
