@@ -104,20 +104,26 @@ def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
 
 
 async def _streams_across_a_reload(e, weights8, life: int):
-    """Four long seeded streams at version 7, then a reload to 8 mid-stream: the tasks and
-    the engine's token count at the reload."""
-    for attempt in range(3):
+    """Four long seeded streams at version 7, then a reload to 8 mid-stream: the tasks, the
+    engine's token count at the reload, and whether the streams delivered tokens before it
+    (on 8 tries in a row vLLM's stalled API server delivered each stream in one burst at its
+    end, docs/vllm.md: then the last try's streams are cut before they delivered any)."""
+    for attempt in range(8):
         tasks = [asyncio.create_task(e.generate(_req(f"k{life}{attempt}-{i}", [1, 2, 3 + i],
                                                      max_new_tokens=4000, seed=100 + i)))
                  for i in range(4)]
         while e.stats().num_running < 4 and not any(t.done() for t in tasks):
             await asyncio.sleep(0.001)  # every stream has delivered tokens
         if not any(t.done() for t in tasks):
+            flowed = True
             break
         await asyncio.gather(*tasks)  # delivered in one burst at the end: try again
     else:
-        pytest.skip("vLLM's API server stalled during generation on every attempt (streams "
-                    "delivered in one burst at their end; a CPU-machine behaviour, docs/vllm.md)")
+        tasks = [asyncio.create_task(e.generate(_req(f"k{life}-{i}", [1, 2, 3 + i],
+                                                     max_new_tokens=4000, seed=100 + i)))
+                 for i in range(4)]
+        flowed = False
+        await asyncio.sleep(0.2)  # sent: a stream of 4000 tokens takes seconds
     deadline = time.monotonic() + 2.0
     while (e.stats().generated_tokens < 4 * 48 and time.monotonic() < deadline
            and not any(t.done() for t in tasks)):
@@ -127,7 +133,7 @@ async def _streams_across_a_reload(e, weights8, life: int):
     while (e.stats().generated_tokens < tokens_at_resume + 64 and time.monotonic() < deadline
            and not any(t.done() for t in tasks)):
         await asyncio.sleep(0.001)  # let tokens of uncertain version arrive, if they come
-    return tasks, tokens_at_resume
+    return tasks, tokens_at_resume, flowed
 
 
 async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm_engine):
@@ -147,7 +153,7 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
         await e.load_weights(7, weights7)
         old_pgid, restarts = e.server.proc.pid, e.num_restarts
         shm_before = set(glob.glob("/dev/shm/psm_*")) - set(_segments_of(old_pgid))
-        tasks, tokens_at_resume = await _streams_across_a_reload(e, weights8, life)
+        tasks, tokens_at_resume, flowed = await _streams_across_a_reload(e, weights8, life)
         if e.stats().health is EngineHealth.UP and not any(t.done() for t in tasks):
             break
         if e.stats().health is EngineHealth.UP:
@@ -172,7 +178,11 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
     stats = e.stats()
     assert stats.health is EngineHealth.RECOVERING and "died" in stats.health_reason
     cut = [o for o in outs if o.finish_reason is not FinishReason.LENGTH]
-    assert cut and any(o.token_ids for o in cut), "the kill should land while requests run"
+    assert cut, "the kill should land while requests run"
+    if flowed:  # they return the tokens received before the reload resumed the server
+        assert any(o.token_ids for o in cut), "the kill should land while streams deliver"
+    else:
+        print("no stream delivered tokens before the kill (the API server's stall)")
     assert all(o.finish_reason is FinishReason.ABORT and "died" in o.error for o in cut), \
         [(o.finish_reason, o.error) for o in cut]
     assert all(o.versions == [7] * len(o.token_ids) for o in cut)
