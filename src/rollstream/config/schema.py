@@ -22,6 +22,7 @@ from rollstream.config.model import (
     TinyModelConfig,  # noqa: F401
     WarmStartConfig,  # noqa: F401
 )
+from rollstream.config.early_stop import EarlyStopConfig, check_early_stop
 from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
 from rollstream.config.replay import ReplayConfig, check_replay
 from rollstream.config.runtime import RuntimeConfig, check_runtime
@@ -111,6 +112,9 @@ class RolloutConfig(Section):
     """Finished groups over which ``min_trainable_share`` is judged."""
     replay: ReplayConfig = ReplayConfig()
     """Bounded replay of informative groups already trained (off by default; docs/data.md)."""
+    early_stop: EarlyStopConfig = EarlyStopConfig()
+    """Cancel the rest of a group once its first graded samples make zero reward variance
+    likely (off by default; docs/data.md)."""
 
     @property
     def staleness_bound(self) -> int:
@@ -317,6 +321,7 @@ class RunConfig(Section):
             )
         _check_rollout(self.rollout, self.train)
         check_replay(self.rollout, self.train)
+        check_early_stop(self.rollout)
         _check_train(self.train)
         check_runtime(self)
         if self.reward.name != "auto":

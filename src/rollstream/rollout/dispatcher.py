@@ -50,7 +50,7 @@ import asyncio
 import hashlib
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
@@ -407,10 +407,13 @@ class Dispatcher:
         return out, out_of_time and out.finish_reason is FinishReason.ABORT
 
     # ---- groups ------------------------------------------------------------------------
-    async def run_group(self, group: Group, params: SamplingParams | None = None) -> Group:
+    async def run_group(self, group: Group, params: SamplingParams | None = None, *,
+                        on_graded: Callable[[Group, Sample], Awaitable[None]] | None = None,
+                        ) -> Group:
         """Dispatch every sample of ``group`` on its own; grade each as soon as it finishes,
         or, when the source's reward is a group reward, grade the generated ones together
-        once every sample has finished.
+        once every sample has finished. ``on_graded(group, sample)`` hears of each sample
+        graded one at a time (it may cancel the group).
 
         A group restored from a checkpoint goes on where each sample stood: a partial sample
         continues from its tokens, a generated one is graded, a graded or terminal one waits."""
@@ -425,6 +428,8 @@ class Dispatcher:
             if (not together and s.status is SampleStatus.GENERATED
                     and group.group_id not in self._cancelled):
                 await self.grading.sample(s)
+                if on_graded is not None:
+                    await on_graded(group, s)
 
         await asyncio.gather(*(one(s) for s in group.samples))
         if together and group.group_id not in self._cancelled:

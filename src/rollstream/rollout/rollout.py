@@ -24,6 +24,10 @@ tokens, groups the ledger already retired are skipped. Everything a group
 goes through is decided here, with the rules of :class:`StalenessPolicy` and the state
 changes of :class:`Lifecycle`; every retired group frees its admission capacity exactly once.
 
+With ``rollout.early_stop`` on, each graded sample is shown to :class:`EarlyStop`, and a
+group whose graded rewards agree and whose other samples likely would too is cancelled and
+FILTERED as zero variance (rollout/early_stop.py).
+
 With ``rollout.replay`` on, each trained group is offered to the :class:`ReplayPool`, and
 ``take`` fills a batch short of fresh groups with replays (at most the configured share; a
 replay never displaces a ready fresh group); ``on_trained`` records a replay as a ledger
@@ -47,6 +51,7 @@ from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.liveness import Liveness
+from rollstream.rollout.early_stop import EarlyStop, Stop
 from rollstream.rollout.replay import ReplayPool
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.step_tally import StepTally
@@ -98,6 +103,8 @@ class Rollout:
                                           total_groups=total_groups)
         self.buffer = TrajectoryBuffer(policy)
         self.replay = ReplayPool(cfg.replay, policy, failed_reward)
+        self.early_stop = EarlyStop(cfg.early_stop, cfg.group_size)
+        self._stopped: dict[str, Stop] = {}  # group id -> why it was stopped early
         self._replaying: set[str] = set()  # group ids of the batch taken that are replays
         self.liveness = Liveness(cfg)
         self.live: dict[str, Group] = {}
@@ -154,20 +161,29 @@ class Rollout:
         return True
 
     async def _group_life(self, group: Group, params: SamplingParams | None = None) -> None:
-        await self.dispatcher.run_group(group, params)
+        await self.dispatcher.run_group(
+            group, params, on_graded=self._graded if self.early_stop.cfg.after else None)
         del self.live[group.group_id]
         self.dispatcher.forget(group.group_id)
+        self.early_stop.ended(group)
         outcome = self._cancelled.pop(group.group_id, None)
+        stopped = self._stopped.pop(group.group_id, None)
         if outcome is None and self.dispatcher.fatal is not None and any(
                 s.status is not S.GRADED and not s.status.is_terminal() for s in group.samples):
             self._stranded[group.group_id] = group  # not ended: it resumes with an engine
             self.buffer.notify()  # take() sees the run cannot go on
             return
-        baseline = group.baseline_rewards(self.failed_reward) if outcome is None else None
+        baseline = (group.baseline_rewards(self.failed_reward)
+                    if outcome is None or stopped is not None else None)
         self.tally.ended(group)
         if self.feedback is not None:
             self.feedback.ended(group, None if baseline is None else [r for _, r in baseline])
         self.capacity.wake()  # an in-flight cap may have room now
+        if stopped is not None:  # its other samples were cancelled: zero variance, as likely
+            self.tally.stopped_early(group, stopped.chance)
+            status, why = outcome or (S.FILTERED, stopped.reason)
+            self._retire(group, status, why, zero_variance=True)
+            return
         if outcome is not None:
             self._retire(group, *outcome)
             return
@@ -185,6 +201,18 @@ class Rollout:
         else:
             self.liveness.trainable()
             self.buffer.put(group)
+
+    async def _graded(self, group: Group, sample: Sample) -> None:
+        """A sample of ``group`` was graded: cancel the rest when ``rollout.early_stop``
+        says they would likely agree with it (the group is then FILTERED as zero
+        variance)."""
+        if group.group_id in self._cancelled:
+            return
+        stop = self.early_stop.graded(group, sample)
+        if stop is not None:
+            self._cancelled[group.group_id] = (S.FILTERED, stop.reason)
+            self._stopped[group.group_id] = stop
+            await self.dispatcher.cancel([group.group_id])
 
     def _retire(self, group: Group, status: SampleStatus, reason: str, *,
                 zero_variance: bool = False) -> None:
@@ -344,6 +372,8 @@ class Rollout:
                 "ledger_lines": self.lifecycle.ledger.sync(),
                 "replay_lines": self.lifecycle.ledger.num_replay_lines,
                 "replay_pool": self.replay.state(),
+                "early_stop": self.early_stop.state(),
+                "stopped_early": {gid: [st.reason, st.chance] for gid, st in self._stopped.items()},
                 "tasks": self.tasks.state(),
                 "num_admitted": self.capacity.num_admitted,
                 "num_retired": self.capacity.num_retired,
@@ -376,6 +406,8 @@ class Rollout:
             self.buffer.put(group)
         self._restored = [group_from_dict(d) for d in state["live"]]
         self.replay.restore(state.get("replay_pool", []))  # older checkpoints: no pool
+        self.early_stop.restore(state.get("early_stop", []))  # older ones: nothing measured
+        self._stopped = {gid: Stop(*v) for gid, v in state.get("stopped_early", {}).items()}
 
     def _open(self, group: Group) -> None:
         for s in group.samples:

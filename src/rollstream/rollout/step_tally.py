@@ -17,6 +17,10 @@ the step's numbers since the previous read and starts the next step.
   whole groups or single samples dropped for staleness (long ones are older). A sample
   cancelled part-way counts with the tokens it had, a lower bound of its length, so the
   measure can understate such a tilt, not invent one; samples that never started count not.
+* ``early_stopped_groups`` / ``early_stopped_samples`` / ``early_stopped_lost_groups``
+  (``rollout.early_stop``): groups cancelled as likely zero variance (filtered as such: not
+  candidates of the length bias), their samples cancelled before grading, and the sum of each
+  one's measured chance of having trained.
 * ``replayed_groups`` / ``replayed_tokens`` (``rollout.replay``): groups of the step that were
   replays, and the policy tokens of their samples the loss kept. Replayed tokens count in
   ``trained_tokens`` (they were trained; reusing generation is what replay is for), not in
@@ -45,6 +49,9 @@ class StepTally:
     num_candidates: int = 0
     replayed_groups: int = 0
     replayed_tokens: int = 0
+    stopped_groups: int = 0  # rollout.early_stop
+    stopped_lost: float = 0.0  # sum of 1 - P over the stopped groups
+    stopped_samples: int = 0  # samples of stopped groups cancelled before they were graded
 
     def ended(self, group: Group) -> None:
         """``group``'s generation is over (whatever becomes of it)."""
@@ -64,6 +71,14 @@ class StepTally:
                 self.num_trained += 1
                 self.trained_tokens += policy_tokens(s)
 
+    def stopped_early(self, group: Group, chance: float) -> None:
+        """``group`` was stopped early (``rollout.early_stop``); ``chance``: predicted, that
+        its cancelled samples would have agreed with its graded ones."""
+        self.stopped_groups += 1
+        self.stopped_lost += 1.0 - chance
+        self.stopped_samples += sum(not s.status.is_terminal() and s.status is not
+                                    SampleStatus.GRADED for s in group.samples)
+
     def replayed(self, samples: list[Sample]) -> None:
         """A replayed group trained again; ``samples``: those the loss kept tokens of."""
         self.replayed_groups += 1
@@ -76,6 +91,10 @@ class StepTally:
         out = {"gen_tokens": float(self.gen_tokens), "trained_tokens": float(self.trained_tokens),
                "replayed_groups": float(self.replayed_groups),
                "replayed_tokens": float(self.replayed_tokens)}
+        if self.stopped_groups:
+            out |= {"early_stopped_groups": float(self.stopped_groups),
+                    "early_stopped_lost_groups": self.stopped_lost,
+                    "early_stopped_samples": float(self.stopped_samples)}
         if self.trained_tokens:
             out["gen_tokens_per_trained_token"] = self.gen_tokens / self.trained_tokens
         if self.num_trained and self.candidate_len:

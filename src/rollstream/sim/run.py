@@ -198,6 +198,9 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
         "trained_tok_s": trainer.trained_tokens / sim_s if sim_s > 0 else 0.0,
         "trained_samples": sum(staleness.values()),
         "gen_tok_s": loop.dispatcher.stats.generated_tokens * block / sim_s if sim_s > 0 else 0.0,
+        "gen_tokens_per_trained_token": (loop.dispatcher.stats.generated_tokens * block
+                                         / trainer.trained_tokens if trainer.trained_tokens
+                                         else None),
         "statuses": dict(Counter(r["status"] for r in rows)),
         "interrupts": loop.dispatcher.stats.num_interrupts,
         "preemptions": sum(e.num_preemptions for e in engines),

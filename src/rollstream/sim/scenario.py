@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollstream.config import RolloutConfig, RunConfig, TrainConfig
+from rollstream.config.early_stop import EarlyStopConfig
 from rollstream.config.loader import (
     ConfigError,
     read_yaml_mapping,
@@ -134,6 +135,9 @@ class ModeConfig(_Section):
     dispatch: Literal["engine", "fifo", "longest_first"] | None = None
     """rollout.dispatch: where requests wait when the engines are full, and in what order
     (null: the library default, ``engine``; docs/dispatch.md)."""
+    early_stop: EarlyStopConfig | None = None
+    """rollout.early_stop: cancel the rest of a group once its first graded samples make
+    zero variance likely (null: off; docs/data.md)."""
 
 
 class Scenario(_Section):
@@ -205,6 +209,8 @@ def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunCon
         rollout["max_context_age"] = mode.max_context_age
     if mode.dispatch is not None:
         rollout["dispatch"] = mode.dispatch
+    if mode.early_stop is not None:
+        rollout["early_stop"] = mode.early_stop
     try:
         return RunConfig(name=sc.name, seed=sc.seed, max_wall_s=sc.max_sim_s,
                          rollout=RolloutConfig(**rollout),
