@@ -162,3 +162,24 @@ def test_an_agent_run_without_its_agent_budgets_fails_naming_them(agent_run, tmp
     (broken / "config.yaml").write_text(config.replace("max_turns:", "max_turnz:"))
     with pytest.raises(ValueError, match="config.yaml has no agent.max_turns"):
         _simulate(broken, tmp_path)
+
+
+def test_turn_costs_split_an_episodes_time_into_model_tool_and_harness():
+    from rollstream.sim.calibrate import turn_costs
+
+    class Recorded:  # what turn_costs reads of a RunRecord
+        ledger = [
+            {"sample_uid": "t#g0/0", "turns": [
+                {"kind": "policy", "num_tokens": 9, "started_s": 0.5, "duration_s": 2.0},
+                {"kind": "env", "num_tokens": 30, "started_s": 3.0, "duration_s": 1.5,
+                 "tool_s": 1.0},
+                {"kind": "policy", "num_tokens": 4, "started_s": 5.0, "duration_s": 1.0}]},
+            {"sample_uid": "t#g0/1", "turns": []},  # a single-turn sample of another source
+        ]
+
+    # harness: 0.5 before the first turn, 0.5 gap, 0.5 of the answer beyond its tool, 0.5 gap
+    assert turn_costs(Recorded()) == {"model_turns": 2, "model_s_per_turn": 1.5,
+                                      "tool_s_per_turn": 0.5, "harness_s_per_turn": 1.0,
+                                      "harness_share": 2.0 / 6.0}
+    Recorded.ledger = [{"sample_uid": "t#g0/0", "turns": []}]
+    assert turn_costs(Recorded()) is None
