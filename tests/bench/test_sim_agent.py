@@ -25,3 +25,5 @@ def test_bench_sim_agent_quick_replays_both_runs_and_measures_turn_costs(tmp_pat
         assert costs["model_turns"] > 2 * 2 * 8  # episodes of several turns
         assert 0 < costs["tool_s_per_turn"] < costs["model_s_per_turn"]
         assert costs["harness_s_per_turn"] > 0 and 0 < costs["harness_share"] < 1
+        at_mean = got["prefill_at_mean"][mode]  # the run's own seconds per prefilled token
+        assert at_mean["per_token_s"] > 0 and at_mean["error_step_time"] >= 0
