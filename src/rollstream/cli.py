@@ -32,6 +32,8 @@ BENCHES = {
     "scale": "embedded runtime vs ray (disaggregated, colocated): samples/s, weight sync s/MB, "
              "bytes per sample on the control and data planes, actor restart",
     "sim": "the simulator: calibration error against real runs, 512-engine speed, GPU gain",
+    "sim_agent": "the simulator's replay of real agent runs (tally): step time, utilization, "
+                 "the harness's own time per turn",
     "resume": "a run killed with SIGKILL 5 times and resumed: lost, duplicated, repeated",
     "soak": "resident memory over a long run (--minutes, default 20): RSS slope in MB/h",
 }

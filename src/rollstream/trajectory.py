@@ -81,7 +81,7 @@ class ToolResult:
     content: str  # what the model reads: the tool's output, or "error: <error>"
     ok: bool
     error: str | None
-    duration_s: float  # from the moment the call had a concurrency slot
+    duration_s: float  # from the moment the call had a concurrency slot (the event loop's clock)
 
     def __post_init__(self) -> None:
         assert self.ok == (self.error is None), (self.ok, self.error)

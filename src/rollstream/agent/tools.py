@@ -42,7 +42,6 @@ import inspect
 import json
 import math
 import operator
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -266,14 +265,15 @@ class ToolManager:
 
     async def _run_one(self, call: ToolCall) -> ToolResult:
         async with self._slots or contextlib.nullcontext():
-            t0 = time.perf_counter()
+            clock = asyncio.get_running_loop().time  # the agent loop's clock (virtual in sim)
+            t0 = clock()
             output, error = await self._invoke(call)
             return ToolResult(
                 call=call,
                 content=output if error is None else f"error: {error}",
                 ok=error is None,
                 error=error,
-                duration_s=time.perf_counter() - t0,
+                duration_s=clock() - t0,
             )
 
     async def _invoke(self, call: ToolCall) -> tuple[str, str | None]:

@@ -75,8 +75,9 @@ FULL = Sizes(steps=12, groups_per_step=None, num_eval=8, sim_steps=None, sim_sca
 QUICK = Sizes(steps=3, groups_per_step=4, num_eval=4, sim_steps=2, sim_scale=8)
 
 
-def real_runs(sizes: Sizes, run_root: Path, overrides: Sequence[str]) -> dict[str, RunRecord]:
-    """The calibration runs, in process, one after the other."""
+def real_runs(sizes: Sizes, run_root: Path, overrides: Sequence[str],
+              config: Path = CALIB_YAML) -> dict[str, RunRecord]:
+    """The calibration runs of ``config``, in process, one after the other."""
     import torch
 
     from rollstream.bench.modes import bench_overrides, row_config
@@ -85,7 +86,7 @@ def real_runs(sizes: Sizes, run_root: Path, overrides: Sequence[str]) -> dict[st
     from rollstream.runtime.train import run_training
 
     torch.set_num_threads(1)  # a warm start not cached yet runs here (see bench modes)
-    base = load_config(CALIB_YAML, list(overrides))
+    base = load_config(config, list(overrides))
     folder = prepare_model(base.model, base.tasks)
     common = [*overrides, *bench_overrides(folder, run_root), f"train.steps={sizes.steps}",
               f"tasks.num_eval={sizes.num_eval}", "eval.samples_per_task=1",
@@ -95,7 +96,7 @@ def real_runs(sizes: Sizes, run_root: Path, overrides: Sequence[str]) -> dict[st
     out = {}
     for label, row in CALIB_MODES.items():
         print(f"bench sim: real run {label} ...", flush=True)
-        cfg = row_config(CALIB_YAML, common, [*row, f"name=calib-{label}"])
+        cfg = row_config(config, common, [*row, f"name=calib-{label}"])
         run_training(cfg)
         out[label] = RunRecord(run_root / cfg.name)
     return out
@@ -248,12 +249,10 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     return result
 
 
-def print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
+def calibration_table(calib: dict[str, Any]) -> Any:
+    """The calibration's rows as a rich table: each run beside its simulations."""
     from rich.table import Table
 
-    console = Console(width=160)
-    calib = result["calibration"]
     t = Table(title="calibration: each real run vs its simulation (profile fitted from: the "
               "run itself / both runs / the other run)")
     for col in ("mode", "profile", "step s real", "step s sim", "error", "util real",
@@ -266,7 +265,15 @@ def print_tables(result: dict[str, Any]) -> None:
             t.add_row(mode, name, f"{m['step_s_mean']:.3f}", f"{s['step_s_mean']:.3f}",
                       f"{r['error_step_time']:.1%}", f"{m['engine_utilization']:.3f}",
                       f"{s['engine_utilization']:.3f}", f"{r['error_utilization']:.1%}")
-    console.print(t)
+    return t
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    console.print(calibration_table(result["calibration"]))
     sp, gpu = result["speed_512"], result["gpu_256"]
     console.print(f"{sp['engines']} engines, {sp['steps']} steps: wall s (CPU s) "
                   + ", ".join(f"{k} {v:.1f} ({sp['cpu_s'][k]:.1f})"

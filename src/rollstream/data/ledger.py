@@ -29,9 +29,9 @@ import json
 import os
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from rollstream.trajectory import Sample, SampleStatus, SegmentKind
+from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Turn
 
 RECENT = 1 << 14  # terminal sample uids kept in memory for the exactly-once check
 REPLAYS = "replays.jsonl"  # replay events, beside the ledger file
@@ -102,6 +102,7 @@ class Ledger:
                 "finish_reason": sample.finish_reason,
                 "num_turns": (sum(t.kind is SegmentKind.POLICY for t in sample.turns)
                               if sample.turns else 0),
+                "turns": [turn_entry(t) for t in sample.turns],
                 "trained_at_step": sample.trained_at_step,
                 "min_trained_version": sample.min_trained_version,
                 "num_trained_tokens": sample.num_trained_tokens,
@@ -174,6 +175,23 @@ class Ledger:
             if fh is not None:
                 fh.close()
         self._fh = self._replay_fh = None
+
+
+def turn_entry(turn: Turn) -> dict[str, Any]:
+    """A turn of an agent episode as its ledger line lists it: what a replay of the episode in
+    the simulator needs (tokens; a model turn's seconds, an environment turn's tool wait) and
+    what the harness spent beside (an environment turn's seconds beyond ``tool_s``; the gap
+    to the next turn's ``started_s``). ``tool_s``: the longest call's seconds (a turn's calls
+    run concurrently: the episode waited that long on its tools; 0 without a call)."""
+    entry: dict[str, Any] = {"kind": turn.kind.value, "num_tokens": turn.num_tokens,
+                             "started_s": round(turn.started_s, 6),
+                             "duration_s": round(turn.duration_s, 6)}
+    if turn.kind is SegmentKind.POLICY:
+        entry.update(finish_reason=turn.finish_reason, num_interrupts=turn.num_interrupts)
+    else:
+        entry.update(num_tool_calls=len(turn.tool_calls),
+                     tool_s=round(max((r.duration_s for r in turn.tool_results), default=0.0), 6))
+    return entry
 
 
 def read_ledger(path: Path) -> list[dict]:

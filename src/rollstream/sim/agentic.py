@@ -79,13 +79,16 @@ class SimTokenizer:
 
 @dataclass(slots=True, frozen=True)
 class SimToolParser:
-    """The simulated model's call: a turn's text ending with ``CALL`` and its draw."""
+    """The simulated model's call: a turn's text ending with ``CALL`` and its draw (a replay's
+    call, ``sim/replay.py``, is the draw alone: a recorded turn of two tokens may call)."""
 
     def parse(self, text: str) -> ParsedTurn:
-        if len(text) >= 2 and text[-2] == chr(CALL) and ord(text[-1]) >= ARG_BASE:
+        if text and ord(text[-1]) >= ARG_BASE:  # a replay's call may be its draw alone
             call = ToolCall(id="call_0", name=TOOL_NAME,
                             arguments={"draw": ord(text[-1]) - ARG_BASE})
-            return ParsedTurn(content=text[:-2], calls=[call], errors=[])
+            called = len(text) >= 2 and text[-2] == chr(CALL)
+            return ParsedTurn(content=text[:-2] if called else text[:-1], calls=[call],
+                              errors=[])
         return ParsedTurn(content=text, calls=[], errors=[])
 
     def render(self, call: ToolCall) -> str:
@@ -105,11 +108,12 @@ def latency_quantile(cfg: ToolLatencyConfig) -> Callable[[float], float]:
 
 @dataclass(slots=True, kw_only=True)
 class LatencyTool:
-    """The simulated tool: answers after its latency on the virtual clock. Counts its calls,
-    those the manager's ``timeout_s`` cut, and the virtual seconds they waited in all."""
+    """The simulated tool: answers a call's draw after ``latency_s(draw)`` on the virtual
+    clock with ``output(draw)``. Counts its calls, those the manager's ``timeout_s`` cut, and
+    the virtual seconds they waited in all."""
 
-    quantile: Callable[[float], float]
-    output: str
+    latency_s: Callable[[int], float]
+    output: Callable[[int], str]
     timeout_s: float  # the manager's (agent.tool_timeout_s), to tell its cuts from cancels
     name: str = TOOL_NAME
     description: str = "a simulated tool with a heavy-tailed latency"
@@ -118,9 +122,6 @@ class LatencyTool:
     num_calls: int = 0
     num_timeouts: int = 0
     waited_s: float = 0.0
-
-    def latency_s(self, draw: int) -> float:
-        return self.quantile((draw + 0.5) / (1 << ARG_BITS))
 
     async def __call__(self, draw: int) -> str:
         loop = asyncio.get_running_loop()
@@ -134,7 +135,7 @@ class LatencyTool:
             raise
         finally:
             self.waited_s += loop.time() - t0
-        return self.output
+        return self.output(draw)
 
 
 def _grade(answer: str) -> float:
@@ -166,10 +167,10 @@ class AgentWorkload(Workload):
         assert cfg.agent is not None
         self.agent = cfg.agent
         self.turn_blocks = math.ceil(cfg.agent.max_turn_tokens / token_block)
-        self.tool = LatencyTool(quantile=latency_quantile(cfg.agent.tool_latency),
-                                output=chr(TOOL_OUT) * math.ceil(cfg.agent.tool_output_tokens
-                                                                 / token_block),
-                                timeout_s=cfg.agent.tool_timeout_s)
+        quantile = latency_quantile(cfg.agent.tool_latency)
+        output = chr(TOOL_OUT) * math.ceil(cfg.agent.tool_output_tokens / token_block)
+        self.tool = LatencyTool(latency_s=lambda draw: quantile((draw + 0.5) / (1 << ARG_BITS)),
+                                output=lambda draw: output, timeout_s=cfg.agent.tool_timeout_s)
         self._turns: dict[tuple[int, int], int] = {}  # (task, seed) -> model turns
         self._turn_drawn: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]] = {}
 
@@ -214,11 +215,17 @@ class AgentWorkload(Workload):
         return done, drawn[0], drawn[1]
 
 
-def agent_harness(workload: AgentWorkload) -> AgentHarness:
-    """The real agent harness for ``workload``'s episodes (budgets in blocks, as its tokens)."""
-    a = workload.agent
-    budgets = Budgets(max_turns=a.max_turns, max_turn_tokens=workload.turn_blocks,
-                      max_total_tokens=workload.max_blocks)
+    def harness(self) -> AgentHarness:
+        """The real agent harness for these episodes (budgets in blocks, as their tokens)."""
+        a = self.agent
+        return agent_harness(self.tool, Budgets(max_turns=a.max_turns,
+                                                max_turn_tokens=self.turn_blocks,
+                                                max_total_tokens=self.max_blocks))
+
+
+def agent_harness(tool: LatencyTool, budgets: Budgets) -> AgentHarness:
+    """The real agent harness for simulated episodes that call ``tool`` (its manager cuts a
+    call at ``tool.timeout_s``)."""
     return AgentHarness(renderer=ChatRenderer(SimTokenizer()), budgets=budgets,
-                        sources={SOURCE: SimAgentSource(tool=workload.tool)},
-                        tool_timeout_s=a.tool_timeout_s)
+                        sources={SOURCE: SimAgentSource(tool=tool)},
+                        tool_timeout_s=tool.timeout_s)

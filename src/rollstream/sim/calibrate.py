@@ -206,6 +206,37 @@ def measured(record: RunRecord) -> dict[str, float]:
             "engine_utilization": float(busy / spans.sum())}
 
 
+def turn_costs(record: RunRecord) -> dict[str, float] | None:
+    """Where an agent run's episodes spent their time, per model turn, from the ledger's
+    ``turns`` (docs/run-dir.md): the model turn (queueing, generation, interrupts), the tool
+    waits, and the harness's own time beside them, which no profile holds: an environment
+    turn's seconds beyond its tool wait (the environment's step, rendering its answer), the gaps
+    between turns (decoding the model's text) and before the first (the environment's reset,
+    rendering the prompt). None for a single-turn run."""
+    model_s = tool_s = harness_s = episode_s = 0.0
+    turns = 0
+    for r in record.ledger:
+        ts = r.get("turns") or []
+        if not ts:
+            continue
+        for t, nxt in zip(ts, [*ts[1:], None], strict=True):
+            if t["kind"] == "policy":
+                turns += 1
+                model_s += t["duration_s"]
+            else:
+                tool_s += t["tool_s"]
+                harness_s += t["duration_s"] - t["tool_s"]
+            if nxt is not None:
+                harness_s += nxt["started_s"] - t["started_s"] - t["duration_s"]
+        harness_s += ts[0]["started_s"]  # the environment's reset, rendering the prompt
+        episode_s += ts[-1]["started_s"] + ts[-1]["duration_s"]
+    if not turns:
+        return None
+    return {"model_turns": turns, "model_s_per_turn": model_s / turns,
+            "tool_s_per_turn": tool_s / turns, "harness_s_per_turn": harness_s / turns,
+            "harness_share": harness_s / episode_s if episode_s > 0 else 0.0}
+
+
 def replay_scenario(record: RunRecord, profile: str) -> Scenario:
     """The scenario that simulates ``record``'s run: its one mode, on ``profile`` (a path or
     a built-in name), replaying its ledger."""

@@ -46,10 +46,10 @@ from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Reward
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import Loop, build_loop
-from rollstream.sim.agentic import END, AgentWorkload, agent_harness
+from rollstream.sim.agentic import END, AgentWorkload
 from rollstream.sim.engine import SimEngine
 from rollstream.sim.profile import Profile
-from rollstream.sim.replay import ReplayWorkload, read_groups
+from rollstream.sim.replay import AgentReplayWorkload, ReplayWorkload, read_groups
 from rollstream.sim.scenario import ModeConfig, Scenario, run_config
 from rollstream.sim.trainer import SimTrainer
 from rollstream.sim.vloop import LoopClock, VirtualExecutor, run_virtual
@@ -110,13 +110,13 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     metrics, spans, ledger = SimMetrics(clock), Spans(), Ledger(ledger_path)
     # every reward call at once: grading is instantaneous in the simulation
     graders = GraderPool(RewardConfig(num_workers=1 << 30), lambda task: SIM_REWARD)
-    agentic = isinstance(workload, AgentWorkload)  # episodes: the real agent harness
+    agentic = isinstance(workload, AgentWorkload | AgentReplayWorkload)  # the agent harness
     params = SamplingParams(temperature=1.0, max_new_tokens=workload.max_blocks,
                             stop_token_ids=(END,) if agentic else (CORRECT, WRONG))
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
                       clock=clock, params=params, span=spans,
-                      harnesses={AGENT: agent_harness(workload)} if agentic else None)
+                      harnesses={AGENT: workload.harness()} if agentic else None)
     loop.controller.train_pool = _train_pool(trainer, engines, profile)
     loop.controller.supervisor = None
     return loop, engines, trainer, metrics, spans, ledger
@@ -157,15 +157,29 @@ def _uncontend(engines: list[SimEngine]) -> None:
 
 def make_workload(sc: Scenario) -> Workload | ReplayWorkload:
     """The scenario's generator (of episodes with ``workload.agent``), or the replay of its
-    recorded run."""
+    recorded run (of its episodes, an agent run's)."""
     if sc.replay is None:
         kind = Workload if sc.workload.agent is None else AgentWorkload
         return kind(sc.workload, seed=sc.seed, token_block=sc.token_block)
     run_dir = Path(sc.replay)
     recorded = read_yaml_mapping(run_dir / "config.yaml", "run config")
-    return ReplayWorkload(read_groups(run_dir, sc.group_size), seed=sc.seed,
-                          max_response_tokens=recorded["sampling"]["max_new_tokens"],
-                          token_block=sc.token_block)
+
+    def setting(path: str) -> Any:
+        value: Any = recorded
+        for key in path.split("."):
+            if not isinstance(value, dict) or key not in value:
+                raise ValueError(f"replay {run_dir}: config.yaml has no {path}")
+            value = value[key]
+        return value
+
+    groups = read_groups(run_dir, sc.group_size)
+    common = {"seed": sc.seed, "max_response_tokens": setting("sampling.max_new_tokens"),
+              "token_block": sc.token_block}
+    if not any(s.turns for g in groups for s in g.samples):
+        return ReplayWorkload(groups, **common)
+    return AgentReplayWorkload(groups, **common, max_turns=setting("agent.max_turns"),
+                               max_turn_tokens=setting("agent.max_turn_tokens"),
+                               tool_timeout_s=setting("agent.tool_timeout_s"))
 
 
 async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
@@ -207,7 +221,7 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
         "response_tokens_by_step": {str(k): sum(v) / len(v) for k, v in sorted(by_step.items())},
     }
     workload = engines[0].workload
-    if isinstance(workload, AgentWorkload):
+    if isinstance(workload, AgentWorkload | AgentReplayWorkload):
         tool = workload.tool
         trained = [r for r in rows if r["status"] == "trained"]
         turns = [r["num_turns"] for r in trained]

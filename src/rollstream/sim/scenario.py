@@ -170,7 +170,9 @@ class Scenario(_Section):
     replay: str | None = None
     """A run directory whose recorded samples replace the generator: its ledger's training
     groups, in admission order, with their prompt and response lengths and answers, up to its
-    ``sampling.max_new_tokens`` (sim/replay.py; null: the generator, ``workload``)."""
+    ``sampling.max_new_tokens``; an agent run's episodes with their recorded turns, tool
+    answers and tool waits, under its ``agent`` budgets (sim/replay.py; null: the generator,
+    ``workload``)."""
     modes: tuple[ModeConfig, ...] = (
         ModeConfig(name="sync", mode="sync"),
         ModeConfig(name="one_step", mode="one_step", partial_rollout=False),
