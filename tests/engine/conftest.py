@@ -22,10 +22,7 @@ from tests.engine.helpers import MAX_SEQ_LEN, MAX_SLOTS, VOCAB, make_tiny_model
 # The ray kind (the local engine in a Ray actor, behind the runtime's proxy) runs the same
 # tests from tests/runtime/test_ray_contract.py: a module of its own, so that its Ray is not
 # up while the vLLM cases run (a busier machine stalls vLLM's API server mid-stream).
-# vllm_unstreamed: the same server through an adapter with engine.vllm.stream false (one
-# response per request); its case's kind is "vllm", whose allowances the tests make.
-ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm),
-                pytest.param("vllm_unstreamed", marks=pytest.mark.vllm)]
+ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 class EngineCase(NamedTuple):
@@ -34,7 +31,6 @@ class EngineCase(NamedTuple):
     kind: str
     max_seq_len: int
     vocab_size: int
-    streams: bool = True  # stats().generated_tokens grows while a request runs
 
 
 @pytest.fixture(scope="session")
@@ -58,11 +54,11 @@ def _engine_config(kind: str) -> EngineConfig:
 async def engine_case(kind: str, request: pytest.FixtureRequest,
                       tiny_model_dir: Path) -> AsyncIterator[EngineCase]:
     """A started engine of ``kind`` for one test, closed (or reset, when shared) after it."""
-    if kind in ("vllm", "vllm_unstreamed"):  # one server per session, a fresh client per
-        from tests.vllm.shared import vllm_case  # test (tests/vllm)
+    if kind == "vllm":  # one server per session, a fresh client per test (tests/vllm)
+        from tests.vllm.shared import vllm_case
 
-        async with vllm_case(request, stream=kind == "vllm") as fields:
-            yield EngineCase(kind="vllm", streams=kind == "vllm", **fields)
+        async with vllm_case(request) as fields:
+            yield EngineCase(kind="vllm", **fields)
         return
     if kind == "ray":  # a local engine in a Ray actor, shared by the module
         from tests.engine.ray_shared import ray_case

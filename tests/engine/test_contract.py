@@ -41,17 +41,12 @@ async def _gen(
 
 
 async def _wait_for_tokens(
-    case, num_tokens: int, *tasks: asyncio.Task, timeout_s: float = 60.0
+    engine: Engine, num_tokens: int, *tasks: asyncio.Task, timeout_s: float = 60.0
 ) -> None:
     """Wait until the engine has generated at least ``num_tokens`` in total, or until all of
     ``tasks`` are done (a stalled vLLM API server delivers a stream in one burst at its end:
-    the caller then sees that its command did not land mid-stream). An engine that reports
-    no progress while a request runs (vLLM with ``stream: false``) gets 0.5 s: the requests
-    these tests send take seconds."""
-    engine, loop = case.engine, asyncio.get_running_loop()
-    if not case.streams:
-        await asyncio.wait(tasks, timeout=0.5)
-        return
+    the caller then sees that its command did not land mid-stream)."""
+    loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while engine.stats().generated_tokens < num_tokens:
         if tasks and all(t.done() for t in tasks):
@@ -138,7 +133,7 @@ async def test_interrupt_then_resume_continues_greedy_stream(engine):
                 e, f"part{attempt}", prompt, SamplingParams(temperature=0.0, max_new_tokens=max_new)
             )
         )
-        await _wait_for_tokens(engine, start + 1, task)  # running
+        await _wait_for_tokens(e, start + 1, task)  # running
         await e.interrupt([f"part{attempt}"])
         part = await task
         if part.finish_reason is FinishReason.ABORT:
@@ -173,7 +168,7 @@ async def test_interrupt_all_returns_running_partials_and_queued_empty(engine):
         start = e.stats().generated_tokens  # a running total: earlier tests generated too
         tasks = [asyncio.create_task(_gen(e, f"r{attempt}-{i}", p, params))
                  for i, p in enumerate(prompts)]
-        await _wait_for_tokens(engine, start + 2, *tasks)
+        await _wait_for_tokens(e, start + 2, *tasks)
         await e.interrupt()
         outs = await asyncio.gather(*tasks)
         # a late interrupt (vLLM, see _mid_stream_tries) finds some streams done: those are
@@ -212,7 +207,7 @@ async def test_load_weights_mid_stream_tags_versions(engine):
         new_weights = _perturbed_weights(engine.model_path, seed=1)
         start = e.stats().generated_tokens
         task = asyncio.create_task(_gen(e, f"mixed{attempt}", prompt, params))
-        await _wait_for_tokens(engine, start + 1, task)  # running
+        await _wait_for_tokens(e, start + 1, task)  # running
         await e.load_weights(version, new_weights)
         assert e.stats().version == version
         mixed = await task

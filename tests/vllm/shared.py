@@ -69,14 +69,13 @@ async def reset(engine) -> None:
 
 
 @contextlib.asynccontextmanager
-async def vllm_case(request: pytest.FixtureRequest, *,
-                    stream: bool = True) -> AsyncIterator[dict]:
+async def vllm_case(request: pytest.FixtureRequest) -> AsyncIterator[dict]:
     """A fresh engine attached to the session's server (fresh stats, like a new engine),
-    yielding the fields of tests/engine's ``EngineCase``; ``stream``: engine.vllm.stream."""
+    yielding the fields of tests/engine's ``EngineCase``."""
     from rollstream.engine.vllm import build_vllm_engine
 
     server = owner(request)
-    cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(urls=(server.url,), stream=stream,
+    cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(urls=(server.url,),
                                                           max_model_len=MAX_MODEL_LEN))
     engine = build_vllm_engine(cfg, _state["path"], engine_id="vllm-0")
     try:

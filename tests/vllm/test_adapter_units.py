@@ -98,32 +98,6 @@ def test_request_body_is_token_ids_and_explicit_sampling():
     assert sp["ignore_eos"] and sp["detokenize"] is False and sp["logprobs"] == 0
     unseeded = request_body(GenerateRequest(request_id="u", prompt_ids=[1]), "u#1", 4)
     assert "seed" not in unseeded["sampling_params"]
-    assert sp["stream_interval"] == 16
-    whole = request_body(req, "r#0", 7, stream=False)  # engine.vllm.stream: false
-    assert whole["stream"] is False and "stream_interval" not in whole["sampling_params"]
-    assert {k: v for k, v in whole["sampling_params"].items()} == \
-        {k: v for k, v in sp.items() if k != "stream_interval"}
-
-
-def test_a_whole_response_is_taken_like_the_events_of_a_stream():
-    """``stream: false``: one response with every token, the finish and the version spans
-    (also after an abort) gives what the same tokens as events give."""
-    response = {"choices": [{"token_ids": [5, 6, 7], "finish_reason": "abort",
-                             "logprobs": {"content": [{"token_id": t, "logprob": -0.5 * t}
-                                                      for t in (5, 6, 7)]},
-                             "weight_versions": [{"version": "3", "start": 0, "end": 2},
-                                                 {"version": "4", "start": 2, "end": 3}]}]}
-    whole = StreamState(base_version=3)
-    whole.take(response)
-    streamed = StreamState(base_version=3)
-    for event in ({"choices": [{"token_ids": [5], "logprobs": {"content": [
-                      {"token_id": 5, "logprob": -2.5}]}}]},
-                  {"choices": [dict(response["choices"][0], token_ids=[6, 7], logprobs={
-                      "content": [{"token_id": 6, "logprob": -3.0},
-                                  {"token_id": 7, "logprob": -3.5}]})]}):
-        streamed.feed("data: " + json.dumps(event))
-    assert whole.finish is FinishReason.ABORT and whole.result() == streamed.result()
-    assert whole.result() == ([5, 6, 7], [-2.5, -3.0, -3.5], [3, 3, 4])
 
 
 def test_weight_store_buckets_tied_tensors_and_prunes(tmp_path):

@@ -55,13 +55,6 @@ class VllmEngineConfig(Section):
     """Skip torch.compile (faster start on CPU)."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for /health."""
-    stream: bool = True
-    """Stream each request's tokens (one event per 16 tokens; docs/vllm.md). False: one
-    response per request, which spares the server and this process an event per 16 tokens
-    (docs/vllm.md measures what that buys). An interrupt or a weight reload keeps its
-    guarantees either way (the response after an abort carries the tokens so far and their
-    versions); what streaming adds is that a server that dies mid-request leaves the tokens
-    received before, where without it the request starts again from its prompt."""
     extra_args: tuple[str, ...] = ()
     """Extra command-line arguments for the server (not ``--logprobs-mode``: rollstream runs
     vLLM with ``processed_logprobs``, the logprobs of the distribution actually sampled)."""

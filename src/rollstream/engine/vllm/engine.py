@@ -99,7 +99,6 @@ class VllmEngine:
         self.server = server
         self._checkpoint, self._store, self._capacity = checkpoint, store, capacity
         self._startup_timeout_s = startup_timeout_s
-        self._stream_tokens = server.cfg.stream  # engine.vllm.stream
         self._health = ServerHealth(engine_id=engine_id, server=server, period_s=health_period_s,
                                     probe=self._healthy, drop_streams=self._drop_streams,
                                     restart=self._restart)
@@ -294,33 +293,22 @@ class VllmEngine:
         rid, s = st.request.request_id, st.stream
         max_tokens = min(st.request.params.max_new_tokens,
                          self._max_model_len - len(st.request.prompt_ids))
-        body = request_body(st.request, st.wire_id, max_tokens, stream=self._stream_tokens)
+        body = request_body(st.request, st.wire_id, max_tokens)
         # vLLM rejects stop ids outside the vocabulary; they can never be sampled anyway
         body["sampling_params"]["stop_token_ids"] = [
             t for t in st.request.params.stop_token_ids if 0 <= t < self._checkpoint.vocab_size]
         body["cache_salt"] = f"rollstream-v{self._sync.version}"
         failure: httpx.TransportError | None = None
         try:
-            if not self._stream_tokens:  # one response, every token in it
-                resp = await self._client.post(self.url + GENERATE_PATH, json=body)
+            async with self._client.stream("POST", self.url + GENERATE_PATH, json=body) as resp:
                 if resp.status_code != 200:
-                    s.finish, s.error = FinishReason.ERROR, \
-                        f"vLLM HTTP {resp.status_code}: {resp.text[:500]}"
+                    text = (await resp.aread()).decode(errors="replace")[:500]
+                    s.finish, s.error = FinishReason.ERROR, f"vLLM HTTP {resp.status_code}: {text}"
                 else:
-                    s.take(resp.json())
-                    self._generated_tokens += len(s.token_ids)
-            else:
-                async with self._client.stream("POST", self.url + GENERATE_PATH,
-                                               json=body) as resp:
-                    if resp.status_code != 200:
-                        text = (await resp.aread()).decode(errors="replace")[:500]
-                        s.finish, s.error = FinishReason.ERROR, \
-                            f"vLLM HTTP {resp.status_code}: {text}"
-                    else:
-                        async for line in resp.aiter_lines():
-                            had = len(s.token_ids)
-                            s.feed(line)
-                            self._generated_tokens += len(s.token_ids) - had
+                    async for line in resp.aiter_lines():
+                        had = len(s.token_ids)
+                        s.feed(line)
+                        self._generated_tokens += len(s.token_ids) - had
         except asyncio.CancelledError:
             if st.cut is None:
                 raise  # the caller cancelled generate
@@ -358,16 +346,12 @@ class VllmEngine:
         targets = [st for rid, st in self._inflight.items() if ids is None or rid in ids]
         for st in targets:
             st.cut = st.cut or why
-        # streamed: those that sent tokens are aborted on the server (the final event brings
-        # them), the others dropped; one response each: every one is aborted, and its
-        # response brings what it had (dropping it would lose that)
-        started = [st.wire_id for st in targets
-                   if st.stream.token_ids or not self._stream_tokens]
+        started = [st.wire_id for st in targets if st.stream.token_ids]
         if started and self._health.ready.is_set():
             with contextlib.suppress(httpx.HTTPError):
                 await self._abort_wire(started)
         for st in targets:  # not started: nothing to keep, drop the stream (vLLM aborts it)
-            if self._stream_tokens and not st.stream.token_ids and st.streaming:
+            if not st.stream.token_ids and st.streaming:
                 st.task.cancel()
         waits = [asyncio.create_task(st.done.wait()) for st in targets]
         if waits:

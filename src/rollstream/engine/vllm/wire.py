@@ -17,9 +17,7 @@ Semantics fixed here:
 * Streaming: one event per :data:`STREAM_INTERVAL_TOKENS` (16) tokens, plus the first token
   and the final event (which carries every token not yet sent, also after an abort). One
   event per token costs the client and vLLM's API server a JSON message per token; on a
-  busy CPU that overhead made token delivery lag generation by seconds. With
-  ``engine.vllm.stream: false`` a request gets one response, the final event's fields with
-  every token (also after an abort).
+  busy CPU that overhead made token delivery lag generation by seconds.
 * Versions: the final event of a stream (also after an abort) carries ``weight_versions``,
   spans ``[start, end)`` of output tokens labelled with the server's weight version at the
   engine step that produced them. We label versions with ``str(int)``.
@@ -47,8 +45,7 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
            "abort": FinishReason.ABORT}
 
 
-def request_body(request: GenerateRequest, wire_id: str, max_tokens: int, *,
-                 stream: bool = True) -> dict:
+def request_body(request: GenerateRequest, wire_id: str, max_tokens: int) -> dict:
     p = request.params
     sampling: dict = {
         "max_tokens": max_tokens, "temperature": p.temperature, "top_p": p.top_p,
@@ -58,9 +55,7 @@ def request_body(request: GenerateRequest, wire_id: str, max_tokens: int, *,
     }
     if p.seed is not None:
         sampling["seed"] = p.seed
-    if not stream:  # one response: no events to space out
-        del sampling["stream_interval"]
-    return {"request_id": wire_id, "token_ids": list(request.prompt_ids), "stream": stream,
+    return {"request_id": wire_id, "token_ids": list(request.prompt_ids), "stream": True,
             "sampling_params": sampling}
 
 
@@ -88,11 +83,7 @@ class StreamState:
         """Consume one SSE line (``data: {...}``); ignores keep-alives and ``[DONE]``."""
         if not line.startswith("data: ") or line == "data: [DONE]":
             return
-        self.take(json.loads(line[6:]))
-
-    def take(self, event: dict) -> None:
-        """Consume one event, or the whole response of a request sent with ``stream: false``
-        (the same fields: every token, the finish reason and the version spans)."""
+        event = json.loads(line[6:])
         if "error" in event:
             err = event["error"]
             self.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
