@@ -8,7 +8,10 @@ fixed), one engine at a time so they never share the CPU:
   * ``fixed_cN``: N concurrent requests, prompt 16, 128 new tokens each (N = 1, 16, 64);
   * ``longtail``: 64 requests, log-normal lengths (p99/median = 10, median 24, cap 256),
     all submitted at once; only useful tokens count.
-Then the weight sync: ``load_weights`` of the full state dict (vLLM: shared-memory buckets,
+vLLM runs two ways on one server: through the adapter as a run uses it (streamed, one event
+per 16 tokens) and as bare non-streaming HTTP POSTs of the same request body from one
+``httpx.AsyncClient`` (no adapter: what a client that does nothing else gets);
+``vllm_adapter_vs_http`` says what the adapter costs. Then the weight sync: ``load_weights`` of the full state dict (vLLM: shared-memory buckets,
 pause, in-place reload, version label, resume), median of 5.
 
 Each throughput is the best of ``repeats`` runs (2, or 1 with --quick), after a warm-up.
@@ -48,7 +51,8 @@ class Case:
     num_requests: int
     useful_tokens: int
     local_tok_s: float
-    vllm_tok_s: float
+    vllm_tok_s: float  # through the adapter (streamed, as a run uses it)
+    vllm_http_tok_s: float  # the same server, bare non-streaming HTTP
 
     @property
     def ratio(self) -> float:
@@ -65,8 +69,9 @@ async def _timed(engine: Engine, prompts: list[list[int]], lengths: list[int],
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
         best = min(best, time.perf_counter() - t0)
-        got = [len(o.token_ids) for o in outs]
-        assert got == lengths, f"{tag}: the engine lost tokens ({got[:4]}... != {lengths[:4]}...)"
+        short = [(o.request_id, len(o.token_ids), n, o.finish_reason.value, o.error)
+                 for o, n in zip(outs, lengths, strict=True) if len(o.token_ids) != n]
+        assert not short, f"{tag}: {len(short)} requests came back short, e.g. {short[:2]}"
     return best
 
 
@@ -102,17 +107,55 @@ async def _bench(folder: Path, workloads: list, repeats: int, max_len: int) -> d
     finally:
         await local.close()
     t0 = time.perf_counter()
-    vllm = build_vllm_engine(EngineConfig(kind="vllm", vllm=VllmEngineConfig(max_model_len=512)),
-                             folder, engine_id="vllm-bench-0")
+    vcfg = VllmEngineConfig(max_model_len=512)
+    vllm = build_vllm_engine(EngineConfig(kind="vllm", vllm=vcfg), folder,
+                             engine_id="vllm-bench-0")
     start_s = time.perf_counter() - t0
     try:
         vllm_tok_s = await _run_cases(vllm, workloads, repeats)
+        # the same server, bare HTTP: what the adapter costs
+        http_tok_s = await _bare_http(vllm.server.url, workloads, repeats)
         vllm_sync_s = await _sync_seconds(vllm, state)
         sync_bytes = vllm.sync_timings[-1].num_bytes
     finally:
         await vllm.close()
-    return dict(local=local_tok_s, vllm=vllm_tok_s, local_sync_s=local_sync_s,
-                vllm_sync_s=vllm_sync_s, vllm_start_s=start_s, sync_bytes=sync_bytes)
+    return dict(local=local_tok_s, vllm=vllm_tok_s, vllm_http=http_tok_s, local_sync_s=local_sync_s, vllm_sync_s=vllm_sync_s,
+                vllm_start_s=start_s, sync_bytes=sync_bytes)
+
+
+async def _bare_http(url: str, workloads: list, repeats: int) -> dict[str, float]:
+    """The workloads as plain non-streaming POSTs of the adapter's request body (one
+    ``httpx.AsyncClient``, nothing else): what vLLM's server gives a client that does no
+    work of its own, the floor of the adapter's cost."""
+    import httpx
+
+    from rollstream.engine.vllm.wire import GENERATE_PATH, request_body
+
+    async def one(client: httpx.AsyncClient, rid: str, prompt: list[int], n: int,
+                  seed: int) -> int:
+        req = GenerateRequest(request_id=rid, prompt_ids=prompt,
+                              params=SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed))
+        body = request_body(req, rid, n)
+        body["stream"] = False  # one response: the least a client can do
+        del body["sampling_params"]["stream_interval"]
+        resp = await client.post(url + GENERATE_PATH, json=body)
+        resp.raise_for_status()
+        return len(resp.json()["choices"][0]["token_ids"])
+
+    out = {}
+    for name, prompts, lengths in workloads:
+        best = math.inf
+        for rep in range(repeats):  # a client per round: no keep-alive the server closed
+            async with httpx.AsyncClient(timeout=600.0, limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=None)) as client:
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(one(client, f"http-{name}-{rep}-{i}", p, n, i)
+                                             for i, (p, n) in enumerate(zip(prompts, lengths,
+                                                                            strict=True))))
+                best = min(best, time.perf_counter() - t0)
+            assert list(got) == lengths, f"bare HTTP {name}: tokens lost"
+        out[name] = sum(lengths) / best
+    return out
 
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
@@ -131,7 +174,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
         raw = asyncio.run(_bench(folder, workloads, repeats,
                                  max_len=PROMPT_LEN + max(new_tokens, tail_cap)))
     cases = [Case(name=name, num_requests=len(prompts), useful_tokens=sum(lens),
-                  local_tok_s=raw["local"][name], vllm_tok_s=raw["vllm"][name])
+                  local_tok_s=raw["local"][name], vllm_tok_s=raw["vllm"][name],
+                  vllm_http_tok_s=raw["vllm_http"][name])
              for name, prompts, lens in workloads]
     by_name = {c.name: c for c in cases}
     result = {
@@ -141,6 +185,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
         "cases": {c.name: {**asdict(c), "ratio": c.ratio} for c in cases},
         f"local_vs_vllm_c{concurrencies[-1]}": by_name[f"fixed_c{concurrencies[-1]}"].ratio,
         "local_vs_vllm_longtail": by_name["longtail"].ratio,
+        # what the adapter (streaming included) costs: its tok/s / bare HTTP's
+        "vllm_adapter_vs_http": {c.name: c.vllm_tok_s / c.vllm_http_tok_s for c in cases},
         "vllm_weight_sync_s": raw["vllm_sync_s"],
         "local_weight_sync_s": raw["local_sync_s"],
         "weight_sync_bytes": raw["sync_bytes"],
@@ -162,11 +208,12 @@ def _print_table(cases: list[Case], result: dict) -> None:
 
     quick = ", quick" if result["quick"] else ""
     table = Table(title=f"local engine vs vLLM (tiny model, fp32{quick})")
-    for col in ("case", "requests", "useful tokens", "local tok/s", "vLLM tok/s", "local/vLLM"):
+    for col in ("case", "requests", "useful tokens", "local tok/s", "vLLM tok/s", "local/vLLM",
+                "vLLM bare HTTP"):
         table.add_column(col, justify="right")
     for c in cases:
         table.add_row(c.name, str(c.num_requests), str(c.useful_tokens), f"{c.local_tok_s:,.0f}",
-                      f"{c.vllm_tok_s:,.0f}", f"{c.ratio:.2f}x")
+                      f"{c.vllm_tok_s:,.0f}", f"{c.ratio:.2f}x", f"{c.vllm_http_tok_s:,.0f}")
     console = Console()
     console.print(table)
     console.print(f"weight sync of {result['weight_sync_bytes'] / 1e6:.1f} MB: vLLM "
