@@ -9,9 +9,10 @@ fixed), one engine at a time so they never share the CPU:
   * ``longtail``: 64 requests, log-normal lengths (p99/median = 10, median 24, cap 256),
     all submitted at once; only useful tokens count.
 vLLM runs two ways on one server: through the adapter as a run uses it (streamed, one event
-per 16 tokens) and as bare non-streaming HTTP POSTs of the same request body from one
-``httpx.AsyncClient`` (no adapter: what a client that does nothing else gets);
-``vllm_adapter_vs_http`` says what the adapter costs. Then the weight sync: ``load_weights`` of the full state dict (vLLM: shared-memory buckets,
+per 16 tokens) and as bare non-streaming HTTP POSTs of the same request body from a fresh
+``httpx.AsyncClient`` per round (no adapter: what a client that does nothing else gets);
+``vllm_adapter_vs_http`` says what the adapter costs. Then the weight sync:
+``load_weights`` of the full state dict (vLLM: shared-memory buckets,
 pause, in-place reload, version label, resume), median of 5.
 
 Each throughput is the best of ``repeats`` runs (2, or 1 with --quick), after a warm-up.
@@ -119,13 +120,14 @@ async def _bench(folder: Path, workloads: list, repeats: int, max_len: int) -> d
         sync_bytes = vllm.sync_timings[-1].num_bytes
     finally:
         await vllm.close()
-    return dict(local=local_tok_s, vllm=vllm_tok_s, vllm_http=http_tok_s, local_sync_s=local_sync_s, vllm_sync_s=vllm_sync_s,
+    return dict(local=local_tok_s, vllm=vllm_tok_s, vllm_http=http_tok_s,
+                local_sync_s=local_sync_s, vllm_sync_s=vllm_sync_s,
                 vllm_start_s=start_s, sync_bytes=sync_bytes)
 
 
 async def _bare_http(url: str, workloads: list, repeats: int) -> dict[str, float]:
-    """The workloads as plain non-streaming POSTs of the adapter's request body (one
-    ``httpx.AsyncClient``, nothing else): what vLLM's server gives a client that does no
+    """The workloads as plain non-streaming POSTs of the adapter's request body (a client
+    per round, nothing else): what vLLM's server gives a client that does no
     work of its own, the floor of the adapter's cost."""
     import httpx
 

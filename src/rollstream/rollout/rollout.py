@@ -49,9 +49,9 @@ from rollstream.engine.protocol import SamplingParams
 from rollstream.rollout.admission import StalenessCapacity
 from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.early_stop import EarlyStop, Stop
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.liveness import Liveness
-from rollstream.rollout.early_stop import EarlyStop, Stop
 from rollstream.rollout.replay import ReplayPool
 from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.step_tally import StepTally
@@ -373,7 +373,8 @@ class Rollout:
                 "replay_lines": self.lifecycle.ledger.num_replay_lines,
                 "replay_pool": self.replay.state(),
                 "early_stop": self.early_stop.state(),
-                "stopped_early": {gid: [st.reason, st.chance] for gid, st in self._stopped.items()},
+                "stopped_early": {gid: [st.reason, st.chance]
+                                  for gid, st in self._stopped.items()},
                 "tasks": self.tasks.state(),
                 "num_admitted": self.capacity.num_admitted,
                 "num_retired": self.capacity.num_retired,
