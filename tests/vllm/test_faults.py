@@ -103,16 +103,19 @@ def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
+STREAMS = 8  # at once, so that each runs for seconds (one stream: ~400 tok/s here)
+
+
 async def _streams_across_a_reload(e, weights8, life: int):
-    """Four long seeded streams at version 7, then a reload to 8 mid-stream: the tasks, the
-    engine's token count at the reload, and whether the streams delivered tokens before it
+    """``STREAMS`` long seeded streams at version 7, then a reload to 8 mid-stream: the tasks,
+    the engine's token count at the reload, and whether the streams delivered tokens before it
     (on 8 tries in a row vLLM's stalled API server delivered each stream in one burst at its
     end, docs/vllm.md: then the last try's streams are cut before they delivered any)."""
     for attempt in range(8):
         tasks = [asyncio.create_task(e.generate(_req(f"k{life}{attempt}-{i}", [1, 2, 3 + i],
                                                      max_new_tokens=4000, seed=100 + i)))
-                 for i in range(4)]
-        while e.stats().num_running < 4 and not any(t.done() for t in tasks):
+                 for i in range(STREAMS)]
+        while e.stats().num_running < STREAMS and not any(t.done() for t in tasks):
             await asyncio.sleep(0.001)  # every stream has delivered tokens
         if not any(t.done() for t in tasks):
             flowed = True
@@ -121,16 +124,16 @@ async def _streams_across_a_reload(e, weights8, life: int):
     else:
         tasks = [asyncio.create_task(e.generate(_req(f"k{life}-{i}", [1, 2, 3 + i],
                                                      max_new_tokens=4000, seed=100 + i)))
-                 for i in range(4)]
+                 for i in range(STREAMS)]
         flowed = False
         await asyncio.sleep(0.2)  # sent: a stream of 4000 tokens takes seconds
-    deadline = time.monotonic() + 2.0
-    while (e.stats().generated_tokens < 4 * 48 and time.monotonic() < deadline
+    base, deadline = e.stats().generated_tokens, time.monotonic() + 1.0
+    while (e.stats().generated_tokens < base + 16 * STREAMS and time.monotonic() < deadline
            and not any(t.done() for t in tasks)):
-        await asyncio.sleep(0.001)  # a few events each (one per 16 tokens), if they come
+        await asyncio.sleep(0.001)  # another event each (one per 16 tokens), if they come
     await e.load_weights(8, weights8)  # mid-stream: later tokens may be of either version
-    tokens_at_resume, deadline = e.stats().generated_tokens, time.monotonic() + 1.0
-    while (e.stats().generated_tokens < tokens_at_resume + 64 and time.monotonic() < deadline
+    tokens_at_resume, deadline = e.stats().generated_tokens, time.monotonic() + 0.3
+    while (e.stats().generated_tokens < tokens_at_resume + 16 and time.monotonic() < deadline
            and not any(t.done() for t in tasks)):
         await asyncio.sleep(0.001)  # let tokens of uncertain version arrive, if they come
     return tasks, tokens_at_resume, flowed
@@ -159,7 +162,9 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
         if e.stats().health is EngineHealth.UP:
             # a stream ran to its end before the kill could land (seen once, in CI: the
             # reload took long enough on a loaded machine): nothing to cut, run it again
-            print(f"life {life}: a stream finished before the planned kill")
+            done = [t.result() for t in tasks if t.done()]
+            print(f"life {life}: a stream finished before the planned kill: "
+                  f"{[(o.finish_reason.value, len(o.token_ids), o.error) for o in done]}")
             await e.interrupt()  # the others need not run on to 4000 tokens
             await asyncio.gather(*tasks)
             continue
@@ -187,7 +192,7 @@ async def test_killed_server_returns_partials_restarts_and_restores_weights(vllm
         [(o.finish_reason, o.error) for o in cut]
     assert all(o.versions == [7] * len(o.token_ids) for o in cut)
     assert all(o.versions == sorted(o.versions) and set(o.versions) <= {7, 8} for o in outs)
-    print(f"killed mid-run: {len(cut)}/4 requests cut, "
+    print(f"killed mid-run: {len(cut)}/{STREAMS} requests cut, "
           f"{sum(len(o.token_ids) for o in cut)} partial tokens of version 7 kept, "
           f"{e.stats().generated_tokens - tokens_at_resume} received after the reload")
 
