@@ -237,16 +237,26 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         "sim_cpu_s_512_engines": max(speed["cpu_s"].values()),
         "gpu_async_partial_vs_sync": gpu["ratio"],
         "calibration": calib, "speed_512": speed, "speed_curve": curve, "gpu_256": gpu,
-        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-        "cpus": len(os.sched_getaffinity(0)), "run_root": str(run_root),
-        "bench_wall_s": time.perf_counter() - t0,
+        **machine(load_before, t0, run_root),
     }
     print_tables(result)
+    write_json(result, json_out)
+    return result
+
+
+def machine(load_before: tuple[float, ...], t0: float, run_root: Path) -> dict[str, Any]:
+    """The keys every simulator bench ends with: the machine's load before and after, its
+    cores, where the runs are, and the bench's wall time since ``t0``."""
+    return {"load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+            "cpus": len(os.sched_getaffinity(0)), "run_root": str(run_root),
+            "bench_wall_s": time.perf_counter() - t0}
+
+
+def write_json(result: dict[str, Any], json_out: Path | None) -> None:
     if json_out is not None:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(result, indent=2))
         print(f"wrote {json_out}")
-    return result
 
 
 def calibration_table(calib: dict[str, Any]) -> Any:

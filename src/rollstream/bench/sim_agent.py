@@ -23,7 +23,6 @@ measures; it does not assert.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import tempfile
 import time
@@ -31,7 +30,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollstream.bench.sim import ROOT, Sizes, calibration, calibration_table, predict, real_runs
+from rollstream.bench.sim import (
+    ROOT,
+    Sizes,
+    calibration,
+    calibration_table,
+    machine,
+    predict,
+    real_runs,
+    write_json,
+)
 from rollstream.sim.calibrate import RunRecord, profile_yaml, turn_costs
 from rollstream.sim.profile import PrefillCost, load_profile
 
@@ -65,16 +73,10 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         "turn_costs": {k: turn_costs(r) for k, r in records.items()},
         "prefill_at_mean": {k: prefill_at_mean(r, run_root / f"cpu_fitted_{k}.yaml")
                             for k, r in records.items()},
-        "calibration": calib,
-        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-        "cpus": len(os.sched_getaffinity(0)), "run_root": str(run_root),
-        "bench_wall_s": time.perf_counter() - t0,
+        "calibration": calib, **machine(load_before, t0, run_root),
     }
     print_tables(result)
-    if json_out is not None:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {json_out}")
+    write_json(result, json_out)
     return result
 
 
