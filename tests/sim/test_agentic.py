@@ -197,7 +197,7 @@ class _HourLongTool:
 
 
 def _one_token_turns(token: int):
-    from rollstream.rollout.dispatcher import TurnOutput
+    from rollstream.rollout.harness import TurnOutput
     from rollstream.trajectory import append_policy_tokens
 
     async def generate(ep, params, *, rid, deadline):

@@ -41,7 +41,7 @@ from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.loop import generate_turn
 from rollstream.agent.tools import HermesToolParser, ToolCallParser
 from rollstream.engine import Engine, FinishReason, SamplingParams
-from rollstream.rollout.dispatcher import TurnOutput
+from rollstream.rollout.harness import TurnOutput
 from rollstream.rollout.routing import Router
 from rollstream.trajectory import Segment, SegmentKind, ToolCall, ToolResult, Turn
 

@@ -54,7 +54,8 @@ from rollstream.reward.workers import CallTimeout, PoolClosed, WorkerDied, Worke
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Task
 
 if TYPE_CHECKING:
-    from rollstream.rollout.dispatcher import Dispatcher, TurnOutput
+    from rollstream.rollout.dispatcher import Dispatcher
+    from rollstream.rollout.harness import TurnOutput
 
 OPENAI = "openai"  # Task.harness of episodes driven by an OpenAI-SDK agent
 

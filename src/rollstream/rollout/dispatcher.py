@@ -14,9 +14,9 @@ A sample's life here (``run_sample``)::
       ERROR       -> FAILED with the engine's reason (the request's own fault: bad prompt)
 
 A task whose ``Task.harness`` is not ``single_turn`` (an agent episode) is handed to the
-harness registered under that name, which generates each model turn with
-:meth:`Dispatcher.generate_turn` (the loop above, for one turn) and so gets the same gate,
-routing, interrupts, retries and spans (``agent/harness.py``).
+harness registered under that name (the contract: ``rollout/harness.py``), which generates
+each model turn with :meth:`Dispatcher.generate_turn` (the loop above, for one turn) and so
+gets the same gate, routing, interrupts, retries and spans (``agent/harness.py``).
 
 Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; when
 none is UP but one is RECOVERING, they wait until one is UP; never to a DEAD one.
@@ -52,7 +52,7 @@ import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Literal
 
 from rollstream.clock import Clock
 from rollstream.engine.protocol import (
@@ -65,6 +65,7 @@ from rollstream.engine.protocol import (
 )
 from rollstream.reward.pool import GraderPool
 from rollstream.rollout.grading import Grading
+from rollstream.rollout.harness import Harness, TurnOutput
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.predict import LengthPredictor
 from rollstream.rollout.queue import Ask, DispatchQueue, Grant, LimitFactory
@@ -102,26 +103,6 @@ class DispatchStats:
 
 
 SpanSink = Callable[..., None]
-
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class TurnOutput:
-    """How one model turn ended (its tokens went into the sample or episode)."""
-
-    finish_reason: FinishReason  # STOP | LENGTH; ABORT when out of time or the engine failed
-    num_tokens: int  # the turn's tokens (a continued turn: with those it had before)
-    num_interrupts: int = 0  # continuations after engine interrupts
-    out_of_time: bool = False  # interrupted at the caller's deadline
-    error: str | None = None  # the engine failed the turn (direct engine calls only)
-
-
-class Harness(Protocol):
-    """What runs the samples of tasks whose ``Task.harness`` names it (an agent loop)."""
-
-    async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:
-        """Bring ``sample`` to GENERATED or GRADED, or FAILED with a reason; or leave it where
-        it is when its group is cancelled or no engine is alive (``generate_turn`` said None).
-        Generate every model turn with ``dispatcher.episode_turn``."""
 
 
 def sample_seed(seed: int, uid: str) -> int:

@@ -26,7 +26,8 @@ from rollstream.engine.protocol import Engine, SamplingParams
 from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.reward.workers import ProcessWorkers, Workers
 from rollstream.rollout.concurrency import concurrency_limits
-from rollstream.rollout.dispatcher import Dispatcher, Harness
+from rollstream.rollout.dispatcher import Dispatcher
+from rollstream.rollout.harness import Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.staleness import StalenessPolicy
