@@ -128,11 +128,11 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
         return out
 
     def spy_merge(self, entries, tokens):  # the kill lands in the driver's loop, right as a
-        merge(self, entries, tokens)  # peek brought a request its first tokens of 64 (so it
+        merge(self, entries, tokens)  # peek brought a request its first half of 64 tokens (so it
         if killed.is_set() or self is not proxies[0]:  # is mid-generation, not done), once
             return  # step 1 trained (so the replacement loads version >= 1)
         metrics = run_dir / "metrics.jsonl"
-        if any(0 < len(o.token_ids) <= 16 for o in self._partial.values()) and \
+        if any(0 < len(o.token_ids) <= 32 for o in self._partial.values()) and \
                 metrics.exists() and '"kind":"train"' in metrics.read_text():
             ray.kill(spawned[0], no_restart=True)
             killed.set()
@@ -141,6 +141,9 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     monkeypatch.setattr(engines, "build_ray_engines", spy_build)
     monkeypatch.setattr(engines.RayEngine, "generate", spy_generate)
     monkeypatch.setattr(engines.RayEngine, "_merge_peek", spy_merge)
+    # a peek every 20 ms, not 200: a 64-token request runs ~0.1 s here, and its groups run in
+    # step, so peeks 0.2 s apart could miss every request's first half (CI, 2026-12-04)
+    monkeypatch.setattr(engines, "PEEK_S", 0.02)
     before = _descendants()
     # 5 steps: groups of steps 3 and 4 are admitted only after version 1 (max_staleness 2)
     summary = _train(_config(tmp_path, tiny_run_cache, "kill", steps=5))
