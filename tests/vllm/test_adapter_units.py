@@ -13,7 +13,7 @@ from rollstream.config.schema import VllmEngineConfig
 from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm import _engine_index, _max_num_seqs
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
-from rollstream.engine.vllm.server import VllmServer, VllmServerError, check_port_free
+from rollstream.engine.vllm.server import VllmServer, VllmServerError, check_port_free, cpu_build
 from rollstream.engine.vllm.weights import WeightStore
 from rollstream.engine.vllm.wire import StreamState, request_body
 from tests.engine.helpers import make_tiny_model
@@ -157,6 +157,18 @@ def test_server_argv_and_port_checks(tmp_path):
     custom = VllmServer(cfg=VllmEngineConfig(extra_args=("--dtype", "bfloat16")),
                         model_path=path, log_path=tmp_path / "log")
     assert custom.argv(1).count("--dtype") == 1
+    # the CPU build prefills prompts whole (a chunked seeded prompt kills its engine core),
+    # in steps that hold the longest prompt; extra_args that choose win
+    if cpu_build():
+        assert "--no-enable-chunked-prefill" in argv
+        assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
+        long = VllmServer(cfg=VllmEngineConfig(max_model_len=4096), model_path=path,
+                          log_path=tmp_path / "log").argv(1)
+        assert long[long.index("--max-num-batched-tokens") + 1] == "4096"
+    chunked = VllmServer(cfg=VllmEngineConfig(extra_args=("--enable-chunked-prefill",)),
+                         model_path=path, log_path=tmp_path / "log").argv(1)
+    assert "--no-enable-chunked-prefill" not in chunked
+    assert "--max-num-batched-tokens" not in chunked
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         with pytest.raises(VllmServerError, match="already in use"):

