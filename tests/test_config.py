@@ -216,8 +216,16 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     (["runtime.kind=ray", "runtime.ray.address=10.0.0.1:6379", "runtime.ray.num_cpus=2"],
      "runtime.ray.num_cpus sizes the local Ray a run starts, but runtime.ray.address = "
      "'10.0.0.1:6379' joins an existing cluster"),
-    (["runtime.kind=ray", "engine.kind=vllm"],
-     "engine.kind = 'vllm' is not available with runtime.kind: ray yet"),
+    (["runtime.kind=ray", "engine.kind=vllm", "engine.vllm.urls=[http://127.0.0.1:8000]"],
+     "engine.vllm.urls = ['http://127.0.0.1:8000'] attaches to running servers, but "
+     "runtime.kind: ray launches each engine's server from an actor"),
+    (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.weight_sync=broadcast"],
+     "runtime.ray.weight_sync is read only by local engine actors, but engine.kind = 'vllm'"),
+    (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.episode_cache_tokens=0"],
+     "runtime.ray.episode_cache_tokens is read only by local engine actors"),
+    (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.placement=disaggregated"],
+     "runtime.ray.placement = 'disaggregated' pins the local engine's threads to cores; a "
+     "vLLM server places its own processes"),
     (["runtime.kind=ray", "engine.num_engines=3", "runtime.ray.num_cpus=2"],
      "engine.num_engines = 3 actors of runtime.ray.engine_num_cpus = 1.0 need 3 CPUs, more "
      "than runtime.ray.num_cpus = 2"),

@@ -131,11 +131,8 @@ def check_runtime(cfg: RunConfig) -> None:
     rt = cfg.runtime
     if rt.kind != "ray":
         return
-    if cfg.engine.kind != "local":
-        raise ValueError(
-            f"engine.kind = {cfg.engine.kind!r} is not available with runtime.kind: ray yet "
-            "(engine actors host the local engine): use engine.kind: local, or runtime.kind: "
-            "embedded for vllm")
+    if cfg.engine.kind == "vllm":
+        _check_vllm(cfg)
     if rt.ray.placement == "disaggregated":
         for name, value in (("engine.local.cpu_affinity", cfg.engine.local.cpu_affinity),
                             ("train.cpu_affinity", cfg.train.cpu_affinity)):
@@ -162,6 +159,31 @@ def check_runtime(cfg: RunConfig) -> None:
             f"actors (reward.num_workers + agent.harness_workers) and {need:g} CPUs of "
             f"{'engine and rank' if fsdp else 'engine'} actors need more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray "
             "would never place them all")
+
+
+# read only by the local engine's actors: vLLM engines on Ray stream over HTTP and reload
+# weights from this host's shared memory (runtime/ray/vllm.py)
+_LOCAL_ACTOR_FIELDS = ("weight_sync", "bucket_bytes", "episode_cache_tokens", "out_of_band_bytes")
+
+
+def _check_vllm(cfg: RunConfig) -> None:
+    """vLLM engines on Ray: servers their actors launch (runtime/ray/vllm.py)."""
+    rt = cfg.runtime.ray
+    if cfg.engine.vllm.urls:
+        raise ValueError(
+            f"engine.vllm.urls = {list(cfg.engine.vllm.urls)} attaches to running servers, but "
+            "runtime.kind: ray launches each engine's server from an actor: drop one of them")
+    for name in _LOCAL_ACTOR_FIELDS:
+        if getattr(rt, name) != RayConfig.model_fields[name].default:
+            raise ValueError(
+                f"runtime.ray.{name} is read only by local engine actors, but engine.kind = "
+                "'vllm' (its engines stream over HTTP and reload weights from shared memory): "
+                f"drop runtime.ray.{name}")
+    if rt.placement == "disaggregated":
+        raise ValueError(
+            "runtime.ray.placement = 'disaggregated' pins the local engine's threads to cores; "
+            "a vLLM server places its own processes (VLLM_CPU_OMP_THREADS_BIND): use "
+            "placement colocated or null with engine.kind: vllm")
 
 
 def _check_units(cfg: RunConfig) -> None:

@@ -290,6 +290,12 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
     try:
         cluster.units = ScaleUnits.reserve(cfg)
+        if cfg.engine.kind == "vllm":
+            from rollstream.runtime.ray.vllm import build_ray_vllm_engines
+
+            return list(build_ray_vllm_engines(
+                cfg.engine, weights, version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
+                units=cluster.units, log_dir=run_dir / "vllm-logs")), cluster
         engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
                                     version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
                                     weights=build_transport(cfg.runtime.ray),

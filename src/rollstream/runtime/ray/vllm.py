@@ -1,0 +1,220 @@
+"""vLLM engines on ``runtime.kind: ray``: each engine's server is launched by a Ray actor.
+
+    driver (this process)                          server actor (Ray places it, in the
+    ---------------------                          engine's scale unit, engine_num_cpus)
+    VllmEngine: streams, interrupts,  -- HTTP -->  vLLM API server, EngineCore, worker
+      weight reloads, health watch                 (a process group the actor launched)
+    ActorServer: start / alive / stop -- Ray  -->  ServerActor: VllmServer.start, poll, stop
+
+The engine is the embedded runtime's :class:`~rollstream.engine.vllm.VllmEngine`, unchanged:
+only who launches its server differs (:class:`ActorServer` stands in for the process handle,
+``ServerProcess``). So everything the vLLM engine guarantees holds here too: exact version
+boundaries of a reload (pause, reload in place, resume), partial outputs of streams a fault
+cut, restart and weight restore. A dead actor (``ray.kill``, its process or node gone) is a
+dead server: the engine's health watch sees it within a poll, cuts the streams, and its
+restart launches a new actor, which serves the latest synced weights.
+
+Data plane: tokens travel over the server's HTTP streams, not through Ray; Ray carries only
+the actor's lifecycle calls. Weights reach the server as they do embedded: safetensors
+buckets in this host's ``/dev/shm`` that the server's worker reloads in place. Hence one
+host only: the server binds 127.0.0.1 (servers here never listen on the network) and reads
+the driver's shared memory, and an actor that Ray places on another node is refused with
+that reason. What a cluster would need (the server on the node's address, weights written
+by the actor on its node) is not built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollstream.engine.vllm.server import (
+    SHM_PATTERN,
+    VllmServer,
+    VllmServerError,
+    remove_orphaned_segments,
+    stop_group,
+)
+
+if TYPE_CHECKING:
+    from rollstream.config.schema import EngineConfig
+    from rollstream.engine.vllm import VllmEngine
+    from rollstream.runtime.ray.units import ScaleUnits
+
+log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 30.0  # an actor's stop: the server's grace period and then some
+
+
+class ServerActor:
+    """Launches one vLLM server on its node and stops it. The launch runs on a thread that
+    lives as long as the server: the server's PDEATHSIG is tied to the launching thread, so
+    a killed actor takes its server down (``server.py``)."""
+
+    def __init__(self, spec: VllmServer) -> None:
+        self.server = spec
+        self._done = threading.Event()
+
+    def start(self) -> tuple[str, str, int]:
+        """The server's URL, this actor's node id and the server's process group."""
+        import ray
+
+        started, failed = threading.Event(), []
+
+        def launch() -> None:
+            try:
+                self.server.start()
+            except BaseException as e:  # raised to the caller below
+                failed.append(e)
+                return
+            finally:
+                started.set()
+            self._done.wait()
+
+        threading.Thread(target=launch, daemon=True, name="vllm-launch").start()
+        started.wait()
+        if failed:
+            raise failed[0]
+        assert self.server.proc is not None
+        return self.server.url, ray.get_runtime_context().get_node_id(), self.server.proc.pid
+
+    def wait_ready(self, timeout_s: float) -> None:
+        asyncio.run(self.server.wait_ready(timeout_s))
+
+    def exit_code(self) -> int | None:
+        """None while the server runs; its exit code once it exited."""
+        proc = self.server.proc
+        return None if proc is None else proc.poll()
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(grace_s)
+        self._done.set()
+
+
+class ActorServer:
+    """The driver's handle of a server an actor launched (``ServerProcess``). ``spawn()``
+    starts a fresh actor; each :meth:`start` (the first, and the engine's restarts) uses a
+    new one."""
+
+    launched = True
+
+    def __init__(self, spec: VllmServer, spawn: Callable[[], Any]) -> None:
+        self.spec, self._spawn = spec, spawn
+        self.url = ""
+        self.actor: Any = None
+        self._pgid = 0
+        self._shm_before: frozenset[str] = frozenset()
+        self._probe: Any = None  # an exit_code call in flight
+        self._exit: str | None = None  # why the server is gone (None: it runs)
+
+    def start(self) -> None:
+        import ray
+
+        self._shm_before = frozenset(glob.glob(SHM_PATTERN))
+        self._exit, self._probe = None, None
+        self.actor = self._spawn()
+        try:
+            self.url, node, self._pgid = ray.get(self.actor.start.remote())
+        except BaseException:
+            self.stop()
+            raise
+        if node != ray.get_runtime_context().get_node_id():
+            self.stop()
+            raise VllmServerError(
+                f"Ray placed the vLLM server of {self.spec.log_path} on another node ({node}): "
+                "vLLM engines on runtime.kind: ray serve on 127.0.0.1 and read weights from "
+                "this host's shared memory, so they run on the driver's node only (a "
+                "multi-node vLLM runtime is not built)")
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        try:
+            await self.actor.wait_ready.remote(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        """Without blocking: the answer of the last probe of the actor (a new one is sent
+        when none is in flight), False once the actor or its server is gone."""
+        import ray
+
+        if self._probe is not None and ray.wait([self._probe], timeout=0)[0]:
+            try:
+                code = ray.get(self._probe)
+                if code is not None:
+                    self._exit = f"server process exited (code {code})"
+            except ray.exceptions.RayError as e:
+                self._exit = f"its server actor died ({type(e).__name__})"
+            self._probe = None
+        if self._exit is None and self._probe is None and self.actor is not None:
+            self._probe = self.actor.exit_code.remote()
+        return self._exit is None
+
+    def exit_reason(self) -> str:
+        return self._exit or "server process exited"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the server through its actor, or, when the actor is gone, stop its process
+        group here (same host), then free the actor and the segments a killed server left."""
+        import ray
+
+        actor, self.actor, self._probe = self.actor, None, None
+        if actor is None:
+            return
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(actor.stop.remote(grace_s), timeout=grace_s + STOP_TIMEOUT_S)
+        ray.kill(actor, no_restart=True)
+        if self._pgid:
+            stop_group(self._pgid, grace_s=grace_s)
+            remove_orphaned_segments(set(glob.glob(SHM_PATTERN)) - self._shm_before,
+                                     dead_group=self._pgid)
+            self._pgid = 0
+
+    def log_tail(self, num_lines: int = 25) -> str:
+        return self.spec.log_tail(num_lines)  # the log file is on this host
+
+
+def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,
+                           num_cpus: float, units: ScaleUnits | None,
+                           log_dir: Path) -> list[VllmEngine]:
+    """``cfg.num_engines`` vLLM engines ``ray-vllm-<i>``, each serving ``model_path`` at
+    ``version`` from a server its actor launched (in ``units.engine(i)``, ``num_cpus``
+    each), started together."""
+    from rollstream.engine.vllm import build_vllm_engine
+
+    def build(i: int) -> VllmEngine:
+        strategy = units.engine(i) if units is not None else None
+        return build_vllm_engine(cfg, model_path, engine_id=f"ray-vllm-{i}", version=version,
+                                 log_dir=log_dir,
+                                 host=lambda spec: ActorServer(spec, _spawner(spec, num_cpus,
+                                                                              strategy)))
+
+    with ThreadPoolExecutor(cfg.num_engines) as pool:
+        futures = [pool.submit(build, i) for i in range(cfg.num_engines)]
+    built, failed = [], None
+    for f in futures:
+        try:
+            built.append(f.result())
+        except BaseException as e:  # every engine is built or stopped, then the first error
+            failed = failed or e
+    if failed is not None:
+        for engine in built:
+            engine.shutdown()
+        raise failed
+    return built
+
+
+def _spawner(spec: VllmServer, num_cpus: float, strategy: Any) -> Callable[[], Any]:
+    import ray
+
+    remote = ray.remote(ServerActor).options(num_cpus=num_cpus, max_concurrency=4,
+                                             scheduling_strategy=strategy)
+    return lambda: remote.remote(spec)
+
+
