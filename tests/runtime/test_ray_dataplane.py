@@ -19,6 +19,7 @@ import time
 import zlib
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollstream.agent.loop import Budgets
@@ -139,6 +140,49 @@ async def test_an_agent_episode_with_deltas_samples_what_whole_prompts_sample(ow
     assert d["wire_sent_bytes"] + d["data_sent_bytes"] < w["wire_sent_bytes"]
     # the episode ended: its actor was told to drop the history with the next call
     assert delta._episodes.num_tokens == 0 and delta._episodes._forget
+
+
+async def test_turns_of_the_agent_loop_and_of_proxy_sessions_send_deltas(owner):
+    """Outside the dispatcher too: an agent loop calling the engine directly (``EngineTurns``)
+    and an unbound proxy session name their episode, so later turns send what was added."""
+    from rollstream.agent.chat import ChatRenderer
+    from rollstream.agent.environment import ThreadedEnvironment
+    from rollstream.agent.loop import AgentLoop, EngineTurns, EpisodeEnd
+    from rollstream.agent.proxy import AgentProxy
+    from rollstream.models.tokenizer import build_char_tokenizer
+    from tests.agent.test_loop import Scripted
+
+    tokenizer = build_char_tokenizer()
+    engine, _ = _proxy(owner, cache_tokens=10_000, out_of_band_bytes=100 << 10)
+    loop = AgentLoop(renderer=ChatRenderer(tokenizer), sampling=SamplingParams(temperature=0.0),
+                     budgets=Budgets(max_turn_tokens=12))
+    ep = await loop.run(ThreadedEnvironment(Scripted(replies=2)), episode_id="loop",
+                        generate=EngineTurns(engine))
+    assert ep.end is EpisodeEnd.DONE and ep.num_model_turns == 3
+    work = engine.stats().work
+    # turns 2 and 3 reused what the actor held: at least the prompt and turn 1, then turn 2
+    assert work["episode_reused_tokens"] >= 2 * len(ep.prompt_ids), work
+    assert work["episode_misses"] == 0
+
+    engine, _ = _proxy(owner, cache_tokens=10_000, out_of_band_bytes=100 << 10)
+    async with AgentProxy([engine], tokenizer) as proxy:
+        handle = proxy.open_session("p")
+        messages = [{"role": "user", "content": "what is 3 + 4"}]
+        async with httpx.AsyncClient(base_url=handle.base_url, timeout=60) as client:
+            for _ in range(2):
+                body = {"model": "tiny", "messages": messages, "max_tokens": 8,
+                        "temperature": 0.0}
+                reply = (await client.post("/chat/completions", json=body,
+                                           headers={"Authorization": f"Bearer {handle.api_key}"}))
+                reply.raise_for_status()
+                text = reply.json()["choices"][0]["message"]["content"]
+                messages += [{"role": "assistant", "content": text},
+                             {"role": "user", "content": "and then"}]
+        (sample,) = proxy.close_session(handle.api_key)
+    work = engine.stats().work
+    assert sample.num_calls == 2 and work["episode_reused_tokens"] > 0, work
+    # the session ended: the proxy's mirror forgot it and tells the actor with the next call
+    assert engine._episodes.num_tokens == 0 and engine._episodes._forget
 
 
 def _seed(name: str) -> int:

@@ -200,7 +200,7 @@ def _one_token_turns(token: int):
     from rollstream.rollout.harness import TurnOutput
     from rollstream.trajectory import append_policy_tokens
 
-    async def generate(ep, params, *, rid, deadline):
+    async def generate(ep, params, *, rid, episode_id, deadline):
         ids = [token, params.stop_token_ids[0]]
         append_policy_tokens(ep.segments, ids, [-1.0] * 2, [0] * 2)
         return TurnOutput(finish_reason=FinishReason.STOP, num_tokens=2)

@@ -81,7 +81,8 @@ class _DispatchTurns:
     sample: Sample
 
     async def __call__(self, episode: Episode, params: SamplingParams, *, rid: str,
-                       deadline: float | None) -> TurnOutput | None:
+                       episode_id: str, deadline: float | None) -> TurnOutput | None:
+        # the dispatcher names the episode by the sample's uid (which the loop was given)
         self.sample.env_snapshot = episode.snapshot
         clock = self.dispatcher.clock
         at = (None if deadline is None

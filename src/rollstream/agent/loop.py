@@ -105,11 +105,13 @@ class Episode:
 
 class TurnGenerator(Protocol):
     async def __call__(self, episode: Episode, params: SamplingParams, *, rid: str,
-                       deadline: float | None) -> TurnOutput | None:
+                       episode_id: str, deadline: float | None) -> TurnOutput | None:
         """Generate one model turn after ``episode.token_ids`` (``params.max_new_tokens`` is
         what is left of the turn's budget), appending its tokens to ``episode.segments`` as
         they come (a trailing policy segment is the same turn, continued). None: the episode
-        cannot go on (its sample failed or was cancelled; the generator's owner records why)."""
+        cannot go on (its sample failed or was cancelled; the generator's owner records why).
+        ``episode_id`` names the episode to the engine, so that an engine holding its history
+        is sent only the tokens added since (``GenerateRequest.episode_id``)."""
 
 
 @dataclass(slots=True)
@@ -119,9 +121,9 @@ class EngineTurns:
     engine: Engine
 
     async def __call__(self, episode: Episode, params: SamplingParams, *, rid: str,
-                       deadline: float | None) -> TurnOutput:
+                       episode_id: str, deadline: float | None) -> TurnOutput:
         return await generate_turn(self.engine, episode.token_ids, params, rid,
-                                   episode.segments, deadline)
+                                   episode.segments, deadline, episode_id=episode_id)
 
 
 @dataclass(slots=True)
@@ -214,7 +216,8 @@ class AgentLoop:
         t0 = _now()
         params = replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop)
         index = ep.num_model_turns - (done > 0)
-        out = await generate(ep, params, rid=f"{episode_id}/t{index}", deadline=deadline)
+        out = await generate(ep, params, rid=f"{episode_id}/t{index}", episode_id=episode_id,
+                             deadline=deadline)
         if out is None:
             return False
         if ep.segments and ep.segments[-1].kind is SegmentKind.POLICY:
@@ -332,18 +335,20 @@ def replay_start(episode: Episode, env: Environment) -> int:
 
 
 async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, rid: str,
-                        segments: list[Segment], deadline: float | None = None) -> TurnOutput:
+                        segments: list[Segment], deadline: float | None = None, *,
+                        episode_id: str | None = None) -> TurnOutput:
     """One model turn on ``ids`` by ``engine``, appended to ``segments``: continues after
     interrupts (weight updates) until it stops, reaches ``params.max_new_tokens``, fails, or
     ``deadline`` (the event loop's clock, :func:`_now`) passes; then it is interrupted and what
-    it has is kept."""
+    it has is kept. Its requests carry ``episode_id`` (the turn's episode, if any)."""
     budget = params.max_new_tokens
     done = 0
     interrupts, out_of_time = 0, False
     while True:
         request_id = f"{rid}/{interrupts}"
         request = GenerateRequest(request_id=request_id, prompt_ids=ids,
-                                  params=replace(params, max_new_tokens=budget - done))
+                                  params=replace(params, max_new_tokens=budget - done),
+                                  episode_id=episode_id)
         task = asyncio.ensure_future(engine.generate(request))
         timeout = None if deadline is None else max(0.0, deadline - _now())
         finished, _ = await asyncio.wait({task}, timeout=timeout)

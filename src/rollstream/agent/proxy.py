@@ -151,6 +151,9 @@ class AgentProxy:
         """Stop accepting the session's calls; its samples."""
         session = self._sessions.pop(api_key)
         session.closed = True
+        # an engine that kept the session's history may drop it (KeepsEpisodes)
+        if (end := getattr(session.engine, "end_episode", None)) is not None:
+            end(_episode(session))
         return session.samples
 
     async def end_session(self, api_key: str) -> list[ProxySample]:
@@ -323,7 +326,8 @@ class AgentProxy:
         session.engine, turn = engine, []
         self.router.load.add(engine, 1)
         try:
-            out = await generate_turn(engine, sample.token_ids, params, rid, turn)
+            out = await generate_turn(engine, sample.token_ids, params, rid, turn,
+                                      episode_id=_episode(session))
         finally:
             self.router.load.add(engine, -1)
         if out.error is not None:
@@ -496,3 +500,9 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
               + (f" written to {out}" if out is not None else ""), flush=True)
 
     asyncio.run(main())
+
+
+def _episode(session: _Session) -> str:
+    """The episode id of an unbound session's requests: its calls continue one history (an
+    engine that keeps it is sent only what each call adds, ``KeepsEpisodes``)."""
+    return f"proxy/{session.key}"
