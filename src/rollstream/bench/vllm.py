@@ -34,10 +34,10 @@ Two comparisons, one engine at a time:
 
 ``settings`` records what each side ran with: dtype, eager or compiled, threads (vLLM's
 worker cores as its own log reports them). Server start-ups are reported, not counted (the
-compiled one reuses the compile cache under ``VLLM_CACHE_ROOT``), and so is the machine's
-load average (these machines are shared; load from other processes slows vLLM's single
-pinned core far more than the local engine's two floating threads). A benchmark measures; it
-does not assert.
+compiled one compiles on every start: vLLM 0.32 fails to load its saved graph here), and so
+is the machine's load average (these machines are shared; load from other processes slows
+vLLM's single pinned core far more than the local engine's two floating threads). A
+benchmark measures; it does not assert.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 NUM_SYNCS = 5
 LOCAL_DTYPES = ("float32", "bfloat16")
-MAX_MODEL_LEN = 512  # both servers: identical lengths keep the compile cache reusable
+MAX_MODEL_LEN = 512  # both servers, as in the runs docs/vllm.md reports
 # the adapter's defaults: eager, the folder's dtype (fp32)
 VLLM_MATCHED = VllmEngineConfig(max_model_len=MAX_MODEL_LEN)
 # vLLM's best on this CPU: bf16 (AMX), compiled, and its own default binding, set explicitly
