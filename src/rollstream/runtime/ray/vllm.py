@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
-import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
     from rollstream.engine.vllm import VllmEngine
     from rollstream.runtime.ray.units import ScaleUnits
 
-log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0  # an actor's stop: the server's grace period and then some
 
 
