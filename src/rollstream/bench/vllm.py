@@ -76,6 +76,9 @@ VLLM_MATCHED = VllmEngineConfig(max_model_len=MAX_MODEL_LEN)
 VLLM_BEST = VllmEngineConfig(max_model_len=MAX_MODEL_LEN, enforce_eager=False,
                              extra_args=("--dtype", "bfloat16"))
 VLLM_BEST_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "auto"}
+# the settings are read from the servers' INFO lines; TRL, once imported in this process
+# (bench peers, its test), sets VLLM_LOGGING_LEVEL=ERROR in os.environ (trl/_compat.py)
+VLLM_LOG_ENV = {"VLLM_LOGGING_LEVEL": "INFO"}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -153,7 +156,8 @@ async def _bench(folder: Path, workloads: list, repeats: int, max_len: int) -> d
                 local_sync_s = await _sync_seconds(engine, state)
         finally:
             await engine.close()
-    vllm, start_s = _start_vllm(folder, VLLM_MATCHED, "vllm-bench-0")
+    with _environ(VLLM_LOG_ENV):
+        vllm, start_s = _start_vllm(folder, VLLM_MATCHED, "vllm-bench-0")
     try:
         vllm_tok_s = await _run_cases(vllm, workloads, repeats)
         # the same server, bare HTTP: what the adapter costs
@@ -163,7 +167,7 @@ async def _bench(folder: Path, workloads: list, repeats: int, max_len: int) -> d
     finally:
         await vllm.close()
     matched_settings = _server_settings(vllm.server.log_path)
-    with _environ(VLLM_BEST_ENV):  # also for a restart the health watch might do
+    with _environ({**VLLM_BEST_ENV, **VLLM_LOG_ENV}):  # also for a restart by the health watch
         best, best_start_s = _start_vllm(folder, VLLM_BEST, "vllm-bench-best-0")
         try:
             best_tok_s = await _run_cases(best, workloads, repeats)
