@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe(args.section))
         elif args.command == "proxy":
-            from rollstream.agent.proxy import serve
+            from rollstream.agent.proxy_cli import serve
 
             if args.sessions < 1:
                 raise ValueError(f"--sessions must be >= 1, got {args.sessions}")
