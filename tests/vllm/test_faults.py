@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
-import json
 import os
 import signal
 import socket
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from rollstream.config.schema import EngineConfig, VllmEngineConfig
 from rollstream.engine import EngineHealth, FinishReason, GenerateRequest, SamplingParams
@@ -47,12 +45,7 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
 async def test_bad_model_folder_reports_the_server_log(tmp_path):
     """The folder passes our checks but vLLM cannot load it: the server exits early and the
     error quotes its last log lines."""
-    bad = tmp_path / "bad-model"
-    bad.mkdir()
-    (bad / "config.json").write_text(json.dumps(
-        {"architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model",
-         "vocab_size": 8, "hidden_size": 32, "num_attention_heads": 1}))
-    save_file({"w": torch.zeros(2)}, str(bad / "model.safetensors"))
+    bad = shared.make_unloadable_model(tmp_path / "bad-model")
     server = VllmServer(cfg=VllmEngineConfig(), model_path=bad, log_path=tmp_path / "log.txt")
     server.start()
     with pytest.raises(VllmServerError, match="exited with code") as err:
