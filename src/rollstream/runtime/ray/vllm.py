@@ -26,10 +26,8 @@ by the actor on its node) is not built.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import glob
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,14 +94,18 @@ class ServerActor:
 
 
 class ActorServer:
-    """The driver's handle of a server an actor launched (``ServerProcess``). ``spawn()``
-    starts a fresh actor; each :meth:`start` (the first, and the engine's restarts) uses a
-    new one."""
+    """The driver's handle of a server an actor launched (``ServerProcess``). Each
+    :meth:`start` (the first, and the engine's restarts) spawns a fresh actor reserving
+    ``num_cpus``, placed by ``strategy`` (its scale unit's bundle; None: where Ray likes)."""
 
     launched = True
 
-    def __init__(self, spec: VllmServer, spawn: Callable[[], Any]) -> None:
-        self.spec, self._spawn = spec, spawn
+    def __init__(self, spec: VllmServer, *, num_cpus: float, strategy: Any) -> None:
+        import ray
+
+        self.spec = spec
+        self._remote = ray.remote(ServerActor).options(
+            num_cpus=num_cpus, max_concurrency=4, scheduling_strategy=strategy)
         self.url = ""
         self.actor: Any = None
         self._pgid = 0
@@ -116,7 +118,7 @@ class ActorServer:
 
         self._shm_before = frozenset(glob.glob(SHM_PATTERN))
         self._exit, self._probe = None, None
-        self.actor = self._spawn()
+        self.actor = self._remote.remote(self.spec)
         try:
             self.url, node, self._pgid = ray.get(self.actor.start.remote())
         except BaseException:
@@ -165,14 +167,17 @@ class ActorServer:
         actor, self.actor, self._probe = self.actor, None, None
         if actor is None:
             return
-        with contextlib.suppress(ray.exceptions.RayError):
+        try:  # the actor's server.stop stops the group and frees its segments
             ray.get(actor.stop.remote(grace_s), timeout=grace_s + STOP_TIMEOUT_S)
+            stopped = True
+        except ray.exceptions.RayError:
+            stopped = False
         ray.kill(actor, no_restart=True)
-        if self._pgid:
+        if not stopped and self._pgid:  # the actor is gone: do it from here
             stop_group(self._pgid, grace_s=grace_s)
             remove_orphaned_segments(set(glob.glob(SHM_PATTERN)) - self._shm_before,
                                      dead_group=self._pgid)
-            self._pgid = 0
+        self._pgid = 0
 
     def log_tail(self, num_lines: int = 25) -> str:
         return self.spec.log_tail(num_lines)  # the log file is on this host
@@ -190,8 +195,8 @@ def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,
         strategy = units.engine(i) if units is not None else None
         return build_vllm_engine(cfg, model_path, engine_id=f"ray-vllm-{i}", version=version,
                                  log_dir=log_dir,
-                                 host=lambda spec: ActorServer(spec, _spawner(spec, num_cpus,
-                                                                              strategy)))
+                                 host=lambda spec: ActorServer(spec, num_cpus=num_cpus,
+                                                               strategy=strategy))
 
     with ThreadPoolExecutor(cfg.num_engines) as pool:
         futures = [pool.submit(build, i) for i in range(cfg.num_engines)]
@@ -206,13 +211,3 @@ def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,
             engine.shutdown()
         raise failed
     return built
-
-
-def _spawner(spec: VllmServer, num_cpus: float, strategy: Any) -> Callable[[], Any]:
-    import ray
-
-    remote = ray.remote(ServerActor).options(num_cpus=num_cpus, max_concurrency=4,
-                                             scheduling_strategy=strategy)
-    return lambda: remote.remote(spec)
-
-
