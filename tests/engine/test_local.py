@@ -424,6 +424,29 @@ def test_attention_work_of_an_order():
     assert attention_work(np.sort(lengths)[::-1]) == CHUNK_ROWS * 90 + 2 * CHUNK_ROWS * 3
 
 
+def test_regrouping_gives_the_sorted_work_and_moves_only_rows_that_change_chunk():
+    """``chunk_order`` is a permutation whose chunked attention work is that of the
+    longest-first order, for any lengths; rows already in their sorted chunk stay put."""
+    import numpy as np
+
+    from rollstream.engine.local.runner import CHUNK_ROWS, attention_work, chunk_order
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 130))
+        lengths = rng.integers(1, 600, n) if rng.random() < 0.5 else rng.choice([7, 40, 300], n)
+        order = chunk_order(lengths)
+        assert sorted(order.tolist()) == list(range(n))
+        assert attention_work(lengths[order]) == attention_work(np.sort(lengths)[::-1])
+    ranked = np.arange(64, 0, -1) * 5
+    assert (chunk_order(ranked) == np.arange(64)).all()  # sorted already: nothing moves
+    lengths = ranked.copy()
+    lengths[[1, 2 * CHUNK_ROWS + 3]] = lengths[[2 * CHUNK_ROWS + 3, 1]]  # two rows swapped
+    order = chunk_order(lengths)
+    assert attention_work(lengths[order]) < attention_work(lengths)
+    assert (order != np.arange(64)).sum() == 2  # only the two misplaced rows move back
+
+
 def test_attention_chunks_cover_the_rows_with_their_own_longest():
     import numpy as np
 

@@ -10,10 +10,11 @@ A numpy mirror of the row lengths sizes the attention window without a device sy
 
 Decode attention runs in chunks of consecutive rows, each over its own longest row. Rows that
 finish are replaced by the last ones (short and new) and resumed requests arrive long, so the
-rows drift out of length order and a chunk's long row makes its short ones pay; when that
-work reaches 1.5x that of the sorted order, ``sort_rows`` reorders the live rows longest
-first (the displaced rows' cache is copied: ~50 ms for 100 long rows, so at most every 32
-steps). Results do not depend on a row's place: its sampling key and position move with it.
+rows drift out of length order and a chunk's long row makes its short ones pay. Every few
+steps ``sort_rows`` regroups the live rows so that each chunk holds the rows it would hold in
+the longest-first order, moving only the rows that change chunk, when the attention work that
+saves over the next steps outweighs copying the moved rows' cache. Results do not depend on a
+row's place: its sampling key and position move with it.
 
 Deliberately simplified: one sync per step (which rows finished), no overlap of host work
 with the next step's forward pass.
@@ -99,6 +100,7 @@ class ModelRunner:
         self.num_rows = 0
         self.steps_since_sort = 0
         self.num_sorts = 0
+        self.sorted_rows = 0  # rows moved by regroupings
 
     # ---- steps -------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> list[int]:
@@ -163,18 +165,26 @@ class ModelRunner:
         )
 
     def sort_rows(self) -> list[int] | None:
-        """Reorder the live rows longest first when chunked attention over the current order
-        does ``SORT_WASTE`` times the work of the sorted order (at most once per ``SORT_EVERY``
-        steps); returns the new order (new row i = old row order[i]) or None."""
+        """Regroup the live rows by length when it pays (checked every ``SORT_EVERY`` steps):
+        each row goes to the attention chunk it has in the longest-first order, and only the
+        rows in another chunk move (``chunk_order``). It pays when the attention work it saves
+        in a step, over ``SORT_HORIZON`` steps, exceeds what copying the moved rows' cache
+        costs (``MOVE_COST`` work per position copied, plus ``SORT_FIXED``). Returns the new
+        order (new row i = old row order[i]) or None."""
         self.steps_since_sort += 1
         n = self.num_rows
         if n <= CHUNK_ROWS or self.steps_since_sort < SORT_EVERY:
             return None
+        self.steps_since_sort = 0
         lengths = self.length_host[:n]
-        order = np.argsort(-lengths, kind="stable")
-        if attention_work(lengths) <= SORT_WASTE * attention_work(lengths[order]):
+        order = chunk_order(lengths)
+        moved = np.flatnonzero(order != np.arange(n))
+        if moved.size == 0:
             return None
-        moved = np.flatnonzero(order != np.arange(n))  # rows already in place stay put
+        gain = attention_work(lengths) - attention_work(lengths[order])
+        cost = MOVE_COST * int(lengths[order[moved]].sum()) + SORT_FIXED
+        if gain * SORT_HORIZON <= cost:
+            return None
         src = torch.from_numpy(order[moved]).to(self.device)
         dst = torch.from_numpy(moved).to(self.device)
         for t in self.rows.all():
@@ -182,8 +192,8 @@ class ModelRunner:
         self.cache.move_rows(src, dst, torch.from_numpy(lengths[order[moved]]).to(self.device))
         for a in (self.length_host, self.sampled_host, self.truncated_host):
             a[:n] = a[order]
-        self.steps_since_sort = 0
         self.num_sorts += 1
+        self.sorted_rows += int(moved.size)
         return order.tolist()
 
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
@@ -263,8 +273,10 @@ class ModelRunner:
 
 
 CHUNK_ROWS = 8  # rows per attention chunk of a decode step (a few bmm calls per layer)
-SORT_WASTE = 1.5  # re-sort the rows when chunked attention does 1.5x the work of sorted
-SORT_EVERY = 32  # decode steps at least between two re-sorts (one costs ~50 ms at 128 rows)
+SORT_EVERY = 4  # decode steps between two checks of whether regrouping the rows pays
+SORT_HORIZON = 16  # steps a regrouping is counted to save work for (rows finish and drift)
+MOVE_COST = 4  # attention work (positions x rows) that copying one cache position costs
+SORT_FIXED = 2000  # the same for a regrouping's fixed cost (row state copies, indexing)
 
 
 def _chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -290,3 +302,28 @@ def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
     longest = int(lengths.max())
     chunks = _chunks(lengths)
     return chunks if _work(chunks) < 0.75 * n * longest else [(0, n, longest)]
+
+
+def chunk_order(lengths: np.ndarray) -> np.ndarray:
+    """A permutation (new row i = old row ``order[i]``) with the attention work of the
+    longest-first order (a chunk's work does not depend on the order within it) that moves
+    few rows: a row stays in its chunk when its length lies in the range that chunk holds in
+    the sorted order, and the others fill the places left, longest first."""
+    n = len(lengths)
+    ranked = np.sort(lengths)[::-1]
+    chunk = np.arange(n) // CHUNK_ROWS
+    starts = np.arange(0, n, CHUNK_ROWS)
+    hi = ranked[starts][chunk]  # per place: the longest and shortest row its chunk holds
+    lo = np.minimum.reduceat(ranked, starts)[chunk]
+    order = np.arange(n)
+    movers = np.flatnonzero((lengths > hi) | (lengths < lo))
+    # freed places ascend, so they go chunk by chunk; the movers fill them longest first
+    order[movers] = movers[np.argsort(-lengths[movers], kind="stable")]
+    if _work(_chunks(lengths[order])) > _work(_chunks(ranked)):
+        # a place freed in one chunk went to a row of another's range: place every row
+        target = np.empty(n, dtype=np.int64)
+        target[np.argsort(-lengths, kind="stable")] = chunk
+        order = np.arange(n)
+        movers = np.flatnonzero(target != chunk)
+        order[movers] = movers[np.argsort(target[movers], kind="stable")]
+    return order
