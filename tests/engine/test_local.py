@@ -448,18 +448,25 @@ def test_regrouping_gives_the_sorted_work_and_moves_only_rows_that_change_chunk(
 
 
 def test_attention_chunks_cover_the_rows_with_their_own_longest():
+    """Chunks cover the rows in order, each over its own longest row; a long row keeps a
+    chunk of its own, and neighbouring chunks that would save little apart are one."""
     import numpy as np
 
-    from rollstream.engine.local.runner import CHUNK_ROWS, attention_chunks
+    from rollstream.engine.local.runner import CHUNK_ROWS, MERGED_ROWS, attention_chunks
 
     assert attention_chunks(np.array([5] * 20)) == [(0, 20, 5)]  # nothing to save: one chunk
     lengths = np.array([3] * 30)
     lengths[2] = 90
-    chunks = attention_chunks(lengths)
-    assert [(lo, hi) for lo, hi, _ in chunks] == [
-        (lo, min(lo + CHUNK_ROWS, 30)) for lo in range(0, 30, CHUNK_ROWS)]
-    assert [length for _, _, length in chunks] == [
-        int(lengths[lo:hi].max()) for lo, hi, _ in chunks]
+    assert attention_chunks(lengths) == [(0, CHUNK_ROWS, 90), (CHUNK_ROWS, 30, 3)]
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        lengths = rng.integers(1, 400, int(rng.integers(1, 129)))
+        chunks = attention_chunks(lengths)
+        assert chunks[0][0] == 0 and chunks[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        assert [length for _, _, length in chunks] == [
+            int(lengths[lo:hi].max()) for lo, hi, _ in chunks]
+        assert len(chunks) == 1 or max(hi - lo for lo, hi, _ in chunks) <= MERGED_ROWS
 
 
 async def test_unseeded_requests_draw_different_streams(local_engine):

@@ -273,6 +273,8 @@ class ModelRunner:
 
 
 CHUNK_ROWS = 8  # rows per attention chunk of a decode step (a few bmm calls per layer)
+MERGE_WORK = 300  # cache positions x rows of attention that cost about as much as a chunk's ops
+MERGED_ROWS = 32  # rows at most in a merged chunk (larger ones leave the CPU's caches)
 SORT_EVERY = 4  # decode steps between two checks of whether regrouping the rows pays
 SORT_HORIZON = 16  # steps a regrouping is counted to save work for (rows finish and drift)
 MOVE_COST = 4  # attention work (positions x rows) that copying one cache position costs
@@ -297,11 +299,24 @@ def attention_work(lengths: np.ndarray) -> int:
 def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
     """(first row, end row, attention length) per chunk of consecutive rows: one chunk when
     splitting would save under a quarter of the attention work, else chunks of CHUNK_ROWS rows,
-    each attending over its own longest row (a long-tail batch pays for its long rows only)."""
+    each attending over its own longest row (a long-tail batch pays for its long rows only),
+    a chunk joined to the one before it (up to MERGED_ROWS rows) when that adds under
+    MERGE_WORK positions of work: each chunk costs a few tensor ops per layer."""
     n = len(lengths)
     longest = int(lengths.max())
     chunks = _chunks(lengths)
-    return chunks if _work(chunks) < 0.75 * n * longest else [(0, n, longest)]
+    if _work(chunks) >= 0.75 * n * longest:
+        return [(0, n, longest)]
+    out = [chunks[0]]
+    for lo, hi, length in chunks[1:]:
+        first, _, before = out[-1]
+        top = max(before, length)
+        added = (hi - first) * top - (lo - first) * before - (hi - lo) * length
+        if hi - first <= MERGED_ROWS and added < MERGE_WORK:
+            out[-1] = (first, hi, top)
+        else:
+            out.append((lo, hi, length))
+    return out
 
 
 def chunk_order(lengths: np.ndarray) -> np.ndarray:
