@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from rollstream.bench.modes import HEADLINE_ASYNC, main, mode_configs
+from rollstream.bench.modes import DRAIN_PAIR, HEADLINE_ASYNC, main, mode_configs, run_order
 
 TINY = [
     "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
@@ -64,6 +64,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["async_best_config"] in written["rows"]
     assert written["async_best_async_config"] != "sync"
     assert written["async_best_share_of_bound"] > 0 and written["async_partial_vs_drain"] > 0
+    assert written["samples_per_s_run_to_run"] == {}  # quick: every row runs once
     assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
     sem = written["staleness_semantics"]  # each semantics has its row, the base's headlines
     assert set(sem) == {"drop", "mask", "admission"}
@@ -85,3 +86,14 @@ def test_bench_config_is_an_option_of_modes_only(capsys):
 
     assert cli(["bench", "engine", "--config", "examples/tick_long.yaml"]) == 2
     assert "--config is an option of `modes` only" in capsys.readouterr().err
+
+
+def test_the_pair_partial_rollout_is_judged_by_runs_twice_around_the_others():
+    """Full runs: sync, the headline and its drain pair run first and again last in mirrored
+    order (A B C ... C B A), every other row once."""
+    labels = [label for label, _ in mode_configs("admission")]
+    order = run_order(False, labels)
+    twice = ["sync", HEADLINE_ASYNC, DRAIN_PAIR]
+    assert order[:3] == twice and order[-3:] == twice[::-1]
+    assert sorted(order) == sorted(labels + twice)
+    assert run_order(True, labels) == labels

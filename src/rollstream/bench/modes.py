@@ -155,13 +155,15 @@ def row_config(config: Path, common: Sequence[str], row: Sequence[str]) -> RunCo
 
 
 def run_order(quick: bool, labels: Sequence[str]) -> list[str]:
-    """``labels`` in run order. The headline pair runs first and again last (A B ... B A), so
-    a drift in the machine's load hits both alike; each keeps its faster run (quick: once)."""
+    """``labels`` in run order. The headline pair and the drain row it is judged against run
+    first and again last (A B C ... C B A), so a drift in the machine's load hits them alike;
+    each keeps its faster run (quick: once)."""
     labels = list(labels)
     if quick:
         return labels
-    middle = [x for x in labels if x not in ("sync", HEADLINE_ASYNC)]
-    return ["sync", HEADLINE_ASYNC, *middle, HEADLINE_ASYNC, "sync"]
+    twice = ["sync", HEADLINE_ASYNC, DRAIN_PAIR]
+    middle = [x for x in labels if x not in twice]
+    return [*twice, *middle, *reversed(twice)]
 
 
 def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,8 +174,9 @@ def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
         best["reward_final"] = statistics.fmean(r["reward_final"] for r in runs)
         se2 = sum(r["reward_final_se"] ** 2 for r in runs)
         best["reward_final_se"] = math.sqrt(se2) / len(runs)
-        best["repeats"] = [{k: r[k] for k in ("train_wall_s", "trained_tok_s", "gen_tok_s",
-                                               "reward_final", "reward_final_se", "runq_share")}
+        best["repeats"] = [{k: r[k] for k in ("train_wall_s", "trained_samples_per_s",
+                                               "trained_tok_s", "gen_tok_s", "reward_final",
+                                               "reward_final_se", "runq_share")}
                            for r in runs]
     return best
 
@@ -367,6 +370,10 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
     share_of_bound = rows[best_async]["trained_tok_s"] / sync["trained_tok_s"] / bound
     partial_vs_drain = (head["trained_samples_per_s"]
                         / rows[DRAIN_PAIR]["trained_samples_per_s"])
+    # each row's two runs apart (the same settings): how far one run's samples/s is noise
+    spread = {label: abs(a - b) / statistics.fmean((a, b)) for label, row in rows.items()
+              if len(r := row.get("repeats", [])) == 2
+              for a, b in [(r[0]["trained_samples_per_s"], r[1]["trained_samples_per_s"])]}
     ratio = head["trained_tok_s"] / sync["trained_tok_s"]
     util = head["engine_utilization"]
     # while the trainer steps on the other core the engine's saturated rate is lower (shared
@@ -405,6 +412,8 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "async_best_share_of_bound": share_of_bound,
         # partial rollout vs drain at the same k (trained samples/s)
         "async_partial_vs_drain": partial_vs_drain,
+        # (|run 1 - run 2| / mean) of the rows run twice: the noise a single ratio carries
+        "samples_per_s_run_to_run": spread,
         # trained samples/s with the trainer in its own process over the same row's with the
         # trainer on a thread of the engine's process (issue 15: the GIL the two share)
         "trainer_process_vs_thread": {
@@ -447,8 +456,8 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
 
 def reward_run_to_run_sd(rows: dict[str, dict[str, Any]]) -> float:
     """Spread of the final reward between runs of the same schedule: one_step vs async k=1
-    (identical settings) and the headline pair's repeats. It includes what the eval standard
-    error leaves out: each run trains on different samples."""
+    (identical settings) and the repeats of the rows run twice. It includes what the eval
+    standard error leaves out: each run trains on different samples."""
     pairs = [(rows[f"one_step_{t}"]["reward_final"], rows[f"async_k1_{t}"]["reward_final"])
              for t in ("partial", "drain")]
     pairs += [(r[0]["reward_final"], r[1]["reward_final"])

@@ -84,6 +84,9 @@ def print_tables(result: dict[str, Any]) -> None:
         f"(x{result['async_bound_vs_sync']:.2f} vs sync); {HEADLINE_ASYNC} vs {DRAIN_PAIR}: "
         f"trained samples/s x{result['async_partial_vs_drain']:.2f}, reward "
         f"{result['reward_partial_minus_drain']:+.3f}")
+    if spread := result["samples_per_s_run_to_run"]:
+        console.print("two runs of one row apart (samples/s, |1 - 2| / mean): "
+                      + ", ".join(f"{label} {x:.1%}" for label, x in spread.items()))
     console.print("trainer in a process of its own vs on a thread beside the engine: "
                   + ", ".join(f"{label} x{ratio:.2f}" for label, ratio
                               in result["trainer_process_vs_thread"].items())
