@@ -125,7 +125,8 @@ class EngineStats:
 
 # EngineStats.work: prefill passes of admitted requests (a resumed one re-prefills its
 # partial tokens), prefills fused into a decode step (their time is in decode_s), cache
-# recomputes after weight loads, regroupings of the rows by length (runner.sort_rows), decode steps
+# recomputes after weight loads, regroupings of the rows by length (runner.sort_rows),
+# decode steps
 WORK_KEYS = ("prefill_count", "prefill_tokens", "prefill_s", "fused_prefill_count",
              "fused_prefill_tokens", "recompute_count", "recompute_tokens", "recompute_s",
              "sort_count", "sort_s", "decode_count", "decode_s")

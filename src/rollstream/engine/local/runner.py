@@ -100,7 +100,6 @@ class ModelRunner:
         self.num_rows = 0
         self.steps_since_sort = 0
         self.num_sorts = 0
-        self.sorted_rows = 0  # rows moved by regroupings
 
     # ---- steps -------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> list[int]:
@@ -193,7 +192,6 @@ class ModelRunner:
         for a in (self.length_host, self.sampled_host, self.truncated_host):
             a[:n] = a[order]
         self.num_sorts += 1
-        self.sorted_rows += int(moved.size)
         return order.tolist()
 
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
