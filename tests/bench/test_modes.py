@@ -47,6 +47,9 @@ def test_bench_modes_quick_writes_json(tmp_path):
         assert work["fused_prefill_count"] >= 0
         parts = sum(work[k] for k in ("prefill_s", "recompute_s", "sort_s", "decode_s"))
         assert 0 < parts <= work["busy_s"] + 1e-6, work
+        # chunked attention reads at least what the rows hold, in at least a chunk a pass
+        assert work["attention_work"] >= work["attention_positions"] > 0, work
+        assert work["attention_chunks"] >= work["decode_count"], work
         assert 0 <= row["engine_idle_share"] < 1 and 0 <= row["trainer_idle_share"] < 1
     assert set(written["trainer_process_vs_thread"]) == {HEADLINE_ASYNC, "async_k2_drain"}
     assert all(r > 0 for r in written["trainer_process_vs_thread"].values())

@@ -314,6 +314,9 @@ async def test_long_tail_batch_in_attention_chunks_equals_alone(tiny_model_dir):
         batched = await asyncio.gather(*(
             e.generate(_req(f"b{i}", p, temperature=0.0, max_new_tokens=12))
             for i, p in enumerate(prompts)))
+        work = e.stats().work  # what attention read is counted: more than the rows held
+        assert work["attention_chunks"] > work["decode_count"]  # some passes ran chunked
+        assert work["attention_work"] > work["attention_positions"] > 0
         for i, p in enumerate(prompts):
             alone = await e.generate(_req(f"a{i}", p, temperature=0.0, max_new_tokens=12))
             assert batched[i].token_ids == alone.token_ids

@@ -47,9 +47,12 @@ def print_tables(result: dict[str, Any]) -> None:
     console.print(t)
     t = Table(title="where generated tokens and engine time went (training phase; shares of "
               "generated tokens; pf = prefill of admitted and resumed requests: passes of their "
-              "own, fused into a decode step, tokens of both, seconds of the own passes)")
+              "own, fused into a decode step, tokens of both, seconds of the own passes; attn x = "
+              "cache positions decode attention read ÷ those its rows hold; ch/pass = its chunks "
+              "a decode pass)")
     cols = ("gen tok", "kept", "mask", "drop", "filt", "abort", "pf n", "fused", "pf tok", "pf s",
-            "recomp s", "sort n", "sort s", "dec s", "eng idle", "trn idle")
+            "recomp s", "sort n", "sort s", "dec s", "attn x", "ch/pass", "eng idle",
+            "trn idle")
     t.add_column("config", no_wrap=True)
     for col in cols:
         t.add_column(col, justify="right")
@@ -63,7 +66,10 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"{w.get('prefill_tokens', 0) + w.get('fused_prefill_tokens', 0):,.0f}",
                   f"{w.get('prefill_s', 0):.1f}", f"{w.get('recompute_s', 0):.1f}",
                   f"{w.get('sort_count', 0):,.0f}", f"{w.get('sort_s', 0):.2f}",
-                  f"{w.get('decode_s', 0):.1f}", f"{r['engine_idle_share']:.2f}",
+                  f"{w.get('decode_s', 0):.1f}",
+                  f"{w.get('attention_work', 0) / max(w.get('attention_positions', 0), 1):.2f}",
+                  f"{w.get('attention_chunks', 0) / max(w.get('decode_count', 0), 1):.1f}",
+                  f"{r['engine_idle_share']:.2f}",
                   f"{r['trainer_idle_share']:.2f}")
     console.print(t)
     if sem := result["staleness_semantics"]:

@@ -126,10 +126,13 @@ class EngineStats:
 # EngineStats.work: prefill passes of admitted requests (a resumed one re-prefills its
 # partial tokens), prefills fused into a decode step (their time is in decode_s), cache
 # recomputes after weight loads, regroupings of the rows by length (runner.sort_rows),
-# decode steps
+# decode steps; and what their attention read: the cache positions the decoded rows hold,
+# the positions chunked attention read (one chunk reads its longest row's length for every
+# row), and the chunks
 WORK_KEYS = ("prefill_count", "prefill_tokens", "prefill_s", "fused_prefill_count",
              "fused_prefill_tokens", "recompute_count", "recompute_tokens", "recompute_s",
-             "sort_count", "sort_s", "decode_count", "decode_s")
+             "sort_count", "sort_s", "decode_count", "decode_s", "attention_positions",
+             "attention_work", "attention_chunks")
 
 
 @runtime_checkable

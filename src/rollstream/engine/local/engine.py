@@ -68,7 +68,7 @@ from rollstream.engine.local.commands import (
 )
 from rollstream.engine.local.device import DTYPES, resolve_device
 from rollstream.engine.local.passes import PassTimes
-from rollstream.engine.local.runner import ModelRunner
+from rollstream.engine.local.runner import ModelRunner, chunks_work
 from rollstream.engine.local.sampler import seed_key
 from rollstream.engine.local.scheduler import Scheduler, Sequence
 from rollstream.engine.local.weights import load_folder
@@ -390,6 +390,10 @@ class LocalEngine:
             if fused:  # its time is the decode step's
                 self._work["fused_prefill_count"] += 1
                 self._work["fused_prefill_tokens"] += new_tokens
+            chunks = runner.last_chunks
+            self._work["attention_positions"] += context
+            self._work["attention_work"] += chunks_work(chunks)
+            self._work["attention_chunks"] += len(chunks)
             self._finish(done, FinishReason.LENGTH)
             self._count("decode", seconds := time.perf_counter() - t1)
             if not fused:  # a fused pass is a decode and a prefill: not one shape to fit

@@ -100,6 +100,7 @@ class ModelRunner:
         self.num_rows = 0
         self.steps_since_sort = 0
         self.num_sorts = 0
+        self.last_chunks: list[tuple[int, int, int]] = []  # of the last decode step
 
     # ---- steps -------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> list[int]:
@@ -115,10 +116,11 @@ class ModelRunner:
         ``new`` into rows n..n+m-1 with their first token; returns the rows that finished."""
         n, r = self.num_rows, self.rows
         pos = r.length[:n] - 1
+        self.last_chunks = attention_chunks(self.length_host[:n])
         rows = model.DecodeRows(
             tokens=r.tokens.view(-1).index_select(0, self.row_base[:n] + pos),
             pos=pos,
-            chunks=attention_chunks(self.length_host[:n]),
+            chunks=self.last_chunks,
         )
         prompts = self._admit(new) if new else None
         logits = model.forward(self.spec, self.weights, self.cache, self.rope, rows, prompts)
@@ -285,13 +287,14 @@ def _chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
             for lo in range(0, n, CHUNK_ROWS)]
 
 
-def _work(chunks: list[tuple[int, int, int]]) -> int:
+def chunks_work(chunks: list[tuple[int, int, int]]) -> int:
+    """Cache positions read per layer by attention over these chunks."""
     return sum((hi - lo) * length for lo, hi, length in chunks)
 
 
 def attention_work(lengths: np.ndarray) -> int:
     """Cache positions read per layer by chunked decode attention over rows in this order."""
-    return _work(_chunks(lengths))
+    return chunks_work(_chunks(lengths))
 
 
 def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -303,7 +306,7 @@ def attention_chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:
     n = len(lengths)
     longest = int(lengths.max())
     chunks = _chunks(lengths)
-    if _work(chunks) >= 0.75 * n * longest:
+    if chunks_work(chunks) >= 0.75 * n * longest:
         return [(0, n, longest)]
     out = [chunks[0]]
     for lo, hi, length in chunks[1:]:
@@ -332,7 +335,7 @@ def chunk_order(lengths: np.ndarray) -> np.ndarray:
     movers = np.flatnonzero((lengths > hi) | (lengths < lo))
     # freed places ascend, so they go chunk by chunk; the movers fill them longest first
     order[movers] = movers[np.argsort(-lengths[movers], kind="stable")]
-    if _work(_chunks(lengths[order])) > _work(_chunks(ranked)):
+    if chunks_work(_chunks(lengths[order])) > chunks_work(_chunks(ranked)):
         # a place freed in one chunk went to a row of another's range: place every row
         target = np.empty(n, dtype=np.int64)
         target[np.argsort(-lengths, kind="stable")] = chunk
