@@ -453,6 +453,8 @@ def test_regrouping_gives_the_sorted_work_and_moves_only_rows_that_change_chunk(
 def test_attention_chunks_cover_the_rows_with_their_own_longest():
     """Chunks cover the rows in order, each over its own longest row; a long row keeps a
     chunk of its own, and neighbouring chunks that would save little apart are one."""
+    import itertools
+
     import numpy as np
 
     from rollstream.engine.local.runner import CHUNK_ROWS, MERGED_ROWS, attention_chunks
@@ -466,7 +468,7 @@ def test_attention_chunks_cover_the_rows_with_their_own_longest():
         lengths = rng.integers(1, 400, int(rng.integers(1, 129)))
         chunks = attention_chunks(lengths)
         assert chunks[0][0] == 0 and chunks[-1][1] == len(lengths)
-        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
         assert [length for _, _, length in chunks] == [
             int(lengths[lo:hi].max()) for lo, hi, _ in chunks]
         assert len(chunks) == 1 or max(hi - lo for lo, hi, _ in chunks) <= MERGED_ROWS
