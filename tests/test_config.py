@@ -89,6 +89,8 @@ def test_cross_field_check():
                                                      "rollout.concurrency = adaptive"]),
         (["rollout.prefix_affinity=true", "rollout.dispatch=longest_first"],
          ["rollout.prefix_affinity = true", "rollout.dispatch = longest_first"]),
+        (["train.compile=true", "train.backend=fsdp"], ["train.compile = true",
+                                                        "train.backend = local"]),
         (["engine.kind=vllm", "model.tiny.max_position=128"],
          ["engine.vllm.max_model_len = 512", "model.tiny.max_position = 128"]),
     ],

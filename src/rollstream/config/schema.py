@@ -219,6 +219,11 @@ class TrainConfig(Section):
     """Max global gradient norm."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision."""
+    compile: bool = False
+    """Compile the policy's forward (and so its backward) with ``torch.compile`` (dynamic
+    shapes; ``backend: local`` only). The first step pays the compile (tens of seconds on a
+    CPU, less with inductor's on-disk cache warm); later steps run faster (docs/benchmarks.md
+    has the measured step time and the break-even), so it pays on long runs only."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads of the trainer (0 = leave as is)."""
     cpu_affinity: tuple[NonNegativeInt, ...] = ()
@@ -361,6 +366,11 @@ def _check_train(t: TrainConfig) -> None:
         raise ValueError(
             f"train.fsdp.{changed} = {getattr(t.fsdp, changed)} is read only with "
             f"train.backend = fsdp (it is {t.backend}); set backend: fsdp or drop it"
+        )
+    if t.compile and t.backend != "local":
+        raise ValueError(
+            f"train.compile = true is implemented for train.backend = local only (it is "
+            f"{t.backend}); drop one"
         )
     if t.advantage_std != "sample" and t.advantage != "grpo":
         raise ValueError(

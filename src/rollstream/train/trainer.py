@@ -57,6 +57,10 @@ sampled from and reports, so ``logprobs()`` is comparable with engine logprobs. 
 stays in eval mode: dropout is off (a dropout mask would make every pass a different policy,
 and the ratio to the engines' logprobs meaningless).
 
+Compilation: ``compile: true`` compiles the policy module in place (``nn.Module.compile``,
+dynamic shapes, so micro-batches of any rows and width share a graph); the reference stays
+eager. The first forward of each kind (with and without gradients) compiles.
+
 Threads: ``threads > 0`` calls ``torch.set_num_threads`` (and a non-empty ``cpu_affinity``
 pins the thread with ``os.sched_setaffinity``) at the start of every public compute method,
 because both settings are per calling thread and callers may move the trainer onto a worker
@@ -163,6 +167,8 @@ class Trainer:
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._shard(self.model)  # before the optimizer: sharding replaces the parameters
+        if cfg.compile:  # in place: the same module, state_dict and save_pretrained
+            self.model.compile(dynamic=True)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
