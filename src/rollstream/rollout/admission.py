@@ -10,6 +10,10 @@ admitted in order, and each step consumes ``G``, so a group admitted under ``v``
 step ``v + k`` at the latest unless something overtakes it; what does overtake it is caught by
 the buffer's hard check and becomes DROPPED_STALE, never trained.
 
+The time admission spends waiting because the staleness limit is reached (not the run's
+total) is ``blocked_s``: a run whose admission is blocked most of the time is bound by its
+staleness bound, not by its engines or trainer (``bench modes``' ``staleness_blocked``).
+
 ``k = 0`` is exactly synchronous, on-policy RL: one batch is generated under ``v`` (filtered
 groups are replaced under ``v`` too), then nothing starts until ``v + 1`` is served. ``k = 1``
 is one-step off-policy: the capacity grows by one batch per served version, so the rollout of
@@ -33,6 +37,7 @@ class StalenessCapacity:
         self.num_retired = 0
         self._version = 0
         self._changed = asyncio.Event()
+        self.blocked_s = 0.0  # event-loop seconds waited with the staleness limit reached
 
     @property
     def limit(self) -> int:
@@ -42,6 +47,13 @@ class StalenessCapacity:
     @property
     def num_counted(self) -> int:
         return self.num_admitted - self.num_retired
+
+    @property
+    def staleness_full(self) -> bool:
+        """No room, and the staleness limit (not the run's total) is what stops admission."""
+        staleness_limit = (self._version + self.max_staleness + 1) * self.groups_per_step
+        return self.room() == 0 and (self.total_groups is None
+                                     or staleness_limit < self.total_groups)
 
     def room(self) -> int:
         """Groups that may be admitted now."""
@@ -71,9 +83,14 @@ class StalenessCapacity:
         self.wake()
 
     async def wait_changed(self) -> None:
-        """Until the room may have changed (a retire, a new version, or :meth:`wake`)."""
+        """Until the room may have changed (a retire, a new version, or :meth:`wake`); the
+        wait counts in ``blocked_s`` when it began with the staleness limit reached."""
+        loop = asyncio.get_running_loop()
+        full, t0 = self.staleness_full, loop.time()
         await self._changed.wait()
         self._changed.clear()
+        if full:
+            self.blocked_s += loop.time() - t0
 
     def wake(self) -> None:
         self._changed.set()

@@ -111,6 +111,7 @@ class Rollout:
         self._cancelled: dict[str, tuple[SampleStatus, str]] = {}  # group id -> outcome
         self._stopping = False
         self._pass: dict[str, list[float]] = {}  # source -> [reward sum, graded samples]
+        self._blocked_read = 0.0  # capacity.blocked_s at the previous stats()
         self._restored: list[Group] = []  # in flight at the checkpoint: continued first
         # generation stopped because no engine is alive: kept whole (tokens and all) for the
         # stop's checkpoint, recorded ABORTED by stop()
@@ -425,10 +426,14 @@ class Rollout:
         return out
 
     def stats(self) -> dict[str, float]:
-        """Gauges of the rollout, and each source's pass rate since the previous call."""
+        """Gauges of the rollout, and since the previous call each source's pass rate and the
+        seconds admission waited at the staleness limit (``staleness_blocked_s``)."""
+        blocked = self.capacity.blocked_s
         out = {"live_groups": float(len(self.live)), "buffered_groups": float(len(self.buffer)),
                "replay_pool_groups": float(len(self.replay)),
-               "untrainable_streak": float(self.liveness.streak)}
+               "untrainable_streak": float(self.liveness.streak),
+               "staleness_blocked_s": blocked - self._blocked_read}
+        self._blocked_read = blocked
         for src, (total, n) in self._pass.items():
             if n:
                 out[f"pass_rate/{src}"] = total / n
