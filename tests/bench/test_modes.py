@@ -51,7 +51,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
         assert work["attention_work"] >= work["attention_positions"] > 0, work
         assert work["attention_chunks"] >= work["decode_count"], work
         assert 0 <= row["engine_idle_share"] < 1 and 0 <= row["trainer_idle_share"] < 1
-        assert 0 <= row["staleness_blocked"] <= 1, label
+        assert 0 <= row["staleness_blocked"] <= 1 and 0 <= row["gate_blocked"] <= 1, label
     # sync admits one batch, then waits at its staleness limit until that batch has trained
     assert written["rows"]["sync"]["staleness_blocked"] > 0
     assert set(written["trainer_process_vs_thread"]) == {HEADLINE_ASYNC, "async_k2_drain"}

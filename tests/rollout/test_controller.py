@@ -176,6 +176,11 @@ def test_sync_mode_is_exactly_on_policy(tmp_path, seed):
     rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
     assert all(r["min_version"] == r["max_version"] == r["trained_at_step"] for r in rows)
     assert not any(r["status"] == "aborted" for r in read_ledger(tmp_path / "ledger.jsonl"))
+    # sync admits a batch, then waits at its staleness limit while it generates and trains
+    # (the per-step metrics read it since the previous step: here the run's total)
+    assert loop.rollout.capacity.blocked_s > 0
+    loop.rollout.stats()
+    assert loop.rollout.stats()["staleness_blocked_s"] == 0  # counted since the last call
 
 
 def test_one_step_overlaps_by_one_version(tmp_path):

@@ -195,7 +195,9 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
     generated = sum(r["num_tokens"] for r in ledger if not _is_eval(r))
     metrics = read_metrics(run_dir)
     steps = [r for r in metrics if r.get("kind") == "train"]
-    blocked = sum(r.get("staleness_blocked_s", 0.0) for r in metrics if r.get("kind") == "rollout")
+    rollout = [r for r in metrics if r.get("kind") == "rollout"]
+    blocked = sum(r.get("staleness_blocked_s", 0.0) for r in rollout)
+    gate = sum(r.get("gate_blocked_s", 0.0) for r in rollout)
     wall = summary["train_wall_s"]
     counts = Counter(r["status"] for r in ledger)
     work: Counter[str] = Counter()
@@ -218,6 +220,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "engine_idle_share": max(0.0, 1.0 - work["busy_s"] / wall),
         "trainer_idle_share": max(0.0, 1.0 - trainer_busy),
         "staleness_blocked": blocked / wall,
+        "gate_blocked": gate / wall,
         "trainer_step_s": statistics.fmean(s["step_s"] for s in steps) if steps else math.nan,
         "wait_s_mean": statistics.fmean(s["wait_s"] for s in steps) if steps else math.nan,
         "staleness_mean": statistics.fmean(s["staleness_mean"] for s in steps) if steps else 0.0,

@@ -112,6 +112,8 @@ class Rollout:
         self._stopping = False
         self._pass: dict[str, list[float]] = {}  # source -> [reward sum, graded samples]
         self._blocked_read = 0.0  # capacity.blocked_s at the previous stats()
+        self._gate_blocked_s = 0.0  # admission's waits for the dispatch gate (weight loads)
+        self._gate_read = 0.0
         self._restored: list[Group] = []  # in flight at the checkpoint: continued first
         # generation stopped because no engine is alive: kept whole (tokens and all) for the
         # stop's checkpoint, recorded ABORTED by stop()
@@ -122,6 +124,7 @@ class Rollout:
     async def admit_forever(self) -> None:
         """Admit groups while the capacity has room, until :meth:`stop`; each group's life is
         a task of this one, so this returns once every admitted group has ended."""
+        loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
             await self.dispatcher.cancel([g.group_id for g in self._restored
                                           if g.group_id in self._cancelled])
@@ -133,7 +136,9 @@ class Rollout:
                 if (n := self.capacity.room()) == 0:
                     await self.capacity.wait_changed()
                     continue
-                await self.dispatcher.wait_open()
+                t0 = loop.time()
+                await self.dispatcher.wait_open()  # closed while a weight load pauses dispatch
+                self._gate_blocked_s += loop.time() - t0
                 if self._stopping or self.capacity.room() < n:
                     continue
                 if not self._admit(n, tg):  # no task may start: wait for a group to end
@@ -427,13 +432,15 @@ class Rollout:
 
     def stats(self) -> dict[str, float]:
         """Gauges of the rollout, and since the previous call each source's pass rate and the
-        seconds admission waited at the staleness limit (``staleness_blocked_s``)."""
-        blocked = self.capacity.blocked_s
+        seconds admission waited at the staleness limit (``staleness_blocked_s``) and for the
+        dispatch gate a weight load closed (``gate_blocked_s``: drain waits there)."""
+        blocked, gate = self.capacity.blocked_s, self._gate_blocked_s
         out = {"live_groups": float(len(self.live)), "buffered_groups": float(len(self.buffer)),
                "replay_pool_groups": float(len(self.replay)),
                "untrainable_streak": float(self.liveness.streak),
-               "staleness_blocked_s": blocked - self._blocked_read}
-        self._blocked_read = blocked
+               "staleness_blocked_s": blocked - self._blocked_read,
+               "gate_blocked_s": gate - self._gate_read}
+        self._blocked_read, self._gate_read = blocked, gate
         for src, (total, n) in self._pass.items():
             if n:
                 out[f"pass_rate/{src}"] = total / n
