@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from rollstream.bench.modes import DRAIN_PAIR, HEADLINE_ASYNC, main, mode_configs, run_order
+from rollstream.bench.modes import (
+    DRAIN_PAIR,
+    HEADLINE_ASYNC,
+    main,
+    merge_repeats,
+    mode_configs,
+    run_order,
+)
 
 TINY = [
     "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
@@ -103,3 +110,22 @@ def test_the_pair_partial_rollout_is_judged_by_runs_twice_around_the_others():
     assert order[:3] == twice and order[-3:] == twice[::-1]
     assert sorted(order) == sorted(labels + twice)
     assert run_order(True, labels) == labels
+
+
+def test_a_row_run_with_two_seeds_reports_the_mean_of_its_runs():
+    def run(seed: int, wall: float, gen: int, se: float) -> dict:
+        return {"seed": seed, "train_wall_s": wall, "trained_samples_per_s": 2048 / wall,
+                "trained_tok_s": 1.0, "gen_tok_s": gen / wall, "generated_tokens": gen,
+                "reward_final": 0.5 + seed / 10, "reward_final_se": se, "runq_share": 0.0,
+                "partial_rollout": True, "max_token_age": None, "steps": 16,
+                "tokens": {"generated": gen, "kept": 100}, "threads": {"engine": {"run": seed}}}
+
+    row = merge_repeats([run(0, 16.0, 1000, 0.03), run(1, 20.0, 3000, 0.04)])
+    assert row["train_wall_s"] == 18.0 and row["trained_samples_per_s"] == (128 + 102.4) / 2
+    assert row["tokens"] == {"generated": 2000, "kept": 100}  # nested counts: their mean
+    assert row["threads"] == {"engine": {"run": 0.5}}
+    assert row["reward_final"] == pytest.approx(0.55)
+    assert row["reward_final_se"] == pytest.approx(0.025)  # of the mean of two runs
+    assert (row["partial_rollout"], row["max_token_age"], row["steps"]) == (True, None, 16)
+    assert [r["seed"] for r in row["repeats"]] == [0, 1]
+    assert merge_repeats([run(0, 16.0, 1000, 0.03)]) == run(0, 16.0, 1000, 0.03)

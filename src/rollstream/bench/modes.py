@@ -22,8 +22,12 @@ rank, pinned to the trainer's core), so that the engine and the trainer no longe
 interpreter; key ``trainer_process_vs_thread`` (trained samples/s, process ÷ thread).
 
 The headline pair (``sync`` and ``async_k2_partial``, the examples' own rollout
-settings) runs first and again last, A B ... B A, so a drift in the machine's load hits both
-alike; each keeps its faster run, and its final reward is the mean of both runs.
+settings) and the drain row partial rollout is judged against run first and again last,
+A B C ... C B A, so a drift in the machine's load hits them alike. The second run takes the
+next seed (its own task order and samples): a drain row generates the same tokens in every
+run of one seed, so two runs of one seed measure only timing, while which groups a run must
+filter (zero reward variance) moves its samples/s by more. Such a row reports the mean of its
+two runs.
 
 Placement: the engine thread is pinned to core 0 and the trainer thread to core 1 (one torch
 thread each); the event loop and reward threads float. Before the runs the bench measures
@@ -157,7 +161,7 @@ def row_config(config: Path, common: Sequence[str], row: Sequence[str]) -> RunCo
 def run_order(quick: bool, labels: Sequence[str]) -> list[str]:
     """``labels`` in run order. The headline pair and the drain row it is judged against run
     first and again last (A B C ... C B A), so a drift in the machine's load hits them alike;
-    each keeps its faster run (quick: once)."""
+    the second run has the next seed and a row reports the mean of its runs (quick: once)."""
     labels = list(labels)
     if quick:
         return labels
@@ -167,18 +171,31 @@ def run_order(quick: bool, labels: Sequence[str]) -> list[str]:
 
 
 def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The faster run's measurements; the final reward averaged over the runs (more eval
-    samples, so a smaller standard error); every run kept under ``repeats``."""
-    best = dict(min(runs, key=lambda r: r["train_wall_s"]))
-    if len(runs) > 1:
-        best["reward_final"] = statistics.fmean(r["reward_final"] for r in runs)
-        se2 = sum(r["reward_final_se"] ** 2 for r in runs)
-        best["reward_final_se"] = math.sqrt(se2) / len(runs)
-        best["repeats"] = [{k: r[k] for k in ("train_wall_s", "trained_samples_per_s",
-                                               "trained_tok_s", "gen_tok_s", "reward_final",
-                                               "reward_final_se", "runq_share")}
-                           for r in runs]
-    return best
+    """A row run more than once (each run its own seed): the mean of its runs' measurements
+    (nested ones too; a setting, the same in every run, as it is), the final reward's standard
+    error that of the mean; every run kept under ``repeats``."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    merged = _mean(runs)
+    se2 = sum(r["reward_final_se"] ** 2 for r in runs)
+    merged["reward_final_se"] = math.sqrt(se2) / len(runs)
+    merged["repeats"] = [{k: r[k] for k in ("seed", "train_wall_s", "trained_samples_per_s",
+                                            "trained_tok_s", "gen_tok_s", "generated_tokens",
+                                            "reward_final", "reward_final_se", "runq_share")}
+                         for r in runs]
+    return merged
+
+
+def _mean(values: list[Any]) -> Any:
+    """The mean of numbers, key by key of dicts; anything else (or numbers all equal) as the
+    first value."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _mean([v[k] for v in values]) for k in first if all(k in v for v in values)}
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if not numbers or all(v == first for v in values):
+        return first
+    return statistics.fmean(values)
 
 
 # ---- one training run -------------------------------------------------------------------
@@ -329,9 +346,10 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, label in enumerate(run_order(quick, modes)):
         print(f"bench modes: {label} ...", flush=True)
-        cfg = row_config(config, common, [*modes[label], f"name={label}-{i}"])
+        seed = base.seed + len(runs.get(label, []))  # a row's second run: the next seed
+        cfg = row_config(config, common, [*modes[label], f"name={label}-{i}", f"seed={seed}"])
         runs.setdefault(label, []).append(
-            {"max_staleness": cfg.rollout.staleness_bound,
+            {"seed": seed, "max_staleness": cfg.rollout.staleness_bound,
              "partial_rollout": cfg.rollout.partial_rollout,
              "on_update": cfg.rollout.on_update, "kv_on_load": cfg.engine.local.kv_on_load,
              "max_token_age": cfg.train.max_token_age,
@@ -345,11 +363,11 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
                         load_before=load_before,
                         bench_wall_s=time.perf_counter() - t0, run_root=run_root,
                         config_path=Path(config))
+    if json_out is not None:  # first: the runs' measurements outlive a failing table
+        Path(json_out).write_text(json.dumps(result, indent=2))
     from rollstream.bench.modes_tables import print_tables  # it imports this module
 
     print_tables(result)
-    if json_out is not None:
-        Path(json_out).write_text(json.dumps(result, indent=2))
     return result
 
 
