@@ -40,8 +40,13 @@ class StalenessCapacity:
         self.blocked_s = 0.0  # event-loop seconds waited with the staleness limit reached
 
     @property
+    def staleness_limit(self) -> int:
+        """``(v + k + 1) * G``: what the staleness bound allows, before the run's total."""
+        return (self._version + self.max_staleness + 1) * self.groups_per_step
+
+    @property
     def limit(self) -> int:
-        limit = (self._version + self.max_staleness + 1) * self.groups_per_step
+        limit = self.staleness_limit
         return limit if self.total_groups is None else min(limit, self.total_groups)
 
     @property
@@ -51,9 +56,8 @@ class StalenessCapacity:
     @property
     def staleness_full(self) -> bool:
         """No room, and the staleness limit (not the run's total) is what stops admission."""
-        staleness_limit = (self._version + self.max_staleness + 1) * self.groups_per_step
         return self.room() == 0 and (self.total_groups is None
-                                     or staleness_limit < self.total_groups)
+                                     or self.staleness_limit < self.total_groups)
 
     def room(self) -> int:
         """Groups that may be admitted now."""
