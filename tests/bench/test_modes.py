@@ -14,6 +14,7 @@ from rollstream.bench.modes import (
     main,
     merge_repeats,
     mode_configs,
+    ratio_by_seed,
     run_order,
 )
 
@@ -78,6 +79,7 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["async_best_async_config"] != "sync"
     assert written["async_best_share_of_bound"] > 0 and written["async_partial_vs_drain"] > 0
     assert written["samples_per_s_run_to_run"] == {}  # quick: every row runs once
+    assert written["async_partial_vs_drain_by_seed"] == {}
     assert set(written["probe"]["tok_s_by_batch"]) == {"1", "4", "16", "64"}
     sem = written["staleness_semantics"]  # each semantics has its row, the base's headlines
     assert set(sem) == {"drop", "mask", "admission"}
@@ -129,3 +131,6 @@ def test_a_row_run_with_two_seeds_reports_the_mean_of_its_runs():
     assert (row["partial_rollout"], row["max_token_age"], row["steps"]) == (True, None, 16)
     assert [r["seed"] for r in row["repeats"]] == [0, 1]
     assert merge_repeats([run(0, 16.0, 1000, 0.03)]) == run(0, 16.0, 1000, 0.03)
+    partial = merge_repeats([run(0, 16.0, 1000, 0.03), run(1, 16.0, 1000, 0.03)])
+    assert ratio_by_seed(partial, row) == {"0": 1.0, "1": 1.25}  # seed by seed, not the means
+    assert ratio_by_seed(partial, run(0, 16.0, 1000, 0.03)) == {}  # a row run once: none

@@ -186,6 +186,13 @@ def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def ratio_by_seed(row: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    """Trained samples/s of ``row`` ÷ ``other``, seed by seed, over the seeds both ran."""
+    theirs = {r["seed"]: r["trained_samples_per_s"] for r in other.get("repeats", [])}
+    return {str(r["seed"]): r["trained_samples_per_s"] / theirs[r["seed"]]
+            for r in row.get("repeats", []) if r["seed"] in theirs}
+
+
 def _mean(values: list[Any]) -> Any:
     """The mean of numbers, key by key of dicts; anything else (or numbers all equal) as the
     first value."""
@@ -394,6 +401,7 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
     share_of_bound = rows[best_async]["trained_tok_s"] / sync["trained_tok_s"] / bound
     partial_vs_drain = (head["trained_samples_per_s"]
                         / rows[DRAIN_PAIR]["trained_samples_per_s"])
+    by_seed = ratio_by_seed(head, rows[DRAIN_PAIR])
     # each row's two runs apart (the same settings): how far one run's samples/s is noise
     spread = {label: abs(a - b) / statistics.fmean((a, b)) for label, row in rows.items()
               if len(r := row.get("repeats", [])) == 2
@@ -436,6 +444,7 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "async_best_share_of_bound": share_of_bound,
         # partial rollout vs drain at the same k (trained samples/s)
         "async_partial_vs_drain": partial_vs_drain,
+        "async_partial_vs_drain_by_seed": by_seed,
         # (|run 1 - run 2| / mean) of the rows run twice: the noise a single ratio carries
         "samples_per_s_run_to_run": spread,
         # trained samples/s with the trainer in its own process over the same row's with the

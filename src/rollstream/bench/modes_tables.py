@@ -92,6 +92,9 @@ def print_tables(result: dict[str, Any]) -> None:
         f"(x{result['async_bound_vs_sync']:.2f} vs sync); {HEADLINE_ASYNC} vs {DRAIN_PAIR}: "
         f"trained samples/s x{result['async_partial_vs_drain']:.2f}, reward "
         f"{result['reward_partial_minus_drain']:+.3f}")
+    if by_seed := result["async_partial_vs_drain_by_seed"]:
+        console.print(f"{HEADLINE_ASYNC} vs {DRAIN_PAIR} per seed: "
+                      + ", ".join(f"seed {seed} x{x:.2f}" for seed, x in by_seed.items()))
     if spread := result["samples_per_s_run_to_run"]:
         console.print("two runs of one row apart (samples/s, |1 - 2| / mean): "
                       + ", ".join(f"{label} {x:.1%}" for label, x in spread.items()))
