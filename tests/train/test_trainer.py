@@ -294,11 +294,13 @@ def test_first_update_equals_a_separate_proximal_pass(
 
 
 def test_a_compiled_policy_trains_as_the_eager_one(tiny_model_path: Path) -> None:
-    """``compile: true`` is a speed setting: the same logprobs, loss, gradients and update as
-    eager (up to float rounding), with micro-batches of several shapes sharing its graphs."""
+    """``compile: true`` is a speed setting: the same logprobs, loss and gradients as eager (up
+    to float rounding), with micro-batches of several shapes sharing its graphs. (Gradients,
+    not weights after AdamW: its first steps move a near-zero gradient's weight by ~lr either
+    way, so rounding can flip them; see the test above.)"""
     from torch._dynamo.utils import counters
 
-    cfg = TrainConfig(lr=1e-2, micro_batch_tokens=16, updates_per_step=2)
+    cfg = TrainConfig(lr=1e-2, micro_batch_tokens=16, updates_per_step=1)
     eager = Trainer(cfg, tiny_model_path, staleness=SYNC)
     compiled = Trainer(cfg.model_copy(update={"compile": True}), tiny_model_path,
                        staleness=SYNC)
@@ -308,14 +310,11 @@ def test_a_compiled_policy_trains_as_the_eager_one(tiny_model_path: Path) -> Non
     got = compiled.logprobs(samples)
     for a, b in zip(got, eager.logprobs(samples)):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
-    for step in range(2):
-        want = eager.step(groups, step=step).metrics
-        have = compiled.step(groups, step=step).metrics
-        for key in ("loss", "grad_norm", "num_tokens", "clip_frac"):
-            assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    want = eager.step(groups, step=0).metrics
+    have = compiled.step(groups, step=0).metrics
+    for key in ("loss", "grad_norm", "num_tokens", "clip_frac"):
+        assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     assert counters["stats"]["unique_graphs"] > graphs  # dynamo did compile the policy
-    # 4 AdamW updates of about lr = 1e-2 each: rounding moves a near-zero gradient's update a
-    # little (see the test above), so the weights agree to 1% of one update
-    want_params = dict(eager.model.named_parameters())
-    for name, param in compiled.model.named_parameters():
-        torch.testing.assert_close(param, want_params[name], rtol=1e-4, atol=1e-4)
+    want_grads = {name: p.grad for name, p in eager.model.named_parameters()}
+    for name, param in compiled.model.named_parameters():  # the update's clipped gradients
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
