@@ -70,8 +70,8 @@ def test_cross_field_check():
                                                             "rollout.mode = sync"]),
         (["rollout.mode=one_step", "rollout.max_staleness=0"], ["rollout.max_staleness = 0",
                                                                 "rollout.mode = one_step"]),
-        (["rollout.partial_rollout=false", "rollout.on_update=continue"],
-         ["rollout.on_update = continue", "rollout.partial_rollout = false"]),
+        (["rollout.partial_rollout=false"],  # the field on_update replaced: its new spelling
+         ["rollout: partial_rollout was replaced by on_update", "false is on_update: drain"]),
         (["rollout.max_staleness=1", "train.max_token_age=2"],
          ["train.max_token_age = 2", "rollout.max_staleness = 1"]),
         (["rollout.mode=sync", "train.max_token_age=1"], ["train.max_token_age = 1",
@@ -105,7 +105,7 @@ def test_contradicting_or_untrainable_settings_fail_at_load_naming_both(override
 def test_consistent_settings_load():
     load_config(None, ["rollout.mode=sync", "rollout.max_staleness=0"])  # agrees with the mode
     load_config(None, ["rollout.mode=sync"])  # the async default is not a contradiction
-    load_config(None, ["rollout.partial_rollout=false"])
+    load_config(None, ["rollout.on_update=drain"])
     load_config(None, ["rollout.group_size=1", "rollout.filter_zero_variance=false"])
     cfg = load_config(None, ["rollout.dispatch=fifo", "rollout.concurrency=adaptive",
                              "rollout.concurrency_window_tokens=512",
@@ -117,7 +117,10 @@ def test_consistent_settings_load():
     load_config(None, ["rollout.max_context_age=4"])  # admission semantics (AReaL's)
     load_config(None, ["sampling.temperature=0.7", "eval.temperature=0"])
     load_config(EXAMPLES / "tick.yaml", ["rollout.mode=sync"])  # the README's override
-    load_config(EXAMPLES / "tick.yaml", ["rollout.partial_rollout=false"])
+    for example in ("tick.yaml", "tick_long.yaml"):  # the README's overrides
+        for on_update in ("interrupt", "continue", "drain"):
+            cfg = load_config(EXAMPLES / example, [f"rollout.on_update={on_update}"])
+            assert cfg.rollout.on_update == on_update
 
 
 def test_a_source_reward_contradicting_reward_name_is_an_error_naming_both():

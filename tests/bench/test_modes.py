@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from rollstream.bench.modes import (
     merge_repeats,
     mode_configs,
     ratio_by_seed,
+    row_config,
     run_order,
 )
 
@@ -66,7 +68,8 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert all(r > 0 for r in written["trainer_process_vs_thread"].values())
     assert written["rows"]["sync"]["max_staleness"] == 0
     assert written["rows"]["async_k4_drain"]["max_staleness"] == 4
-    assert not written["rows"]["async_k4_drain"]["partial_rollout"]
+    assert written["rows"]["async_k4_drain"]["on_update"] == "drain"
+    assert written["rows"][HEADLINE_ASYNC]["on_update"] == "continue"  # tick_long.yaml's
     assert written["probe"]["saturated_tok_s"] > 0
     assert math.isfinite(written["engine_utilization_async"])
     head, probe = written["rows"][HEADLINE_ASYNC], written["probe"]
@@ -103,6 +106,24 @@ def test_bench_config_is_an_option_of_modes_only(capsys):
     assert "--config is an option of `modes` only" in capsys.readouterr().err
 
 
+def test_rows_take_the_base_on_update_and_drain_rows_drain():
+    """Partial rows keep the base YAML's partial-rollout policy (interrupt when it drains);
+    drain rows drain; every row loads over both examples without a contradiction."""
+    def on_update(base: str) -> dict[str, str]:
+        return {label: dict(s.split("=", 1) for s in row)["rollout.on_update"]
+                for label, row in mode_configs("admission", base)}
+
+    for base, partial in (("continue", "continue"), ("interrupt", "interrupt"),
+                          ("drain", "interrupt")):
+        rows = on_update(base)
+        assert {rows[x] for x in rows if "drain" in x} == {"drain"}
+        assert {rows[x] for x in rows if "drain" not in x} == {partial}, base
+    for example in ("examples/tick.yaml", "examples/tick_long.yaml"):
+        for label, row in mode_configs("admission", "continue"):
+            cfg = row_config(Path(example), [], row)
+            assert cfg.rollout.on_update == ("drain" if "drain" in label else "continue")
+
+
 def test_the_pair_partial_rollout_is_judged_by_runs_twice_around_the_others():
     """Full runs: sync, the headline and its drain pair run first and again last in mirrored
     order (A B C ... C B A), every other row once."""
@@ -119,7 +140,7 @@ def test_a_row_run_with_two_seeds_reports_the_mean_of_its_runs():
         return {"seed": seed, "train_wall_s": wall, "trained_samples_per_s": 2048 / wall,
                 "trained_tok_s": 1.0, "gen_tok_s": gen / wall, "generated_tokens": gen,
                 "reward_final": 0.5 + seed / 10, "reward_final_se": se, "runq_share": 0.0,
-                "partial_rollout": True, "max_token_age": None, "steps": 16,
+                "on_update": "continue", "max_token_age": None, "steps": 16,
                 "tokens": {"generated": gen, "kept": 100}, "threads": {"engine": {"run": seed}}}
 
     row = merge_repeats([run(0, 16.0, 1000, 0.03), run(1, 20.0, 3000, 0.04)])
@@ -128,7 +149,7 @@ def test_a_row_run_with_two_seeds_reports_the_mean_of_its_runs():
     assert row["threads"] == {"engine": {"run": 0.5}}
     assert row["reward_final"] == pytest.approx(0.55)
     assert row["reward_final_se"] == pytest.approx(0.025)  # of the mean of two runs
-    assert (row["partial_rollout"], row["max_token_age"], row["steps"]) == (True, None, 16)
+    assert (row["on_update"], row["max_token_age"], row["steps"]) == ("continue", None, 16)
     assert [r["seed"] for r in row["repeats"]] == [0, 1]
     assert merge_repeats([run(0, 16.0, 1000, 0.03)]) == run(0, 16.0, 1000, 0.03)
     partial = merge_repeats([run(0, 16.0, 1000, 0.03), run(1, 16.0, 1000, 0.03)])

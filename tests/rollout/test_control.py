@@ -32,7 +32,7 @@ def _cli(*args: str) -> tuple[int, str]:
 
 
 def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
-    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, partial=True, on_update="continue"),
+    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, on_update="continue"),
                     train=TrainConfig(steps=30, groups_per_step=2))
     policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
     seen: dict = {}

@@ -44,22 +44,20 @@ def _reward(task: Task, text: str) -> float:
     return float(len(text) % 3 == 0)
 
 
-def rollout_cfg(*, mode: str, k: int, partial: bool, on_update: str, **extra) -> RolloutConfig:
+def rollout_cfg(*, mode: str, k: int, on_update: str, **extra) -> RolloutConfig:
     """The rollout section as a user would write it: no setting the mode contradicts."""
-    kw = dict(mode=mode, partial_rollout=partial, group_size=3, **extra)
+    kw = dict(mode=mode, on_update=on_update, group_size=3, **extra)
     if mode == "async":
         kw["max_staleness"] = k
-    if partial:
-        kw["on_update"] = on_update
     return RolloutConfig(**kw)
 
 
-def run_controller(tmp_path, *, mode: str, k: int, partial: bool, on_update: str, seed: int,
+def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
                    steps: int = 6, num_engines: int = 2, max_token_age: int | None = None,
                    engines=None, reward=_reward, max_wall_s: float | None = None,
                    **rollout_extra):
     cfg = RunConfig(
-        rollout=rollout_cfg(mode=mode, k=k, partial=partial, on_update=on_update,
+        rollout=rollout_cfg(mode=mode, k=k, on_update=on_update,
                             **rollout_extra),
         train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
         max_wall_s=max_wall_s,
@@ -112,18 +110,18 @@ def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
-       on_update=st.sampled_from(["interrupt", "continue"]),
+@given(seed=st.integers(0, 10_000), k=st.integers(0, 3),
+       on_update=st.sampled_from(["interrupt", "continue", "drain"]),
        max_token_age=st.sampled_from([None, 0, 1, 2, 3]),
        context_extra=st.sampled_from([None, 0, 1, 2]))
-def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, partial, on_update,
+def test_staleness_bound_and_exactly_once_async(tmp_path_factory, seed, k, on_update,
                                                 max_token_age, context_extra):
     """Every semantics (drop, mask, admission: max_context_age = k + context_extra, or its
     default 2k when None) keeps its written bounds and exactly-once recording."""
     assume(max_token_age is None or max_token_age <= k)  # else a config error (test_config)
     tmp = tmp_path_factory.mktemp("run")
     extra = {} if context_extra is None else {"max_context_age": k + context_extra}
-    loop, res, ledger, trainer = run_controller(tmp, mode="async", k=k, partial=partial,
+    loop, res, ledger, trainer = run_controller(tmp, mode="async", k=k,
                                                 on_update=on_update, seed=seed,
                                                 max_token_age=max_token_age, **extra)
     check_invariants(tmp, loop, res, ledger, trainer, k, max_token_age)
@@ -140,7 +138,7 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
         for seed in (11, 12, 13):
             tmp = tmp_path_factory.mktemp("run")
             loop, res, ledger, trainer = run_controller(
-                tmp, mode="async", k=1, partial=True, on_update="continue", seed=seed,
+                tmp, mode="async", k=1, on_update="continue", seed=seed,
                 steps=20, max_token_age=max_token_age, **extra)
             check_invariants(tmp, loop, res, ledger, trainer, 1, max_token_age)
             rows += read_ledger(tmp / "ledger.jsonl")
@@ -170,7 +168,7 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sync_mode_is_exactly_on_policy(tmp_path, seed):
-    loop, res, ledger, trainer = run_controller(tmp_path, mode="sync", k=0, partial=True,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="sync", k=0,
                                                on_update="interrupt", seed=seed)
     check_invariants(tmp_path, loop, res, ledger, trainer, 0)
     rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
@@ -184,8 +182,8 @@ def test_sync_mode_is_exactly_on_policy(tmp_path, seed):
 
 
 def test_one_step_overlaps_by_one_version(tmp_path):
-    loop, res, ledger, trainer = run_controller(tmp_path, mode="one_step", k=1, partial=False,
-                                               on_update="interrupt", seed=3, steps=8)
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="one_step", k=1,
+                                               on_update="drain", seed=3, steps=8)
     check_invariants(tmp_path, loop, res, ledger, trainer, 1)
     rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
     assert any(r["trained_at_step"] - r["min_version"] == 1 for r in rows)
@@ -198,7 +196,7 @@ def test_partial_rollout_interrupts_and_keeps_versions(tmp_path):
         engines.extend(RandomEngine(4 + i, engine_id=f"rand-{i}") for i in range(2))
         return engines
 
-    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=3, partial=True,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=3,
                                                 on_update="interrupt", seed=4, steps=8,
                                                 engines=make)
     check_invariants(tmp_path, loop, res, ledger, trainer, 3)
@@ -224,7 +222,7 @@ def test_a_dying_loop_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CountingTrainer, "step", boom)
     with pytest.raises(BaseExceptionGroup) as info:
-        run_controller(tmp_path, mode="async", k=2, partial=True, on_update="interrupt", seed=5)
+        run_controller(tmp_path, mode="async", k=2, on_update="interrupt", seed=5)
     assert "trainer exploded at step 2" in str(info.value.exceptions)
 
 
@@ -234,7 +232,7 @@ def test_adaptive_concurrency_keeps_the_invariants_through_weight_updates(tmp_pa
     engine got a controller. (These fake engines have unbounded capacity, so the limit does
     not bind here; test_dispatch_queue.py shows it binding on real engines.)"""
     loop, res, ledger, trainer = run_controller(
-        tmp_path, mode="async", k=1, partial=True, on_update="interrupt", seed=5, steps=6,
+        tmp_path, mode="async", k=1, on_update="interrupt", seed=5, steps=6,
         dispatch="fifo", concurrency="adaptive", concurrency_window_tokens=64)
     check_invariants(tmp_path, loop, res, ledger, trainer, 1)
     queue = loop.dispatcher.queue

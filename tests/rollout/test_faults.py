@@ -31,7 +31,7 @@ def test_a_dying_engine_loses_no_token_and_duplicates_no_sample(tmp_path):
                         RandomEngine(8, "rand-1")])
         return engines
 
-    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=2, partial=True,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=2,
                                                 on_update="continue", seed=7, steps=8,
                                                 engines=make)
     check_invariants(tmp_path, loop, res, ledger, trainer, 2)
@@ -54,7 +54,7 @@ def test_all_engines_dead_stops_the_run_with_the_cause(tmp_path):
                 RandomEngine(2, "rand-1", die_after_tokens=60)]
 
     t0 = time.perf_counter()
-    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=1, partial=True,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=1,
                                                 on_update="interrupt", seed=1, steps=50,
                                                 engines=make)
     assert time.perf_counter() - t0 < 30
@@ -69,7 +69,7 @@ def test_all_engines_dead_stops_the_run_with_the_cause(tmp_path):
 
 def _stalled(tmp_path, **kw):
     t0 = time.perf_counter()
-    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=1, partial=True,
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=1,
                                                 on_update="interrupt", seed=3, steps=20,
                                                 max_untrainable_streak=12, **kw)
     wall = time.perf_counter() - t0
@@ -105,7 +105,7 @@ def test_a_low_trainable_share_stops_the_run(tmp_path):
 
     t0 = time.perf_counter()
     loop, res, ledger, trainer = run_controller(
-        tmp_path, mode="async", k=1, partial=True, on_update="interrupt", seed=3, steps=40,
+        tmp_path, mode="async", k=1, on_update="interrupt", seed=3, steps=40,
         reward=reward, min_trainable_share=0.5, trainable_share_window=12)
     assert res.stalled and time.perf_counter() - t0 < 30
     assert res.stop_reason.startswith("only ")
@@ -115,7 +115,7 @@ def test_a_low_trainable_share_stops_the_run(tmp_path):
 def test_max_wall_s_ends_a_run_whose_engines_never_finish(tmp_path):
     t0 = time.perf_counter()
     loop, res, ledger, trainer = run_controller(
-        tmp_path, mode="async", k=1, partial=True, on_update="interrupt", seed=3, steps=5,
+        tmp_path, mode="async", k=1, on_update="interrupt", seed=3, steps=5,
         engines=lambda: [RandomEngine(1, hang=True)], max_wall_s=1.0)
     assert 0.9 < time.perf_counter() - t0 < 10
     assert res.stop_reason == "max_wall_s = 1 s reached" and not res.stalled

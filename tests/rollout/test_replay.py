@@ -73,7 +73,7 @@ def test_pool_prefers_the_least_stale_and_bounds_itself_by_the_policy():
 
 
 def _take_loop(tmp_path):
-    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=2, partial=True, on_update="continue",
+    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=2, on_update="continue",
                                         replay=REPLAY),
                     train=TrainConfig(steps=1, groups_per_step=4))
     policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
@@ -115,7 +115,7 @@ def _events(tmp_path):
 
 def test_a_run_records_each_sample_once_plus_its_replays(tmp_path):
     loop, res, ledger, trainer = run_controller(
-        tmp_path, mode="async", k=2, partial=True, on_update="continue", seed=4, steps=8,
+        tmp_path, mode="async", k=2, on_update="continue", seed=4, steps=8,
         engines=lambda: [RandomEngine(i, engine_id=f"rand-{i}", max_delay_s=0.004)
                          for i in range(2)], replay=REPLAY)
     assert res.steps_done == 8 and not ledger.unfinished()
@@ -140,7 +140,7 @@ def test_a_run_records_each_sample_once_plus_its_replays(tmp_path):
 @pytest.mark.parametrize("lost", [0, 2])
 def test_resume_keeps_the_replay_pool_and_its_uses(tmp_path, lost):
     cfg, snap, res, ledger, trainer, _ = run_with_resume(
-        tmp_path, k=2, partial=True, on_update="continue", seed=11, steps=8, resume_at=3,
+        tmp_path, k=2, on_update="continue", seed=11, steps=8, resume_at=3,
         lost=lost, max_token_age=None, replay=REPLAY)
     assert res.steps_done == 8 and not ledger.unfinished()
     assert "replay_pool" in snap and "replay_lines" in snap

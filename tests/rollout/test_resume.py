@@ -58,14 +58,14 @@ def _loop(cfg, *, seed, ledger, tasks, trainer, start_step=0):
     return loop, graders
 
 
-def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: int,
+def run_with_resume(tmp: Path, *, k: int, on_update: str, seed: int,
                     steps: int, resume_at: int, lost: int, max_token_age: int | None,
                     max_context_age: int | None = None, replay: dict | None = None):
     extra = {} if max_context_age is None else {"max_context_age": max_context_age}
     if replay is not None:
         extra["replay"] = replay
     cfg = RunConfig(
-        rollout=rollout_cfg(mode="async", k=k, partial=partial, on_update=on_update, **extra),
+        rollout=rollout_cfg(mode="async", k=k, on_update=on_update, **extra),
         train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
     )
     path = tmp / "ledger.jsonl"
@@ -106,11 +106,11 @@ def run_with_resume(tmp: Path, *, k: int, partial: bool, on_update: str, seed: i
 
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), k=st.integers(0, 3), partial=st.booleans(),
-       on_update=st.sampled_from(["interrupt", "continue"]),
+@given(seed=st.integers(0, 10_000), k=st.integers(0, 3),
+       on_update=st.sampled_from(["interrupt", "continue", "drain"]),
        max_token_age=st.sampled_from([None, 0, 1, 2]), resume_at=st.integers(1, 5),
        lost=st.integers(0, 2), context_extra=st.sampled_from([None, 0, 1, 2]))
-def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, partial, on_update,
+def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, on_update,
                                                  max_token_age, resume_at, lost, context_extra):
     """Each staleness semantics (drop, mask, admission) keeps its bounds across a resume."""
     assume(max_token_age is None or max_token_age <= k)
@@ -118,7 +118,7 @@ def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, part
     tmp = tmp_path_factory.mktemp("run")
     h = None if context_extra is None else k + context_extra  # None: the default 2k
     cfg, snap, res, ledger, trainer, tasks = run_with_resume(
-        tmp, k=k, partial=partial, on_update=on_update, seed=seed, steps=steps,
+        tmp, k=k, on_update=on_update, seed=seed, steps=steps,
         resume_at=resume_at, lost=lost, max_token_age=max_token_age, max_context_age=h)
     policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
     assert res.steps_done == steps
@@ -161,7 +161,7 @@ def test_a_partial_sample_continues_across_a_resume(tmp_path):
     """Slow engines and a snapshot mid-generation: some saved sample has tokens, and its
     ledger line says how many it carried over."""
     _, snap, _, _, trainer, _ = run_with_resume(
-        tmp_path, k=2, partial=True, on_update="continue", seed=5, steps=6, resume_at=2,
+        tmp_path, k=2, on_update="continue", seed=5, steps=6, resume_at=2,
         lost=1, max_token_age=None)
     partial = [s for g in snap["live"] for s in g["samples"]
                if s["status"] == "interrupted" and s["segments"]]
@@ -175,7 +175,7 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
     still holding their tokens, so the stop's snapshot saves them; only then are they
     recorded ABORTED. A resume with working engines supersedes those lines, continues the
     samples from their tokens and finishes every step: nothing the dead engines made is lost."""
-    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, partial=True, on_update="continue"),
+    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, on_update="continue"),
                     train=TrainConfig(steps=4, groups_per_step=2))
     path = tmp_path / "ledger.jsonl"
     policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)

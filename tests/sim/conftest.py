@@ -18,7 +18,7 @@ def small() -> Scenario:
             {"name": "k3_partial", "mode": "async", "max_staleness": 3},
             {"name": "k2_continue", "mode": "async", "max_staleness": 2,
              "on_update": "continue"},
-            {"name": "k2_drain", "mode": "async", "max_staleness": 2, "partial_rollout": False},
+            {"name": "k2_drain", "mode": "async", "max_staleness": 2, "on_update": "drain"},
             {"name": "k2_mask", "mode": "async", "max_staleness": 2, "max_token_age": 1},
             {"name": "k1_admission", "mode": "async", "max_staleness": 1, "max_context_age": 3},
         ],

@@ -5,9 +5,9 @@
 Configs, run one after another from the same warm-started weights (the base YAML's model
 and task; the cached warm start) and trained on the same number of samples (``steps`` x 16
 groups x 8): ``sync`` (staleness 0: partial rollout on/off is the same schedule there, so it
-runs once), ``one_step`` and ``async`` with k = 1, 2, 4, each with partial rollout on (the
-base YAML's ``on_update``: interrupt and resume, or continue in place) and off (drain before
-the swap). ``one_step`` is staleness 1, the same
+runs once), ``one_step`` and ``async`` with k = 1, 2, 4, each with partial rollout (the
+base YAML's ``on_update``: interrupt and resume, or continue in place) and with
+``on_update: drain`` (finish on the old weights). ``one_step`` is staleness 1, the same
 controller settings as ``async k=1``: the two differ only by run-to-run noise, which is what
 their difference measures. Every row follows the base YAML's staleness rule at its own k.
 Two more rows compare the staleness semantics for a long sample at async k=2 with partial
@@ -114,22 +114,25 @@ FULL = Sizes(steps=16, num_eval=128, samples_per_task=4, saturate_s=20.0, probe_
 QUICK = Sizes(steps=2, num_eval=8, samples_per_task=1, saturate_s=2.0, probe_steps=1)
 
 
-def mode_configs(base_rule: str = "admission") -> list[tuple[str, list[str]]]:
+def mode_configs(base_rule: str = "admission",
+                 base_on_update: str = "interrupt") -> list[tuple[str, list[str]]]:
     """(label, overrides) of every benchmarked config. ``base_rule``: the staleness rule of
     the base YAML (the headline row's); every row follows it at its own staleness bound k
-    (``max_token_age`` k, ``max_context_age`` 2k or k), so a row's bounds mean the same."""
+    (``max_token_age`` k, ``max_context_age`` 2k or k), so a row's bounds mean the same.
+    ``base_on_update``: the base YAML's ``rollout.on_update``; the partial rows use it (the
+    library default, interrupt, when the base drains) and the drain rows ``drain``."""
     def bounds(k: int) -> list[str]:
         return rule_settings(base_rule, k)
 
-    out = [("sync", ["rollout.mode=sync", "rollout.partial_rollout=true", *bounds(0)])]
-    for partial in (True, False):
-        tag = "partial" if partial else "drain"
+    partial = base_on_update if base_on_update != "drain" else "interrupt"
+    out = [("sync", ["rollout.mode=sync", f"rollout.on_update={partial}", *bounds(0)])]
+    for tag, on_update in (("partial", partial), ("drain", "drain")):
         out.append((f"one_step_{tag}",
-                    ["rollout.mode=one_step", f"rollout.partial_rollout={partial}", *bounds(1)]))
+                    ["rollout.mode=one_step", f"rollout.on_update={on_update}", *bounds(1)]))
         for k in (1, 2, 4):
             out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
-                                              f"rollout.partial_rollout={partial}", *bounds(k)]))
-    k2 = ["rollout.mode=async", "rollout.max_staleness=2", "rollout.partial_rollout=true"]
+                                              f"rollout.on_update={on_update}", *bounds(k)]))
+    k2 = ["rollout.mode=async", "rollout.max_staleness=2", f"rollout.on_update={partial}"]
     for rule in STALENESS_RULES:  # the other two staleness semantics
         if rule != base_rule:
             out.append((f"{HEADLINE_ASYNC}_{rule}", [*k2, *rule_settings(rule, 2)]))
@@ -141,18 +144,14 @@ def mode_configs(base_rule: str = "admission") -> list[tuple[str, list[str]]]:
 
 def row_config(config: Path, common: Sequence[str], row: Sequence[str]) -> RunConfig:
     """The base YAML with ``common`` and then a row's overrides applied. A row sets the mode
-    and partial rollout itself, so the base's settings they would contradict (its
-    ``max_staleness`` under sync/one_step, its ``on_update`` without partial rollout) are
-    taken out first: the row replaces them, it does not contradict them."""
+    itself, so the base's ``max_staleness``, which sync and one_step would contradict, is
+    taken out first for them: the row replaces it, it does not contradict it."""
     data = yaml.safe_load(Path(config).read_text()) or {}
     for item in common:
         apply_override(data, item)
     settings = dict(item.split("=", 1) for item in row)
-    rollout = data.setdefault("rollout", {})
     if settings.get("rollout.mode") in ("sync", "one_step"):
-        rollout.pop("max_staleness", None)
-    if str(settings.get("rollout.partial_rollout")).lower() == "false":
-        rollout.pop("on_update", None)
+        data.setdefault("rollout", {}).pop("max_staleness", None)
     for item in row:
         apply_override(data, item)
     return validate(data)
@@ -349,7 +348,8 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     print(f"bench modes: probing the engine's saturated rate ({sizes.saturate_s:.0f} s) ...",
           flush=True)
     probed = probe(cfg0, folder, saturate_s=sizes.saturate_s, probe_steps=sizes.probe_steps)
-    modes = dict(mode_configs(StalenessPolicy.from_config(base.rollout, base.train).rule))
+    modes = dict(mode_configs(StalenessPolicy.from_config(base.rollout, base.train).rule,
+                              base.rollout.on_update))
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, label in enumerate(run_order(quick, modes)):
         print(f"bench modes: {label} ...", flush=True)
@@ -357,7 +357,6 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         cfg = row_config(config, common, [*modes[label], f"name={label}-{i}", f"seed={seed}"])
         runs.setdefault(label, []).append(
             {"seed": seed, "max_staleness": cfg.rollout.staleness_bound,
-             "partial_rollout": cfg.rollout.partial_rollout,
              "on_update": cfg.rollout.on_update, "kv_on_load": cfg.engine.local.kv_on_load,
              "max_token_age": cfg.train.max_token_age,
              "staleness_rule": StalenessPolicy.from_config(cfg.rollout, cfg.train).rule,

@@ -76,7 +76,7 @@ def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
     rewards = [m["reward_mean"] for m in metrics if m.get("kind") == "train"]
     return {
         "config": f"{cfg.rollout.mode} k={cfg.rollout.max_staleness} "
-                  f"partial={cfg.rollout.partial_rollout}",
+                  f"on_update={cfg.rollout.on_update}",
         "steps": row["steps"],
         "trained_samples": row["trained_samples"],
         "train_wall_s": row["train_wall_s"],

@@ -46,6 +46,7 @@ class SamplingConfig(Section):
     """Response length cap."""
 
 
+OnUpdate = Literal["interrupt", "continue", "drain"]  # rollout.on_update, WeightSync's policy
 _MODE_K = {"sync": 0, "one_step": 1}  # mode -> staleness bound; async: max_staleness
 
 
@@ -64,13 +65,23 @@ class RolloutConfig(Section):
     masked or not (>= the staleness bound k; null = 2k with ``train.max_token_age``, else k).
     Above k without max_token_age: k bounds admission only and long samples are trained
     whole up to this age (AReaL's semantics; the README's staleness table)."""
-    partial_rollout: bool = True
-    """On a weight update, interrupt in-flight samples and resume them on the new weights
-    (keeping their tokens) instead of letting them finish on the old ones."""
-    on_update: Literal["interrupt", "continue"] = "interrupt"
-    """With partial_rollout: ``interrupt`` (abort at a token boundary and resubmit prompt +
-    partial) or ``continue`` (keep the request, later tokens carry the new version). Setting
-    it with ``partial_rollout: false`` is an error (in-flight samples drain instead)."""
+    on_update: OnUpdate = "interrupt"
+    """What in-flight samples do when new weights load. Partial rollout: ``interrupt`` (abort
+    at a token boundary and resume prompt + partial on the new weights) or ``continue`` (the
+    request goes on in place; later tokens carry the new version; engine.local.kv_on_load
+    says whether its cache is recomputed). ``drain``: in-flight samples finish on the old
+    weights before the new ones load. Tokens always keep the version that sampled them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data):
+        if isinstance(data, dict) and "partial_rollout" in data:
+            raise ValueError(
+                "partial_rollout was replaced by on_update (allowed: interrupt, continue, "
+                "drain): partial_rollout: false is on_update: drain; true is interrupt or "
+                "continue")
+        return data
+
     group_size: int = Field(8, ge=1)
     """Samples per task (the GRPO group)."""
     dispatch: Literal["engine", "fifo", "longest_first"] = "engine"
@@ -386,11 +397,6 @@ def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
         raise ValueError(
             f"rollout.max_staleness = {r.max_staleness} contradicts rollout.mode = {r.mode} "
             f"(which means max_staleness {_MODE_K[r.mode]}); use mode: async to choose the bound"
-        )
-    if "on_update" in set_ and not r.partial_rollout:
-        raise ValueError(
-            f"rollout.on_update = {r.on_update} contradicts rollout.partial_rollout = false "
-            "(without partial rollout in-flight samples drain on the old weights); drop one"
         )
     if r.prefix_affinity and r.dispatch != "engine":
         raise ValueError(

@@ -35,7 +35,7 @@ from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
 from rollstream.runtime.placement import TimeShare, placed_engine, placed_train
 from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
-from rollstream.sync.weights import WeightSync, sync_policy
+from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import SINGLE_TURN
 
 if TYPE_CHECKING:
@@ -202,8 +202,8 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         metrics.record("phase", version, {"sync_s": sync_s})
         rollout.on_version(version)
 
-    policy = sync_policy(cfg.rollout.partial_rollout, cfg.rollout.on_update)
-    sync = WeightSync(engines, dispatcher, policy, on_applied, version=start_step, clock=clock)
+    sync = WeightSync(engines, dispatcher, cfg.rollout.on_update, on_applied,
+                      version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
         print(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s",

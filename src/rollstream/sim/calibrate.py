@@ -241,8 +241,9 @@ def replay_scenario(record: RunRecord, profile: str) -> Scenario:
     """The scenario that simulates ``record``'s run: its one mode, on ``profile`` (a path or
     a built-in name), replaying its ledger."""
     cfg, ro = record.config, record.config["rollout"]
-    mode = ModeConfig(name=ro["mode"], mode=ro["mode"], partial_rollout=ro["partial_rollout"],
-                      on_update=ro["on_update"], max_context_age=ro.get("max_context_age"),
+    on_update = ro["on_update"] if ro.get("partial_rollout", True) else "drain"  # older runs
+    mode = ModeConfig(name=ro["mode"], mode=ro["mode"], on_update=on_update,
+                      max_context_age=ro.get("max_context_age"),
                       max_staleness=ro["max_staleness"] if ro["mode"] == "async" else None,
                       max_token_age=cfg["train"].get("max_token_age"))
     return Scenario(name=f"replay-{cfg['name']}", seed=cfg["seed"], profile=profile,

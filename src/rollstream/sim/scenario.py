@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollstream.config import RolloutConfig, RunConfig, TrainConfig
 from rollstream.config.early_stop import EarlyStopConfig
+from rollstream.config.schema import OnUpdate
 from rollstream.config.loader import (
     ConfigError,
     read_yaml_mapping,
@@ -122,10 +123,9 @@ class ModeConfig(_Section):
     """rollout.mode of the run."""
     max_staleness: int | None = Field(None, ge=0)
     """rollout.max_staleness (async only; null: the library default)."""
-    partial_rollout: bool = True
-    """rollout.partial_rollout: interrupt and resume on a weight update (off: drain)."""
-    on_update: Literal["interrupt", "continue"] | None = None
-    """rollout.on_update with partial rollout (null: the library default, interrupt)."""
+    on_update: OnUpdate | None = None
+    """rollout.on_update: ``interrupt`` or ``continue`` (partial rollout) or ``drain`` on a
+    weight update (null: the library default, interrupt)."""
     max_context_age: int | None = Field(None, ge=0)
     """rollout.max_context_age (null: the library default; above the staleness bound: the
     ``admission`` rule, samples trained whole up to this age)."""
@@ -175,9 +175,9 @@ class Scenario(_Section):
     ``workload``)."""
     modes: tuple[ModeConfig, ...] = (
         ModeConfig(name="sync", mode="sync"),
-        ModeConfig(name="one_step", mode="one_step", partial_rollout=False),
+        ModeConfig(name="one_step", mode="one_step", on_update="drain"),
         ModeConfig(name="async_k2_partial", mode="async", max_staleness=2),
-        ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, partial_rollout=False),
+        ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, on_update="drain"),
     )
     """The modes to compare, in table order (the first is the baseline of the ratios)."""
 
@@ -199,8 +199,8 @@ class Scenario(_Section):
 
 def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunConfig:
     """The RunConfig of one mode: the real config rules check the combination."""
-    rollout = {"mode": mode.mode, "partial_rollout": mode.partial_rollout,
-               "group_size": sc.group_size, "filter_zero_variance": sc.filter_zero_variance,
+    rollout = {"mode": mode.mode, "group_size": sc.group_size,
+               "filter_zero_variance": sc.filter_zero_variance,
                # a long simulated run must not stop for a streak of filtered groups
                "max_untrainable_streak": 1 << 30, "min_trainable_share": 0.0}
     if mode.max_staleness is not None:

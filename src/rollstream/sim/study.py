@@ -40,8 +40,7 @@ from rollstream.sim.run import simulate_mode
 from rollstream.sim.scenario import ModeConfig, Scenario, load_scenario
 
 STUDY_MODES = (ModeConfig(name="sync", mode="sync"),
-               ModeConfig(name="async_k2_drain", mode="async", max_staleness=2,
-                          partial_rollout=False),
+               ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, on_update="drain"),
                ModeConfig(name="async_k2_partial", mode="async", max_staleness=2))
 
 # (system, what, figure, how) from WORKLOADS.md, as their authors report them

@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rollstream.clock import Clock, WallClock
+from rollstream.config.schema import OnUpdate
 from rollstream.engine.protocol import Engine, EngineHealth, Restartable
 
 if TYPE_CHECKING:
     import torch
-
-Policy = Literal["interrupt", "continue", "drain"]
-
 
 class Gate(Protocol):
     """What weight sync needs of the dispatcher."""
@@ -54,18 +52,12 @@ class Gate(Protocol):
         """Return once no request is in flight."""
 
 
-def sync_policy(partial_rollout: bool, on_update: Policy) -> Policy:
-    """The policy a rollout config means: partial rollout interrupts or continues in place;
-    without it, in-flight samples drain on the old weights."""
-    return on_update if partial_rollout else "drain"
-
-
 class WeightSync:
     def __init__(
         self,
         engines: Sequence[Engine],
         gate: Gate,
-        policy: Policy,
+        policy: OnUpdate,
         on_applied: Callable[[int, float], Awaitable[None] | None],
         *,
         version: int = 0,
