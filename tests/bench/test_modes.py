@@ -71,6 +71,16 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert written["rows"]["async_k4_drain"]["on_update"] == "drain"
     assert written["rows"][HEADLINE_ASYNC]["on_update"] == "continue"  # tick_long.yaml's
     assert written["probe"]["saturated_tok_s"] > 0
+    # each row's share of the bound, a product of its two factors (rows run once: exactly)
+    shares, by = written["share_of_bound"], written["async_bound_by"]
+    assert set(shares) == set(written["rows"]) and by in ("trainer", "generation")
+    assert shares[written["async_best_async_config"]]["share"] == \
+        written["async_best_share_of_bound"]
+    for s in shares.values():
+        product = (s["trainer_stepping"] / s["trainer_cost_per_token_vs_sync"]
+                   if by == "trainer" else
+                   s["engine_rate_vs_best"] * s["trained_per_generated_vs_sync"])
+        assert product == pytest.approx(s["share"], rel=1e-9)
     assert math.isfinite(written["engine_utilization_async"])
     head, probe = written["rows"][HEADLINE_ASYNC], written["probe"]
     assert written["engine_utilization_async_contended"] == pytest.approx(

@@ -54,7 +54,8 @@ Two upper bounds come with the ratios: ``async_ceiling_vs_sync`` (a step no shor
 trainer step) and ``async_bound_vs_sync`` (nor shorter than generating sync's tokens per
 trained step at the best rate the engine showed): what any scheduler could gain over ``sync``
 on this engine, whose tokens/s saturates at a small batch (the probe's ``tok_s_by_batch``), so
-that a long tail of few running requests costs a synchronous step little.
+that a long tail of few running requests costs a synchronous step little. ``share_of_bound``
+gives each row's share of the bound as a product of two factors (``bench/modes_bound.py``).
 
 A benchmark measures; it does not assert. The machine is shared: the JSON records the load
 average, and only ratios within one run mean much.
@@ -77,6 +78,7 @@ from typing import Any
 
 import yaml
 
+from rollstream.bench.modes_bound import machine_bound, share_of_bound
 from rollstream.bench.probe import ThreadMeter, probe
 from rollstream.config import RunConfig, apply_override, load_config, validate
 from rollstream.rollout.staleness import StalenessPolicy, context_age
@@ -386,18 +388,12 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
     # Both headline rewards are means of two runs, so their difference has the spread of one run
     noise_runs = 2 * (sd_runs := reward_run_to_run_sd(rows))
     noise = max(noise_eval, noise_runs)
-    # If generation cost nothing and overlapped fully, a step would last one trainer step.
-    sync_step_s = sync["train_wall_s"] / sync["steps"]
-    ceiling = sync_step_s / sync["trainer_step_s"]
-    # Nor can a step be shorter than generating its tokens: sync's generated tokens per trained
-    # step (filtered groups included) at the best rate the engine showed in this bench.
-    best_rate = max(probed["saturated_tok_s"], *(r["gen_tok_s"] for r in rows.values()))
-    gen_step_s = sync["generated_tokens"] / sync["steps"] / best_rate
-    bound = sync_step_s / max(sync["trainer_step_s"], gen_step_s)
+    b = machine_bound(rows, probed["saturated_tok_s"])  # the most any scheduler could gain
+    shares = {label: share_of_bound(row, sync, b) for label, row in rows.items()}
     best = max(rows, key=lambda label: rows[label]["trained_tok_s"])
     best_async = max((label for label in rows if label != "sync"),
                      key=lambda label: rows[label]["trained_tok_s"])
-    share_of_bound = rows[best_async]["trained_tok_s"] / sync["trained_tok_s"] / bound
+    best_share = shares[best_async]["share"]
     partial_vs_drain = (head["trained_samples_per_s"]
                         / rows[DRAIN_PAIR]["trained_samples_per_s"])
     by_seed = ratio_by_seed(head, rows[DRAIN_PAIR])
@@ -434,13 +430,16 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "async_partial_vs_sync_throughput": ratio,
         "async_partial_vs_sync_samples_per_s": head["trained_samples_per_s"]
         / sync["trained_samples_per_s"],
-        "async_ceiling_vs_sync": ceiling,
-        "async_bound_vs_sync": bound,
+        "async_ceiling_vs_sync": b.ceiling,
+        "async_bound_vs_sync": b.bound,
+        "async_bound_by": b.bound_by,
         "async_best_config": best,
         "async_best_vs_sync_throughput": rows[best]["trained_tok_s"] / sync["trained_tok_s"],
         # judged against this machine's own bound (machines differ)
         "async_best_async_config": best_async,
-        "async_best_share_of_bound": share_of_bound,
+        "async_best_share_of_bound": best_share,
+        # each row's share and the two factors it is the product of (bench/modes_bound.py)
+        "share_of_bound": shares,
         # partial rollout vs drain at the same k (trained samples/s)
         "async_partial_vs_drain": partial_vs_drain,
         "async_partial_vs_drain_by_seed": by_seed,
@@ -481,7 +480,7 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
             "engine_utilization_async_contended_ge_0.85": util_contended >= 0.85,
             "reward_async_within_noise_of_sync": abs(diff) <= noise,
             "async_partial_vs_drain_ge_1": partial_vs_drain >= 1.0,
-            "async_best_share_of_bound_ge_0.9": share_of_bound >= 0.9,
+            "async_best_share_of_bound_ge_0.9": best_share >= 0.9,
         },
     }
 

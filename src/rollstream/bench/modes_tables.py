@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.bench.modes import DRAIN_PAIR, HEADLINE_ASYNC
+from rollstream.bench.modes_bound import factors_line
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -92,6 +93,9 @@ def print_tables(result: dict[str, Any]) -> None:
         f"(x{result['async_bound_vs_sync']:.2f} vs sync); {HEADLINE_ASYNC} vs {DRAIN_PAIR}: "
         f"trained samples/s x{result['async_partial_vs_drain']:.2f}, reward "
         f"{result['reward_partial_minus_drain']:+.3f}")
+    shares = result["share_of_bound"]
+    for label in dict.fromkeys((result["async_best_async_config"], HEADLINE_ASYNC, DRAIN_PAIR)):
+        console.print(factors_line(label, shares[label]))
     if by_seed := result["async_partial_vs_drain_by_seed"]:
         console.print(f"{HEADLINE_ASYNC} vs {DRAIN_PAIR} per seed: "
                       + ", ".join(f"seed {seed} x{x:.2f}" for seed, x in by_seed.items()))
