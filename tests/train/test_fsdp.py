@@ -69,24 +69,30 @@ def _rank(rank: int, world: int, store: str, model_path: Path, out: Path) -> Non
     for name, cfg in CONFIGS.items():
         trainer = RankTrainer(cfg, model_path, rank=rank, world_size=world, staleness=STALE1)
         res = trainer.step(batch(), step=1)
-        grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
-        results[name] = (res, grads, trainer.state_dict())
+        grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+                 for n, p in trainer.model.named_parameters()}
+        sharded = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        results[name] = (res, grads, trainer.state_dict(), sharded)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
-def test_two_ranks_match_the_single_process_trainer(tiny_model_path: Path,
-                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [1, WORLD])
+def test_ranks_match_the_single_process_trainer(tiny_model_path: Path, tmp_path: Path,
+                                                world: int) -> None:
+    """Two ranks, and one: the trainer in a process of its own, its parameters plain (one
+    rank has nothing to shard with)."""
     out = tmp_path / "ranks.pt"
-    mp.spawn(_rank, args=(WORLD, str(tmp_path / "store"), tiny_model_path, out), nprocs=WORLD)
+    mp.spawn(_rank, args=(world, str(tmp_path / "store"), tiny_model_path, out), nprocs=world)
     ranks = torch.load(out, weights_only=False)
     for name, cfg in CONFIGS.items():
         local = Trainer(cfg, tiny_model_path, staleness=STALE1)
         assert len(local._micro_batches(
-            [s for g in batch() for s in g.samples])) % WORLD == 1  # one rank pads
+            [s for g in batch() for s in g.samples])) % WORLD == 1  # with two: one rank pads
         want = local.step(batch(), step=1)
-        got, grads, weights = ranks[name]
+        got, grads, weights, sharded = ranks[name]
+        assert sharded == (world > 1)
         for key in ("loss", "grad_norm", "kl", "clip_frac", "is_weight_mean", "entropy",
                     "is_masked_frac", "num_tokens", "num_samples"):
             assert math.isclose(got.metrics[key], want.metrics[key], rel_tol=LOSS_RTOL,
