@@ -15,13 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollstream.config import RolloutConfig, RunConfig, TrainConfig
 from rollstream.config.early_stop import EarlyStopConfig
-from rollstream.config.schema import OnUpdate
 from rollstream.config.loader import (
     ConfigError,
     read_yaml_mapping,
     validate_model,
     validation_problems,
 )
+from rollstream.config.schema import OnUpdate
 
 
 class _Section(BaseModel):
