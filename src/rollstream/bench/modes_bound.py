@@ -24,9 +24,8 @@ from typing import Any
 @dataclass(frozen=True)
 class Bound:
     ceiling: float  # sync step ÷ sync trainer step
-    gen_step_s: float  # sync's generated tokens per step at the best rate
     best_rate: float  # tok/s: the probe's saturated rate or any row's, the higher
-    bound: float  # sync step ÷ max(trainer step, gen_step_s)
+    bound: float  # sync step ÷ max(trainer step, sync's generated tokens a step ÷ best_rate)
     bound_by: str  # "trainer" or "generation"
 
 
@@ -37,8 +36,8 @@ def machine_bound(rows: dict[str, dict[str, Any]], saturated_tok_s: float) -> Bo
     best_rate = max(saturated_tok_s, *(r["gen_tok_s"] for r in rows.values()))
     gen_step_s = sync["generated_tokens"] / sync["steps"] / best_rate
     by_trainer = sync["trainer_step_s"] >= gen_step_s
-    return Bound(ceiling=sync_step_s / sync["trainer_step_s"], gen_step_s=gen_step_s,
-                 best_rate=best_rate, bound=sync_step_s / max(sync["trainer_step_s"], gen_step_s),
+    return Bound(ceiling=sync_step_s / sync["trainer_step_s"], best_rate=best_rate,
+                 bound=sync_step_s / max(sync["trainer_step_s"], gen_step_s),
                  bound_by="trainer" if by_trainer else "generation")
 
 
