@@ -15,6 +15,8 @@ tensor ops per layer): fused q|k|v and gate|up matmuls; the residual add folded 
 leave it side by side for the one cache write; decode attention as ``baddbmm`` (mask added)
 + softmax + ``bmm`` over views of the cache rows up to the longest live row, which beats
 SDPA on CPU at these shapes; per-step tables (rope, mask, cache index) built once per step.
+The layers and the logits run as one TorchScript function (``_run``, scripted by ``jit.py``):
+the same ops, without taking the GIL back after each of them.
 
 Deliberately simplified: no paged KV blocks (a slot owns a whole row of ``max_seq_len``), no
 prefix caching, no CUDA graphs or torch.compile.
@@ -23,12 +25,12 @@ prefix caching, no CUDA graphs or torch.compile.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from rollstream.engine.local.jit import scripted
 from rollstream.engine.local.weights import ModelSpec, Weights
 
 
@@ -123,48 +125,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
-
-
-def _residual(
-    x: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None
-) -> torch.Tensor:
-    out = torch.addmm(x, a, w_t)
-    return out if b is None else out.add_(b)
-
-
-def _layers(
-    spec: ModelSpec,
-    w: Weights,
-    cache: KVCache,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    write: torch.Tensor,
-    attend: Callable[[int, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Every decoder layer on x [T, hidden]; ``attend(i, qkv [T, heads + 2 kv_heads, d])``
-    returns [T, q_size]. Keys/values go to the cache rows ``write`` first."""
-    t, h, d = x.shape[0], spec.num_heads, spec.head_dim
-    norm_shape, eps = (spec.hidden_size,), spec.rms_norm_eps
-    for i, lw in enumerate(w.layers):
-        a = F.rms_norm(x, norm_shape, lw.ln_attn, eps)
-        qkv = _linear(a, lw.qkv_t, lw.qkv_b).view(t, -1, d)
-        qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
-        cache.flat[i].index_copy_(0, write, qkv[:, h:].reshape(-1, d))
-        x = _residual(x, attend(i, qkv), lw.o_t, lw.o_b)
-        a = F.rms_norm(x, norm_shape, lw.ln_mlp, eps)
-        gate, up = _linear(a, lw.gate_up_t, lw.gate_up_b).chunk(2, dim=-1)
-        x = _residual(x, F.silu(gate).mul_(up), lw.down_t, lw.down_b)
-    return x
-
-
-def _logits(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    x = F.rms_norm(x, (spec.hidden_size,), w.norm, spec.rms_norm_eps)
-    return torch.mm(x, w.lm_head_t).float()
-
-
 @dataclass(slots=True, kw_only=True)
 class DecodeRows:
     """One new token for each of the live rows 0..n-1, attending over the cache."""
@@ -196,78 +156,143 @@ def forward(
     """One forward pass over decode rows and packed prompts together (either may be None):
     the matmuls of every layer run once over all their tokens, attention separately (decode
     rows over the cache, prompts over themselves). Returns logits [n + m, vocab]: the decode
-    rows' next tokens, then each prompt's last token (None when there are none)."""
+    rows' next tokens, then each prompt's last token (None when there are none).
+
+    The per-step tables are built here; the layers run in one TorchScript call (``jit.py``)."""
     parts = [p for p in (decode, prompts) if p is not None]
     if not parts:
         raise ValueError("forward needs decode rows or prompts")
     pos = torch.cat([p.pos for p in parts]) if len(parts) == 2 else parts[0].pos
     tokens = torch.cat([p.tokens for p in parts]) if len(parts) == 2 else parts[0].tokens
     cos, sin = rope.tables(pos)
-    attends, writes = [], []
+    n, longest, spans, bias, writes = 0, 0, [], None, []
     if decode is not None:
-        n = decode.tokens.shape[0]
-        attends.append((n, _decode_attention(spec, cache, decode, cos.dtype)))
+        n, kvh = decode.tokens.shape[0], spec.num_kv_heads
+        longest = max(length for _, _, length in decode.chunks)
+        rows_pos = decode.pos.repeat_interleave(kvh)[:, None]
+        visible = torch.arange(longest, device=pos.device) <= rows_pos
+        bias = torch.where(visible, 0.0, -math.inf).to(cos.dtype)[:, None]  # [n * kvh, 1, L]
+        spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in decode.chunks]
         writes.append((cache.base[:n] + decode.pos[:, None, None]).view(-1))
+    mask, last = None, None
     if prompts is not None:
-        attends.append((prompts.tokens.shape[0], _prompt_attention(spec, prompts, cos.dtype)))
+        visible = ((prompts.rows[:, None] == prompts.rows[None, :])
+                   & (prompts.pos[None, :] <= prompts.pos[:, None]))  # [T, T]
+        mask = torch.where(visible, 0.0, -math.inf).to(cos.dtype)
         writes.append(cache.write_index(prompts.rows, prompts.pos))
-
-    def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-        if len(attends) == 1:
-            return attends[0][1](i, qkv)
-        (n, first), (_, second) = attends
-        return torch.cat((first(i, qkv[:n]), second(i, qkv[n:])))
-
+        if prompts.last is not None:
+            last = prompts.last + n
     write = torch.cat(writes) if len(writes) == 2 else writes[0]
-    x = _layers(spec, w, cache, F.embedding(tokens, w.embed), cos, sin, write, attend)
-    picks = []
-    if decode is not None:
-        picks.append(x[: decode.tokens.shape[0]])
-    if prompts is not None and prompts.last is not None:
-        offset = 0 if decode is None else decode.tokens.shape[0]
-        picks.append(x[prompts.last + offset])
-    if not picks:
+    return scripted(_run)(
+        tokens, w.embed, w.matrices, w.biases, w.norm, w.lm_head_t, cos, sin, cache.kv,
+        cache.flat, write, n, longest, bias, spans, mask, last,
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+
+
+def _run(
+    tokens: torch.Tensor,
+    embed: torch.Tensor,
+    matrices: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    norm: torch.Tensor,
+    lm_head_t: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    flat: list[torch.Tensor],
+    write: torch.Tensor,
+    n: int,
+    longest: int,
+    bias: torch.Tensor | None,
+    spans: list[tuple[int, int, int]],
+    mask: torch.Tensor | None,
+    last: torch.Tensor | None,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> torch.Tensor | None:
+    """Every decoder layer over the first ``n`` tokens (decode rows: attention over the cache,
+    per span of rows over the span's own length) and the rest (packed prompts: attention over
+    themselves under ``mask``); keys and values go to the cache rows ``write`` first. Returns
+    the logits of the decode rows and of the prompt tokens ``last``."""
+    x = torch.embedding(embed, tokens)
+    t, d, hidden = x.shape[0], head_dim, [x.shape[1]]
+    for i in range(len(flat)):
+        m, b = 6 * i, 4 * i  # (ln_attn, qkv, o, ln_mlp, gate_up, down), their biases
+        a = torch.rms_norm(x, hidden, matrices[m], eps)
+        qkv = _linear(a, matrices[m + 1], biases[b]).view(t, -1, d)
+        qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
+        flat[i].index_copy_(0, write, qkv[:, heads:].reshape(-1, d))
+        if n == 0:
+            attended = _prompt_attention(qkv, mask, heads, kv_heads)
+        elif n == t:
+            attended = _decode_attention(qkv, kv[i], bias, spans, longest, heads, kv_heads)
+        else:
+            attended = torch.cat((
+                _decode_attention(qkv[:n], kv[i], bias, spans, longest, heads, kv_heads),
+                _prompt_attention(qkv[n:], mask, heads, kv_heads)))
+        x = _residual(x, attended, matrices[m + 2], biases[b + 1])
+        a = torch.rms_norm(x, hidden, matrices[m + 3], eps)
+        gate_up = _linear(a, matrices[m + 4], biases[b + 2])
+        half = gate_up.shape[-1] // 2
+        gated = F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+        x = _residual(x, gated, matrices[m + 5], biases[b + 3])
+    picks: list[torch.Tensor] = []
+    if n > 0:
+        picks.append(x[:n])
+    if last is not None:
+        picks.append(x.index_select(0, last))
+    if len(picks) == 0:
         return None
-    return _logits(spec, w, torch.cat(picks) if len(picks) == 2 else picks[0])
+    x = picks[0] if len(picks) == 1 else torch.cat(picks)
+    return torch.mm(torch.rms_norm(x, hidden, norm, eps), lm_head_t).float()
+
+
+def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if b is None:
+        return torch.mm(x, w_t)
+    return torch.addmm(b, x, w_t)
+
+
+def _residual(
+    x: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    out = torch.addmm(x, a, w_t)
+    if b is None:
+        return out
+    return out.add_(b)
 
 
 def _decode_attention(
-    spec: ModelSpec, cache: KVCache, d: DecodeRows, dtype: torch.dtype
-) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """Attention of one new token per row over the cache rows 0..n-1, per chunk of rows
-    over each chunk's own longest row (one long row does not make every row pay)."""
-    n, kvh, hd, h = d.tokens.shape[0], spec.num_kv_heads, spec.head_dim, spec.num_heads
-    group, scale = h // kvh, 1.0 / math.sqrt(hd)
-    longest = max(length for _, _, length in d.chunks)
-    visible = torch.arange(longest, device=d.pos.device) <= d.pos.repeat_interleave(kvh)[:, None]
-    bias = torch.where(visible, 0.0, -math.inf).to(dtype)[:, None]  # [n * kvh, 1, L]
-    window = cache.kv[:, :, : n * kvh, :longest]  # [layers, 2, n * kvh, L, d] view
-    keys_t = window[:, 0].transpose(-1, -2).unbind(0)  # per layer [n * kvh, d, L]
-    values = window[:, 1].unbind(0)  # per layer [n * kvh, L, d]
-    spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in d.chunks]
-
-    def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-        q = qkv[:, :h].reshape(n * kvh, group, hd)  # q heads grouped by their kv head
-        out = []
-        for a, b, length in spans:
-            s = torch.baddbmm(bias[a:b, :, :length], q[a:b], keys_t[i][a:b, :, :length],
-                              alpha=scale)
-            out.append(torch.bmm(s.softmax(dim=-1), values[i][a:b, :length]))
-        return (out[0] if len(out) == 1 else torch.cat(out)).view(n, -1)
-
-    return attend
+    qkv: torch.Tensor,
+    kv: torch.Tensor,
+    bias: torch.Tensor | None,
+    spans: list[tuple[int, int, int]],
+    longest: int,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """Attention of one new token per row over the cache rows 0..n-1 of one layer's ``kv``,
+    per span of (row, kv head) rows over the span's own longest row (one long row does not
+    make every row pay)."""
+    assert bias is not None
+    n, d = qkv.shape[0], qkv.shape[-1]
+    group, scale = heads // kv_heads, 1.0 / math.sqrt(d)
+    window = kv[:, : n * kv_heads, :longest]  # [2, n * kvh, L, d] view
+    keys_t, values = window[0].transpose(-1, -2), window[1]
+    q = qkv[:, :heads].reshape(n * kv_heads, group, d)  # q heads grouped by their kv head
+    out: list[torch.Tensor] = []
+    for a, b, length in spans:
+        s = torch.baddbmm(bias[a:b, :, :length], q[a:b], keys_t[a:b, :, :length], alpha=scale)
+        out.append(torch.bmm(s.softmax(dim=-1), values[a:b, :length]))
+    return (out[0] if len(out) == 1 else torch.cat(out)).view(n, -1)
 
 
 def _prompt_attention(
-    spec: ModelSpec, p: PackedPrompts, dtype: torch.dtype
-) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    t, h, kvh = p.tokens.shape[0], spec.num_heads, spec.num_kv_heads
-    visible = (p.rows[:, None] == p.rows[None, :]) & (p.pos[None, :] <= p.pos[:, None])  # [T, T]
-    mask = torch.where(visible, 0.0, -math.inf).to(dtype)
-
-    def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = qkv.transpose(0, 1)[None].split([h, kvh, kvh], dim=1)  # [1, heads, T, d]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(t, -1)
-
-    return attend
+    qkv: torch.Tensor, mask: torch.Tensor | None, heads: int, kv_heads: int
+) -> torch.Tensor:
+    t = qkv.shape[0]
+    q, k, v = qkv.transpose(0, 1)[None].split([heads, kv_heads, kv_heads], dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(t, -1)

@@ -4,7 +4,8 @@ All per-row state lives in preallocated device tensors indexed by cache row (liv
 ``0..n-1``): the token history, the logprob of every sampled token, the row length, its
 length limit, its stop ids and its sampling parameters. A decode step is then a fixed number
 of tensor ops whatever the batch size: gather the last tokens, run the model, sample, write
-token and logprob back, and test every row for a stop token or the length limit at once.
+token and logprob back, and test every row for a stop token or the length limit at once. The
+model and the sampling with its bookkeeping are two TorchScript calls (``jit.py``).
 Sampled tokens stay on the device; the host reads a row's tokens once, when it finishes.
 A numpy mirror of the row lengths sizes the attention window without a device sync.
 
@@ -29,7 +30,8 @@ import torch
 
 from rollstream.engine.local import model
 from rollstream.engine.local.model import KVCache, Rope
-from rollstream.engine.local.sampler import Sampler, SamplingRows
+from rollstream.engine.local.jit import scripted
+from rollstream.engine.local.sampler import Sampler, sample, truncation
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import ModelSpec, Weights
 
@@ -197,26 +199,17 @@ class ModelRunner:
         return order.tolist()
 
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
-        r = self.rows
-        pos = r.length[lo:hi]  # where the sampled tokens go (a view: used before the += 1)
-        sampling = SamplingRows(
-            inv_temp=r.inv_temp[lo:hi],
-            top_p=r.top_p[lo:hi],
-            top_k=r.top_k[lo:hi],
-            key=r.key[lo:hi],
-            greedy=r.greedy[lo:hi],
-            any_sampled=bool(self.sampled_host[lo:hi].any()),
-            any_greedy=not self.sampled_host[lo:hi].all(),
-            any_truncated=bool(self.truncated_host[lo:hi].any()),
-        )
-        tokens, logprobs = self.sampler(logits, sampling, pos)
-        flat = self.row_base[lo:hi] + pos
-        r.tokens.view(-1).index_copy_(0, flat, tokens)
-        r.logprobs.view(-1).index_copy_(0, flat, logprobs)
-        r.length[lo:hi] += 1
+        r, sampled = self.rows, self.sampled_host[lo:hi]
+        any_sampled = bool(sampled.any())
+        keep = None
+        if any_sampled and self.truncated_host[lo:hi].any():
+            keep = truncation(logits, r.inv_temp[lo:hi], r.top_p[lo:hi], r.top_k[lo:hi])
+        done = scripted(sample_and_record)(
+            logits, r.tokens, r.logprobs, r.length, r.limit, r.stop, self.row_base, r.inv_temp,
+            r.key, r.greedy, self.sampler.vocab_hash, lo, hi, any_sampled,
+            not sampled.all(), keep)
         self.length_host[lo:hi] += 1
-        done = (r.length[lo:hi] >= r.limit[lo:hi]) | (tokens[:, None] == r.stop[lo:hi]).any(dim=-1)
-        return (done.nonzero()[:, 0] + lo).tolist()
+        return done.tolist()
 
     # ---- rows --------------------------------------------------------------------------
     def _set_params(self, lo: int, seqs: list[Sequence]) -> None:
@@ -279,6 +272,37 @@ SORT_EVERY = 4  # decode steps between two checks of whether regrouping the rows
 SORT_HORIZON = 16  # steps a regrouping is counted to save work for (rows finish and drift)
 MOVE_COST = 4  # attention work (positions x rows) that copying one cache position costs
 SORT_FIXED = 2000  # the same for a regrouping's fixed cost (row state copies, indexing)
+
+
+def sample_and_record(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    length: torch.Tensor,
+    limit: torch.Tensor,
+    stop: torch.Tensor,
+    row_base: torch.Tensor,
+    inv_temp: torch.Tensor,
+    key: torch.Tensor,
+    greedy: torch.Tensor,
+    vocab_hash: torch.Tensor,
+    lo: int,
+    hi: int,
+    any_sampled: bool,
+    any_greedy: bool,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """Sample a token for rows lo..hi-1 from their ``logits``, write it and its logprob at
+    the row's length, count it; returns the rows that finished (stop token or length limit)."""
+    pos = length[lo:hi]  # where the sampled tokens go (a view: used before the add_)
+    new, logp = sample(logits, inv_temp[lo:hi], key[lo:hi], greedy[lo:hi], pos, vocab_hash,
+                       any_sampled, any_greedy, keep)
+    flat = row_base[lo:hi] + pos
+    tokens.view(-1).index_copy_(0, flat, new)
+    logprobs.view(-1).index_copy_(0, flat, logp)
+    length[lo:hi].add_(1)
+    done = (length[lo:hi] >= limit[lo:hi]) | (new[:, None] == stop[lo:hi]).any(dim=-1)
+    return done.nonzero()[:, 0] + lo
 
 
 def _chunks(lengths: np.ndarray) -> list[tuple[int, int, int]]:

@@ -24,23 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
+from rollstream.engine.local.jit import scripted
 from rollstream.ops.truncation import top_k_top_p_keep
 
 _M32 = 0xFFFFFFFF
 
 
-def mix32(x: torch.Tensor | int) -> torch.Tensor | int:
-    """lowbias32 integer hash of values in [0, 2**32): Python ints or int64 tensors."""
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash of int64 values in [0, 2**32), elementwise."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32  # may wrap past 2**63; the low 32 bits stay exact
+    x = (x * 0x846CA68B) & 0xFFFFFFFF  # may wrap past 2**63; the low 32 bits stay exact
     return x ^ (x >> 16)
 
 
 def seed_key(seed: int) -> int:
     """A request seed (any int) as a 32-bit hash key."""
-    return mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
+    high = mix32(torch.tensor(((seed >> 32) & _M32) ^ 0x9E3779B9))
+    return int(mix32((seed & _M32) ^ high))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -68,28 +70,53 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [n, V] float32, pos [n] position of the token being sampled.
         Returns token ids [n] int64 and their logprobs [n] float32."""
-        if not rows.any_sampled:
-            tokens = logits.argmax(dim=-1)
-            return tokens, _gathered(logits.log_softmax(dim=-1), tokens)
-        scaled = logits * rows.inv_temp[:, None]
-        if rows.any_truncated:
-            keep = top_k_top_p_keep(scaled, rows.top_p, rows.top_k)
-            scaled = scaled.masked_fill(~keep, -torch.inf)
-        tokens = (scaled + self._gumbel(rows.key, pos)).argmax(dim=-1)
-        logp = _gathered(scaled.log_softmax(dim=-1), tokens)
-        if rows.any_greedy:  # greedy rows: the argmax, and the plain (untruncated) logprob
-            greedy_tokens = logits.argmax(dim=-1)
-            tokens = torch.where(rows.greedy, greedy_tokens, tokens)
-            plain = _gathered(logits.log_softmax(dim=-1), greedy_tokens)
-            logp = torch.where(rows.greedy, plain, logp)
-        return tokens, logp
+        keep = None
+        if rows.any_sampled and rows.any_truncated:
+            keep = truncation(logits, rows.inv_temp, rows.top_p, rows.top_k)
+        return scripted(sample)(logits, rows.inv_temp, rows.key, rows.greedy, pos,
+                                self.vocab_hash, rows.any_sampled, rows.any_greedy, keep)
 
-    def _gumbel(self, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # key and vocab_hash are already mixed; one more round over [n, V] decorrelates them
-        row_key = key ^ ((pos * 0x9E3779B1) & _M32)  # [n]
-        h = mix32(row_key[:, None] ^ self.vocab_hash)  # [n, V]
-        u = (h >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))  # uniform in (0, 1)
-        return u.log_().neg_().log_().neg_()
+
+def truncation(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor,
+               top_k: torch.Tensor) -> torch.Tensor:
+    """[n, V] bool: the tokens each row may draw under its temperature, top-k and top-p."""
+    return top_k_top_p_keep(logits * inv_temp[:, None], top_p, top_k)
+
+
+def sample(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    key: torch.Tensor,
+    greedy: torch.Tensor,
+    pos: torch.Tensor,
+    vocab_hash: torch.Tensor,
+    any_sampled: bool,
+    any_greedy: bool,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and logprobs of every row (``keep``: the truncation mask, if any)."""
+    if not any_sampled:
+        tokens = logits.argmax(dim=-1)
+        return tokens, _gathered(logits.log_softmax(dim=-1), tokens)
+    scaled = logits * inv_temp[:, None]
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    tokens = (scaled + _gumbel(key, pos, vocab_hash)).argmax(dim=-1)
+    logp = _gathered(scaled.log_softmax(dim=-1), tokens)
+    if any_greedy:  # greedy rows: the argmax, and the plain (untruncated) logprob
+        greedy_tokens = logits.argmax(dim=-1)
+        tokens = torch.where(greedy, greedy_tokens, tokens)
+        plain = _gathered(logits.log_softmax(dim=-1), greedy_tokens)
+        logp = torch.where(greedy, plain, logp)
+    return tokens, logp
+
+
+def _gumbel(key: torch.Tensor, pos: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    # key and vocab_hash are already mixed; one more round over [n, V] decorrelates them
+    row_key = key ^ ((pos * 0x9E3779B1) & 0xFFFFFFFF)  # [n]
+    h = mix32(row_key[:, None] ^ vocab_hash)  # [n, V]
+    u = (h >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))  # uniform in (0, 1)
+    return u.log_().neg_().log_().neg_()
 
 
 def _gathered(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,10 @@ class Weights:
     lm_head_t: torch.Tensor  # [hidden, vocab]; a view of embed when tied
     hf_views: dict[str, torch.Tensor]  # HF name -> view into the tensors above
     optional: frozenset[str]  # HF names a state dict may omit (tied lm_head)
+    # the layers as the scripted forward takes them (model._run): per layer ln_attn, qkv_t,
+    # o_t, ln_mlp, gate_up_t, down_t, and the biases qkv_b, o_b, gate_up_b, down_b
+    matrices: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
 
     @classmethod
     def allocate(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
@@ -183,6 +187,9 @@ class Weights:
             lm_head_t=lm_head.t(),
             hf_views=views,
             optional=optional,
+            matrices=[t for lw in layers for t in (lw.ln_attn, lw.qkv_t, lw.o_t, lw.ln_mlp,
+                                                    lw.gate_up_t, lw.down_t)],
+            biases=[b for lw in layers for b in (lw.qkv_b, lw.o_b, lw.gate_up_b, lw.down_b)],
         )
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,96 @@
+"""The local engine's steps run as TorchScript (engine/local/jit.py): the same numbers as the
+same ops run eagerly, and almost no tensor op left in Python, where each one would take the
+GIL back (and wait for it while another thread of the process runs Python)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rollstream.engine.local import jit, model, runner, sampler
+from rollstream.engine.local.runner import ModelRunner
+from rollstream.engine.local.sampler import seed_key
+from rollstream.engine.local.scheduler import Sequence
+from rollstream.engine.local.weights import load_folder
+from rollstream.engine.protocol import GenerateRequest, SamplingParams
+
+
+class _Count(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called from Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _runner(folder) -> ModelRunner:
+    spec, weights = load_folder(folder, torch.device("cpu"), torch.float32)
+    return ModelRunner(spec, weights, max_rows=16, max_seq_len=64, device=torch.device("cpu"),
+                       dtype=torch.float32)
+
+
+def _seqs(n: int, first: int, **params) -> list[Sequence]:
+    rng = random.Random(first)
+    out = []
+    for i in range(first, first + n):
+        prompt = [rng.randrange(90) for _ in range(rng.randint(3, 12))]
+        req = GenerateRequest(request_id=f"r{i}", prompt_ids=prompt,
+                              params=SamplingParams(max_new_tokens=40, seed=i, **params))
+        out.append(Sequence(request=req, max_new_tokens=40, seed_key=seed_key(i),
+                            future=concurrent.futures.Future()))
+    return out
+
+
+def _steps(folder, **params) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Rows admitted by a prefill, decoded, joined by fused prefills, decoded: every row's
+    tokens and logprobs, and the steps' finished rows."""
+    r = _runner(folder)
+    done = [r.prefill(_seqs(5, 0, **params))]
+    for step in range(12):
+        done.append(r.decode(_seqs(2, 10 + step, **params) if step in (3, 7) else []))
+    n = r.num_rows
+    return done, r.rows.tokens[:n].clone(), r.rows.logprobs[:n].clone()
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.0},
+                                    {"temperature": 0.8, "top_p": 0.9, "top_k": 20}])
+def test_scripted_steps_give_what_the_same_ops_give_eagerly(tiny_model_dir, monkeypatch, params):
+    scripted = _steps(tiny_model_dir, **params)
+    for module in (model, runner, sampler):
+        monkeypatch.setattr(module, "scripted", lambda fn: fn)  # the eager ops
+    eager = _steps(tiny_model_dir, **params)
+    assert scripted[0] == eager[0]
+    assert torch.equal(scripted[1], eager[1])
+    assert torch.allclose(scripted[2], eager[2], atol=1e-6, rtol=0)
+
+
+def test_a_decode_step_leaves_few_tensor_ops_in_python(tiny_model_dir, monkeypatch):
+    def count() -> int:
+        r = _runner(tiny_model_dir)
+        r.prefill(_seqs(8, 0, temperature=1.0))
+        r.decode()  # scripted once before counting
+        with _Count() as c:
+            r.decode()
+        return c.calls
+
+    scripted = count()
+    for module in (model, runner, sampler):
+        monkeypatch.setattr(module, "scripted", lambda fn: fn)
+    eager = count()
+    # the counter sees every op of an eager step (two layers here: ~25 ops each, plus
+    # attention, sampling and bookkeeping); scripted, the step is a handful of table ops
+    assert eager > 100
+    assert scripted <= 30, f"{scripted} tensor ops of a decode step run in Python"
+
+
+def test_scripting_is_once_per_function():
+    assert jit.scripted(sampler.sample) is jit.scripted(sampler.sample)
+    assert isinstance(jit.scripted(model._run), torch.jit.ScriptFunction)
