@@ -59,10 +59,6 @@ class KVCache:
             kv=kv, flat=[layer.view(-1, spec.head_dim) for layer in kv], base=base, kv_heads=kvh
         )
 
-    def write_index(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Flat cache rows for the k|v of tokens at (rows, pos), ordered (token, k|v, head)."""
-        return (self.base[rows] + pos[:, None, None]).view(-1)
-
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor) -> None:
         """Copy the first ``lengths[i]`` positions of slot ``src[i]`` into slot ``dst[i]``,
         every layer, keys and values: each row only as far as it holds (a long row moved
@@ -105,12 +101,6 @@ class Rope:
         is_v = torch.arange(heads, device=device)[:, None] >= spec.num_heads + spec.num_kv_heads
         return cls(cos=cos.to(device, dtype), sin=sin.to(device, dtype), is_v=is_v)
 
-    def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for tokens at ``pos``: [T, heads + 2 * kv_heads, head_dim]."""
-        cos = torch.where(self.is_v, 1.0, self.cos[pos][:, None])
-        sin = torch.where(self.is_v, 0.0, self.sin[pos][:, None])
-        return cos, sin
-
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     # transformers' _compute_llama3_parameters, step for step
@@ -127,10 +117,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 @dataclass(slots=True, kw_only=True)
 class DecodeRows:
-    """One new token for each of the live rows 0..n-1, attending over the cache."""
+    """One new token for each of the live rows 0..n-1, attending over the cache: the input of
+    row i is its last token, ``history[i, length[i] - 1]``."""
 
-    tokens: torch.Tensor  # [n] the last token of each row
-    pos: torch.Tensor  # [n] its position
+    history: torch.Tensor  # [rows, max_seq_len] token ids of every row
+    length: torch.Tensor  # [rows] tokens each row holds
     chunks: list[tuple[int, int, int]]  # (first row, end row, attention length), covering 0..n-1
 
 
@@ -158,35 +149,83 @@ def forward(
     rows over the cache, prompts over themselves). Returns logits [n + m, vocab]: the decode
     rows' next tokens, then each prompt's last token (None when there are none).
 
-    The per-step tables are built here; the layers run in one TorchScript call (``jit.py``)."""
-    parts = [p for p in (decode, prompts) if p is not None]
-    if not parts:
+    Runs as one TorchScript call (``jit.py``): :func:`_step` builds the step's tables (inputs,
+    positions, rope, masks, cache rows) and runs :func:`_run`."""
+    if decode is None and prompts is None:
         raise ValueError("forward needs decode rows or prompts")
-    pos = torch.cat([p.pos for p in parts]) if len(parts) == 2 else parts[0].pos
-    tokens = torch.cat([p.tokens for p in parts]) if len(parts) == 2 else parts[0].tokens
-    cos, sin = rope.tables(pos)
-    n, longest, spans, bias, writes = 0, 0, [], None, []
+    n, longest, spans = 0, 0, []
     if decode is not None:
-        n, kvh = decode.tokens.shape[0], spec.num_kv_heads
+        n, kvh = decode.chunks[-1][1], spec.num_kv_heads
         longest = max(length for _, _, length in decode.chunks)
-        rows_pos = decode.pos.repeat_interleave(kvh)[:, None]
-        visible = torch.arange(longest, device=pos.device) <= rows_pos
-        bias = torch.where(visible, 0.0, -math.inf).to(cos.dtype)[:, None]  # [n * kvh, 1, L]
         spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in decode.chunks]
-        writes.append((cache.base[:n] + decode.pos[:, None, None]).view(-1))
-    mask, last = None, None
-    if prompts is not None:
-        visible = ((prompts.rows[:, None] == prompts.rows[None, :])
-                   & (prompts.pos[None, :] <= prompts.pos[:, None]))  # [T, T]
-        mask = torch.where(visible, 0.0, -math.inf).to(cos.dtype)
-        writes.append(cache.write_index(prompts.rows, prompts.pos))
-        if prompts.last is not None:
-            last = prompts.last + n
-    write = torch.cat(writes) if len(writes) == 2 else writes[0]
-    return scripted(_run)(
-        tokens, w.embed, w.matrices, w.biases, w.norm, w.lm_head_t, cos, sin, cache.kv,
-        cache.flat, write, n, longest, bias, spans, mask, last,
-        spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+    rows = (None, None) if decode is None else (decode.history, decode.length)
+    packed = ((None,) * 4 if prompts is None
+              else (prompts.tokens, prompts.rows, prompts.pos, prompts.last))
+    return scripted(_step)(
+        *rows, n, longest, spans, *packed, rope.cos, rope.sin, rope.is_v, cache.base, w.embed,
+        w.matrices, w.biases, w.norm, w.lm_head_t, cache.kv, cache.flat, spec.num_heads,
+        spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+
+
+def _step(
+    history: torch.Tensor | None,
+    length: torch.Tensor | None,
+    n: int,
+    longest: int,
+    spans: list[tuple[int, int, int]],
+    p_tokens: torch.Tensor | None,
+    p_rows: torch.Tensor | None,
+    p_pos: torch.Tensor | None,
+    p_last: torch.Tensor | None,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    is_v: torch.Tensor,
+    base: torch.Tensor,
+    embed: torch.Tensor,
+    matrices: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    norm: torch.Tensor,
+    lm_head_t: torch.Tensor,
+    kv: torch.Tensor,
+    flat: list[torch.Tensor],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> torch.Tensor | None:
+    """The tables of one step (decode rows 0..n-1 and packed prompts, either may be absent),
+    then :func:`_run`."""
+    tokens: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
+    bias: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+    dtype = rope_cos.dtype
+    if history is not None and length is not None:
+        pos = length[:n] - 1
+        row_start = torch.arange(n, device=pos.device) * history.shape[1]
+        tokens.append(history.view(-1).index_select(0, row_start + pos))
+        positions.append(pos)
+        per_head = pos.repeat_interleave(kv_heads)[:, None]
+        visible = torch.arange(longest, device=pos.device) <= per_head
+        bias = torch.where(visible, 0.0, float("-inf")).to(dtype)[:, None]  # [n * kvh, 1, L]
+        writes.append((base[:n] + pos[:, None, None]).view(-1))
+    if p_tokens is not None and p_rows is not None and p_pos is not None:
+        tokens.append(p_tokens)
+        positions.append(p_pos)
+        visible = (p_rows[:, None] == p_rows[None, :]) & (p_pos[None, :] <= p_pos[:, None])
+        mask = torch.where(visible, 0.0, float("-inf")).to(dtype)  # [T, T]
+        writes.append((base[p_rows] + p_pos[:, None, None]).view(-1))
+        if p_last is not None:
+            last = p_last + n
+    pos = positions[0] if len(positions) == 1 else torch.cat(positions)
+    cos = torch.where(is_v, 1.0, rope_cos[pos][:, None])  # [T, heads + 2 kv_heads, head_dim]
+    sin = torch.where(is_v, 0.0, rope_sin[pos][:, None])
+    return _run(tokens[0] if len(tokens) == 1 else torch.cat(tokens), embed, matrices, biases,
+                norm, lm_head_t, cos, sin, kv, flat,
+                writes[0] if len(writes) == 1 else torch.cat(writes), n, longest, bias, spans,
+                mask, last, heads, kv_heads, head_dim, eps)
 
 
 def _run(

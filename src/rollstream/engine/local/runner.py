@@ -117,13 +117,8 @@ class ModelRunner:
         """One token for every live row and, in the same forward pass, the prefill of
         ``new`` into rows n..n+m-1 with their first token; returns the rows that finished."""
         n, r = self.num_rows, self.rows
-        pos = r.length[:n] - 1
         self.last_chunks = attention_chunks(self.length_host[:n])
-        rows = model.DecodeRows(
-            tokens=r.tokens.view(-1).index_select(0, self.row_base[:n] + pos),
-            pos=pos,
-            chunks=self.last_chunks,
-        )
+        rows = model.DecodeRows(history=r.tokens, length=r.length, chunks=self.last_chunks)
         prompts = self._admit(new) if new else None
         logits = model.forward(self.spec, self.weights, self.cache, self.rope, rows, prompts)
         self.num_rows = n + len(new)
