@@ -72,23 +72,52 @@ def test_scripted_steps_give_what_the_same_ops_give_eagerly(tiny_model_dir, monk
     assert torch.allclose(scripted[2], eager[2], atol=1e-6, rtol=0)
 
 
-def test_a_decode_step_leaves_few_tensor_ops_in_python(tiny_model_dir, monkeypatch):
-    def count() -> int:
+def test_a_step_leaves_almost_no_tensor_op_in_python(tiny_model_dir, monkeypatch):
+    """Counted per kind of step: a decode step, one that also admits two prompts, and the
+    reads and moves of finishing rows."""
+    def count() -> tuple[int, int, int]:
         r = _runner(tiny_model_dir)
         r.prefill(_seqs(8, 0, temperature=1.0))
         r.decode()  # scripted once before counting
-        with _Count() as c:
+        new = _seqs(2, 50, temperature=0.7, top_p=0.9)
+        with _Count() as decode:
             r.decode()
-        return c.calls
+        with _Count() as admit:
+            r.decode(new)
+        with _Count() as finish:
+            r.read([0, 1], [3, 3])
+            r.release(2, [8, 9], [0, 1])
+        return decode.calls, admit.calls, finish.calls
 
     scripted = count()
     for module in (model, runner, sampler):
         monkeypatch.setattr(module, "scripted", lambda fn: fn)
     eager = count()
     # the counter sees every op of an eager step (two layers here: ~25 ops each, plus the
-    # step's tables, attention, sampling and bookkeeping); scripted, two calls hold them all
-    assert eager > 100
-    assert scripted <= 3, f"{scripted} tensor ops of a decode step run in Python"
+    # step's tables, attention, sampling and bookkeeping); scripted, one call holds each kind
+    assert eager[0] > 100 and eager[1] > eager[0] and eager[2] > 20
+    assert scripted[0] <= 2, f"{scripted[0]} tensor ops of a decode step run in Python"
+    assert scripted[1] <= 6, f"{scripted[1]} tensor ops of an admitting step run in Python"
+    assert scripted[2] == 0, f"{scripted[2]} tensor ops read and move finished rows"
+
+
+def test_seed_keys_are_the_lowbias32_keys_of_python_ints():
+    """Seeded streams stay what they were (resumed requests continue them): the key is the
+    lowbias32 hash computed on Python ints."""
+    m32 = 0xFFFFFFFF
+
+    def mix(x: int) -> int:
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & m32
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & m32
+        return x ^ (x >> 16)
+
+    rng = random.Random(0)
+    seeds = [0, 1, -1, 2**32 - 1, 2**32, 2**63 - 1, -(2**63), 2**70 + 5]
+    seeds += [rng.randrange(-(2**80), 2**80) for _ in range(200)]
+    for seed in seeds:
+        assert seed_key(seed) == mix((seed & m32) ^ mix(((seed >> 32) & m32) ^ 0x9E3779B9))
 
 
 def test_scripting_is_once_per_function():

@@ -64,19 +64,22 @@ class KVCache:
         every layer, keys and values: each row only as far as it holds (a long row moved
         with short ones does not make them copy its length). Gathered before written, so the
         moves may be a permutation."""
-        if src.numel() == 0:
-            return
-        longest = int(lengths.max())
-        offsets = torch.arange(longest, device=src.device)
-        keep = (offsets[None, :] < lengths[:, None])  # [m, L]
-        width = self.base.shape[1] * self.base.shape[2]  # k|v x heads
+        scripted(move_cache_rows)(self.kv, self.base, src, dst, lengths)
 
-        def index(slots: torch.Tensor) -> torch.Tensor:
-            start = self.base[slots].view(-1, width, 1) + offsets  # [m, 2 * kvh, L]
-            return start[keep[:, None, :].expand_as(start)]
 
-        flat = self.kv.view(self.kv.shape[0], -1, self.kv.shape[-1])  # [layers, N, d]
-        flat.index_copy_(1, index(dst), flat.index_select(1, index(src)))
+def move_cache_rows(kv: torch.Tensor, base: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                    lengths: torch.Tensor) -> None:
+    """:meth:`KVCache.move_rows` on the cache's tensors (scriptable)."""
+    if src.numel() == 0:
+        return
+    offsets = torch.arange(int(lengths.max()), device=src.device)
+    keep = offsets[None, :] < lengths[:, None]  # [m, L]
+    width = base.shape[1] * base.shape[2]  # k|v x heads
+    start_src = base[src].view(-1, width, 1) + offsets  # [m, 2 * kvh, L]
+    start_dst = base[dst].view(-1, width, 1) + offsets
+    keep = keep[:, None, :].expand_as(start_src)
+    flat = kv.view(kv.shape[0], -1, kv.shape[-1])  # [layers, N, d]
+    flat.index_copy_(1, start_dst[keep], flat.index_select(1, start_src[keep]))
 
 
 @dataclass(slots=True, kw_only=True)

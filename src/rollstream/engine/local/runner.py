@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rollstream.engine.local import model
-from rollstream.engine.local.model import KVCache, Rope
+from rollstream.engine.local.model import KVCache, Rope, move_cache_rows
 from rollstream.engine.local.jit import scripted
 from rollstream.engine.local.sampler import Sampler, sample, truncation
 from rollstream.engine.local.scheduler import Sequence
@@ -96,6 +96,9 @@ class ModelRunner:
             greedy=torch.zeros(max_rows, dtype=torch.bool, device=device),
         )
         self.row_base = torch.arange(max_rows, **i64) * max_seq_len
+        # numpy views of the token and logprob history (never reallocated; CPU only)
+        self._host = ((self.rows.tokens.numpy(), self.rows.logprobs.numpy())
+                      if device.type == "cpu" else None)
         self.length_host = np.zeros(max_rows, dtype=np.int64)
         self.sampled_host = np.zeros(max_rows, dtype=bool)  # temperature > 0
         self.truncated_host = np.zeros(max_rows, dtype=bool)  # top-p or top-k active
@@ -126,18 +129,40 @@ class ModelRunner:
 
     def _admit(self, seqs: list[Sequence]) -> model.PackedPrompts:
         """Write the prompts and sampling parameters of ``seqs`` into rows n..n+m-1 (not live
-        until their forward pass ran); the packed prompts to prefill."""
-        lo, hi = self.num_rows, self.num_rows + len(seqs)
-        self._set_params(lo, seqs)
-        prompts = [s.request.prompt_ids for s in seqs]
-        lens = [len(p) for p in prompts]
-        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
-        packed = self._packed(list(range(lo, hi)), lens, with_last=True)
-        self.rows.tokens[packed.rows, packed.pos] = flat
-        self.rows.length[lo:hi] = torch.tensor(lens, device=self.device)
+        until their forward pass ran); the packed prompts to prefill. Built on the host, then
+        written by one scripted call."""
+        lo, hi, r, vocab = self.num_rows, self.num_rows + len(seqs), self.rows, self.spec.vocab_size
+        params = [s.request.params for s in seqs]
+        width = max(len(p.stop_token_ids) for p in params)
+        if width > r.stop.shape[1]:
+            grown = torch.full((self.max_rows, width), -1, dtype=torch.int64, device=self.device)
+            grown[:, : r.stop.shape[1]] = r.stop
+            r.stop = grown
+        stop = np.full((len(seqs), r.stop.shape[1]), -1, dtype=np.int64)
+        for i, p in enumerate(params):
+            stop[i, : len(p.stop_token_ids)] = p.stop_token_ids
+        temps = np.array([p.temperature for p in params], dtype=np.float64)
+        lens = np.array([len(s.request.prompt_ids) for s in seqs], dtype=np.int64)
+        ints = np.array([[s.prompt_len + s.max_new_tokens, p.top_k or vocab, s.seed_key,
+                          p.temperature == 0] for s, p in zip(seqs, params, strict=True)],
+                        dtype=np.int64)
+        inv_temp = np.where(temps > 0, 1.0 / np.maximum(temps, 1e-30), 1.0)  # finite in fp32
+        floats = np.stack([inv_temp, [p.top_p for p in params]], axis=1).astype(np.float32)
+        packed = self._packed(np.arange(lo, hi), lens, with_last=True)
+        packed.tokens = self._to_device(np.fromiter(
+            (t for s in seqs for t in s.request.prompt_ids), dtype=np.int64, count=int(lens.sum())))
+        scripted(write_admitted)(
+            r.tokens, r.length, r.limit, r.stop, r.inv_temp, r.top_p, r.top_k, r.key, r.greedy,
+            lo, packed.rows, packed.pos, packed.tokens, self._to_device(lens),
+            self._to_device(ints), self._to_device(floats), self._to_device(stop))
         self.length_host[lo:hi] = lens
-        packed.tokens = flat
+        self.sampled_host[lo:hi] = temps > 0
+        self.truncated_host[lo:hi] = [p.top_p < 1 or 0 < p.top_k < vocab for p in params]
         return packed
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def recompute_cache(self, budget_tokens: int) -> None:
         """Rebuild the KV cache of every live row with the current weights (after a weight
@@ -146,20 +171,22 @@ class ModelRunner:
         for row in range(self.num_rows):
             chunk.append(row)
             if int(self.length_host[chunk].sum()) >= budget_tokens or row == self.num_rows - 1:
-                lens = [int(self.length_host[r]) - 1 for r in chunk]  # the last is the input
-                packed = self._packed(chunk, lens, with_last=False)
+                lens = self.length_host[chunk] - 1  # the last is the input
+                packed = self._packed(np.array(chunk), lens, with_last=False)
                 packed.tokens = self.rows.tokens[packed.rows, packed.pos]
                 model.forward(self.spec, self.weights, self.cache, self.rope, prompts=packed)
                 chunk = []
 
-    def _packed(self, rows: list[int], lens: list[int], *, with_last: bool) -> model.PackedPrompts:
+    def _packed(self, rows: np.ndarray, lens: np.ndarray, *, with_last: bool
+                ) -> model.PackedPrompts:
         """The first ``lens[i]`` positions of each row packed (tokens left to the caller)."""
-        dev, counts = self.device, torch.tensor(lens)
+        ends = np.cumsum(lens)
+        pos = np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)
         return model.PackedPrompts(
-            tokens=torch.empty(0, dtype=torch.int64, device=dev),
-            rows=torch.repeat_interleave(torch.tensor(rows), counts).to(dev),
-            pos=torch.cat([torch.arange(n) for n in lens]).to(dev),
-            last=(counts.cumsum(0) - 1).to(dev) if with_last else None,
+            tokens=torch.empty(0, dtype=torch.int64, device=self.device),
+            rows=self._to_device(np.repeat(rows, lens)),
+            pos=self._to_device(pos),
+            last=self._to_device(ends - 1) if with_last else None,
         )
 
     def sort_rows(self) -> list[int] | None:
@@ -183,11 +210,7 @@ class ModelRunner:
         cost = MOVE_COST * int(lengths[order[moved]].sum()) + SORT_FIXED
         if gain * SORT_HORIZON <= cost:
             return None
-        src = torch.from_numpy(order[moved]).to(self.device)
-        dst = torch.from_numpy(moved).to(self.device)
-        for t in self.rows.all():
-            t[dst] = t[src]
-        self.cache.move_rows(src, dst, torch.from_numpy(lengths[order[moved]]).to(self.device))
+        self._move(order[moved], moved)
         for a in (self.length_host, self.sampled_host, self.truncated_host):
             a[:n] = a[order]
         self.num_sorts += 1
@@ -196,52 +219,25 @@ class ModelRunner:
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int) -> list[int]:
         r, sampled = self.rows, self.sampled_host[lo:hi]
         any_sampled = bool(sampled.any())
-        keep = None
-        if any_sampled and self.truncated_host[lo:hi].any():
-            keep = truncation(logits, r.inv_temp[lo:hi], r.top_p[lo:hi], r.top_k[lo:hi])
         done = scripted(sample_and_record)(
             logits, r.tokens, r.logprobs, r.length, r.limit, r.stop, self.row_base, r.inv_temp,
-            r.key, r.greedy, self.sampler.vocab_hash, lo, hi, any_sampled,
-            not sampled.all(), keep)
+            r.top_p, r.top_k, r.key, r.greedy, self.sampler.vocab_hash, lo, hi, any_sampled,
+            not sampled.all(), any_sampled and bool(self.truncated_host[lo:hi].any()))
         self.length_host[lo:hi] += 1
         return done.tolist()
 
     # ---- rows --------------------------------------------------------------------------
-    def _set_params(self, lo: int, seqs: list[Sequence]) -> None:
-        hi, r, dev = lo + len(seqs), self.rows, self.device
-        params = [s.request.params for s in seqs]
-        width = max(len(p.stop_token_ids) for p in params)
-        if width > r.stop.shape[1]:
-            grown = torch.full((self.max_rows, width), -1, dtype=torch.int64, device=dev)
-            grown[:, : r.stop.shape[1]] = r.stop
-            r.stop = grown
-        stop = torch.full((len(seqs), r.stop.shape[1]), -1, dtype=torch.int64)
-        for i, p in enumerate(params):
-            stop[i, : len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids, dtype=torch.int64)
-        r.stop[lo:hi] = stop.to(dev)
-        r.limit[lo:hi] = torch.tensor([s.prompt_len + s.max_new_tokens for s in seqs]).to(dev)
-        temps = [p.temperature for p in params]
-        inv_temp = [min(1.0 / t, 1e30) if t > 0 else 1.0 for t in temps]  # finite in fp32
-        r.inv_temp[lo:hi] = torch.tensor(inv_temp).to(dev)
-        r.greedy[lo:hi] = torch.tensor([t == 0 for t in temps]).to(dev)
-        r.top_p[lo:hi] = torch.tensor([p.top_p for p in params]).to(dev)
-        vocab = self.spec.vocab_size
-        r.top_k[lo:hi] = torch.tensor([p.top_k or vocab for p in params]).to(dev)
-        r.key[lo:hi] = torch.tensor([s.seed_key for s in seqs]).to(dev)
-        self.sampled_host[lo:hi] = [t > 0 for t in temps]
-        self.truncated_host[lo:hi] = [p.top_p < 1 or 0 < p.top_k < vocab for p in params]
-
     def read(self, rows: list[int], prompt_lens: list[int]) -> list[tuple[list[int], list[float]]]:
-        """Sampled tokens and logprobs of ``rows`` (one device-to-host copy per row)."""
+        """Sampled tokens and logprobs of ``rows`` (on the CPU read through numpy views of the
+        row state, no tensor op; else one device-to-host copy per row and kind)."""
+        if self.device.type == "cpu":
+            tokens, logprobs = self._host
+        else:
+            tokens, logprobs = self.rows.tokens, self.rows.logprobs
         out = []
         for row, start in zip(rows, prompt_lens, strict=True):
             end = int(self.length_host[row])
-            out.append(
-                (
-                    self.rows.tokens[row, start:end].tolist(),
-                    self.rows.logprobs[row, start:end].tolist(),
-                )
-            )
+            out.append((tokens[row, start:end].tolist(), logprobs[row, start:end].tolist()))
         return out
 
     def num_generated(self, row: int, prompt_len: int) -> int:
@@ -250,14 +246,17 @@ class ModelRunner:
     def release(self, num_released: int, src: list[int], dst: list[int]) -> None:
         """Drop ``num_released`` rows; copy rows ``src`` into the holes ``dst`` first."""
         if src:
-            s = torch.tensor(src, device=self.device)
-            d = torch.tensor(dst, device=self.device)
-            for t in self.rows.all():
-                t[d] = t[s]
-            self.cache.move_rows(s, d, torch.from_numpy(self.length_host[src]).to(self.device))
+            self._move(np.array(src), np.array(dst))
             for a in (self.length_host, self.sampled_host, self.truncated_host):
                 a[dst] = a[src]
         self.num_rows -= num_released
+
+    def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the state and cache of rows ``src`` into rows ``dst`` (host mirrors: the
+        caller's), in one scripted call; gathered before written (a permutation may move)."""
+        scripted(move_rows)(list(self.rows.all()), self.cache.kv, self.cache.base,
+                            self._to_device(src), self._to_device(dst),
+                            self._to_device(self.length_host[src]))
 
 
 CHUNK_ROWS = 8  # rows per attention chunk of a decode step (a few bmm calls per layer)
@@ -269,6 +268,48 @@ MOVE_COST = 4  # attention work (positions x rows) that copying one cache positi
 SORT_FIXED = 2000  # the same for a regrouping's fixed cost (row state copies, indexing)
 
 
+def write_admitted(
+    tokens: torch.Tensor,
+    length: torch.Tensor,
+    limit: torch.Tensor,
+    stop: torch.Tensor,
+    inv_temp: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    key: torch.Tensor,
+    greedy: torch.Tensor,
+    lo: int,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    prompt_tokens: torch.Tensor,
+    lens: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    stops: torch.Tensor,
+) -> None:
+    """The prompts and parameters of admitted rows lo..lo+m-1 into the row state: ``ints``
+    [m, 4] = (length limit, top-k, seed key, greedy), ``floats`` [m, 2] = (1 / temperature,
+    top-p)."""
+    hi = lo + lens.shape[0]
+    tokens[rows, pos] = prompt_tokens
+    length[lo:hi] = lens
+    limit[lo:hi] = ints[:, 0]
+    top_k[lo:hi] = ints[:, 1]
+    key[lo:hi] = ints[:, 2]
+    inv_temp[lo:hi] = floats[:, 0]
+    top_p[lo:hi] = floats[:, 1]
+    greedy[lo:hi] = ints[:, 3] == 1
+    stop[lo:hi] = stops
+
+
+def move_rows(state: list[torch.Tensor], kv: torch.Tensor, base: torch.Tensor,
+              src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Rows ``src`` of every row-state tensor and of the cache into rows ``dst``."""
+    for t in state:
+        t[dst] = t[src]
+    move_cache_rows(kv, base, src, dst, lengths)
+
+
 def sample_and_record(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -278,6 +319,8 @@ def sample_and_record(
     stop: torch.Tensor,
     row_base: torch.Tensor,
     inv_temp: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
     key: torch.Tensor,
     greedy: torch.Tensor,
     vocab_hash: torch.Tensor,
@@ -285,11 +328,14 @@ def sample_and_record(
     hi: int,
     any_sampled: bool,
     any_greedy: bool,
-    keep: torch.Tensor | None,
+    any_truncated: bool,
 ) -> torch.Tensor:
     """Sample a token for rows lo..hi-1 from their ``logits``, write it and its logprob at
     the row's length, count it; returns the rows that finished (stop token or length limit)."""
     pos = length[lo:hi]  # where the sampled tokens go (a view: used before the add_)
+    keep: torch.Tensor | None = None
+    if any_truncated:
+        keep = truncation(logits, inv_temp[lo:hi], top_p[lo:hi], top_k[lo:hi])
     new, logp = sample(logits, inv_temp[lo:hi], key[lo:hi], greedy[lo:hi], pos, vocab_hash,
                        any_sampled, any_greedy, keep)
     flat = row_base[lo:hi] + pos

@@ -41,8 +41,9 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def seed_key(seed: int) -> int:
     """A request seed (any int) as a 32-bit hash key."""
-    high = mix32(torch.tensor(((seed >> 32) & _M32) ^ 0x9E3779B9))
-    return int(mix32((seed & _M32) ^ high))
+    mix = scripted(mix32)  # a handful of tensor ops from Python, not ~20
+    high = int(mix(torch.tensor(((seed >> 32) & _M32) ^ 0x9E3779B9)))
+    return int(mix(torch.tensor((seed & _M32) ^ high)))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,7 +73,7 @@ class Sampler:
         Returns token ids [n] int64 and their logprobs [n] float32."""
         keep = None
         if rows.any_sampled and rows.any_truncated:
-            keep = truncation(logits, rows.inv_temp, rows.top_p, rows.top_k)
+            keep = scripted(truncation)(logits, rows.inv_temp, rows.top_p, rows.top_k)
         return scripted(sample)(logits, rows.inv_temp, rows.key, rows.greedy, pos,
                                 self.vocab_hash, rows.any_sampled, rows.any_greedy, keep)
 
