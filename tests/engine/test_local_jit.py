@@ -122,4 +122,4 @@ def test_seed_keys_are_the_lowbias32_keys_of_python_ints():
 
 def test_scripting_is_once_per_function():
     assert jit.scripted(sampler.sample) is jit.scripted(sampler.sample)
-    assert isinstance(jit.scripted(model._run), torch.jit.ScriptFunction)
+    assert isinstance(jit.scripted(model._step), torch.jit.ScriptFunction)

@@ -15,7 +15,7 @@ tensor ops per layer): fused q|k|v and gate|up matmuls; the residual add folded 
 leave it side by side for the one cache write; decode attention as ``baddbmm`` (mask added)
 + softmax + ``bmm`` over views of the cache rows up to the longest live row, which beats
 SDPA on CPU at these shapes; per-step tables (rope, mask, cache index) built once per step.
-The layers and the logits run as one TorchScript function (``_run``, scripted by ``jit.py``):
+A step's tables, layers and logits run as one TorchScript function (``_step``, ``jit.py``):
 the same ops, without taking the GIL back after each of them.
 
 Deliberately simplified: no paged KV blocks (a slot owns a whole row of ``max_seq_len``), no
@@ -152,8 +152,7 @@ def forward(
     rows over the cache, prompts over themselves). Returns logits [n + m, vocab]: the decode
     rows' next tokens, then each prompt's last token (None when there are none).
 
-    Runs as one TorchScript call (``jit.py``): :func:`_step` builds the step's tables (inputs,
-    positions, rope, masks, cache rows) and runs :func:`_run`."""
+    Runs as one TorchScript call (:func:`_step`, scripted by ``jit.py``)."""
     if decode is None and prompts is None:
         raise ValueError("forward needs decode rows or prompts")
     n, longest, spans = 0, 0, []
@@ -196,8 +195,9 @@ def _step(
     head_dim: int,
     eps: float,
 ) -> torch.Tensor | None:
-    """The tables of one step (decode rows 0..n-1 and packed prompts, either may be absent),
-    then :func:`_run`."""
+    """One step (decode rows 0..n-1 and packed prompts, either may be absent): its tables
+    (inputs, positions, rope, attention bias and mask, cache rows), every layer, and the logits
+    of the decode rows and of the prompt tokens ``last``."""
     tokens: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
@@ -225,40 +225,12 @@ def _step(
     pos = positions[0] if len(positions) == 1 else torch.cat(positions)
     cos = torch.where(is_v, 1.0, rope_cos[pos][:, None])  # [T, heads + 2 kv_heads, head_dim]
     sin = torch.where(is_v, 0.0, rope_sin[pos][:, None])
-    return _run(tokens[0] if len(tokens) == 1 else torch.cat(tokens), embed, matrices, biases,
-                norm, lm_head_t, cos, sin, kv, flat,
-                writes[0] if len(writes) == 1 else torch.cat(writes), n, longest, bias, spans,
-                mask, last, heads, kv_heads, head_dim, eps)
+    write = writes[0] if len(writes) == 1 else torch.cat(writes)
 
-
-def _run(
-    tokens: torch.Tensor,
-    embed: torch.Tensor,
-    matrices: list[torch.Tensor],
-    biases: list[torch.Tensor | None],
-    norm: torch.Tensor,
-    lm_head_t: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv: torch.Tensor,
-    flat: list[torch.Tensor],
-    write: torch.Tensor,
-    n: int,
-    longest: int,
-    bias: torch.Tensor | None,
-    spans: list[tuple[int, int, int]],
-    mask: torch.Tensor | None,
-    last: torch.Tensor | None,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    eps: float,
-) -> torch.Tensor | None:
-    """Every decoder layer over the first ``n`` tokens (decode rows: attention over the cache,
-    per span of rows over the span's own length) and the rest (packed prompts: attention over
-    themselves under ``mask``); keys and values go to the cache rows ``write`` first. Returns
-    the logits of the decode rows and of the prompt tokens ``last``."""
-    x = torch.embedding(embed, tokens)
+    # every decoder layer over the first n tokens (decode rows: attention over the cache, per
+    # span of rows over the span's own length) and the rest (packed prompts: attention over
+    # themselves under mask); keys and values go to the cache rows ``write`` first
+    x = torch.embedding(embed, tokens[0] if len(tokens) == 1 else torch.cat(tokens))
     t, d, hidden = x.shape[0], head_dim, [x.shape[1]]
     for i in range(len(flat)):
         m, b = 6 * i, 4 * i  # (ln_attn, qkv, o, ln_mlp, gate_up, down), their biases
