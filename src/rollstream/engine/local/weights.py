@@ -108,35 +108,19 @@ def _rope_params(cfg: dict, cfg_path: Path) -> tuple[float, dict | None]:
 
 
 @dataclass(slots=True, kw_only=True)
-class LayerWeights:
-    """One decoder layer; matrices are kept transposed (views) for ``addmm(b, x, w_t)``."""
-
-    qkv_t: torch.Tensor  # [hidden, q_size + 2 * kv_size]
-    qkv_b: torch.Tensor | None
-    o_t: torch.Tensor  # [q_size, hidden]
-    o_b: torch.Tensor | None
-    gate_up_t: torch.Tensor  # [hidden, 2 * intermediate]
-    gate_up_b: torch.Tensor | None
-    down_t: torch.Tensor  # [intermediate, hidden]
-    down_b: torch.Tensor | None
-    ln_attn: torch.Tensor  # [hidden] input_layernorm
-    ln_mlp: torch.Tensor  # [hidden] post_attention_layernorm
-
-
-@dataclass(slots=True, kw_only=True)
 class Weights:
     """Fused parameter storage plus a view per Hugging Face parameter name."""
 
     embed: torch.Tensor  # [vocab, hidden]
-    layers: list[LayerWeights]
+    # the decoder layers as the scripted step takes them (model._step), per layer: ln_attn,
+    # qkv_t, o_t, ln_mlp, gate_up_t, down_t (matrices kept transposed, views, for
+    # addmm(b, x, w_t)); qkv_b, o_b, gate_up_b, down_b (None where the model has none)
+    matrices: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
     norm: torch.Tensor  # [hidden]
     lm_head_t: torch.Tensor  # [hidden, vocab]; a view of embed when tied
     hf_views: dict[str, torch.Tensor]  # HF name -> view into the tensors above
     optional: frozenset[str]  # HF names a state dict may omit (tied lm_head)
-    # the layers as the scripted forward takes them (model._run): per layer ln_attn, qkv_t,
-    # o_t, ln_mlp, gate_up_t, down_t, and the biases qkv_b, o_b, gate_up_b, down_b
-    matrices: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
 
     @classmethod
     def allocate(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
@@ -147,7 +131,8 @@ class Weights:
         embed = empty(spec.vocab_size, h)
         lm_head = embed if spec.tied_embeddings else empty(spec.vocab_size, h)
         views = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
-        layers = []
+        matrices: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
         for i in range(spec.num_layers):
             qkv_rows = spec.q_size + 2 * spec.kv_size
             fused = {
@@ -163,33 +148,20 @@ class Weights:
                 "ln_mlp": empty(h),
             }
             views.update(_layer_views(f"model.layers.{i}.", fused, spec))
-            layers.append(
-                LayerWeights(
-                    qkv_t=fused["qkv"].t(),
-                    qkv_b=fused["qkv_b"],
-                    o_t=fused["o"].t(),
-                    o_b=fused["o_b"],
-                    gate_up_t=fused["gate_up"].t(),
-                    gate_up_b=fused["gate_up_b"],
-                    down_t=fused["down"].t(),
-                    down_b=fused["down_b"],
-                    ln_attn=fused["ln_attn"],
-                    ln_mlp=fused["ln_mlp"],
-                )
-            )
+            matrices += [fused["ln_attn"], fused["qkv"].t(), fused["o"].t(), fused["ln_mlp"],
+                         fused["gate_up"].t(), fused["down"].t()]
+            biases += [fused["qkv_b"], fused["o_b"], fused["gate_up_b"], fused["down_b"]]
         norm = empty(h)
         views["model.norm.weight"] = norm
         optional = frozenset({"lm_head.weight"} if spec.tied_embeddings else ())
         return cls(
             embed=embed,
-            layers=layers,
+            matrices=matrices,
+            biases=biases,
             norm=norm,
             lm_head_t=lm_head.t(),
             hf_views=views,
             optional=optional,
-            matrices=[t for lw in layers for t in (lw.ln_attn, lw.qkv_t, lw.o_t, lw.ln_mlp,
-                                                    lw.gate_up_t, lw.down_t)],
-            biases=[b for lw in layers for b in (lw.qkv_b, lw.o_b, lw.gate_up_b, lw.down_b)],
         )
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
