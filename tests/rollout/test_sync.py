@@ -31,7 +31,9 @@ async def _scenario(policy: str):
     async with scene:
         old = task_groups(0, 6)
         running = [asyncio.create_task(scene.dispatcher.run_group(g)) for g in old]
-        await scene.until_running(8)  # requests in flight on both engines
+        # requests in flight on both engines, with tokens of the old version (a request
+        # interrupted before its first token would span nothing)
+        await scene.until_running(8, num_tokens=16)
         assert all(e._running for e in scene.engines)
         scene.sync.publish(1, {})
         await scene.sync.wait_applied()
