@@ -31,7 +31,7 @@ import torch
 from rollstream.engine.local import model
 from rollstream.engine.local.model import KVCache, Rope, move_cache_rows
 from rollstream.engine.local.jit import scripted
-from rollstream.engine.local.sampler import Sampler, sample, truncation
+from rollstream.engine.local.sampler import Sampler, sample
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import ModelSpec, Weights
 
@@ -95,7 +95,6 @@ class ModelRunner:
             key=torch.zeros(max_rows, **i64),
             greedy=torch.zeros(max_rows, dtype=torch.bool, device=device),
         )
-        self.row_base = torch.arange(max_rows, **i64) * max_seq_len
         # numpy views of the token and logprob history (never reallocated; CPU only)
         self._host = ((self.rows.tokens.numpy(), self.rows.logprobs.numpy())
                       if device.type == "cpu" else None)
@@ -220,7 +219,7 @@ class ModelRunner:
         r, sampled = self.rows, self.sampled_host[lo:hi]
         any_sampled = bool(sampled.any())
         done = scripted(sample_and_record)(
-            logits, r.tokens, r.logprobs, r.length, r.limit, r.stop, self.row_base, r.inv_temp,
+            logits, r.tokens, r.logprobs, r.length, r.limit, r.stop, r.inv_temp,
             r.top_p, r.top_k, r.key, r.greedy, self.sampler.vocab_hash, lo, hi, any_sampled,
             not sampled.all(), any_sampled and bool(self.truncated_host[lo:hi].any()))
         self.length_host[lo:hi] += 1
@@ -317,7 +316,6 @@ def sample_and_record(
     length: torch.Tensor,
     limit: torch.Tensor,
     stop: torch.Tensor,
-    row_base: torch.Tensor,
     inv_temp: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
@@ -333,12 +331,9 @@ def sample_and_record(
     """Sample a token for rows lo..hi-1 from their ``logits``, write it and its logprob at
     the row's length, count it; returns the rows that finished (stop token or length limit)."""
     pos = length[lo:hi]  # where the sampled tokens go (a view: used before the add_)
-    keep: torch.Tensor | None = None
-    if any_truncated:
-        keep = truncation(logits, inv_temp[lo:hi], top_p[lo:hi], top_k[lo:hi])
-    new, logp = sample(logits, inv_temp[lo:hi], key[lo:hi], greedy[lo:hi], pos, vocab_hash,
-                       any_sampled, any_greedy, keep)
-    flat = row_base[lo:hi] + pos
+    new, logp = sample(logits, inv_temp[lo:hi], top_p[lo:hi], top_k[lo:hi], key[lo:hi],
+                       greedy[lo:hi], pos, vocab_hash, any_sampled, any_greedy, any_truncated)
+    flat = torch.arange(lo, hi, device=pos.device) * tokens.shape[1] + pos
     tokens.view(-1).index_copy_(0, flat, new)
     logprobs.view(-1).index_copy_(0, flat, logp)
     length[lo:hi].add_(1)

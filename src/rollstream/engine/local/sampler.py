@@ -71,37 +71,31 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [n, V] float32, pos [n] position of the token being sampled.
         Returns token ids [n] int64 and their logprobs [n] float32."""
-        keep = None
-        if rows.any_sampled and rows.any_truncated:
-            keep = scripted(truncation)(logits, rows.inv_temp, rows.top_p, rows.top_k)
-        return scripted(sample)(logits, rows.inv_temp, rows.key, rows.greedy, pos,
-                                self.vocab_hash, rows.any_sampled, rows.any_greedy, keep)
-
-
-def truncation(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor,
-               top_k: torch.Tensor) -> torch.Tensor:
-    """[n, V] bool: the tokens each row may draw under its temperature, top-k and top-p."""
-    return top_k_top_p_keep(logits * inv_temp[:, None], top_p, top_k)
+        return scripted(sample)(logits, rows.inv_temp, rows.top_p, rows.top_k, rows.key,
+                                rows.greedy, pos, self.vocab_hash, rows.any_sampled,
+                                rows.any_greedy, rows.any_sampled and rows.any_truncated)
 
 
 def sample(
     logits: torch.Tensor,
     inv_temp: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
     key: torch.Tensor,
     greedy: torch.Tensor,
     pos: torch.Tensor,
     vocab_hash: torch.Tensor,
     any_sampled: bool,
     any_greedy: bool,
-    keep: torch.Tensor | None,
+    any_truncated: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and logprobs of every row (``keep``: the truncation mask, if any)."""
+    """Token ids and logprobs of every row (scriptable: the runner's step calls it)."""
     if not any_sampled:
         tokens = logits.argmax(dim=-1)
         return tokens, _gathered(logits.log_softmax(dim=-1), tokens)
     scaled = logits * inv_temp[:, None]
-    if keep is not None:
-        scaled = scaled.masked_fill(~keep, float("-inf"))
+    if any_truncated:
+        scaled = scaled.masked_fill(~top_k_top_p_keep(scaled, top_p, top_k), float("-inf"))
     tokens = (scaled + _gumbel(key, pos, vocab_hash)).argmax(dim=-1)
     logp = _gathered(scaled.log_softmax(dim=-1), tokens)
     if any_greedy:  # greedy rows: the argmax, and the plain (untruncated) logprob
