@@ -162,8 +162,11 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     """Multi-turn agent episodes (tally) killed with SIGKILL after a checkpoint: the resumed
     run continues the saved episodes from their turns (their environments rebuilt by replay)
     and records every sample exactly once. The cheap warm start writes the tool-call format
-    but adds badly, so every reward is 0: zero-variance groups are trained anyway here."""
-    steps = 8
+    but adds badly, so every reward is 0: zero-variance groups are trained anyway here.
+    Whether a step's checkpoint catches an episode between turns depends on timing (one CI
+    run on a loaded machine went 8 checkpoints without one): 12 steps give it more chances,
+    and a run that still has none says what each checkpoint held."""
+    steps = 12
     root = tmp_path_factory.mktemp("agent-kill")
     cfg = tiny_run_config("agent", root / "runs", steps=steps, checkpoint_every=1,
                           cache_dir=tiny_run_cache, max_slots=8)
@@ -179,12 +182,16 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     prepare_model(loaded.model, loaded.tasks)
     run_dir = root / "runs" / "agent"
     proc, seen = _start(config), 0
+    held: list[tuple[int, int]] = []  # per checkpoint looked at: (step, live samples)
     while True:  # kill after the first checkpoint that holds episodes between turns
         step = _wait_for_checkpoint(run_dir, seen, proc)
-        assert step is not None, "the run ended before a checkpoint held an episode mid-way"
+        assert step is not None, (
+            f"the run ended before a checkpoint held an episode mid-way: (step, live samples) "
+            f"of the checkpoints looked at: {held}")
         proc.send_signal(signal.SIGSTOP)  # frozen: no newer checkpoint while we look
         saved = durable.latest(run_dir)
         live = [s for g in saved.state["rollout"]["live"] for s in g["samples"]]
+        held.append((saved.step, len(live)))
         if any(seg["kind"] == "env" for s in live for seg in s["segments"]):
             break
         seen = saved.step
