@@ -222,6 +222,36 @@ def test_bf16_runs_close_to_fp32(tiny_model_path: Path, monkeypatch: pytest.Monk
     assert next(bf16.model.parameters()).dtype == torch.float32  # fp32 master weights
 
 
+def test_bf16_keeps_logits_and_cpu_attention_in_float32(
+        tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 autocast the matmuls run in bf16, but the logits and (on CPU) attention stay
+    float32 (train/precision.py); the plain autocast forward would give bf16 for both."""
+    import rollstream.train.precision as precision
+
+    attention: list[torch.dtype] = []
+    sdpa = precision.sdpa_attention_forward
+    monkeypatch.setattr(precision, "sdpa_attention_forward",
+                        lambda m, q, *a, **kw: attention.append(q.dtype) or sdpa(m, q, *a, **kw))
+    bf16 = Trainer(TrainConfig(dtype="bfloat16"), tiny_model_path, staleness=SYNC)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    mlp: list[torch.dtype] = []
+    for model in (bf16.model, plain):
+        model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda m, i, out: mlp.append(out.dtype))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+            assert torch.is_autocast_enabled("cpu")  # the head gave autocast back
+        mlp.append(logits.dtype)
+    assert mlp == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert attention and set(attention) == {torch.float32}
+    with torch.no_grad():  # outside autocast: the float32 forward, unchanged
+        assert torch.equal(bf16.model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    saved = json.loads((bf16.save_checkpoint(tiny_model_path.parent / "bf16") / "config.json")
+                       .read_text())
+    assert precision.CPU_ATTENTION not in json.dumps(saved)  # loadable without rollstream
+
+
 @pytest.mark.parametrize(("loss", "loss_agg"), [
     ("ppo_clip", "token_mean"),
     ("decoupled_ppo", "token_mean"),

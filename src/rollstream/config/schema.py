@@ -229,7 +229,9 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training precision."""
+    """Training precision. ``bfloat16``: mixed precision, the matmuls in bf16 under autocast,
+    parameters, AdamW state and the logits (and on CPU attention) in float32
+    (train/precision.py)."""
     compile: bool = False
     """Compile the policy's forward (and so its backward) with ``torch.compile`` (dynamic
     shapes; ``backend: local`` only). The first step pays the compile (tens of seconds on a

@@ -50,7 +50,8 @@ it removes,
 
 Precision: parameters and AdamW state stay float32; ``dtype: bfloat16`` runs forward and
 backward under ``torch.autocast(bfloat16)`` (mixed precision keeps small updates from being
-rounded away). Logprobs are always a float32 ``log_softmax`` of the logits divided by the
+rounded away), with the logits, and on CPU attention, in float32 (:mod:`.precision` says
+why). Logprobs are always a float32 ``log_softmax`` of the logits divided by the
 sampling temperature and truncated by the sampling top-k/top-p
 (:mod:`rollstream.ops.truncation`, the sampler's own function): the distribution the engine
 sampled from and reports, so ``logprobs()`` is comparable with engine logprobs. The model
@@ -100,6 +101,7 @@ from rollstream.train.losses import (
     resolve_loss,
     resolve_loss_agg,
 )
+from rollstream.train.precision import keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
@@ -163,6 +165,9 @@ class Trainer:
         self._bind_threads(pin=False)  # the constructing thread is not the compute thread
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model.to(self.device).eval()  # dropout off (module docstring); grads still flow
+        self._bf16 = cfg.dtype == "bfloat16"
+        if self._bf16:  # before the reference copies the policy
+            keep_float32(self.model, self.device)
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -173,7 +178,6 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self._anchor = anchor_fn(self.loss)
-        self._bf16 = cfg.dtype == "bfloat16"
 
     # -- public API ---------------------------------------------------------------------------
 
