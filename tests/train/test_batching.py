@@ -81,6 +81,23 @@ def test_collate_shares_rows() -> None:
     check_predicting_positions(mb, samples)
 
 
+def test_widths_rounded_up_to_a_multiple() -> None:
+    # rows as wide as the longest sample rounded up (bf16 on CPU: few matmul shapes)
+    # rows of 8 (not 6) take 6 + 1 and 4 + 3; 16 // 8 = 2 rows per micro-batch
+    assert pack_micro_batches([3, 6, 3, 4, 1], 16, width_multiple=8) == [[[1, 4], [3, 0]], [[2]]]
+    assert pack_micro_batches([9, 2], 16, width_multiple=8) == [[[0, 1]]]  # a row of 16
+    long = make_group("l", [1, 2], [[3, 4, 5, 6, 7, 8]])  # 8 tokens
+    short = make_group("s", [9], [[10, 11]])  # 3 tokens
+    samples = [long.samples[0], short.samples[0]]
+    mb = collate(samples, [[0], [1]], width_multiple=6)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, PAD_ID, PAD_ID, PAD_ID, PAD_ID],
+                                     [9, 10, 11] + [PAD_ID] * 9]
+    assert mb.position_ids[0].tolist() == [*range(8), 0, 1, 2, 3]  # padding: its own segment
+    check_predicting_positions(mb, samples)
+    with pytest.raises(ValueError, match="width_multiple"):
+        pack_micro_batches([1], 4, width_multiple=0)
+
+
 def check_predicting_positions(mb, samples) -> None:
     """Response token t of a sample is predicted at its row offset + P + t - 1 (same row)."""
     num_kept = len(mb.logits_to_keep)

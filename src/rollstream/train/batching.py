@@ -53,18 +53,25 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-def pack_micro_batches(lengths: Sequence[int], budget_tokens: int) -> list[list[list[int]]]:
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_micro_batches(lengths: Sequence[int], budget_tokens: int,
+                       width_multiple: int = 1) -> list[list[list[int]]]:
     """Micro-batches as rows of indices into ``lengths``: first-fit decreasing into rows as
-    wide as the longest sample, then consecutive rows while ``rows * width`` stays within
-    ``budget_tokens`` (a sample longer than the budget gets a micro-batch of its own)."""
-    if budget_tokens < 1:
-        raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
+    wide as the longest sample (rounded up to ``width_multiple``), then consecutive rows while
+    ``rows * width`` stays within ``budget_tokens`` (a sample longer than the budget gets a
+    micro-batch of its own)."""
+    if budget_tokens < 1 or width_multiple < 1:
+        raise ValueError(f"budget_tokens and width_multiple must be >= 1, got {budget_tokens} "
+                         f"and {width_multiple}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     alone = [i for i in order if lengths[i] > budget_tokens]
     rest = [i for i in order if lengths[i] <= budget_tokens]
     batches: list[list[list[int]]] = [[[i]] for i in alone]
     if rest:
-        width = lengths[rest[0]]
+        width = round_up(lengths[rest[0]], width_multiple)
         rows = [[rest[j] for j in row] for row in pack_rows([lengths[i] for i in rest], width)]
         per_batch = max(1, budget_tokens // width)
         batches += [rows[k : k + per_batch] for k in range(0, len(rows), per_batch)]
@@ -91,12 +98,14 @@ class MicroBatch:
 
 
 def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None, *,
-            temperature: float = 1.0) -> MicroBatch:
+            temperature: float = 1.0, width_multiple: int = 1) -> MicroBatch:
     """Lay out samples (each with at least one response token) as one micro-batch.
 
     ``rows``: indices into ``samples`` per row (every sample exactly once); by default rows as
     wide as the longest sample, filled first-fit in the given order (:func:`pack_rows`).
     ``temperature``: of a sample that does not record its own (``Sample.temperature``).
+    ``width_multiple``: the rows' width is rounded up to a multiple of it (more padding, fewer
+    shapes: :mod:`rollstream.train.precision`).
     """
     prompts = [list(s.task.prompt_ids) for s in samples]
     responses = [s.response_ids for s in samples]
@@ -107,7 +116,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         rows = pack_rows(lengths, max(lengths))
     if sorted(b for row in rows for b in row) != list(range(len(samples))):
         raise ValueError("collate: rows must hold every sample exactly once")
-    width = max(sum(lengths[b] for b in row) for row in rows)
+    width = round_up(max(sum(lengths[b] for b in row) for row in rows), width_multiple)
     num_resp = max(len(r) for r in responses)
 
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)

@@ -101,7 +101,7 @@ from rollstream.train.losses import (
     resolve_loss,
     resolve_loss_agg,
 )
-from rollstream.train.precision import keep_float32
+from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
@@ -166,8 +166,10 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model.to(self.device).eval()  # dropout off (module docstring); grads still flow
         self._bf16 = cfg.dtype == "bfloat16"
+        self._width_multiple = 1
         if self._bf16:  # before the reference copies the policy
             keep_float32(self.model, self.device)
+            self._width_multiple = bf16_width_multiple(self.device)
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -308,15 +310,17 @@ class Trainer:
         padding micro-batch (:func:`padding_micro_batch`) has no index."""
         lengths = [len(s.task.prompt_ids) + s.num_response_tokens for s in samples]
         out = []
-        for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)):
+        multiple = self._width_multiple
+        for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens,
+                                                   multiple)):
             if not rows:
                 out.append(([], padding_micro_batch().to(self.device)))
                 continue
             idx = [i for row in rows for i in row]
             at = {i: k for k, i in enumerate(idx)}  # sample index -> place in this micro-batch
             local = [[at[i] for i in row] for row in rows]
-            out.append((idx, collate([samples[i] for i in idx], local,
-                                     temperature=self.temperature).to(self.device)))
+            out.append((idx, collate([samples[i] for i in idx], local, temperature=self.temperature,
+                                     width_multiple=multiple).to(self.device)))
         return out
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
