@@ -15,13 +15,14 @@ completion ended in eos), so a properly ended answer scores 1 on both sides.
   and the bench setting of ``rollstream bench modes`` (``train.micro_batch_tokens=1024``).
 * TRL (optional dependency of this benchmark only: ``pip install trl``; tested with 1.16.0):
   its default generation (Hugging Face ``generate`` on the whole 128-sample batch), one
-  process, run twice: with one torch thread and with two (both cores, what its users would
-  choose; on a busy shared machine one thread was faster), the faster run is the one compared
-  and both are reported; ``num_generations=8``, 16 x 8 micro-batches
+  process, run four times: with one torch thread and with two (both cores, what its users
+  would choose; on a busy shared machine one thread was faster), each in fp32 and in bf16
+  (TRL's default mixed precision); the fastest run is the one compared and all are reported;
+  ``num_generations=8``, 16 x 8 micro-batches
   x 8 accumulation steps = one update per 128 samples, ``num_iterations=2`` (two updates per
   generated batch, like ``updates_per_step: 2``), ``loss_type="dapo"`` (token mean over the
   batch), ``beta=0``, ``scale_rewards="group"``, ``lr_scheduler_type="constant"``. Set away
-  from TRL's defaults: ``bf16=False`` (its default turns bf16 on), ``gradient_checkpointing=
+  from TRL's defaults: ``bf16=False`` in the fp32 runs, ``gradient_checkpointing=
   False`` (its default recomputes activations: slower, and no memory to save here),
   ``shuffle_dataset=False`` (both sides see the task stream in order), ``report_to="none"``,
   ``save_strategy="no"``, ``disable_tqdm=True``. The reward function rebuilds rollstream's
@@ -57,8 +58,9 @@ from rollstream.config import RunConfig, load_config
 
 TICK_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick.yaml"
 
-TRL_THREADS = (1, 2)  # both run; the faster is compared (2 was 10-30x slower on a busy VM,
-# ~1.5x faster on a quiet one)
+# TRL's runs per shape, (torch threads, precision); the fastest is compared. Two threads were
+# 10-30x slower than one on a busy VM and ~1.5x faster on a quiet one; bf16 is TRL's default.
+TRL_RUNS: tuple[tuple[int, str], ...] = ((1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "bf16"))
 SHAPES: dict[str, tuple[str, ...]] = {
     "tick": (),
     "g16x8": ("rollout.group_size=16", "train.groups_per_step=8", "sampling.max_new_tokens=256"),
@@ -90,10 +92,15 @@ def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
     }
 
 
+def trl_label(threads: int, precision: str) -> str:
+    return f"{threads}t-{precision}"
+
+
 def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
-            threads: int) -> dict[str, Any]:
-    """TRL's GRPOTrainer for ``steps`` generated batches on ``threads`` torch threads; raises
-    ImportError without TRL."""
+            threads: int, precision: str = "fp32") -> dict[str, Any]:
+    """TRL's GRPOTrainer for ``steps`` generated batches on ``threads`` torch threads, in
+    ``precision`` (``fp32``, or ``bf16``: TRL's default mixed precision); raises ImportError
+    without TRL."""
     import warnings
 
     import torch
@@ -134,7 +141,7 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
 
     micro = math.gcd(16, g * n)  # 16-sample micro-batches for the 128-sample step
     args = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False,
+        output_dir=str(out_dir), use_cpu=True, bf16=precision == "bf16", fp16=False,
         gradient_checkpointing=False, seed=base.seed, data_seed=base.seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=g * n // micro,
         num_generations=g, max_completion_length=base.sampling.max_new_tokens,
@@ -164,6 +171,7 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
     return {
         "trl_version": trl.__version__,
         "torch_threads": threads,
+        "precision": precision,
         "steps": len(batches),
         "optimizer_updates": trainer.state.global_step,
         "trained_samples": samples,
@@ -199,23 +207,25 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         print(f"bench peers [{shape}]: rollstream, {steps} steps ...", flush=True)
         ours = run_rollstream(base, folder, steps, run_root, shape_overrides,
                               name=f"peers-rollstream-{shape}")
-        by_threads: dict[str, dict[str, Any]] = {}
-        for threads in TRL_THREADS:
-            print(f"bench peers [{shape}]: TRL GRPOTrainer, {threads} torch thread(s), {steps} "
-                  "steps ...", flush=True)
-            by_threads[str(threads)] = _trl_or_error(base, folder, steps,
-                                                     run_root / f"trl-{shape}-{threads}", threads)
-        ran = [r for r in by_threads.values() if "samples_per_s" in r]
-        theirs = max(ran, key=lambda r: r["samples_per_s"]) if ran else by_threads["1"]
+        by_setting: dict[str, dict[str, Any]] = {}
+        for threads, precision in TRL_RUNS:
+            label = trl_label(threads, precision)
+            print(f"bench peers [{shape}]: TRL GRPOTrainer, {threads} torch thread(s), "
+                  f"{precision}, {steps} steps ...", flush=True)
+            by_setting[label] = _trl_or_error(base, folder, steps,
+                                              run_root / f"trl-{shape}-{label}", threads, precision)
+        ran = [r for r in by_setting.values() if "samples_per_s" in r]
+        theirs = max(ran, key=lambda r: r["samples_per_s"]) if ran else by_setting[
+            trl_label(*TRL_RUNS[0])]
         shapes[shape] = {
             "overrides": list(extra), "samples_per_step": base.train.groups_per_step
             * base.rollout.group_size, "max_new_tokens": base.sampling.max_new_tokens,
-            "model": str(folder), "rollstream": ours, "trl": theirs, "trl_by_threads": by_threads,
+            "model": str(folder), "rollstream": ours, "trl": theirs, "trl_by_setting": by_setting,
             "samples_per_s_vs_trl": ours["samples_per_s"] / theirs["samples_per_s"]
             if "samples_per_s" in theirs else None,
-            "samples_per_s_vs_trl_by_threads": {
+            "samples_per_s_vs_trl_by_setting": {
                 k: ours["samples_per_s"] / r["samples_per_s"]
-                for k, r in by_threads.items() if "samples_per_s" in r},
+                for k, r in by_setting.items() if "samples_per_s" in r},
         }
     first = shapes["tick"]
     ratios = [sh["samples_per_s_vs_trl"] for sh in shapes.values()]
@@ -245,9 +255,9 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
 
 
 def _trl_or_error(base: RunConfig, folder: Path, steps: int, out_dir: Path,
-                  threads: int) -> dict[str, Any]:
+                  threads: int, precision: str) -> dict[str, Any]:
     try:
-        return run_trl(base, folder, steps, out_dir, threads)
+        return run_trl(base, folder, steps, out_dir, threads, precision)
     except ImportError as e:
         return {"error": f"TRL is not installed ({e}); `pip install trl` (tested: 1.16.0)"}
     except Exception as e:  # noqa: BLE001 - fault boundary: the JSON says why TRL did not run
@@ -269,9 +279,8 @@ def _print_table(result: dict[str, Any]) -> None:
     for shape, sh in result["shapes"].items():
         label = f"{shape} ({sh['samples_per_step']} x {sh['max_new_tokens']} tok)"
         rows = [("rollstream", sh["rollstream"], None)]
-        rows += [(f"TRL {k} thread{'s' if k != '1' else ''}", r,
-                  sh["samples_per_s_vs_trl_by_threads"].get(k))
-                 for k, r in sh["trl_by_threads"].items()]
+        rows += [(f"TRL {k}", r, sh["samples_per_s_vs_trl_by_setting"].get(k))
+                 for k, r in sh["trl_by_setting"].items()]
         for name, r, x in rows:
             if "error" in r:
                 t.add_row(label, name, "-", "-", "-", r["error"], "-")
@@ -282,5 +291,5 @@ def _print_table(result: dict[str, Any]) -> None:
                       "" if x is None else f"{x:.2f}")
     console.print(t)
     if result["samples_per_s_vs_trl_min_over_shapes"] is not None:
-        console.print("samples/s vs TRL at its faster thread count: " + ", ".join(
+        console.print("samples/s vs TRL at its fastest setting: " + ", ".join(
             f"{shape} x{sh['samples_per_s_vs_trl']:.2f}" for shape, sh in result["shapes"].items()))
