@@ -15,14 +15,12 @@ float32 (:func:`keep_float32`):
   casts query, key and value up and its output back down. On other devices attention runs
   in bf16, transformers' ``sdpa``.
 
-On CPU, micro-batches also come in few shapes (:func:`bf16_width_multiple`): oneDNN, which runs
-bf16 matmuls there, builds a kernel for every new matrix shape, and that took ~1.1 ms, 7x the
-matmul itself (a 128 x 768 weight on 400-1000 rows; fp32's kernels are not built per shape).
-With row widths of any length, a run's micro-batches kept meeting new shapes, and its bf16
-steps were slower than fp32's (1.04 against 0.82 s on the demo's first batch). Rounding costs
-padding: on one batch stepped again and again (every shape built once) bf16 took 0.60 s
-unrounded and 0.69 s rounded to 64, against fp32's 0.78; in a demo run (new batches every step)
-the trainer's tokens/s were x0.96 of fp32's unrounded and x1.08 rounded.
+On CPU, micro-batches also come in fewer shapes (:func:`bf16_width_multiple`): oneDNN, which
+runs bf16 matmuls there, builds a kernel for every new matrix shape, ~1.1 ms, 7x the matmul itself
+(a 128 x 768 weight on 400-1000 rows; fp32's kernels are not built per shape). The rounding
+trades padding for kernels: on 16 different batches in a fresh process bf16 stepped at x1.35
+of fp32's speed unrounded and x1.29 rounded to 64; in demo runs (one or two each, and a step
+moves by 15% between runs) at x0.96 unrounded and x1.08-1.15 rounded (docs/benchmarks.md).
 """
 
 from __future__ import annotations
