@@ -5,10 +5,11 @@
 Both sides train the cached warm-started tiny model of examples/tick.yaml (CPU; rollstream at
 the example's fp32, TRL in fp32 and in bf16) on tick prompts for the same number of steps; a
 step is 16 prompts x 8 samples (128 samples), up to 240 new tokens at temperature 1.0,
-group-normalised advantages, clipped token-mean objective (eps 0.2), no KL, AdamW lr 2e-4 (constant), grad clip 1.0, two optimizer updates per
-generated batch. The reward is the tick source's registered reward (``exact_match``) called
-as a run calls it (text decoded with special tokens skipped, ``finish_reason`` "stop" when the
-completion ended in eos), so a properly ended answer scores 1 on both sides.
+group-normalised advantages, clipped token-mean objective (eps 0.2), no KL, AdamW lr 2e-4
+(constant), grad clip 1.0, two optimizer updates per generated batch. The reward is the tick
+source's registered reward (``exact_match``) called as a run calls it (text decoded with
+special tokens skipped, ``finish_reason`` "stop" when the completion ended in eos), so a
+properly ended answer scores 1 on both sides.
 
 * rollstream: examples/tick.yaml's rollout (``async``, max_staleness 2, partial rollout), the
   engine thread pinned to core 0 and the trainer thread to core 1 with one torch thread each,
