@@ -166,10 +166,8 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.model.to(self.device).eval()  # dropout off (module docstring); grads still flow
         self._bf16 = cfg.dtype == "bfloat16"
-        self._width_multiple = 1
         if self._bf16:  # before the reference copies the policy
             keep_float32(self.model, self.device)
-            self._width_multiple = bf16_width_multiple(self.device)
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -310,7 +308,7 @@ class Trainer:
         padding micro-batch (:func:`padding_micro_batch`) has no index."""
         lengths = [len(s.task.prompt_ids) + s.num_response_tokens for s in samples]
         out = []
-        multiple = self._width_multiple
+        multiple = bf16_width_multiple(self.device) if self._bf16 else 1
         for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens,
                                                    multiple)):
             if not rows:
