@@ -26,6 +26,7 @@ BENCHES = {
                 "then training runs: mixture error, waste, length bias",
     "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
+    "pair": "partial rollout vs drain at k=1 and k=2 over many seeds: ratio with its 95% CI",
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
     "vllm": "local engine vs a real vLLM server; weight-sync time",
     "weightsync": "weight sync to Ray engine actors: object store vs broadcast vs shared memory",
@@ -70,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--minutes", type=float, default=None,
                    help="length of `soak` (default 20 minutes; --quick: 2)")
     b.add_argument("--config", type=Path, default=None,
-                   help="base YAML of `modes` (default examples/tick_long.yaml, the long-tail "
-                   "shape; examples/tick.yaml is the demo's)")
+                   help="base YAML of `modes` and `pair` (default examples/tick_long.yaml, the "
+                   "long-tail shape; examples/tick.yaml is the demo's)")
+    b.add_argument("--seeds", type=int, default=None,
+                   help="seeds of `pair` (default 6; --quick: 2)")
 
     r = sub.add_parser(
         "report",
@@ -195,9 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             extra = {}
             if args.config is not None:
-                if args.name != "modes":
-                    raise ValueError(f"bench {args.name}: --config is an option of `modes` only")
+                if args.name not in ("modes", "pair"):
+                    raise ValueError(
+                        f"bench {args.name}: --config is an option of `modes` and `pair` only")
                 extra["config"] = args.config
+            if args.seeds is not None:
+                if args.name != "pair":
+                    raise ValueError(f"bench {args.name}: --seeds is an option of `pair` only")
+                extra["seeds"] = args.seeds
             if args.minutes is not None:
                 if args.name != "soak":
                     raise ValueError(f"bench {args.name}: --minutes is an option of `soak` only")

@@ -83,6 +83,8 @@ def test_bench_modes_quick_writes_json(tmp_path):
         assert product == pytest.approx(s["share"], rel=1e-9)
     assert math.isfinite(written["engine_utilization_async"])
     head, probe = written["rows"][HEADLINE_ASYNC], written["probe"]
+    assert written["engine_busy_async"] == pytest.approx(1 - head["engine_idle_share"])
+    assert written["targets"]["engine_busy_async_ge_0.85"] == (written["engine_busy_async"] >= 0.85)
     assert written["engine_utilization_async_contended"] == pytest.approx(
         head["gen_tok_s"] / probe["engine_tok_s_with_trainer"])
     assert 0 <= written["rollout_share_sync"] <= 1
@@ -109,11 +111,13 @@ def test_bench_modes_quick_writes_json(tmp_path):
     assert set(ages.values()) == {None}  # the base does not mask: no other row does
 
 
-def test_bench_config_is_an_option_of_modes_only(capsys):
+def test_bench_config_is_an_option_of_modes_and_pair_only(capsys):
     from rollstream.cli import main as cli
 
     assert cli(["bench", "engine", "--config", "examples/tick_long.yaml"]) == 2
-    assert "--config is an option of `modes` only" in capsys.readouterr().err
+    assert "--config is an option of `modes` and `pair` only" in capsys.readouterr().err
+    assert cli(["bench", "modes", "--seeds", "3"]) == 2
+    assert "--seeds is an option of `pair` only" in capsys.readouterr().err
 
 
 def test_rows_take_the_base_on_update_and_drain_rows_drain():

@@ -466,6 +466,9 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "config": str(config_path),
         "engine_utilization_async": util,
         "engine_utilization_async_contended": util_contended,
+        # the share of the training time the headline row's engine was computing (the title
+        # of issue 15: "the engine >= 85% busy"); utilization = busy x its rate while busy
+        "engine_busy_async": 1.0 - head["engine_idle_share"],
         "engine_utilization_sync": sync["engine_utilization"],
         "reward_sync": sync["reward_final"],
         "reward_async": head["reward_final"],
@@ -478,6 +481,7 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
             "async_partial_vs_sync_throughput_ge_2": ratio >= 2.0,
             "engine_utilization_async_ge_0.85": util >= 0.85,
             "engine_utilization_async_contended_ge_0.85": util_contended >= 0.85,
+            "engine_busy_async_ge_0.85": head["engine_idle_share"] <= 0.15,
             "reward_async_within_noise_of_sync": abs(diff) <= noise,
             "async_partial_vs_drain_ge_1": partial_vs_drain >= 1.0,
             "async_best_share_of_bound_ge_0.9": best_share >= 0.9,

@@ -1,0 +1,258 @@
+"""Benchmark: partial rollout against drain at the same staleness bound, over many seeds.
+
+    rollstream bench pair [--config YAML] [--seeds N] [--json OUT] [--quick]
+
+``bench modes`` runs its pair (``async_k2_partial``, ``async_k2_drain``) on two seeds, and two
+runs of one row there differ by 8-18% (docs/benchmarks.md, sessions 18-20): as much as the
+effect it judges. This bench runs only the pairs, ``async_k{k}_partial`` and
+``async_k{k}_drain`` for k in ``KS`` (the rows exactly as ``bench modes`` builds them: same
+overrides, sizes, placement and model), on ``--seeds`` seeds. A seed fixes the task order and
+the sampling, so the two rows of one seed train on the same prompts; they run back to back, in
+an order that alternates from seed to seed (P D, D P, ...), so a drift in the machine's load
+hits both sides alike.
+
+Per k (``pairs.k{k}``): the ratio partial ÷ drain of trained samples/s seed by seed, their
+geometric mean with a 95% confidence interval (Student's t on the log ratios, the seed as the
+unit), the final held-out reward's difference partial − drain with its interval, and a
+``verdict``: ``partial faster`` (interval above 1), ``drain faster`` (below 1) or ``within
+noise``. Per row, the means over seeds of what explains a gap: samples/s, generated tokens,
+the engine's busy share, its decode seconds per generated token, rows a decode pass, and
+cache positions per generated token (``engine_work`` of ``bench modes``). ``best_partial``,
+``best_drain``: each side's fastest k by mean samples/s, and ``best_partial_vs_best_drain``,
+the ratio of the two with its seed-by-seed interval (what partial rollout buys when each side
+may pick its own bound).
+
+A benchmark measures; it does not assert. Only ratios within one run mean much.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rollstream.bench.modes import (
+    FULL,
+    LONG_YAML,
+    QUICK,
+    bench_overrides,
+    mode_configs,
+    row_config,
+    run_config,
+)
+from rollstream.config import load_config
+from rollstream.rollout.staleness import StalenessPolicy
+
+KS = (1, 2)  # the staleness bounds compared; k=2 is the examples' own and bench modes' pair
+SEEDS_FULL, SEEDS_QUICK = 6, 2
+SIDES = ("partial", "drain")
+# Student's t, two-sided 95%, by degrees of freedom; above 30 the normal quantile
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+         17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom (between the
+    tabled ones, the next lower: a slightly wider interval)."""
+    if df < 1:
+        raise ValueError(f"t975: degrees of freedom must be >= 1, got {df}")
+    if df > 30:
+        return statistics.NormalDist().inv_cdf(0.975)
+    return _T975[max(d for d in _T975 if d <= df)]
+
+
+def interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% confidence interval of the mean of ``values`` (Student's t);
+    with one value the interval is unbounded."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, -math.inf, math.inf
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float, float]:
+    """(geometric mean, low, high) of ratios, the interval taken on their logs."""
+    mean, low, high = interval([math.log(r) for r in ratios])
+    return math.exp(mean), math.exp(low), math.exp(high)
+
+
+def verdict(low: float, high: float) -> str:
+    """What a ratio's 95% interval says of partial (numerator) against drain (denominator)."""
+    if low > 1.0:
+        return "partial faster"
+    if high < 1.0:
+        return "drain faster"
+    return "within noise"
+
+
+def run_order(seeds: Sequence[int], ks: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(seed, k, side) in run order: a seed's two rows of each k back to back, the side that
+    goes first alternating from seed to seed for each k (P D, D P, ...) and from one k to the
+    next within a seed."""
+    out: list[tuple[int, int, str]] = []
+    for i, seed in enumerate(seeds):
+        for j, k in enumerate(ks):
+            sides = SIDES if (i + j) % 2 == 0 else tuple(reversed(SIDES))
+            out += [(seed, k, side) for side in sides]
+    return out
+
+
+def engine_reading(run: dict[str, Any]) -> dict[str, float]:
+    """What explains a row's rate: the engine's busy share, its decode seconds per generated
+    token, rows a decode pass and cache positions per generated token."""
+    work, gen = run["engine_work"], max(run["generated_tokens"], 1)
+    return {"engine_busy": 1.0 - run["engine_idle_share"],
+            "decode_us_per_token": 1e6 * work.get("decode_s", 0.0) / gen,
+            "rows_per_pass": gen / max(work.get("decode_count", 0), 1),
+            "positions_per_token": work.get("attention_positions", 0) / gen}
+
+
+def summarise_pair(runs: dict[tuple[int, str], dict[str, Any]], k: int) -> dict[str, Any]:
+    """One k's pair over the seeds both sides ran."""
+    seeds = sorted({seed for seed, _ in runs})
+    ratios = [runs[seed, "partial"]["trained_samples_per_s"]
+              / runs[seed, "drain"]["trained_samples_per_s"] for seed in seeds]
+    rewards = [runs[seed, "partial"]["reward_final"] - runs[seed, "drain"]["reward_final"]
+               for seed in seeds]
+    r_mean, r_low, r_high = ratio_interval(ratios)
+    d_mean, d_low, d_high = interval(rewards)
+    rows = {}
+    for side in SIDES:
+        per_seed = [runs[seed, side] for seed in seeds]
+        reading = [engine_reading(r) for r in per_seed]
+        rows[f"async_k{k}_{side}"] = {
+            "trained_samples_per_s": statistics.fmean(
+                r["trained_samples_per_s"] for r in per_seed),
+            "trained_samples_per_s_by_seed": [r["trained_samples_per_s"] for r in per_seed],
+            "reward_final": statistics.fmean(r["reward_final"] for r in per_seed),
+            "generated_tokens": statistics.fmean(r["generated_tokens"] for r in per_seed),
+            "dropped_stale": statistics.fmean(r["dropped_stale"] for r in per_seed),
+            **{key: statistics.fmean(x[key] for x in reading) for key in reading[0]},
+        }
+    return {"seeds": seeds, "partial_vs_drain_by_seed": ratios,
+            "partial_vs_drain": r_mean, "partial_vs_drain_ci95": [r_low, r_high],
+            "verdict": verdict(r_low, r_high),
+            "reward_partial_minus_drain": d_mean,
+            "reward_partial_minus_drain_ci95": [d_low, d_high],
+            "rows": rows}
+
+
+def best_of_each_side(runs: dict[tuple[int, int, str], dict[str, Any]],
+                      ks: Sequence[int]) -> dict[str, Any]:
+    """Each side at its fastest k (mean samples/s over seeds), and the ratio of the two."""
+    seeds = sorted({seed for seed, _, _ in runs})
+
+    def mean_rate(k: int, side: str) -> float:
+        return statistics.fmean(runs[s, k, side]["trained_samples_per_s"] for s in seeds)
+
+    best = {side: max(ks, key=lambda k: mean_rate(k, side)) for side in SIDES}
+    ratios = [runs[s, best["partial"], "partial"]["trained_samples_per_s"]
+              / runs[s, best["drain"], "drain"]["trained_samples_per_s"] for s in seeds]
+    mean, low, high = ratio_interval(ratios)
+    return {"best_partial": f"async_k{best['partial']}_partial",
+            "best_drain": f"async_k{best['drain']}_drain",
+            "best_partial_vs_best_drain": mean, "best_partial_vs_best_drain_ci95": [low, high],
+            "best_verdict": verdict(low, high)}
+
+
+def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | None = None,
+         overrides: Sequence[str] = (), config: Path = LONG_YAML, seeds: int | None = None,
+         ks: Sequence[int] = KS) -> dict[str, Any]:
+    """Run the pairs on ``seeds`` seeds (default 6; --quick: 2, and steps as ``bench modes
+    --quick``) on top of ``config``; ``overrides`` apply to every run (tests pass a tiny
+    model there)."""
+    import torch
+
+    from rollstream.models.warmstart import prepare_model
+
+    torch.set_num_threads(1)  # as bench modes: one thread here, one pinned each for the runs
+    n_seeds = seeds if seeds is not None else (SEEDS_QUICK if quick else SEEDS_FULL)
+    if n_seeds < 2:
+        raise ValueError(f"bench pair: --seeds must be >= 2 (an interval needs two), got {n_seeds}")
+    sizes = QUICK if quick else FULL
+    base = load_config(config, list(overrides))
+    folder = prepare_model(base.model, base.tasks)
+    run_root = Path(run_root or tempfile.mkdtemp(prefix="bench-pair-"))
+    common = [
+        *overrides, *bench_overrides(folder, run_root), f"train.steps={sizes.steps}",
+        f"tasks.num_eval={sizes.num_eval}", f"eval.samples_per_task={sizes.samples_per_task}",
+    ]
+    modes = dict(mode_configs(StalenessPolicy.from_config(base.rollout, base.train).rule,
+                              base.rollout.on_update))
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    runs: dict[tuple[int, int, str], dict[str, Any]] = {}
+    order = run_order([base.seed + i for i in range(n_seeds)], ks)
+    for i, (seed, k, side) in enumerate(order):
+        label = f"async_k{k}_{side}"
+        print(f"bench pair: {label} seed {seed} ({i + 1}/{len(order)}) ...", flush=True)
+        cfg = row_config(config, common, [*modes[label], f"name={label}-s{seed}-{i}",
+                                          f"seed={seed}"])
+        runs[seed, k, side] = run_config(cfg)
+    pairs = {f"k{k}": summarise_pair({(s, side): r for (s, kk, side), r in runs.items()
+                                      if kk == k}, k) for k in ks}
+    result = {
+        "benchmark": "pair", "quick": quick,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "config": str(config),
+        "machine": {"cpus": os.cpu_count(), "load_before": list(load_before),
+                    "load_after": list(os.getloadavg()),
+                    "bench_wall_s": time.perf_counter() - t0},
+        "settings": {"seeds": n_seeds, "ks": list(ks), "steps": sizes.steps,
+                     "trained_samples_per_run": sizes.steps * base.train.groups_per_step
+                     * base.rollout.group_size, "num_eval": sizes.num_eval,
+                     "run_order": [f"async_k{k}_{side}/s{seed}" for seed, k, side in order],
+                     "run_root": str(run_root)},
+        "pairs": pairs,
+        **best_of_each_side(runs, ks),
+    }
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    print_tables(result)
+    return result
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    """The pairs' table and each k's verdict on the terminal."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    s = result["settings"]
+    t = Table(title=f"partial rollout vs drain on {Path(result['config']).name} ({s['seeds']} "
+              f"seeds x {s['trained_samples_per_run']} trained samples a run; means over seeds"
+              f"{', quick' if result['quick'] else ''})")
+    for col in ("row", "samples/s", "by seed", "reward", "gen tok", "dropped", "engine busy",
+                "decode us/tok", "rows/pass", "positions/tok"):
+        t.add_column(col, justify="right")
+    for pair in result["pairs"].values():
+        for label, r in pair["rows"].items():
+            t.add_row(label, f"{r['trained_samples_per_s']:.1f}",
+                      " ".join(f"{x:.0f}" for x in r["trained_samples_per_s_by_seed"]),
+                      f"{r['reward_final']:.3f}", f"{r['generated_tokens']:,.0f}",
+                      f"{r['dropped_stale']:.1f}", f"{r['engine_busy']:.2f}",
+                      f"{r['decode_us_per_token']:.1f}", f"{r['rows_per_pass']:.1f}",
+                      f"{r['positions_per_token']:.1f}")
+    console.print(t)
+    for name, pair in result["pairs"].items():
+        low, high = pair["partial_vs_drain_ci95"]
+        d_low, d_high = pair["reward_partial_minus_drain_ci95"]
+        by_seed = ", ".join(f"{x:.2f}" for x in pair["partial_vs_drain_by_seed"])
+        console.print(
+            f"{name}: partial vs drain x{pair['partial_vs_drain']:.3f} (95% CI {low:.3f}-"
+            f"{high:.3f}; by seed {by_seed}): {pair['verdict']}; reward "
+            f"{pair['reward_partial_minus_drain']:+.3f} (95% CI {d_low:+.3f} to {d_high:+.3f})")
+    low, high = result["best_partial_vs_best_drain_ci95"]
+    console.print(f"each side at its fastest k: {result['best_partial']} vs "
+                  f"{result['best_drain']} x{result['best_partial_vs_best_drain']:.3f} (95% CI "
+                  f"{low:.3f}-{high:.3f}): {result['best_verdict']}")
