@@ -64,6 +64,11 @@ def test_bench_pair_quick_writes_json(tmp_path):
             statistics.fmean(row["trained_samples_per_s_by_seed"]))
         assert 0 < row["engine_busy"] <= 1 and row["decode_us_per_token"] > 0, label
         assert row["rows_per_pass"] >= 1 and row["positions_per_token"] > 0, label
+        by_rows = row["decode_by_rows"]  # every decoded row-token in one bucket of rows a pass
+        assert sum(b["share"] for b in by_rows) == pytest.approx(1.0), label
+        for b in by_rows:
+            assert (b["share"] > 0) == (b["us_per_token"] is not None), b
+            assert b["positions_per_token"] is None or b["positions_per_token"] >= 1, b
     by_seed = [p / d for p, d in zip(rows["async_k2_partial"]["trained_samples_per_s_by_seed"],
                                      rows["async_k2_drain"]["trained_samples_per_s_by_seed"],
                                      strict=True)]

@@ -116,6 +116,36 @@ def engine_reading(run: dict[str, Any]) -> dict[str, float]:
             "positions_per_token": work.get("attention_positions", 0) / gen}
 
 
+ROW_BUCKETS = ((1, 8), (9, 16), (17, 32), (33, 64), (65, 96), (97, None))
+
+
+def _bucket(lo: int, hi: int | None) -> str:
+    return f"{lo}-{hi}" if hi is not None else f"{lo}+"
+
+
+def decode_by_rows(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """The decode passes of runs (their ``engine_passes.jsonl``) by how many rows a pass held:
+    per bucket the share of the row-tokens decoded, microseconds per row-token and cache
+    positions per row-token (the context a token was decoded at). A decode pass costs more
+    per token with fewer rows and with longer contexts: this says which a row paid."""
+    acc = [[0.0, 0, 0] for _ in ROW_BUCKETS]  # seconds, row-tokens, positions
+    for run_dir in run_dirs:
+        for line in (Path(run_dir) / "engine_passes.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r["kind"] != "decode":
+                continue
+            b = next(i for i, (lo, hi) in enumerate(ROW_BUCKETS)
+                     if lo <= r["rows"] and (hi is None or r["rows"] <= hi))
+            acc[b][0] += r["seconds"]
+            acc[b][1] += r["rows"] * r["count"]
+            acc[b][2] += r["tokens"]
+    total = max(sum(a[1] for a in acc), 1)
+    return [{"rows": _bucket(lo, hi), "share": n / total,
+             "us_per_token": 1e6 * sec / n if n else None,
+             "positions_per_token": pos / n if n else None}
+            for (lo, hi), (sec, n, pos) in zip(ROW_BUCKETS, acc, strict=True)]
+
+
 def summarise_pair(runs: dict[tuple[int, str], dict[str, Any]], k: int) -> dict[str, Any]:
     """One k's pair over the seeds both sides ran."""
     seeds = sorted({seed for seed, _ in runs})
@@ -137,6 +167,7 @@ def summarise_pair(runs: dict[tuple[int, str], dict[str, Any]], k: int) -> dict[
             "generated_tokens": statistics.fmean(r["generated_tokens"] for r in per_seed),
             "dropped_stale": statistics.fmean(r["dropped_stale"] for r in per_seed),
             **{key: statistics.fmean(x[key] for x in reading) for key in reading[0]},
+            "decode_by_rows": decode_by_rows([r["run_dir"] for r in per_seed]),
         }
     return {"seeds": seeds, "partial_vs_drain_by_seed": ratios,
             "partial_vs_drain": r_mean, "partial_vs_drain_ci95": [r_low, r_high],
@@ -196,7 +227,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         print(f"bench pair: {label} seed {seed} ({i + 1}/{len(order)}) ...", flush=True)
         cfg = row_config(config, common, [*modes[label], f"name={label}-s{seed}-{i}",
                                           f"seed={seed}"])
-        runs[seed, k, side] = run_config(cfg)
+        runs[seed, k, side] = {**run_config(cfg), "run_dir": str(Path(cfg.run_root) / cfg.name)}
     pairs = {f"k{k}": summarise_pair({(s, side): r for (s, kk, side), r in runs.items()
                                       if kk == k}, k) for k in ks}
     result = {
@@ -243,6 +274,17 @@ def print_tables(result: dict[str, Any]) -> None:
                       f"{r['dropped_stale']:.1f}", f"{r['engine_busy']:.2f}",
                       f"{r['decode_us_per_token']:.1f}", f"{r['rows_per_pass']:.1f}",
                       f"{r['positions_per_token']:.1f}")
+    console.print(t)
+    t = Table(title="decode passes by rows held: share of row-tokens, us per row-token, "
+              "positions per row-token (all seeds)")
+    t.add_column("row")
+    for lo, hi in ROW_BUCKETS:
+        t.add_column(f"rows {_bucket(lo, hi)}", justify="right")
+    for pair in result["pairs"].values():
+        for label, r in pair["rows"].items():
+            t.add_row(label, *(f"{b['share']:.0%} {b['us_per_token']:.0f} "
+                               f"{b['positions_per_token']:.0f}" if b["us_per_token"] else "-"
+                               for b in r["decode_by_rows"]))
     console.print(t)
     for name, pair in result["pairs"].items():
         low, high = pair["partial_vs_drain_ci95"]
