@@ -49,6 +49,9 @@ def test_bench_modes_quick_writes_json(tmp_path):
         assert 0 <= row["reward_final"] <= 1, label
         for key in ("dropped_stale", "filtered", "aborted", "interrupts"):
             assert row[key] >= 0, (label, key)
+        # the run's end after its last generated token: at least the last trainer step
+        assert 0 < row["end_tail_s"] < row["train_wall_s"], label
+        assert row["engine_busy_before_tail"] > 1 - row["engine_idle_share"], label
         tok = row["tokens"]  # the parts of the generated tokens add up
         assert tok["generated"] == sum(v for k, v in tok.items() if k != "generated") > 0, tok
         assert tok["kept"] == row["trained_tokens"], label

@@ -53,9 +53,8 @@ demo's shape (a synchronous step spends ~30% of its time generating). The JSON's
 Two upper bounds come with the ratios: ``async_ceiling_vs_sync`` (a step no shorter than a
 trainer step) and ``async_bound_vs_sync`` (nor shorter than generating sync's tokens per
 trained step at the best rate the engine showed): what any scheduler could gain over ``sync``
-on this engine, whose tokens/s saturates at a small batch (the probe's ``tok_s_by_batch``), so
-that a long tail of few running requests costs a synchronous step little. ``share_of_bound``
-gives each row's share of the bound as a product of two factors (``bench/modes_bound.py``).
+on this engine. ``share_of_bound`` gives each row's share of the bound as a product of two
+factors (``bench/modes_bound.py``, which also measures a run's ``end_tail_s``).
 
 A benchmark measures; it does not assert. The machine is shared: the JSON records the load
 average, and only ratios within one run mean much.
@@ -78,7 +77,7 @@ from typing import Any
 
 import yaml
 
-from rollstream.bench.modes_bound import machine_bound, share_of_bound
+from rollstream.bench.modes_bound import end_tail_s, machine_bound, share_of_bound
 from rollstream.bench.probe import ThreadMeter, probe
 from rollstream.config import RunConfig, apply_override, load_config, validate
 from rollstream.rollout.staleness import StalenessPolicy, context_age
@@ -91,10 +90,9 @@ DRAIN_PAIR = "async_k2_drain"  # the same k without partial rollout
 # core) instead of a thread beside the engine's: the interpreter (GIL) is no longer shared
 TRAINER_PROCESS = "trainer_proc_"
 TRAINER_PROCESS_SETTINGS = ("train.backend=fsdp", "train.fsdp.world_size=1")
-# async k=2 partial rollout under each staleness semantics (rollout/staleness.py): the
-# overrides that make a row follow the rule (the headline row follows the base YAML's)
 def rule_settings(rule: str, k: int) -> list[str]:
-    """The overrides that make a row with staleness bound ``k`` follow ``rule``."""
+    """The overrides that make a row with staleness bound ``k`` follow ``rule`` (a staleness
+    semantics of rollout/staleness.py; the headline row follows the base YAML's)."""
     return {"drop": ["train.max_token_age=null", f"rollout.max_context_age={k}"],
             "mask": [f"train.max_token_age={k}", f"rollout.max_context_age={2 * k}"],
             "admission": ["train.max_token_age=null", f"rollout.max_context_age={2 * k}"]}[rule]
@@ -243,6 +241,8 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "tokens": token_breakdown(ledger),
         "engine_work": dict(work),
         "engine_idle_share": max(0.0, 1.0 - work["busy_s"] / wall),
+        "end_tail_s": (tail := end_tail_s(run_dir)),  # the trainer alone at the end
+        "engine_busy_before_tail": work["busy_s"] / (wall - tail),
         "trainer_idle_share": max(0.0, 1.0 - trainer_busy),
         "staleness_blocked": blocked / wall,
         "gate_blocked": gate / wall,

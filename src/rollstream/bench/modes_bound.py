@@ -17,8 +17,12 @@ one run each; a row run twice reports the mean of each quantity, so to within it
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from rollstream.trajectory import is_eval_uid
 
 
 @dataclass(frozen=True)
@@ -70,3 +74,25 @@ def factors_line(label: str, s: dict[str, Any]) -> str:
             f"{s['engine_rate_vs_best']:.2f} of the best (busy {s['engine_busy']:.2f} x "
             f"{s['engine_rate_while_busy_vs_best']:.2f} while busy) x trained per generated "
             f"token x{s['trained_per_generated_vs_sync']:.2f} of sync's")
+
+
+def end_tail_s(run_dir: Path) -> float:
+    """Seconds from the last token a run's training phase generated to the start of its final
+    evaluation, which follows the last trainer step (both read off ``timeline.jsonl``, one
+    clock). With a staleness bound k the engine works up to k batches ahead, and those batches
+    complete near the end together; the trainer then works them off with nothing left to
+    generate, so the engine idles for about k trainer steps however good the schedule (at
+    least the last step's). A longer run dilutes it."""
+    path = Path(run_dir) / "timeline.jsonl"
+    if not path.exists():
+        return float("nan")
+    spans = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in spans if not is_eval_uid(r["sample_uid"])]
+    if not train:
+        return float("nan")
+    last_start = max(r["t_start_s"] for r in train)
+    final_eval = [r["t_start_s"] for r in spans
+                  if is_eval_uid(r["sample_uid"]) and r["t_start_s"] > last_start]
+    if not final_eval:
+        return float("nan")
+    return max(0.0, min(final_eval) - max(r["t_end_s"] for r in train))

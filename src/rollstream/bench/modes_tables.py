@@ -51,10 +51,11 @@ def print_tables(result: dict[str, Any]) -> None:
               "own, fused into a decode step, tokens of both, seconds of the own passes; attn x = "
               "cache positions decode attention read ÷ those its rows hold; ch/pass = its chunks "
               "a decode pass; stale-blocked, gate-blocked = share of the time admission waited "
-              "at the staleness limit, and for a weight load's closed dispatch gate)")
+              "at the staleness limit, and for a weight load's closed dispatch gate; tail s = "
+              "the run's end after its last generated token, the trainer alone)")
     cols = ("gen tok", "kept", "mask", "drop", "filt", "abort", "pf n", "fused", "pf tok", "pf s",
             "recomp s", "sort n", "sort s", "dec s", "attn x", "ch/pass", "eng idle",
-            "trn idle", "stale-blocked", "gate-blocked")
+            "trn idle", "stale-blocked", "gate-blocked", "tail s")
     t.add_column("config", no_wrap=True)
     for col in cols:
         t.add_column(col, justify="right")
@@ -73,7 +74,7 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"{w.get('attention_chunks', 0) / max(w.get('decode_count', 0), 1):.1f}",
                   f"{r['engine_idle_share']:.2f}",
                   f"{r['trainer_idle_share']:.2f}", f"{r['staleness_blocked']:.2f}",
-                  f"{r['gate_blocked']:.2f}")
+                  f"{r['gate_blocked']:.2f}", f"{r['end_tail_s']:.2f}")
     console.print(t)
     if sem := result["staleness_semantics"]:
         t = Table(title="staleness semantics for long samples (async k=2, partial rollout)")
