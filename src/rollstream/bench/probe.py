@@ -11,12 +11,13 @@ blocked share (a thread that always has work and is blocked is waiting for the G
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import math
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -104,15 +105,22 @@ class ThreadMeter:
 
 # ---- the engine's saturated rate and the contention probe -------------------------------
 BATCH_SIZES = (1, 4, 16, 64)  # requests kept in the engine for the batch-economy rates
+SETTLE_S = 5.0  # each window starts this long after the engine is filled (_saturate)
 MIN_TOKEN_WAIT_S = 60.0  # a window lasts until the engine made a token, up to this long
 
 
 def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size: int,
-              until: cf.Future | None = None,
+              settle_s: float = 0.0, then: Callable[[], cf.Future] | None = None,
               slots: int | None = None) -> tuple[float, list[tuple[Any, list[Any]]]]:
-    """Keep ``slots`` (default ``max_slots``) requests of tick prompts in the engine for
-    ``seconds`` (or until ``until`` is done); returns (tokens/s, completed groups as (task,
-    outputs))."""
+    """Keep ``slots`` (default ``max_slots``) requests of tick prompts in the engine; after
+    ``settle_s`` (the clock not yet running) measure for ``seconds``, or until the future
+    ``then()`` returns (called once settled) is done; returns (tokens/s, completed groups as
+    (task, outputs)).
+
+    Settling matters: an engine filled at once holds only short contexts, and decodes faster
+    than in a run (whose rows are of every age) until its first requests finish. Unsettled,
+    the ~2 s window beside the trainer's steps measured 1.24-1.30x the 20 s window's rate
+    alone (docs/benchmarks.md, session 21)."""
     from rollstream.engine.protocol import GenerateRequest
 
     ids = itertools.count()
@@ -127,16 +135,7 @@ def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size:
                                             prompt_ids=list(task.prompt_ids), params=params))
         live[fut] = task
 
-    for _ in range(slots or engine.stats().capacity):
-        submit()
-    tokens0, t0 = engine.stats().generated_tokens, time.perf_counter()
-    def more() -> bool:  # a rate needs a token: a loaded machine may make none in a short window
-        elapsed = time.perf_counter() - t0
-        if engine.stats().generated_tokens == tokens0 and elapsed < MIN_TOKEN_WAIT_S:
-            return True
-        return elapsed < seconds and not (until is not None and until.done())
-
-    while more():
+    def turn() -> None:  # collect what finished, refill
         done, _ = cf.wait(list(live), timeout=0.5, return_when=cf.FIRST_COMPLETED)
         for fut in done:
             task = live.pop(fut)
@@ -145,6 +144,23 @@ def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size:
             if len(outs) == group_size:
                 groups.append((task, outs))
             submit()
+
+    for _ in range(slots or engine.stats().capacity):
+        submit()
+    t_settle = time.perf_counter()
+    while time.perf_counter() - t_settle < settle_s:
+        turn()
+    until = then() if then is not None else None
+    tokens0, t0 = engine.stats().generated_tokens, time.perf_counter()
+
+    def more() -> bool:  # a rate needs a token: a loaded machine may make none in a short window
+        elapsed = time.perf_counter() - t0
+        if engine.stats().generated_tokens == tokens0 and elapsed < MIN_TOKEN_WAIT_S:
+            return True
+        return elapsed < seconds and not (until is not None and until.done())
+
+    while more():
+        turn()
     rate = (engine.stats().generated_tokens - tokens0) / (time.perf_counter() - t0)
     cf.wait(list(live))  # leave the engine empty for whoever comes next
     return rate, groups
@@ -185,10 +201,12 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
     engine = LocalEngine(folder, cfg.engine.local)
     pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
     g = cfg.rollout.group_size
+    settle = min(SETTLE_S, saturate_s / 4)  # --quick (2 s windows): 0.5 s
     try:
         _saturate(engine, mix, params, min(3.0, saturate_s), group_size=g)  # warm-up
         with ThreadMeter() as alone:
-            sat, groups = _saturate(engine, mix, params, saturate_s, group_size=g)
+            sat, groups = _saturate(engine, mix, params, saturate_s, group_size=g,
+                                    settle_s=settle)
         batch = _batch(groups, resolve, tokenizer, cfg.train.groups_per_step)
         trainer = build_trainer(cfg, folder)
 
@@ -202,15 +220,23 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
 
         pool.submit(steps, 1).result()  # warm-up
         solo = pool.submit(steps, probe_steps).result()
-        with ThreadMeter() as both:
-            fut = pool.submit(steps, probe_steps)
-            shared, _ = _saturate(engine, mix, params, math.inf, group_size=g, until=fut)
-        together = fut.result()
+        with contextlib.ExitStack() as stack:  # the meter runs while the trainer steps
+            meters: list[ThreadMeter] = []
+            running: list[cf.Future] = []
+
+            def start_steps() -> cf.Future:
+                meters.append(stack.enter_context(ThreadMeter()))
+                running.append(pool.submit(steps, probe_steps))
+                return running[0]
+
+            shared, _ = _saturate(engine, mix, params, math.inf, group_size=g,
+                                  settle_s=settle, then=start_steps)
+        both, together = meters[0], running[0].result()
         trainer.close()
-        after, _ = _saturate(engine, mix, params, saturate_s / 2, group_size=g)
+        after, _ = _saturate(engine, mix, params, saturate_s / 2, group_size=g, settle_s=settle)
         # the batch economy: tokens/s with only b requests kept in the engine
-        by_batch = {b: _saturate(engine, mix, params, saturate_s / 8, group_size=g, slots=b)[0]
-                    for b in BATCH_SIZES}
+        by_batch = {b: _saturate(engine, mix, params, saturate_s / 8, group_size=g, slots=b,
+                                 settle_s=settle)[0] for b in BATCH_SIZES}
     finally:
         pool.shutdown()
         engine.shutdown()
