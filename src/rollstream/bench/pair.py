@@ -17,7 +17,8 @@ unit), the final held-out reward's difference partial − drain with its interva
 ``verdict``: ``partial faster`` (interval above 1), ``drain faster`` (below 1) or ``within
 noise``. Per row, the means over seeds of what explains a gap: samples/s, generated tokens,
 the engine's busy share, its decode seconds per generated token, rows a decode pass, and
-cache positions per generated token (``engine_work`` of ``bench modes``). ``best_partial``,
+cache positions per generated token (``engine_work`` of ``bench modes``), and
+``decode_by_rows``: its decode passes binned by the rows they held. ``best_partial``,
 ``best_drain``: each side's fastest k by mean samples/s, and ``best_partial_vs_best_drain``,
 the ratio of the two with its seed-by-seed interval (what partial rollout buys when each side
 may pick its own bound).
