@@ -73,6 +73,19 @@ def test_bench_pair_quick_writes_json(tmp_path):
                                      rows["async_k2_drain"]["trained_samples_per_s_by_seed"],
                                      strict=True)]
     assert pair["partial_vs_drain_by_seed"] == pytest.approx(by_seed)
+    # the ratio is the product of its three factors, seed by seed
+    factors = pair["factors"]
+    assert set(factors) == {"engine_rate", "length", "waste"}
+    products = [math.prod(f["by_seed"][i] for f in factors.values()) for i in range(2)]
+    assert products == pytest.approx(by_seed)
+    for f in factors.values():
+        assert f["ci95"][0] <= f["ratio"] <= f["ci95"][1]
+    equal_length = [r / x for r, x in zip(by_seed, factors["length"]["by_seed"], strict=True)]
+    assert pair["partial_vs_drain_equal_length"] == pytest.approx(
+        math.exp(statistics.fmean(math.log(x) for x in equal_length)))
+    for label, row in rows.items():
+        assert row["gen_tok_s"] > 0 and row["trained_len"] > 0, label
+        assert row["generated_per_trained_token"] >= 1, label
     low, high = pair["partial_vs_drain_ci95"]
     assert low <= pair["partial_vs_drain"] <= high
     assert pair["verdict"] == verdict(low, high)

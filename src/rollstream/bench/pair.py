@@ -15,7 +15,16 @@ Per k (``pairs.k{k}``): the ratio partial ÷ drain of trained samples/s seed by 
 geometric mean with a 95% confidence interval (Student's t on the log ratios, the seed as the
 unit), the final held-out reward's difference partial − drain with its interval, and a
 ``verdict``: ``partial faster`` (interval above 1), ``drain faster`` (below 1) or ``within
-noise``. Per row, the means over seeds of what explains a gap: samples/s, generated tokens,
+noise``.
+
+The ratio splits, seed by seed and exactly, into three factors (``factors``, each a ratio with
+its interval): ``engine_rate`` (generated tokens per second of training), ``length`` (the mean
+response length of a trained sample, inverted: what the policy writes, which drifts apart
+from seed to seed as the two runs learn differently) and ``waste`` (generated tokens per
+trained token, inverted: filtered, dropped and unfinished samples).
+``partial_vs_drain_equal_length`` (engine_rate × waste) is the ratio with the policy's lengths
+set aside: what the schedule decides. Per row, the means over seeds of what explains a gap:
+samples/s, generated tokens, the three factors,
 the engine's busy share, its decode seconds per generated token, rows a decode pass, and
 cache positions per generated token (``engine_work`` of ``bench modes``), and
 ``decode_by_rows``: its decode passes binned by the rows they held. ``best_partial``,
@@ -147,11 +156,44 @@ def decode_by_rows(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
             for (lo, hi), (sec, n, pos) in zip(ROW_BUCKETS, acc, strict=True)]
 
 
+def rate_factors(run: dict[str, Any]) -> dict[str, float]:
+    """A run's trained samples/s as the product of three factors, exactly:
+    ``gen_tok_s`` (the engine's generated tokens per second of training) ÷ ``trained_len``
+    (mean tokens of a trained sample's response: what the policy writes) ÷
+    ``generated_per_trained_token`` (the generation's waste: filtered and dropped groups,
+    samples unfinished at the end, ≥ 1)."""
+    from rollstream.data.ledger import read_ledger
+
+    ledger = read_ledger(Path(run["run_dir"]) / "ledger.jsonl")
+    trained = sum(r["num_tokens"] for r in ledger if r["status"] == "trained")
+    return {"gen_tok_s": run["gen_tok_s"],
+            "trained_len": trained / max(run["trained_samples"], 1),
+            "generated_per_trained_token": run["generated_tokens"] / max(trained, 1)}
+
+
+FACTOR_RATIOS = (  # (key, factor, exponent): partial ÷ drain of trained samples/s, per seed,
+    ("engine_rate", "gen_tok_s", 1),  # = engine_rate x length x waste, each to its exponent
+    ("length", "trained_len", -1),
+    ("waste", "generated_per_trained_token", -1),
+)
+
+
 def summarise_pair(runs: dict[tuple[int, str], dict[str, Any]], k: int) -> dict[str, Any]:
     """One k's pair over the seeds both sides ran."""
     seeds = sorted({seed for seed, _ in runs})
     ratios = [runs[seed, "partial"]["trained_samples_per_s"]
               / runs[seed, "drain"]["trained_samples_per_s"] for seed in seeds]
+    factors = {(seed, side): rate_factors(runs[seed, side]) for seed in seeds for side in SIDES}
+    factor_ratios = {}
+    for key, name, exponent in FACTOR_RATIOS:
+        by_seed = [(factors[seed, "partial"][name] / factors[seed, "drain"][name]) ** exponent
+                   for seed in seeds]
+        mean, low, high = ratio_interval(by_seed)
+        factor_ratios[key] = {"by_seed": by_seed, "ratio": mean, "ci95": [low, high]}
+    # what the schedule decides, the policy's sample lengths set aside
+    equal_length = [r / f for r, f in zip(ratios, factor_ratios["length"]["by_seed"],
+                                          strict=True)]
+    e_mean, e_low, e_high = ratio_interval(equal_length)
     rewards = [runs[seed, "partial"]["reward_final"] - runs[seed, "drain"]["reward_final"]
                for seed in seeds]
     r_mean, r_low, r_high = ratio_interval(ratios)
@@ -167,12 +209,18 @@ def summarise_pair(runs: dict[tuple[int, str], dict[str, Any]], k: int) -> dict[
             "reward_final": statistics.fmean(r["reward_final"] for r in per_seed),
             "generated_tokens": statistics.fmean(r["generated_tokens"] for r in per_seed),
             "dropped_stale": statistics.fmean(r["dropped_stale"] for r in per_seed),
+            **{name: statistics.fmean(factors[seed, side][name] for seed in seeds)
+               for _, name, _ in FACTOR_RATIOS},
             **{key: statistics.fmean(x[key] for x in reading) for key in reading[0]},
             "decode_by_rows": decode_by_rows([r["run_dir"] for r in per_seed]),
         }
     return {"seeds": seeds, "partial_vs_drain_by_seed": ratios,
             "partial_vs_drain": r_mean, "partial_vs_drain_ci95": [r_low, r_high],
             "verdict": verdict(r_low, r_high),
+            "factors": factor_ratios,
+            "partial_vs_drain_equal_length": e_mean,
+            "partial_vs_drain_equal_length_ci95": [e_low, e_high],
+            "equal_length_verdict": verdict(e_low, e_high),
             "reward_partial_minus_drain": d_mean,
             "reward_partial_minus_drain_ci95": [d_low, d_high],
             "rows": rows}
@@ -264,14 +312,17 @@ def print_tables(result: dict[str, Any]) -> None:
     t = Table(title=f"partial rollout vs drain on {Path(result['config']).name} ({s['seeds']} "
               f"seeds x {s['trained_samples_per_run']} trained samples a run; means over seeds"
               f"{', quick' if result['quick'] else ''})")
-    for col in ("row", "samples/s", "by seed", "reward", "gen tok", "dropped", "engine busy",
-                "decode us/tok", "rows/pass", "positions/tok"):
+    for col in ("row", "samples/s", "by seed", "reward", "gen tok", "gen tok/s", "len",
+                "gen/trained", "dropped", "engine busy", "decode us/tok", "rows/pass",
+                "positions/tok"):
         t.add_column(col, justify="right")
     for pair in result["pairs"].values():
         for label, r in pair["rows"].items():
             t.add_row(label, f"{r['trained_samples_per_s']:.1f}",
                       " ".join(f"{x:.0f}" for x in r["trained_samples_per_s_by_seed"]),
                       f"{r['reward_final']:.3f}", f"{r['generated_tokens']:,.0f}",
+                      f"{r['gen_tok_s']:,.0f}", f"{r['trained_len']:.1f}",
+                      f"{r['generated_per_trained_token']:.2f}",
                       f"{r['dropped_stale']:.1f}", f"{r['engine_busy']:.2f}",
                       f"{r['decode_us_per_token']:.1f}", f"{r['rows_per_pass']:.1f}",
                       f"{r['positions_per_token']:.1f}")
@@ -295,6 +346,13 @@ def print_tables(result: dict[str, Any]) -> None:
             f"{name}: partial vs drain x{pair['partial_vs_drain']:.3f} (95% CI {low:.3f}-"
             f"{high:.3f}; by seed {by_seed}): {pair['verdict']}; reward "
             f"{pair['reward_partial_minus_drain']:+.3f} (95% CI {d_low:+.3f} to {d_high:+.3f})")
+        parts = [f"{key} x{f['ratio']:.3f} ({f['ci95'][0]:.3f}-{f['ci95'][1]:.3f})"
+                 for key, f in pair["factors"].items()]
+        low, high = pair["partial_vs_drain_equal_length_ci95"]
+        console.print(
+            f"  = {' x '.join(parts)}; at equal length (engine_rate x waste) "
+            f"x{pair['partial_vs_drain_equal_length']:.3f} (95% CI {low:.3f}-{high:.3f}): "
+            f"{pair['equal_length_verdict']}")
     low, high = result["best_partial_vs_best_drain_ci95"]
     console.print(f"each side at its fastest k: {result['best_partial']} vs "
                   f"{result['best_drain']} x{result['best_partial_vs_best_drain']:.3f} (95% CI "
