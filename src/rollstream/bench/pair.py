@@ -160,8 +160,8 @@ def rate_factors(run: dict[str, Any]) -> dict[str, float]:
     """A run's trained samples/s as the product of three factors, exactly:
     ``gen_tok_s`` (the engine's generated tokens per second of training) ÷ ``trained_len``
     (mean tokens of a trained sample's response: what the policy writes) ÷
-    ``generated_per_trained_token`` (the generation's waste: filtered and dropped groups,
-    samples unfinished at the end, ≥ 1)."""
+    ``generated_per_trained_token`` (generated tokens per response token of a trained sample,
+    masked ones included: the waste of filtered and dropped groups, ≥ 1)."""
     from rollstream.data.ledger import read_ledger
 
     ledger = read_ledger(Path(run["run_dir"]) / "ledger.jsonl")
