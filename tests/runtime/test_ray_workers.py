@@ -113,7 +113,8 @@ async def test_an_actor_killed_mid_call_fails_that_call_and_is_replaced(
     pool, workers = _pool(pools, {"pid": w.pid, "hang": w.hang, "die": w.die}, timeout_s=60,
                           num_workers=1)
     if how == "os._exit":
-        result = await pool.grade(task(source="die"), STOPPED)
+        result = await pool.grade(task(str(tmp_path), "die"), STOPPED)
+        assert len(list(tmp_path.iterdir())) == 1  # it ran once: not retried as never started
     else:
         call = asyncio.create_task(pool.grade(task(str(tmp_path), "hang"), STOPPED))
         pid = await _pid_written(tmp_path)

@@ -9,8 +9,10 @@ exceptions, same guarantees).
     call:  stage.remote(fn, args) -> "started"        unpickles fn, args (imports modules)
            run.remote() -> "done", result             fn(*args), in the main thread
 
-A call's two actor calls are sent together (an actor runs one caller's calls in order), so
-staging costs no round trip; its ``timeout_s`` counts from "started", as in ProcessWorkers:
+A call's run is sent when its stage has answered: one round trip more than sending both
+together, but a call whose ``fn`` ends the process at once (``os._exit``) cannot pass for one
+that never started (sent together, the stage's reply could be lost with the process, and the
+call was retried: ``fn`` ran twice). Its ``timeout_s`` counts from "started", as in ProcessWorkers:
 an actor's start and the import of a reward's module are not the reward's time (bounded by
 ``STARTUP_S``). The actor is a plain (not async) one with one call at a time, so ``fn`` runs
 in its process's main thread: signal-based timeouts (math-verify's) work there.
@@ -148,7 +150,6 @@ class RayWorkers:
         worker.started, worker.done = self._loop.create_future(), self._loop.create_future()
         try:
             self._settle(worker.actor.stage.remote(fn, args), worker.started)
-            self._settle(worker.actor.run.remote(), worker.done)
             try:
                 async with asyncio.timeout(STARTUP_S):
                     await asyncio.shield(worker.started)
@@ -157,6 +158,9 @@ class RayWorkers:
                                  cause=f"not staged within {STARTUP_S:g} s") from None
             except WorkerDied as e:
                 raise _DiedIdle(str(e)) from None
+            # only now: a run sent with the stage could end the process before the stage's
+            # reply left it, and the call would pass for one that never started (run twice)
+            self._settle(worker.actor.run.remote(), worker.done)
             try:
                 async with asyncio.timeout(timeout_s):
                     return await asyncio.shield(worker.done)
