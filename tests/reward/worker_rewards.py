@@ -52,8 +52,9 @@ def own_timeout(task: Task, text: str) -> float:
 
 
 def die(task: Task | None, text: str) -> float:
-    """Ends its process at once, after writing its pid to ``{reference}/<pid>`` (if set)."""
-    if task is not None and task.reference:
+    """Ends its process at once, after writing its pid to ``{reference}/<pid>`` when the
+    reference is a folder."""
+    if task is not None and task.reference and Path(task.reference).is_dir():
         (Path(task.reference) / str(os.getpid())).write_text("")
     os._exit(3)
 
