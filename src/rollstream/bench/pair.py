@@ -21,7 +21,7 @@ The ratio splits, seed by seed and exactly, into three factors (``factors``, eac
 its interval): ``engine_rate`` (generated tokens per second of training), ``length`` (the mean
 response length of a trained sample, inverted: what the policy writes, which drifts apart
 from seed to seed as the two runs learn differently) and ``waste`` (generated tokens per
-trained token, inverted: filtered, dropped and unfinished samples).
+trained token, inverted: filtered, dropped and aborted samples).
 ``partial_vs_drain_equal_length`` (engine_rate × waste) is the ratio with the policy's lengths
 set aside: what the schedule decides. Per row, the means over seeds of what explains a gap:
 samples/s, generated tokens, the three factors,
@@ -161,7 +161,7 @@ def rate_factors(run: dict[str, Any]) -> dict[str, float]:
     ``gen_tok_s`` (the engine's generated tokens per second of training) ÷ ``trained_len``
     (mean tokens of a trained sample's response: what the policy writes) ÷
     ``generated_per_trained_token`` (generated tokens per response token of a trained sample,
-    masked ones included: the waste of filtered and dropped groups, ≥ 1)."""
+    masked ones included: the waste of filtered, dropped and aborted samples, ≥ 1)."""
     from rollstream.data.ledger import read_ledger
 
     ledger = read_ledger(Path(run["run_dir"]) / "ledger.jsonl")
