@@ -137,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--port", type=int, default=0, help="default: a free port")
     x.add_argument("--sessions", type=int, default=1, help="sessions (API keys) to open")
     x.add_argument("--out", type=Path, default=None, help="write the samples here (JSONL)")
+    for flag in ("max_request_bytes", "max_session_calls", "max_session_history_bytes"):
+        x.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None,
+                       help=f"the proxy's limit (agent.proxy.{flag} of a run's config)")
     return p
 
 
@@ -240,7 +243,12 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.sessions < 1:
                 raise ValueError(f"--sessions must be >= 1, got {args.sessions}")
-            serve(args.model_dir, port=args.port, num_sessions=args.sessions, out=args.out)
+            from rollstream.config.tasks import ProxyConfig
+
+            limits = ProxyConfig(**{k: v for k in ProxyConfig.model_fields
+                                    if (v := getattr(args, k)) is not None})
+            serve(args.model_dir, port=args.port, num_sessions=args.sessions, out=args.out,
+                  limits=limits)
     except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2

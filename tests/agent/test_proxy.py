@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from rollstream.agent.chat import ChatRenderer, check_alignment
-from rollstream.agent.proxy import AgentProxy, _sse
+from rollstream.agent.proxy import AgentProxy
+from rollstream.agent.proxy_wire import reply_message, sse
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.trajectory import SegmentKind
 
@@ -123,18 +124,16 @@ async def test_run_harness_returns_the_samples_of_a_harness_that_times_out(proxy
 
 
 async def test_tool_calls_in_a_reply_are_openai_tool_calls(proxy):
-    handle = proxy.open_session("tc")
-    session = proxy._sessions[handle.api_key]
     text = 'sure\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n' \
            "</tool_call>"
-    message = proxy._message(text, session)
+    message = reply_message(text, proxy.parser.parse(text), 0)
     assert message["content"] == "sure"
     call = message["tool_calls"][0]
     assert call["function"]["name"] == "calculator"
     assert json.loads(call["function"]["arguments"]) == {"expression": "1+2"}
     reply = {"id": "c", "created": 0, "model": "t",
              "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}
-    chunks = [line async for line in _sse(reply)]
+    chunks = [line async for line in sse(reply)]
     assert chunks[-1] == "data: [DONE]\n\n"
     deltas = [json.loads(c[6:])["choices"][0] for c in chunks[:-1]]
     assert deltas[2]["delta"]["tool_calls"][0]["function"]["name"] == "calculator"
@@ -181,7 +180,7 @@ async def test_a_session_whose_engine_went_away_continues_on_another(model_dir, 
         max_slots=4, max_seq_len=512, threads=1, device="cpu")), model_dir, engine_id="local-1")
     async with AgentProxy([engine, other], build_char_tokenizer()) as proxy:
         handle = proxy.open_session("failover")
-        session = proxy._sessions[handle.api_key]
+        session = proxy._sessions[handle.session_id]
         client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key)
         messages = [{"role": "user", "content": "a"}]
         reply = await client.chat.completions.create(model="t", messages=messages, max_tokens=4)
@@ -245,12 +244,12 @@ async def test_sessions_are_routed_by_the_calls_in_flight_and_stay_with_their_pr
                 await asyncio.sleep(0.005)
         await asyncio.wait_for(call(1, "b"), 30)  # (sent to local-0, it would wait there)
         await asyncio.wait_for(call(2, "c"), 30)
-        engines = [proxy._sessions[h.api_key].engine for h in handles]
+        engines = [proxy._sessions[h.session_id].engine for h in handles]
         assert engines == [held, other, other]  # local-0 had a call in flight
         held.gate.set()
         await first
         await call(2, "c")  # the same session again: local-0 is idle now, yet it stays
-        assert proxy._sessions[handles[2].api_key].engine is other
+        assert proxy._sessions[handles[2].session_id].engine is other
         assert proxy.router.load[held] == proxy.router.load[other] == 0
         await engine.close()
         await other.close()  # no engine is UP now

@@ -16,9 +16,17 @@ router keeps them there (UP, with a free sequence and not far above the least lo
 move to the least loaded. A training session's turns are routed by the run's dispatcher.
 
 Security: binds to 127.0.0.1 unless told otherwise, and every call needs the bearer key of an
-open session (401 otherwise). The run side opens a session, hands its URL and key to a
+open session (401 otherwise). A key is ``rs-<id>.<secret>``: the session is found by its id
+and the secret compared in constant time; only the id ever appears in request ids, episode
+ids, reply ids and samples. The run side opens a session, hands its URL and key to a
 harness, and closes it when the harness finishes or times out (:meth:`AgentProxy.run_harness`),
-receiving the samples.
+receiving the samples. What one call and one session may cost is bounded
+(:class:`~rollstream.config.tasks.ProxyConfig`): a body over ``max_request_bytes`` is a 413
+before it is read whole; a body is validated (``proxy_wire.py``) before it is used; a
+prompt that cannot fit the context is refused before it is rendered when its text alone is
+too long for it, else right after; a session's calls and the bytes of message text its
+samples hold are capped. Every refusal is a 400 (or 413) whose ``param`` names the field or
+the limit.
 
 Simplifications: ``n`` must be 1; a streamed reply is sent as one content chunk (and one chunk
 per tool call) after generation, since the engine protocol returns a turn at once.
@@ -27,7 +35,6 @@ per tool call) after generation, since the engine protocol returns a turn at onc
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,22 +45,28 @@ from fastapi import Request
 
 from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.loop import generate_turn
+from rollstream.agent.proxy_wire import (ChatMessage, ChatRequest, Refused, parse_request, plain,
+                                         read_body, reply_message, sse)
 from rollstream.agent.tools import HermesToolParser, ToolCallParser
+from rollstream.config.tasks import ProxyConfig
 from rollstream.engine import Engine, FinishReason, SamplingParams
 from rollstream.rollout.harness import TurnOutput
 from rollstream.rollout.routing import Router
 from rollstream.trajectory import Segment, SegmentKind, ToolCall, ToolResult, Turn
 
-DEFAULT_MAX_TOKENS = 256
+KEY_PREFIX = "rs-"
 
 
 class EngineFailed(RuntimeError):
     """The engine failed a call (the harness gets HTTP 502 with the reason)."""
 
 
-class EpisodeRefused(ValueError):
+class EpisodeRefused(Refused):
     """A call a training session cannot take (the harness gets HTTP 400 with the reason):
     history rewritten, or a prompt other than the task's."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("messages", message)
 
 
 class EpisodeOver(EpisodeRefused):
@@ -62,6 +75,7 @@ class EpisodeOver(EpisodeRefused):
     def __init__(self, end: str, message: str) -> None:
         super().__init__(message)
         self.end = end
+        self.param = "max_turns" if end == "max_turns" else "max_tokens"
 
 
 BoundTurns = Callable[[SamplingParams, str], Awaitable["TurnOutput | None"]]
@@ -101,7 +115,8 @@ class ProxySample:
 
 @dataclass(slots=True, kw_only=True)
 class _Session:
-    key: str
+    id: str  # the public half of its key: what request ids, episode ids and logs show
+    secret: bytes
     episode_id: str
     samples: list[ProxySample] = field(default_factory=list)
     # the last request's messages + its reply (None: that call failed)
@@ -109,6 +124,7 @@ class _Session:
     ended_turn: bool = True  # the last model turn ended with its stop token
     engine: Engine | None = None
     num_calls: int = 0
+    history_bytes: int = 0  # message text its samples hold (ProxyConfig.max_session_...)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     binding: Binding | None = None  # a training sample's session
     closed: bool = False  # ended: a call that was waiting for the lock is refused
@@ -117,19 +133,28 @@ class _Session:
 @dataclass(slots=True, kw_only=True, frozen=True)
 class SessionHandle:
     base_url: str
-    api_key: str
+    api_key: str  # rs-<session_id>.<secret>
+    session_id: str
 
 
 class AgentProxy:
+    """``context_tokens``: what one sequence may hold on the engines (prompt and reply; None:
+    no check here, the engine refuses); ``limits``: the proxy's caps (module docstring)."""
+
     def __init__(self, engines: Sequence[Engine], tokenizer: Any, *,
                  host: str = "127.0.0.1", port: int = 0,
-                 parser: ToolCallParser | None = None) -> None:
+                 parser: ToolCallParser | None = None, context_tokens: int | None = None,
+                 limits: ProxyConfig = ProxyConfig()) -> None:
         if not engines:
             raise ValueError("AgentProxy needs at least one engine")
         self.router = Router(engines, prefix_affinity=True)  # for sessions not bound to a run
         self.tokenizer = tokenizer
         self.host, self.port = host, port
         self.parser = parser or HermesToolParser()
+        self.context_tokens, self.limits = context_tokens, limits
+        # a token covers at most this many characters, so text of n characters is at least
+        # n / this many tokens: a prompt can be refused before it is rendered or tokenized
+        self._max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
         self._sessions: dict[str, _Session] = {}
         self._server = None
         self._task: asyncio.Task | None = None
@@ -142,13 +167,27 @@ class AgentProxy:
         return f"http://{self.host}:{self.port}/v1"
 
     def open_session(self, episode_id: str, *, binding: Binding | None = None) -> SessionHandle:
-        key = f"rs-{secrets.token_urlsafe(24)}"
-        self._sessions[key] = _Session(key=key, episode_id=episode_id, binding=binding)
-        return SessionHandle(base_url=self.base_url, api_key=key)
+        sid, secret = secrets.token_hex(6), secrets.token_urlsafe(24)
+        self._sessions[sid] = _Session(id=sid, secret=secret.encode(), episode_id=episode_id,
+                                       binding=binding)
+        return SessionHandle(base_url=self.base_url, api_key=f"{KEY_PREFIX}{sid}.{secret}",
+                             session_id=sid)
+
+    def _session(self, api_key: str) -> _Session | None:
+        """The open session whose key this is (its id finds it, its secret must match)."""
+        sid, dot, secret = api_key.removeprefix(KEY_PREFIX).partition(".")
+        session = self._sessions.get(sid)
+        if session is None or not dot or not secrets.compare_digest(session.secret,
+                                                                    secret.encode()):
+            return None
+        return session
 
     def close_session(self, api_key: str) -> list[ProxySample]:
         """Stop accepting the session's calls; its samples."""
-        session = self._sessions.pop(api_key)
+        session = self._session(api_key)
+        if session is None:
+            raise KeyError("no open session has this key")
+        del self._sessions[session.id]
         session.closed = True
         # an engine that kept the session's history may drop it (KeepsEpisodes)
         if (end := getattr(session.engine, "end_episode", None)) is not None:
@@ -159,7 +198,7 @@ class AgentProxy:
         """Close the session and wait until a call it was still serving is over (an agent cut
         off mid-call leaves its call generating: a bound sample must not be judged while its
         turn may still append tokens to it); its samples."""
-        session = self._sessions[api_key]
+        session = self._session(api_key)
         samples = self.close_session(api_key)
         async with session.lock:
             return samples
@@ -209,91 +248,125 @@ class AgentProxy:
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, StreamingResponse
 
-        app = FastAPI(title="rollstream proxy")
+        app = FastAPI(title="rollstream proxy", docs_url=None, redoc_url=None,
+                      openapi_url=None)
 
-        def error(status: int, message: str) -> JSONResponse:
-            return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}},
-                                status_code=status)
+        def error(status: int, param: str | None, message: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                           "param": param, "code": None}}, status_code=status)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             auth = request.headers.get("authorization", "")
-            session = self._sessions.get(auth.removeprefix("Bearer ").strip())
-            if not auth.startswith("Bearer ") or session is None:
-                return error(401, "missing or unknown API key (each episode has its own)")
-            body = await request.json()
-            if body.get("n", 1) != 1:
-                return error(400, "n must be 1")
-            if not isinstance(body.get("messages"), list) or not body["messages"]:
-                return error(400, "messages must be a non-empty list")
+            session = self._session(auth[7:].strip()) if auth.startswith("Bearer ") else None
+            if session is None:
+                return error(401, None, "missing or unknown API key (each episode has its own)")
             try:
+                body = parse_request(await read_body(request, self.limits.max_request_bytes))
                 reply = await self._complete(session, body)
-            except EpisodeOver as e:
-                if session.binding is not None:
-                    session.binding.ended = session.binding.ended or e.end
-                return error(400, str(e))
-            except EpisodeRefused as e:
-                if session.binding is not None:
-                    session.binding.refused = session.binding.refused or str(e)
-                return error(400, str(e))
-            except (ValueError, TypeError) as e:
-                return error(400, str(e))
+            except Refused as e:
+                if isinstance(e, EpisodeRefused) and session.binding is not None:
+                    if isinstance(e, EpisodeOver):
+                        session.binding.ended = session.binding.ended or e.end
+                    else:
+                        session.binding.refused = session.binding.refused or str(e)
+                return error(e.status, e.param, str(e))
             except EngineFailed as e:
-                return error(502, str(e))
-            if body.get("stream"):
-                return StreamingResponse(_sse(reply), media_type="text/event-stream")
+                return error(502, None, str(e))
+            if body.stream:
+                return StreamingResponse(sse(reply), media_type="text/event-stream")
             return reply
 
         return app
 
-    async def _complete(self, session: _Session, body: dict) -> dict:
-        messages = [_plain(m) for m in body["messages"]]
-        renderer = ChatRenderer(self.tokenizer, tools=body.get("tools") or None)
+    def _check_room(self, session: _Session, *, held: int, text: list[Message]) -> None:
+        """Refuse a call whose new messages ``text`` would pass the session's history cap, or
+        cannot fit the context after ``held`` tokens (by their length alone: no rendering)."""
+        added = sum(len(m["content"].encode()) for m in text)
+        cap = self.limits.max_session_history_bytes
+        if session.history_bytes + added > cap:
+            raise Refused("max_session_history_bytes", (
+                f"the session's messages would hold {session.history_bytes + added} bytes, over "
+                f"the proxy's limit of {cap} (agent.proxy.max_session_history_bytes)"))
+        chars = sum(len(m["content"]) for m in text)
+        if self.context_tokens is not None and held + chars // self._max_token_chars >= (
+                self.context_tokens):
+            raise Refused("messages", (
+                f"messages: the prompt is longer than the context: at least "
+                f"{held + chars // self._max_token_chars} tokens, and a sequence holds "
+                f"{self.context_tokens} (prompt + at least one new token)"))
+
+    def _check_context(self, num_tokens: int) -> None:
+        if self.context_tokens is not None and num_tokens >= self.context_tokens:
+            raise Refused("messages", (
+                f"messages: the prompt of {num_tokens} tokens does not fit the context of "
+                f"{self.context_tokens} tokens (prompt + at least one new token)"))
+
+    async def _place(self, session: _Session, messages: list[Message],
+                     renderer: ChatRenderer) -> ProxySample:
+        """The sample this call continues or starts, holding the call's prompt: checked
+        against the caps and the context before anything of it is appended."""
+        bound = session.binding
+        sample = session.samples[-1] if session.samples else None
+        if sample is None:
+            at: int | str = "the first call"
+        elif session.seen is None:  # its tokens end where that call's prompt did
+            at = "the previous call failed"
+        else:
+            at = _extends(session.seen, messages)
+        if isinstance(at, int):
+            new = [_templated(m, self.parser) for m in messages[at:]]
+            if bound is not None:
+                self._bound_room(bound, sample)
+            if new:
+                self._check_room(session, held=len(sample.token_ids), text=new)
+                delta = await _render(renderer.extend, sample.messages, new,
+                                      model_ended_turn=session.ended_turn)
+                self._check_context(len(sample.token_ids) + len(delta))
+                if bound is not None:
+                    self._bound_answer(bound, sample, messages[at:], delta)
+                sample.segments.append(Segment.env(delta))
+                sample.messages.extend(new)
+                session.history_bytes += sum(len(m["content"].encode()) for m in new)
+            return sample
+        templated = [_templated(m, self.parser) for m in messages]
+        self._check_room(session, held=0, text=templated)
+        prompt = await _render(renderer.prompt, templated)
+        self._check_context(len(prompt))
+        if bound is not None and (session.samples or prompt != bound.prompt_ids):
+            raise EpisodeRefused(
+                f"a training episode is one trajectory: {at}" if session.samples else
+                "the first messages render to another prompt than the task's")
+        sample = ProxySample(prompt_ids=prompt, messages=templated,
+                             started_because=None if not session.samples else at,
+                             segments=[] if bound is None else bound.segments)
+        session.samples.append(sample)
+        session.history_bytes += sum(len(m["content"].encode()) for m in templated)
+        return sample
+
+    async def _complete(self, session: _Session, body: ChatRequest) -> dict:
+        messages = [plain(m) for m in body.messages]
+        renderer = ChatRenderer(self.tokenizer, tools=body.tool_schemas())
         bound = session.binding
         async with session.lock:
             if session.closed:
-                raise ValueError("the session is closed: its episode ended")
+                raise Refused("authorization", "the session is closed: its episode ended")
+            if session.num_calls >= self.limits.max_session_calls:
+                raise Refused("max_session_calls", (
+                    f"the session has made {session.num_calls} calls, the proxy's limit "
+                    f"(agent.proxy.max_session_calls)"))
             session.num_calls += 1
-            sample = session.samples[-1] if session.samples else None
-            if sample is None:
-                at: int | str = "the first call"
-            elif session.seen is None:  # its tokens end where that call's prompt did
-                at = "the previous call failed"
-            else:
-                at = _extends(session.seen, messages)
-            if isinstance(at, int):
-                new = [_templated(m, self.parser) for m in messages[at:]]
-                if bound is not None:
-                    self._bound_room(bound, sample)
-                if new:
-                    delta = await asyncio.to_thread(renderer.extend, sample.messages, new,
-                                                    model_ended_turn=session.ended_turn)
-                    if bound is not None:
-                        self._bound_answer(bound, sample, messages[at:], delta)
-                    sample.segments.append(Segment.env(delta))
-                    sample.messages.extend(new)
-            else:
-                templated = [_templated(m, self.parser) for m in messages]
-                prompt = await asyncio.to_thread(renderer.prompt, templated)
-                if bound is not None and (session.samples or prompt != bound.prompt_ids):
-                    raise EpisodeRefused(
-                        f"a training episode is one trajectory: {at}" if session.samples else
-                        "the first messages render to another prompt than the task's")
-                sample = ProxySample(prompt_ids=prompt, messages=templated,
-                                     started_because=None if not session.samples else at,
-                                     segments=[] if bound is None else bound.segments)
-                session.samples.append(sample)
+            sample = await self._place(session, messages, renderer)
             # the sample now holds this call's prompt: until its reply is recorded, a call that
             # fails (engine, or an error of ours) has the next one start a new sample
             session.seen = None
-            stop = tuple(renderer.stop_token_ids(sample.messages))
+            stop = tuple(await _render(renderer.stop_token_ids, sample.messages))
             params = SamplingParams(
-                temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)),
-                max_new_tokens=int(body.get("max_completion_tokens")
-                                   or body.get("max_tokens") or DEFAULT_MAX_TOKENS),
-                stop_token_ids=stop, seed=body.get("seed"))
-            rid = f"{session.key[-8:]}/{session.num_calls}"
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(body.top_k or 0, 0), max_new_tokens=body.max_new_tokens,
+                stop_token_ids=stop, seed=body.seed)
+            rid = f"{session.id}/{session.num_calls}"
             if bound is not None:
                 out, turn = await self._bound_turn(bound, sample, params, rid)
             else:
@@ -304,13 +377,14 @@ class AgentProxy:
             ids = served[:-1] if session.ended_turn else served
             text = await asyncio.to_thread(self.tokenizer.decode, ids)
             sample.messages.append({"role": "assistant", "content": text})
-            message = self._message(text, session)
-            session.seen = [*messages, _plain(message)]
+            session.history_bytes += len(text.encode())
+            message = reply_message(text, self.parser.parse(text), session.num_calls)
+            session.seen = [*messages, plain(ChatMessage.model_validate(message))]
         finish = "length" if out.finish_reason is FinishReason.LENGTH else (
             "tool_calls" if message.get("tool_calls") else "stop")
-        return {"id": f"chatcmpl-{session.key[-8:]}-{session.num_calls}",
+        return {"id": f"chatcmpl-{session.id}-{session.num_calls}",
                 "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model", "rollstream"),
+                "model": body.model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(sample.token_ids) - out.num_tokens,
                           "completion_tokens": out.num_tokens,
@@ -381,43 +455,28 @@ class AgentProxy:
         bound.turns.append(Turn(kind=SegmentKind.ENV, num_tokens=len(delta), started_s=0.0,
                                 duration_s=0.0, tool_results=results))
 
-    def _message(self, text: str, session: _Session) -> dict:
-        parsed = self.parser.parse(text)
-        if not parsed.calls:  # the text exactly as sampled (as vLLM's server answers)
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": parsed.content or None, "tool_calls": [
-            {"id": f"call_{session.num_calls}_{i}", "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-            for i, c in enumerate(parsed.calls)]}
 
 
-def _plain(message: Any) -> Message:
-    """A request message as comparable data: role, text content, tool calls."""
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: their text
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out: Message = {"role": message.get("role"), "content": content or ""}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [
-            (c["function"]["name"], _arguments(c["function"].get("arguments")))
-            for c in message["tool_calls"]]
-    return out
+async def _render(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` (a ChatRenderer method) in a thread; a template that cannot render what the
+    harness sent is the call's fault (400), never the proxy's."""
+    from jinja2 import TemplateError as JinjaError
 
-
-def _arguments(raw: Any) -> Any:
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
-    return raw
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except (ValueError, TypeError, JinjaError) as e:
+        raise Refused("messages", f"messages: the chat template cannot render them: "
+                                  f"{type(e).__name__}: {e}") from None
 
 
 def _templated(message: Message, parser: ToolCallParser) -> Message:
     """A message as the chat template renders it: tool calls as the model writes them."""
     text = message["content"]
-    calls = [parser.render(ToolCall(id="", name=name, arguments=args))
-             for name, args in message.get("tool_calls", ())]
+    try:
+        calls = [parser.render(ToolCall(id="", name=name, arguments=args))
+                 for name, args in message.get("tool_calls", ())]
+    except (ValueError, TypeError) as e:  # a call this model's format cannot write
+        raise Refused("messages", f"messages: a tool call cannot be rendered: {e}") from None
     if calls:
         text = "\n".join([text, *calls]) if text else "\n".join(calls)
     return {"role": message["role"], "content": text}
@@ -433,27 +492,7 @@ def _extends(seen: list[Message], messages: list[Message]) -> int | str:
     return len(seen)
 
 
-async def _sse(reply: dict):
-    """The reply as OpenAI stream chunks: role, content, tool calls, finish, [DONE]."""
-    choice = reply["choices"][0]
-    message = choice["message"]
-    base = {k: reply[k] for k in ("id", "created", "model")} | {"object":
-                                                               "chat.completion.chunk"}
-
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        data = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        return f"data: {json.dumps(data)}\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message["content"]:
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls", ())):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, choice["finish_reason"])
-    yield "data: [DONE]\n\n"
-
-
 def _episode(session: _Session) -> str:
     """The episode id of an unbound session's requests: its calls continue one history (an
     engine that keeps it is sent only what each call adds, ``KeepsEpisodes``)."""
-    return f"proxy/{session.key}"
+    return f"proxy/{session.id}"

@@ -8,13 +8,15 @@ import json
 from pathlib import Path
 
 from rollstream.agent.proxy import AgentProxy
+from rollstream.config.tasks import ProxyConfig
 
 
 def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
-          max_slots: int = 16) -> None:
+          max_slots: int = 16, limits: ProxyConfig = ProxyConfig()) -> None:
     """``rollstream proxy``: the embedded engine on ``model_dir`` behind the proxy, with
     ``num_sessions`` open sessions (their URL and keys printed), until SIGINT or SIGTERM;
-    then every session's samples are written to ``out`` (JSON lines)."""
+    then every session's samples are written to ``out`` (JSON lines). ``limits``: the
+    proxy's caps (``agent.proxy`` of a run's config)."""
     import signal
 
     from rollstream.config.schema import EngineConfig, LocalEngineConfig
@@ -26,14 +28,15 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
     tokenizer = load_tokenizer(folder)
 
     async def main() -> None:
-        engine = build_engine(EngineConfig(kind="local", local=LocalEngineConfig(
-            max_slots=max_slots)), folder, engine_id="local-0")
+        engine_cfg = EngineConfig(kind="local", local=LocalEngineConfig(max_slots=max_slots))
+        engine = build_engine(engine_cfg, folder, engine_id="local-0")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            async with AgentProxy([engine], tokenizer, port=port) as proxy:
+            async with AgentProxy([engine], tokenizer, port=port, limits=limits,
+                                  context_tokens=engine_cfg.context_tokens) as proxy:
                 handles = [proxy.open_session(f"session-{i}") for i in range(num_sessions)]
                 print(f"base_url {proxy.base_url}", flush=True)
                 for h in handles:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollstream.agent.loop import Budgets
 from rollstream.agent.proxy import AgentProxy, Binding, SessionHandle
+from rollstream.config.tasks import ProxyConfig
 from rollstream.engine import SamplingParams
 from rollstream.reward.workers import CallTimeout, PoolClosed, WorkerDied, Workers
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Task
@@ -110,11 +111,15 @@ def run_agent(path: str, session: SessionHandle, task: Task,
 class ProxyHarness:
     """Runs the episodes of sources whose agents talk to the proxy (module docstring).
     ``workers``: None runs the agents as coroutines here; else the pool they run in (the
-    run's ``build_workers``, role ``harness``), which the harness closes."""
+    run's ``build_workers``, role ``harness``), which the harness closes. ``context_tokens``
+    and ``limits``: the proxy's (:class:`AgentProxy`)."""
 
     def __init__(self, *, tokenizer: Any, sources: Mapping[str, OpenAIAgentSource],
-                 budgets: Budgets, workers: Workers | None = None) -> None:
+                 budgets: Budgets, workers: Workers | None = None,
+                 context_tokens: int | None = None,
+                 limits: ProxyConfig = ProxyConfig()) -> None:
         self.tokenizer, self.budgets = tokenizer, budgets
+        self.context_tokens, self.limits = context_tokens, limits
         self.sources = dict(sources)
         self.agents = {name: resolve_agent(src.agent) for name, src in self.sources.items()}
         self.workers = workers
@@ -126,7 +131,8 @@ class ProxyHarness:
         async with self._starting:
             if name not in self.proxies:
                 proxy = AgentProxy(dispatcher.engines, self.tokenizer,
-                                   parser=self.sources[name].parser)
+                                   parser=self.sources[name].parser,
+                                   context_tokens=self.context_tokens, limits=self.limits)
                 await proxy.start()
                 self.proxies[name] = proxy
         return self.proxies[name]

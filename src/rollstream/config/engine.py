@@ -78,3 +78,9 @@ class EngineConfig(Section):
     """Settings of the embedded engine."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings of the vLLM engine."""
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens one sequence may hold, prompt and response: the chosen kind's
+        ``local.max_seq_len`` or ``vllm.max_model_len``."""
+        return self.local.max_seq_len if self.kind == "local" else self.vllm.max_model_len

@@ -129,6 +129,21 @@ class SourceConfig(Section):
         return self
 
 
+class ProxyConfig(Section):
+    """Limits of the OpenAI-compatible agent proxy (``agent/proxy.py``): what one call and one
+    session may cost it, whatever a harness sends."""
+
+    max_request_bytes: int = Field(8 << 20, ge=1024)
+    """Largest request body in bytes: a larger one is answered HTTP 413 before it is read
+    whole or parsed."""
+    max_session_calls: int = Field(1024, ge=1)
+    """Calls one session (one episode's key) may make; later ones are refused (HTTP 400).
+    Must exceed ``agent.max_turns``, so that a training episode ends by its turn budget."""
+    max_session_history_bytes: int = Field(16 << 20, ge=1024)
+    """Bytes of message text one session's samples may hold (what its calls added, counted
+    as UTF-8); a call that would pass it is refused (HTTP 400)."""
+
+
 class AgentConfig(Section):
     max_turns: int = Field(32, ge=1)
     """Model turns of an agent episode (then it ends with ``max_turns``)."""
@@ -150,6 +165,18 @@ class AgentConfig(Section):
     once). A worker that dies, or whose agent runs past ``max_wall_s``, is killed and
     replaced, failing only that episode's sample. Use them for agents that block or use CPU
     (they would stall the engine's process) or that must not share its interpreter."""
+    proxy: ProxyConfig = ProxyConfig()
+    """Limits of the proxy that ``harness: openai`` agents talk to (also ``rollstream
+    proxy``'s)."""
+
+    @model_validator(mode="after")
+    def _calls_outlast_turns(self) -> AgentConfig:
+        if self.proxy.max_session_calls <= self.max_turns:
+            raise ValueError(
+                f"agent.proxy.max_session_calls = {self.proxy.max_session_calls} must exceed "
+                f"agent.max_turns = {self.max_turns}: a training episode's call after its "
+                "last turn is how it learns the turn budget is spent")
+        return self
 
 
 class PassRateConfig(Section):

@@ -158,7 +158,9 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
     if OPENAI in by_harness:
         pool = build_workers(cfg, a.harness_workers, "harness") if a.harness_workers else None
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
-                                         budgets=budgets, workers=pool)
+                                         budgets=budgets, workers=pool,
+                                         context_tokens=cfg.engine.context_tokens,
+                                         limits=a.proxy)
     return harnesses
 
 
