@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         "engines",
         help="list a live run's engines; drain one (preempt it) or route to it again",
         description="Talks to the run's live dashboard (monitor.dashboard=true; its URL is in "
-        "RUN_DIR/dashboard.url). --drain takes the engine out of routing: its requests come "
+        "RUN_DIR/dashboard.url, the run's token in RUN_DIR/dashboard.token). --drain takes the engine out of routing: its requests come "
         "back with their tokens and continue on another engine; --undrain routes to it again.",
     )
     e.add_argument("run_dir", type=Path)
@@ -146,34 +146,38 @@ def _parser() -> argparse.ArgumentParser:
 def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
     import httpx
 
-    from rollstream.monitor.dashboard import URL_FILE
+    from rollstream.monitor.dashboard import TOKEN_FILE, URL_FILE
 
-    url_file = run_dir / URL_FILE
+    url_file, token_file = run_dir / URL_FILE, run_dir / TOKEN_FILE
     if not url_file.exists():
         raise ValueError(f"{url_file} does not exist: is the run live, with "
                          "monitor.dashboard=true?")
     base = url_file.read_text().strip().rstrip("/")
+    token = token_file.read_text().strip() if token_file.is_file() else ""
     try:
-        _talk(base, drain, undrain)
+        _talk(base, token, drain, undrain)
     except httpx.TransportError as e:
         raise ValueError(f"no run answers at {base} ({e}): it has ended, or was killed "
                          f"(then {url_file} is left behind)") from None
 
 
-def _talk(base: str, drain: str | None, undrain: str | None) -> None:
+def _talk(base: str, token: str, drain: str | None, undrain: str | None) -> None:
     import httpx
 
-    with httpx.Client(base_url=base, timeout=90.0) as client:
+    with httpx.Client(base_url=base, timeout=90.0,
+                      headers={"Authorization": f"Bearer {token}"}) as client:
         for engine_id, verb in ((drain, "drain"), (undrain, "undrain")):
             if engine_id is not None:
                 r = client.post(f"/api/engines/{engine_id}/{verb}")
-                if r.status_code == 404:
+                if r.status_code in (401, 403, 404):
                     raise ValueError(r.json().get("detail", r.text))
                 r.raise_for_status()
                 extra = (f": {r.json()['handed_back']} requests handed back"
                          if verb == "drain" else "")
                 print(f"{verb}ed {engine_id}{extra}")
         r = client.get("/api/engines")
+        if r.status_code in (401, 403, 404):
+            raise ValueError(r.json().get("detail", r.text))
         r.raise_for_status()
         print(f"{'engine':12s} {'health':10s} {'version':>7s} {'drained':>7s} {'in flight':>9s}")
         for row in r.json():

@@ -9,19 +9,24 @@ Routes (all JSON unless noted):
     GET /api/metrics       metric lines: ?since=N -> {"lines", "next"}
     GET /api/timeline      timeline spans: ?since=N -> {"spans", "next"}
     GET /api/ledger        ledger summary (counts per status / source, reasons, staleness)
-    GET /api/config        {"text": config.yaml or null}
+    GET /api/config        {"text": config.yaml (secrets redacted) or null}
     GET /api/summary       summary.json or null
     GET /metrics           Prometheus text (when serving a live Metrics registry)
 
-Operating a live run (when it was given an ``EngineControl``; 404 otherwise):
+Operating a live run (when it was given an ``EngineControl``; 404 otherwise), with the run's
+token as ``Authorization: Bearer TOKEN`` (401 otherwise):
 
     GET  /api/engines                      [{engine_id, health, health_reason, version,
                                              drained, in_flight}]
     POST /api/engines/{engine_id}/drain    preempt it: {"engine_id", "handed_back": n}
     POST /api/engines/{engine_id}/undrain  route to it again
 
-A live dashboard writes its URL to ``RUN_DIR/dashboard.url`` while it serves (what
-``rollstream engines RUN_DIR`` reads).
+A live dashboard writes its URL to ``RUN_DIR/dashboard.url`` and a token made for this run to
+``RUN_DIR/dashboard.token`` (readable by its owner only) while it serves; ``rollstream engines
+RUN_DIR`` reads both. Every route answers only a ``Host`` header naming the bound address
+(``127.0.0.1``, ``localhost`` or ``[::1]`` with the bound port; 403 otherwise), so a web page
+that rebinds its own name to 127.0.0.1 (DNS rebinding) reaches nothing; and a page, which
+cannot read the token file, cannot operate the run.
 
 With a `Metrics` registry the data is the registry's in-memory view (updated as the run
 goes); with ``metrics=None`` the dashboard follows the run directory's files instead, so a
@@ -30,6 +35,8 @@ finished run or one written by another process can be browsed too.
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import threading
 import time
@@ -37,7 +44,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rollstream.config.schema import MonitorConfig
@@ -57,6 +64,8 @@ class Control(Protocol):
 
 
 URL_FILE = "dashboard.url"
+TOKEN_FILE = "dashboard.token"
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # what a Host header may name
 
 
 class Dashboard:
@@ -73,6 +82,8 @@ class Dashboard:
         self._reader = RunDirReader(self.run_dir) if metrics is None and self.run_dir else None
         self.name = self.run_dir.name if self.run_dir is not None else "run"
         self.url: str | None = None
+        self.token = secrets.token_urlsafe(32)  # the control routes' bearer token
+        self._hosts: frozenset[str] = frozenset()  # Host headers answered (set by start())
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = self._build_app()
@@ -91,6 +102,14 @@ class Dashboard:
                       openapi_url=None)
         page = render_page(title=f"rollstream · {self.name}", boot={
             "mode": "live", "api": "", "poll_ms": int(self.cfg.dashboard_poll_s * 1000)})
+
+        @app.middleware("http")
+        async def bound_host_only(request: Request, call_next):
+            if request.headers.get("host", "").lower() not in self._hosts:
+                return JSONResponse({"detail": "the Host header must name the address this "
+                                     f"dashboard is bound to: {', '.join(sorted(self._hosts))}"},
+                                    status_code=403)
+            return await call_next(request)
 
         @app.get("/", response_class=HTMLResponse)
         def index() -> HTMLResponse:
@@ -142,27 +161,32 @@ class Dashboard:
             return Response(self.metrics.prom.text(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        def control() -> Control:
+        def control(request: Request) -> Control:
             if self.control is None:
                 raise HTTPException(404, "this dashboard does not control a live run")
+            auth = request.headers.get("authorization", "")
+            if not (auth.startswith("Bearer ") and secrets.compare_digest(
+                    auth[7:].strip().encode(), self.token.encode())):
+                raise HTTPException(401, f"operating the run needs its token (in RUN_DIR/"
+                                         f"{TOKEN_FILE}) as `Authorization: Bearer TOKEN`")
             return self.control
 
         @app.get("/api/engines")
-        def engines() -> JSONResponse:
-            return JSONResponse(control().engines())
+        def engines(request: Request) -> JSONResponse:
+            return JSONResponse(control(request).engines())
 
         @app.post("/api/engines/{engine_id}/drain")
-        def drain(engine_id: str) -> JSONResponse:
+        def drain(engine_id: str, request: Request) -> JSONResponse:
             try:
-                n = control().drain(engine_id)
+                n = control(request).drain(engine_id)
             except ValueError as e:
                 raise HTTPException(404, str(e)) from None
             return JSONResponse({"engine_id": engine_id, "handed_back": n})
 
         @app.post("/api/engines/{engine_id}/undrain")
-        def undrain(engine_id: str) -> JSONResponse:
+        def undrain(engine_id: str, request: Request) -> JSONResponse:
             try:
-                control().undrain(engine_id)
+                control(request).undrain(engine_id)
             except ValueError as e:
                 raise HTTPException(404, str(e)) from None
             return JSONResponse({"engine_id": engine_id})
@@ -178,6 +202,8 @@ class Dashboard:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.cfg.dashboard_port))
         port = sock.getsockname()[1]
+        self._hosts = frozenset(f"{name}:{port}" for name in LOOPBACK_NAMES) | (
+            frozenset(LOOPBACK_NAMES) if port == 80 else frozenset())  # 80 may go unnamed
         config = uvicorn.Config(self.app, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=2)
         server = uvicorn.Server(config)
@@ -194,6 +220,11 @@ class Dashboard:
         self._server, self._thread, self._sock = server, thread, sock
         self.url = f"http://127.0.0.1:{port}/"
         if self.metrics is not None and self.run_dir is not None:
+            (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)  # a killed run's, maybe wider
+            token = os.open(self.run_dir / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                            0o600)
+            with os.fdopen(token, "w") as f:
+                f.write(self.token + "\n")
             (self.run_dir / URL_FILE).write_text(self.url + "\n")
         return self.url
 
@@ -207,6 +238,7 @@ class Dashboard:
         self._sock.close()
         if self.metrics is not None and self.run_dir is not None:
             (self.run_dir / URL_FILE).unlink(missing_ok=True)
+            (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)
         self._server = self._thread = None
         self.url = None
 

@@ -282,9 +282,13 @@ class RunDirReader:
 
 
 def read_config_text(run_dir: Path | None) -> str | None:
-    """config.yaml as text, or None."""
+    """config.yaml as text to show (its secrets redacted, whoever wrote it), or None."""
+    from rollstream.config.redact import redacted_text
+
     path = run_dir / "config.yaml" if run_dir is not None else None
-    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None
+    if path is None or not path.is_file():
+        return None
+    return redacted_text(path.read_text(encoding="utf-8"))
 
 
 def read_summary(run_dir: Path | None) -> dict[str, Any] | None:

@@ -105,8 +105,8 @@ def build_trainer(cfg: RunConfig, model_path: Path,
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> None:
     """The run directory: a fresh run removes the previous run's files of that name (and its
-    checkpoints), a resumed one keeps them; the config is saved."""
-    import yaml
+    checkpoints), a resumed one keeps them; the config is saved, its secrets redacted."""
+    from rollstream.config.redact import redacted_yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -116,8 +116,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
                       "summary.json", LOG_FILE):
             (run_dir / stale).unlink(missing_ok=True)
         shutil.rmtree(durable.folder(run_dir), ignore_errors=True)
-    dumped = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    (run_dir / "config.yaml").write_text(dumped)
+    (run_dir / "config.yaml").write_text(redacted_yaml(cfg.model_dump(mode="json")))
 
 
 def build_workers(cfg: RunConfig, size: int, role: str) -> Workers:

@@ -1,0 +1,135 @@
+"""The live dashboard against a web page that rebinds its own name to 127.0.0.1 (DNS
+rebinding) and against anyone without the run's token, over real HTTP; and secrets kept out
+of every config a run writes or serves (config.yaml, the dashboard's config view, the
+report)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import stat
+from pathlib import Path
+
+import httpx
+import yaml
+
+from rollstream.cli import main
+from rollstream.config import RunConfig, TrainConfig
+from rollstream.config.schema import MonitorConfig
+from rollstream.data.ledger import Ledger
+from rollstream.monitor.dashboard import TOKEN_FILE, URL_FILE, Dashboard
+from rollstream.monitor.metrics import Metrics
+from rollstream.monitor.report import write_report
+from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.runtime.build import prepare_run_dir
+from rollstream.runtime.control import EngineControl
+from tests.monitor.synth import synth_run
+from tests.rollout.fakes import CountingTrainer
+from tests.rollout.test_controller import Tasks, rollout_cfg
+from tests.rollout.test_resume import _loop
+
+CFG = MonitorConfig(progress=False, dashboard=True)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = main(list(args))
+    return rc, out.getvalue()
+
+
+def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -> None:
+    cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, on_update="continue"),
+                    train=TrainConfig(steps=2, groups_per_step=2))
+    seen: dict = {}
+
+    async def run() -> None:
+        ledger = Ledger(tmp_path / "ledger.jsonl")
+        loop, graders = _loop(cfg, seed=2, ledger=ledger, tasks=Tasks(), trainer=CountingTrainer(
+            2, StalenessPolicy.from_config(cfg.rollout, cfg.train)))
+        metrics = Metrics(tmp_path, MonitorConfig(progress=False))
+        dash = Dashboard(metrics, tmp_path, CFG, control=EngineControl(
+            loop.dispatcher, asyncio.get_running_loop()))
+        url = dash.start()
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        token = (tmp_path / TOKEN_FILE).read_text().strip()
+        seen["mode"] = stat.S_IMODE((tmp_path / TOKEN_FILE).stat().st_mode)
+        drain = "/api/engines/rand-0/drain"
+
+        def calls() -> None:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                auth = {"Authorization": f"Bearer {token}"}
+                seen["none"] = http.post(drain).status_code
+                seen["wrong"] = http.post(drain, headers={"Authorization": "Bearer x"})
+                seen["list"] = http.get("/api/engines").status_code
+                for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}"):
+                    seen[host] = (http.post(drain, headers=auth | {"Host": host}).status_code,
+                                  http.get("/api/config", headers={"Host": host}).status_code)
+                seen["drained_by_then"] = [r["drained"] for r in
+                                           http.get("/api/engines", headers=auth).json()]
+                seen["ok"] = http.post(drain, headers=auth | {"Host": f"localhost:{port}"})
+                seen["v6"] = http.post("/api/engines/rand-0/undrain",
+                                       headers=auth | {"Host": f"[::1]:{port}"}).status_code
+            seen["cli"] = _cli("engines", str(tmp_path), "--drain", "rand-1")
+            (tmp_path / TOKEN_FILE).write_text("not-this-runs\n")
+            seen["cli_wrong"] = _cli("engines", str(tmp_path))
+
+        try:
+            await asyncio.to_thread(calls)
+        finally:
+            dash.stop()
+            metrics.close()
+            graders.close()
+            ledger.close()
+        seen["left"] = [(tmp_path / f).exists() for f in (URL_FILE, TOKEN_FILE)]
+
+    asyncio.run(run())
+    assert seen["mode"] == 0o600, oct(seen["mode"])
+    assert seen["none"] == 401 and seen["wrong"].status_code == 401 and seen["list"] == 401
+    assert TOKEN_FILE in seen["wrong"].json()["detail"]
+    for host in [k for k in seen if "evil" in k or k.startswith("127.")]:
+        assert seen[host] == (403, 403), (host, seen[host])  # DNS rebinding reaches nothing
+    assert seen["drained_by_then"] == [False, False]
+    assert seen["ok"].status_code == 200 and seen["ok"].json()["engine_id"] == "rand-0"
+    assert seen["v6"] == 200
+    rc, out = seen["cli"]
+    assert rc == 0 and "drained rand-1" in out, out
+    rc, out = seen["cli_wrong"]
+    assert rc == 2 and TOKEN_FILE in out, out
+    assert seen["left"] == [False, False], "stop() removes the URL and token files"
+
+
+SECRETS = ("sk-live-0123", "hf_secret_4567", "wandb-89ab", "s3cr3t-pw", "ghp_cdef")
+
+
+def test_secrets_are_redacted_wherever_a_config_is_written_or_served(tmp_path: Path) -> None:
+    # written by a run: a secret flag of the vLLM server, as a pair and as `--flag=value`
+    run_dir = tmp_path / "run"
+    cfg = RunConfig(engine={"vllm": {"extra_args": ["--api-key", SECRETS[0],
+                                                    f"--hf-token={SECRETS[1]}",
+                                                    "--max-num-seqs", "8"]}})
+    prepare_run_dir(cfg, run_dir)
+    written = (run_dir / "config.yaml").read_text()
+    assert not [s for s in SECRETS if s in written], written
+    args = yaml.safe_load(written)["engine"]["vllm"]["extra_args"]
+    assert args == ["--api-key", "<redacted>", "--hf-token=<redacted>", "--max-num-seqs", "8"]
+
+    # a config.yaml written by another tool (or an older version) is redacted when served
+    other = tmp_path / "other"
+    synth_run(other, num_steps=3)
+    tree = yaml.safe_load((other / "config.yaml").read_text())
+    tree["env"] = {"WANDB_API_KEY": SECRETS[2], "DB_PASSWORD": SECRETS[3], "LANG": "C.UTF-8"}
+    tree["env_list"] = [f"GITHUB_TOKEN={SECRETS[4]}", "PATH=/usr/bin"]
+    (other / "config.yaml").write_text(yaml.safe_dump(tree))
+    dash = Dashboard(None, other, CFG)
+    url = dash.start()
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            served = [http.get("/api/config").text, http.get("/api/poll").text]
+    finally:
+        dash.stop()
+    served.append(write_report(other).read_text())
+    for text in served:
+        assert not [s for s in SECRETS if s in text]
+        assert "WANDB_API_KEY" in text and "C.UTF-8" in text and "/usr/bin" in text
