@@ -6,15 +6,12 @@ report)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import stat
 from pathlib import Path
 
 import httpx
 import yaml
 
-from rollstream.cli import main
 from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger
@@ -26,17 +23,11 @@ from rollstream.runtime.build import prepare_run_dir
 from rollstream.runtime.control import EngineControl
 from tests.monitor.synth import synth_run
 from tests.rollout.fakes import CountingTrainer
+from tests.rollout.test_control import _cli
 from tests.rollout.test_controller import Tasks, rollout_cfg
 from tests.rollout.test_resume import _loop
 
 CFG = MonitorConfig(progress=False, dashboard=True)
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rc = main(list(args))
-    return rc, out.getvalue()
 
 
 def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -> None:

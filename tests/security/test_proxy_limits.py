@@ -110,6 +110,7 @@ BAD_BODIES = [  # (body, the field the refusal must name)
     (json.dumps({"messages": [USER], "seed": "x"}).encode(), "seed"),
     (json.dumps({"messages": [USER], "n": 2}).encode(), "n"),
     (json.dumps({"messages": [USER], "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"messages": [USER], "top_k": 1 << 70}).encode(), "top_k"),
     (json.dumps({"messages": [USER], "stop": ["\n"]}).encode(), "stop"),
     (json.dumps({"messages": [USER], "frobnicate": 1}).encode(), "frobnicate"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "messages.0.role"),
@@ -253,3 +254,13 @@ def test_the_proxy_limits_are_config_checked_against_the_other_settings() -> Non
                                                      "agent.proxy.max_session_calls=8"])
     with pytest.raises(ConfigError, match="agent.proxy is read only by sources with harness"):
         load_config(examples / "agent.yaml", ["agent.proxy.max_session_calls=64"])
+
+
+def test_a_reply_nesting_deeper_than_the_json_parser_recurses_is_a_tool_call_error() -> None:
+    """The model's own text is parsed for tool calls in the proxy's reply: a long enough turn
+    can nest past Python's recursion limit."""
+    from rollstream.agent.tools import HermesToolParser
+
+    deep = "<tool_call>\n" + "[" * 5000 + "]" * 5000 + "\n</tool_call>"
+    parsed = HermesToolParser().parse(deep)
+    assert parsed.calls == [] and parsed.errors == ["tool call 0: JSON nested too deep"]

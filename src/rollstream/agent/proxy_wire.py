@@ -31,6 +31,12 @@ DEFAULT_MAX_TOKENS = 256
 SEED_RANGE = (-(1 << 63), 1 << 63)  # a signed 64-bit seed, as OpenAI's API takes
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic union tags
+_UNSUPPORTED = {  # fields accepted only with a value that changes nothing: why another is not
+    "stop": "stop sequences are not supported (a reply ends at the chat template's "
+            "end-of-turn token)",
+    "frequency_penalty": "only 0 is supported", "presence_penalty": "only 0 is supported",
+    "top_logprobs": "only 0 is supported", "logit_bias": "only an empty logit_bias is supported",
+    "logprobs": "returned logprobs are not supported"}
 
 
 class Refused(ValueError):
@@ -122,15 +128,15 @@ class ChatRequest(_Body):
     """Used: the conversation, rendered with the model's chat template."""
     model: str = "rollstream"
     """Echoed in the reply; the proxy serves its one model whatever the name."""
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     """Used: the reply's token budget (wins over ``max_tokens``)."""
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     """Used: the reply's token budget (default 256)."""
     temperature: float | None = Field(None, ge=0, le=2)
     """Used (default 1)."""
     top_p: float | None = Field(None, gt=0, le=1)
     """Used (default 1)."""
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=1 << 31)
     """Used (vLLM's extension; 0 or -1 = off)."""
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     """Used: the call's sampling seed."""
@@ -176,33 +182,11 @@ class ChatRequest(_Body):
             raise ValueError("n must be 1 (one choice per call)")
         return v
 
-    @field_validator("stop")
+    @field_validator(*_UNSUPPORTED)
     @classmethod
-    def _no_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v:
-            raise ValueError("stop sequences are not supported (a reply ends at the chat "
-                             "template's end-of-turn token)")
-        return v
-
-    @field_validator("frequency_penalty", "presence_penalty", "top_logprobs")
-    @classmethod
-    def _neutral(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("only 0 is supported")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("only an empty logit_bias is supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("returned logprobs are not supported")
+    def _neutral(cls, v: Any, info) -> Any:
+        if v:  # a value that would change what is sampled (or returned)
+            raise ValueError(_UNSUPPORTED[info.field_name])
         return v
 
     @field_validator("response_format")

@@ -168,6 +168,8 @@ def _decode_call(body: str, index: int) -> ToolCall | str:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
         return f"{where}: invalid JSON ({exc})"
+    except RecursionError:  # a model can write nesting deeper than the parser recurses
+        return f"{where}: JSON nested too deep"
     if not isinstance(obj, dict):
         return f"{where}: expected a JSON object, got {_json_type(obj)}"
     if "name" not in obj:
