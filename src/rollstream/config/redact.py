@@ -14,7 +14,10 @@ so a reader sees which secrets were set.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollstream.config.schema import RunConfig
 
 REDACTED = "<redacted>"
 _SECRET = re.compile(r"(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD)$|PASSWORD",
@@ -57,11 +60,10 @@ def _redact_text(text: str) -> str:
     return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text, count=1)
 
 
-def redacted_yaml(tree: dict[str, Any]) -> str:
-    """``tree`` as the YAML a run folder keeps (``config.yaml``), secrets redacted."""
-    import yaml
-
-    return yaml.safe_dump(redact(tree), sort_keys=False)
+def saved_config(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as a run keeps it (``config.yaml``, a checkpoint's ``config``, what a resume
+    compares with that): every field, as JSON values, secrets redacted."""
+    return redact(cfg.model_dump(mode="json"))
 
 
 def redacted_text(text: str) -> str:

@@ -106,7 +106,9 @@ def build_trainer(cfg: RunConfig, model_path: Path,
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> None:
     """The run directory: a fresh run removes the previous run's files of that name (and its
     checkpoints), a resumed one keeps them; the config is saved, its secrets redacted."""
-    from rollstream.config.redact import redacted_yaml
+    import yaml
+
+    from rollstream.config.redact import saved_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -116,7 +118,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
                       "summary.json", LOG_FILE):
             (run_dir / stale).unlink(missing_ok=True)
         shutil.rmtree(durable.folder(run_dir), ignore_errors=True)
-    (run_dir / "config.yaml").write_text(redacted_yaml(cfg.model_dump(mode="json")))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config(cfg), sort_keys=False))
 
 
 def build_workers(cfg: RunConfig, size: int, role: str) -> Workers:

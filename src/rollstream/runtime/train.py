@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollstream.config import ConfigError, RunConfig
-from rollstream.config.redact import redact
+from rollstream.config.redact import saved_config
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import SAFE_CHANGES, config_changes
 from rollstream.rollout.rollout import RolloutStopped
@@ -117,7 +117,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
         print(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0",
               flush=True)
         return None
-    changed = config_changes(ckpt.state["config"], redact(cfg.model_dump(mode="json")))
+    changed = config_changes(ckpt.state["config"], saved_config(cfg))
     if changed:
         raise ConfigError(
             f"resume=true: {ckpt.path} was written by a run whose config differs in "
@@ -176,7 +176,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
         t0 = time.perf_counter()
         await run.loop.sync.wait_applied()  # the engines serve version `done`
         t_hold = time.perf_counter()
-        state = {"config": redact(cfg.model_dump(mode="json")), "version": done,
+        state = {"config": saved_config(cfg), "version": done,
                  "eval_rounds": next_round, "totals": so_far(),
                  "rollout": await run.loop.rollout.snapshot(),
                  "reconfig": run.loop.reconfigure.state()}
