@@ -1,7 +1,8 @@
 """A property of the agent proxy's request handling, over real HTTP to ``rollstream proxy``:
-whatever body a harness sends (valid requests, valid ones with one field replaced by arbitrary
-JSON, removed or given an unknown key, arbitrary JSON, arbitrary bytes), the answer is a chat completion or a 4xx whose ``param``
-names the field; never a 5xx, and the server never logs a traceback."""
+whatever body a harness sends (valid requests, valid ones with one field replaced by
+arbitrary JSON, removed or given an unknown key, arbitrary JSON, arbitrary bytes), the answer
+is a chat completion or a 400 whose ``param`` names the field; never a 5xx, and the server
+never logs a traceback."""
 
 from __future__ import annotations
 

@@ -21,12 +21,10 @@ and the secret compared in constant time; only the id ever appears in request id
 ids, reply ids and samples. The run side opens a session, hands its URL and key to a
 harness, and closes it when the harness finishes or times out (:meth:`AgentProxy.run_harness`),
 receiving the samples. What one call and one session may cost is bounded
-(:class:`~rollstream.config.tasks.ProxyConfig`): a body over ``max_request_bytes`` is a 413
-before it is read whole; a body is validated (``proxy_wire.py``) before it is used; a
-prompt that cannot fit the context is refused before it is rendered when its text alone is
-too long for it, else right after; a session's calls and the bytes of message text its
-samples hold are capped. Every refusal is a 400 (or 413) whose ``param`` names the field or
-the limit.
+(:class:`~rollstream.config.tasks.ProxyConfig`, docs/agents.md): the body's size (413 before
+it is read whole), its shape (``proxy_wire.py``), a session's calls and history bytes, and
+the prompt against the context (refused before rendering when its text alone cannot fit).
+Every refusal is a 400 (or 413) whose ``param`` names the field or the limit.
 
 Simplifications: ``n`` must be 1; a streamed reply is sent as one content chunk (and one chunk
 per tool call) after generation, since the engine protocol returns a turn at once.
