@@ -88,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         "engines",
         help="list a live run's engines; drain one (preempt it) or route to it again",
         description="Talks to the run's live dashboard (monitor.dashboard=true; its URL is in "
-        "RUN_DIR/dashboard.url, the run's token in RUN_DIR/dashboard.token). --drain takes the engine out of routing: its requests come "
-        "back with their tokens and continue on another engine; --undrain routes to it again.",
+        "RUN_DIR/dashboard.url, the run's token in RUN_DIR/dashboard.token). --drain takes "
+        "the engine out of routing: its requests come back with their tokens and continue on "
+        "another engine; --undrain routes to it again.",
     )
     e.add_argument("run_dir", type=Path)
     act = e.add_mutually_exclusive_group()
