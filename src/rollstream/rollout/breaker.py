@@ -9,9 +9,9 @@ probed back after a while (``rollout.breaker``).
 Why routing needs it: an engine's health (``EngineHealth``) says whether it serves, not
 whether what it serves is any good. A grey failure (a vLLM server answering HTTP 500 while its
 ``/health`` says 200, an engine actor that raises) answers at once, so it holds no request,
-and least-load routing sends it nearly every request (docs/dispatch.md has a run that lost
-almost every sample so). The dispatcher retries each such request on another engine with its
-tokens; the breaker stops sending it more.
+and least-load routing sends it a large share of the requests (docs/dispatch.md measures a
+run that lost half its samples so). The dispatcher retries each such request on another
+engine with its tokens; the breaker stops sending it more.
 
 What counts, in the order requests end (``Router.observe``): a request of an UP engine that
 ended with an engine fault and no token is a failure; one that brought a token, or finished,
