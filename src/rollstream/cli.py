@@ -180,11 +180,11 @@ def _talk(base: str, token: str, drain: str | None, undrain: str | None) -> None
         if r.status_code in (401, 403, 404):
             raise ValueError(r.json().get("detail", r.text))
         r.raise_for_status()
-        print(f"{'engine':12s} {'health':10s} {'version':>7s} {'drained':>7s} {'in flight':>9s}")
+        print(f"{'engine':12s} {'health':10s} {'routing':11s} {'version':>7s} {'in flight':>9s}")
         for row in r.json():
-            print(f"{row['engine_id']:12s} {row['health']:10s} {row['version']:7d} "
-                  f"{'yes' if row['drained'] else 'no':>7s} {row['in_flight']:9d}"
-                  + (f"  {row['health_reason']}" if row["health_reason"] else ""))
+            why = "; ".join(w for w in (row["health_reason"], row["routing_reason"]) if w)
+            print(f"{row['engine_id']:12s} {row['health']:10s} {row['routing']:11s} "
+                  f"{row['version']:7d} {row['in_flight']:9d}" + (f"  {why}" if why else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

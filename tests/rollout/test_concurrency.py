@@ -99,7 +99,7 @@ def test_a_changed_workload_is_followed() -> None:
 def test_windows_the_engine_could_not_fill_decide_nothing() -> None:
     ctl = ConcurrencyLimit(capacity=64, window_tokens=100, start=8)
     drive(ctl, saturating(1.0, 0.01), 5_000, full=False)  # too few requests to fill it
-    assert ctl.limit == 8 and ctl.history == [] and ctl.phase is Phase.CLIMB
+    assert ctl.limit == 8 and not ctl.history and ctl.phase is Phase.CLIMB
 
 
 def test_bounds_and_settings() -> None:

@@ -2,7 +2,8 @@
 
 It lets tests drive the engine's fault handling and version bookkeeping exactly, without
 vLLM: the test decides what each stream delivers and when, makes ``/health`` fail, cuts a
-stream mid-body, and can hold a weight reload while the server is paused. It serves the
+stream mid-body, can hold a weight reload while the server is paused, and can answer every
+generate request with an HTTP error while ``/health`` says 200 (a grey failure). It serves the
 endpoints the engine calls (``/health``, ``/v1/models``, ``/inference/v1/generate``,
 ``/pause``, ``/collective_rpc``, ``/update_weight_version``, ``/resume``,
 ``/abort_requests``) with vLLM's wire format (see ``rollstream/engine/vllm/wire.py``); it
@@ -38,6 +39,8 @@ def event(tokens: list[int], *, finish: str | None = None,
 class FakeVllm:
     def __init__(self, *, max_model_len: int = 128) -> None:
         self.healthy = True
+        self.generate_status = 200  # else every generate request gets this status at once
+        self.num_generate = 0  # generate requests received
         self.logprobs_mode = "processed_logprobs"  # what the worker's sampler reports
         self.calls: list[str] = []  # control endpoints in the order they were called
         self.version: str | None = None  # the label /update_weight_version set
@@ -83,7 +86,10 @@ class FakeVllm:
             return {}
 
         @app.post("/inference/v1/generate")
-        async def generate(request: Request) -> StreamingResponse:
+        async def generate(request: Request) -> Response:
+            self.num_generate += 1
+            if self.generate_status != 200:
+                return Response(status_code=self.generate_status, content="scripted failure")
             wire = (await request.json())["request_id"]
             self._loop = asyncio.get_running_loop()
             queue = self._streams[wire] = asyncio.Queue()
@@ -130,7 +136,7 @@ class FakeVllm:
         """The wire id of the (latest) stream the engine opened for ``request_id``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            wires = [w for w in self._streams if w.partition("#")[0] == request_id]
+            wires = [w for w in self._streams if w.rpartition("#")[0] == request_id]
             if wires:
                 return wires[-1]
             assert time.monotonic() < deadline, f"no stream for {request_id}"

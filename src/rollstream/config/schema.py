@@ -22,6 +22,7 @@ from rollstream.config.model import (
     TinyModelConfig,  # noqa: F401
     WarmStartConfig,  # noqa: F401
 )
+from rollstream.config.breaker import BreakerConfig
 from rollstream.config.early_stop import EarlyStopConfig, check_early_stop
 from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
 from rollstream.config.replay import ReplayConfig, check_replay
@@ -111,6 +112,9 @@ class RolloutConfig(Section):
     concurrency_min_gain: float = Field(0.05, gt=0, lt=1)
     """``adaptive``: the throughput gain a raised limit must bring (and the loss a cut may
     cost) for the step to be kept, as a fraction (0.05 = 5%)."""
+    breaker: BreakerConfig = BreakerConfig()
+    """Quarantine of engines whose requests keep failing while they stay UP (grey failures;
+    docs/dispatch.md)."""
     filter_zero_variance: bool = True
     """Mark groups whose rewards are all equal FILTERED (no learning signal)."""
     max_untrainable_streak: int = Field(256, ge=1)

@@ -40,7 +40,7 @@ from rollstream.durable.checkpoint import Checkpoint
 # what may differ between a checkpoint's config and the resuming one (dotted prefixes)
 SAFE_CHANGES = ("resume", "run_root", "max_wall_s", "train.steps", "train.checkpoint_every",
                 "train.keep_checkpoints", "train.fsdp.max_restarts", "eval", "monitor", "engine",
-                "runtime")
+                "rollout.breaker", "runtime")
 _STANDING = frozenset({"filtered", "failed", "dropped_stale"})
 
 

@@ -5,13 +5,13 @@ from rollstream.engine.factory import build_engine
 from rollstream.engine.protocol import (
     Closeable,
     Engine,
-    EngineHealth,
     EngineStats,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
 )
+from rollstream.engine.states import EngineHealth, Routing
 
 __all__ = [
     "Closeable",
@@ -21,6 +21,7 @@ __all__ = [
     "FinishReason",
     "GenerateOutput",
     "GenerateRequest",
+    "Routing",
     "SamplingParams",
     "build_engine",
 ]

@@ -20,18 +20,22 @@ Semantics every implementation honours (the contract tests in tests/engine check
 * Bad input (prompt longer than the context, invalid sampling params) fails that request
   with ``finish_reason=ERROR`` and a message; the engine keeps serving the others.
 
-Health (``EngineStats.health``, why in ``health_reason``), for routing:
+Health (``EngineStats.health``, why in ``health_reason``; the states are defined in
+``states.py``, with the router's):
 
 * ``UP``: route requests here.
-* ``RECOVERING``: it is being restarted (a vLLM server that died restarts itself; a local
-  engine whose step loop died is restarted by the rollout, :class:`Restartable`); route
-  nothing to it until it is UP again.
-* ``DEAD``: it will never serve again (its step loop raised, a restart failed, or it was
-  closed). A dead engine never raises from ``generate``: in-flight and later requests return
-  ``finish_reason=ABORT`` with the tokens produced so far (logprobs and versions exact; a
-  later request has none) and ``error`` naming the engine and the cause, so the caller can
-  resubmit ``prompt + partial`` elsewhere. ``interrupt`` on a dead engine does nothing;
-  ``load_weights`` raises RuntimeError with the cause.
+* ``RECOVERING``: route nothing to it until it is UP again.
+* ``DEAD``: it will never serve again. A dead engine never raises from ``generate``:
+  in-flight and later requests return ``finish_reason=ABORT`` with the tokens produced so far
+  (logprobs and versions exact; a later request has none) and ``error`` naming the engine and
+  the cause, so the caller can resubmit ``prompt + partial`` elsewhere. ``interrupt`` on a
+  dead engine does nothing; ``load_weights`` raises RuntimeError with the cause.
+
+Whose fault a failed request is, which decides whether it is tried again: ``ERROR`` is the
+request's own (a prompt longer than the context, invalid parameters, an HTTP 4xx): it fails
+the sample. ``ABORT`` with ``error`` set is the engine's (it died, its stream broke, it
+answered HTTP 5xx, its actor raised), whatever its health says: the caller keeps the tokens
+and resubmits ``prompt + partial``, on another engine (``GenerateOutput.engine_fault``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from rollstream.engine.states import EngineHealth
 
 if TYPE_CHECKING:  # keep torch out of light imports
     import torch
@@ -101,11 +107,11 @@ class GenerateOutput:
                 f"{n}/{len(self.logprobs)}/{len(self.versions)} differ"
             )
 
-
-class EngineHealth(str, enum.Enum):
-    UP = "up"  # route requests here
-    RECOVERING = "recovering"  # restarting itself; requests sent now wait
-    DEAD = "dead"  # will never serve again; requests return ABORT with the cause
+    @property
+    def engine_fault(self) -> bool:
+        """The engine, not the request, cut it short (ABORT with an error): resubmit the
+        prompt and these tokens, on another engine."""
+        return self.finish_reason is FinishReason.ABORT and self.error is not None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -17,7 +17,8 @@ Operating a live run (when it was given an ``EngineControl``; 404 otherwise), wi
 token as ``Authorization: Bearer TOKEN`` (401 otherwise):
 
     GET  /api/engines                      [{engine_id, health, health_reason, version,
-                                             drained, in_flight}]
+                                             routing, routing_reason, in_flight}]
+                                           (states: rollstream/engine/states.py)
     POST /api/engines/{engine_id}/drain    preempt it: {"engine_id", "handed_back": n}
     POST /api/engines/{engine_id}/undrain  route to it again
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from rollstream.config.schema import RolloutConfig
 
 HOLD_WINDOWS = 8  # windows at a held limit before probing again
+HISTORY_WINDOWS = 256  # recent windows kept for reports: memory does not grow with run length
 
 
 class Phase(str, enum.Enum):
@@ -85,7 +87,9 @@ class ConcurrencyLimit:
         self.phase = Phase.CLIMB
         self.best: Window | None = None  # the last accepted window (the reference)
         self._probe_from: Window | None = None  # the window a downward probe started from
-        self.history: list[Window] = []  # every window measured, in order (for reports)
+        # the last HISTORY_WINDOWS windows measured, in order (for reports); all of them counted
+        self.history: deque[Window] = deque(maxlen=HISTORY_WINDOWS)
+        self.num_windows = 0
         self._held = 0  # windows in HOLD since the last probe
         self._held_sum = 0.0  # their tokens/s, summed
         self._next_probe = Phase.CLIMB
@@ -113,6 +117,7 @@ class ConcurrencyLimit:
 
     def _decide(self, w: Window) -> bool:
         self.history.append(w)
+        self.num_windows += 1
         before = self.limit
         best = self.best
         if self.phase is Phase.HOLD or best is None:

@@ -8,9 +8,10 @@ A sample's life here (``run_sample``)::
 
     wait for the gate -> pick a live engine (least load) -> generate(prompt + tokens so far)
       STOP/LENGTH -> GENERATED -> grade -> GRADED
-      ABORT       -> interrupted by a weight update, a cancel or a dying engine: keep the
-                     partial tokens and their versions, resubmit (partial rollout), on
-                     another engine when this one died
+      ABORT       -> interrupted by a weight update, a cancel, or an engine fault (a dying
+                     engine, a broken stream, an HTTP 5xx, an actor that raised): keep the
+                     partial tokens and their versions, resubmit (partial rollout), after an
+                     engine fault on another engine
       ERROR       -> FAILED with the engine's reason (the request's own fault: bad prompt)
 
 A task whose ``Task.harness`` is not ``single_turn`` (an agent episode) is handed to the
@@ -18,15 +19,17 @@ harness registered under that name (the contract: ``rollout/harness.py``), which
 each model turn with :meth:`Dispatcher.generate_turn` (the loop above, for one turn) and so
 gets the same gate, routing, interrupts, retries and spans (``agent/harness.py``).
 
-Engine health (``EngineStats.health``): requests go to UP engines, least loaded first; when
-none is UP but one is RECOVERING, they wait until one is UP; never to a DEAD one.
-Preemption: :meth:`Dispatcher.drain` takes an engine out of routing and interrupts its
+Engine states (``engine/states.py``): requests go to UP engines that are routed, least
+loaded first; when none is but one is RECOVERING or out of routing, they wait; never to a DEAD
+one. Preemption: :meth:`Dispatcher.drain` takes an engine out of routing and interrupts its
 requests at a token boundary; they come back with their tokens and continue on another engine
-(or wait for one), until :meth:`Dispatcher.undrain`. An engine that raises from ``generate`` is a fault like a dead stream: the attempt
-returns its partial tokens (none) and the sample is retried. A sample FAILS after
-``MAX_ENGINE_RETRIES`` consecutive failed attempts that produced no token. When no engine is
-alive the dispatcher records why in ``fatal`` and stops dispatching; the rollout stops the run
-with that reason.
+(or wait for one), until :meth:`Dispatcher.undrain`. An engine that raises from ``generate``
+is a fault like a dead stream: the attempt returns its partial tokens (none). After an engine
+fault a sample is retried on an engine that has not failed it in this turn while one may take
+it, and the router's breaker (``rollout/breaker.py``) quarantines an UP engine whose requests
+keep failing without a token (grey failures). A sample FAILS after ``MAX_ENGINE_RETRIES``
+consecutive failed attempts that produced no token. When no engine is alive the dispatcher
+records why in ``fatal`` and stops dispatching; the rollout stops the run with that reason.
 
 The ``gate`` (``pause``/``resume``, the protocol weight sync uses) is closed while weights are
 swapped, so no request is submitted against half-published weights. ``cancel`` gives up on
@@ -55,14 +58,15 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rollstream.clock import Clock
+from rollstream.config.breaker import BreakerConfig
 from rollstream.engine.protocol import (
     Engine,
-    EngineHealth,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
 )
+from rollstream.engine.states import EngineHealth
 from rollstream.reward.pool import GraderPool
 from rollstream.rollout.grading import Grading
 from rollstream.rollout.harness import Harness, TurnOutput
@@ -128,6 +132,7 @@ class Dispatcher:
         dispatch: Literal["engine", "fifo", "longest_first"] = "engine",
         concurrency: LimitFactory | None = None,
         prefix_affinity: bool = False,
+        breaker: BreakerConfig | None = None,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -152,7 +157,8 @@ class Dispatcher:
         self._idle.set()
         if prefix_affinity and dispatch != "engine":
             raise ValueError("prefix affinity routes with dispatch engine only")
-        self.router = Router(self.engines, prefix_affinity=prefix_affinity)
+        self.router = Router(self.engines, prefix_affinity=prefix_affinity, breaker=breaker,
+                             now=clock.now)
         self.predictor = LengthPredictor(self.stats.per_source_tokens,
                                          default=max(params.max_new_tokens / 2, 1.0))
         # rollout.dispatch: engine = submit at once (engines queue); else wait here in order;
@@ -160,7 +166,8 @@ class Dispatcher:
         if concurrency is not None and dispatch == "engine":
             raise ValueError("adaptive concurrency needs a dispatch queue (fifo or longest_first)")
         self.queue = None if dispatch == "engine" else DispatchQueue(
-            dispatch, self.router.routable, adaptive=concurrency, now=clock.now)
+            dispatch, self.router.routable, adaptive=concurrency, now=clock.now,
+            cap=self.router.cap)
 
     def set_params(self, params: SamplingParams) -> None:
         """Sampling parameters of the samples dispatched from now on (a reconfiguration;
@@ -187,19 +194,20 @@ class Dispatcher:
         return [e for e in self.engines if e.stats().health is not EngineHealth.DEAD]
 
     # ---- routing (``routing.Router``) ------------------------------------------------------
-    async def _pick_engine(self, ask: Callable[[], Ask],
-                           sample: Sample) -> tuple[Engine, Grant | None]:
+    async def _pick_engine(self, ask: Callable[[], Ask], sample: Sample,
+                           avoid: set[str]) -> tuple[Engine, Grant | None]:
         """The engine for the next request and, with a dispatch queue, the slot it holds there
-        (ranked and sized by ``ask()``): the least loaded UP engine; waits while engines
-        recover or are drained, raises NoEngineAlive when every engine is DEAD."""
+        (ranked and sized by ``ask()``): the least loaded routable engine, one not in
+        ``avoid`` (engine ids) while another may take it; waits while engines recover or are
+        out of routing, raises NoEngineAlive when every engine is DEAD."""
         while True:
             await self._gate.wait()
             if self.queue is None:
-                engine = self.router.pick(sample)
+                engine = self.router.pick(sample, avoid)
                 if engine is not None:
                     return engine, None
             elif self.router.routable():
-                grant = await self.queue.acquire(ask)
+                grant = await self.queue.acquire(ask, avoid)
                 if grant is None:  # the engines went away while it waited: look again
                     continue
                 if self._gate.is_set():
@@ -277,6 +285,7 @@ class Dispatcher:
         ``MAX_ENGINE_RETRIES`` failed attempts in a row), its group was cancelled, or no
         engine is alive; the caller leaves it as it is."""
         failures = interrupts = 0
+        failed_on: set[str] = set()  # engines that failed this turn (an engine fault)
         # the request seed: the same on every attempt, so drawn once per turn
         seed = (sample_seed(self.seed, sample.uid)
                 if params.seed is None and self.seed is not None else params.seed)
@@ -291,7 +300,8 @@ class Dispatcher:
                                   num_interrupts=interrupts)
             try:
                 once = await self._generate_once(
-                    sample, replace(params, max_new_tokens=remaining, seed=seed), deadline)
+                    sample, replace(params, max_new_tokens=remaining, seed=seed), failed_on,
+                    deadline)
             except NoEngineAlive as e:
                 self.fatal = self.fatal or str(e)
                 return None
@@ -306,10 +316,12 @@ class Dispatcher:
             if out.finish_reason is FinishReason.ERROR:
                 self.lifecycle.move(sample, SampleStatus.FAILED, f"engine error: {out.error}")
                 return None
-            # ABORT: interrupted at a token boundary (weight update, cancel, or a dead engine)
-            if out.error:
+            # ABORT: interrupted at a token boundary (weight update, cancel) or an engine fault
+            failures = 0 if out.token_ids else failures
+            if out.engine_fault:  # tried again elsewhere, with the tokens it brought
                 self.stats.num_engine_failures += 1
-                failures = failures + 1 if not out.token_ids else 0
+                failed_on.add(sample.engine_id or "")
+                failures += not out.token_ids
                 if failures >= MAX_ENGINE_RETRIES:
                     self.lifecycle.move(sample, SampleStatus.FAILED,
                                         f"engine failed {failures} times: {out.error}")
@@ -321,10 +333,11 @@ class Dispatcher:
             if sample.group_id not in self._cancelled:
                 self.stats.num_resumes += 1
 
-    async def _generate_once(self, sample: Sample, params: SamplingParams,
+    async def _generate_once(self, sample: Sample, params: SamplingParams, avoid: set[str],
                              deadline: float | None = None) -> tuple[GenerateOutput, bool] | None:
-        """One request; (its output, whether it was interrupted at ``deadline``); None when
-        its group was cancelled while it waited for an engine."""
+        """One request, on an engine not in ``avoid`` while another may take it; (its output,
+        whether it was interrupted at ``deadline``); None when its group was cancelled while
+        it waited for an engine."""
         def ask() -> tuple[tuple[float, ...], float]:  # asked when the queue decides
             done = sample.num_response_tokens
             size, fresh = self.predictor.rank(sample)
@@ -332,7 +345,7 @@ class Dispatcher:
             return (size - done, fresh), float(min(max(left, 1.0), params.max_new_tokens))
 
         self.predictor.predict(sample)  # its first prediction, for len_pred_err in any mode
-        engine, grant = await self._pick_engine(ask, sample)
+        engine, grant = await self._pick_engine(ask, sample, avoid)
         if sample.group_id in self._cancelled:
             if grant is not None:
                 self.queue.release(grant)  # type: ignore[union-attr]
@@ -377,6 +390,7 @@ class Dispatcher:
             if not self.in_flight:
                 self._idle.set()
         self.stats.generated_tokens += len(out.token_ids)
+        self.router.observe(engine, out)
         outcome = _OUTCOME.get(out.finish_reason, "done")
         self.span(
             sample_uid=sample.uid, engine_id=engine.engine_id, slot=info.slot,

@@ -18,14 +18,19 @@ never waits behind another engine's queue while a slot is free elsewhere.
 
 With ``rollout.concurrency: adaptive`` an engine's slots are not its capacity but the limit
 its :class:`~rollstream.rollout.concurrency.ConcurrencyLimit` finds from the throughput it
-measures (told at every release); a raised limit hands out the new slots at once.
+measures (told at every release); a raised limit hands out the new slots at once. The router
+may cap them further (a probing engine holds one request, ``rollout/breaker.py``).
+
+A request retried after an engine fault names the engines that failed it (``avoid``): it
+takes a slot elsewhere, waiting for one while another engine is routable, and a slot on one of
+them only when every routable engine failed it. Other waiters may pass it meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rollstream.engine.protocol import Engine
@@ -41,42 +46,46 @@ LimitFactory = Callable[[int], ConcurrencyLimit]  # an engine's capacity -> its 
 class DispatchQueue:
     def __init__(self, order: DispatchOrder, routable: Callable[[], list[Engine]], *,
                  adaptive: LimitFactory | None = None,
-                 now: Callable[[], float] | None = None) -> None:
+                 now: Callable[[], float] | None = None,
+                 cap: Callable[[Engine], int | None] | None = None) -> None:
         """``adaptive``: each engine's limit comes from the controller this makes from its
-        capacity (None: the capacity); ``now``: the clock its windows are timed with."""
+        capacity (None: the capacity); ``now``: the clock its windows are timed with;
+        ``cap``: the router's cap on an engine's requests (None: no cap)."""
         if order not in ("fifo", "longest_first"):
             raise ValueError(f"dispatch order must be fifo or longest_first, got {order!r}")
         if adaptive is not None and now is None:
             raise ValueError("adaptive concurrency needs a clock (now)")
         self.order = order
-        self._routable = routable  # engines that may take requests now (UP, not drained)
+        self._routable = routable  # engines that may take requests now (UP, routed)
         self._adaptive = adaptive
         self._now = now
+        self._cap = cap
         self.limits: dict[str, ConcurrencyLimit] = {}  # engine_id -> its controller (adaptive)
         self._busy: dict[int, int] = {}  # id(engine) -> requests granted and not released
         self._work: dict[int, float] = {}  # id(engine) -> predicted tokens outstanding
-        # waiters in arrival order: (what it asks, read when a slot is free; its future)
-        self._waiting: list[tuple[Callable[[], Ask], asyncio.Future[Grant | None]]] = []
+        self._waiting: list[_Waiter] = []  # in arrival order
 
     @property
     def num_waiting(self) -> int:
-        return sum(not f.done() for _, f in self._waiting)
+        return sum(not w.fut.done() for w in self._waiting)
 
-    async def acquire(self, ask: Callable[[], Ask]) -> Grant | None:
+    async def acquire(self, ask: Callable[[], Ask],
+                      avoid: Collection[str] = ()) -> Grant | None:
         """A slot on an engine, held until :meth:`release`, for a request whose rank and
         predicted tokens ``ask()`` tells (asked again whenever the order is decided: a
-        prediction improves while the request waits, as its siblings finish); None when no
-        engine is routable any more (the caller looks at engine health again)."""
-        self._waiting = [w for w in self._waiting if not w[1].done()]
+        prediction improves while the request waits, as its siblings finish), on an engine
+        not in ``avoid`` (engine ids) while another is routable; None when no engine is
+        routable any more (the caller looks at engine health again)."""
+        self._waiting = [w for w in self._waiting if not w.fut.done()]
         if not self._waiting:
             engines = self._routable()
-            free = self._free(engines)
-            if free:
-                return self._grant(free, ask()[1])
+            usable = _usable(self._free(engines), engines, avoid)
+            if usable:
+                return self._grant(usable, ask()[1])
             if not engines:
                 return None
         fut: asyncio.Future[Grant | None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((ask, fut))
+        self._waiting.append(_Waiter(ask=ask, fut=fut, avoid=frozenset(avoid)))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -99,34 +108,44 @@ class DispatchQueue:
     def wake(self) -> None:
         """Hand free slots to waiters in order (call when engines change: undrained,
         recovered); with no routable engine every waiter is woken with None."""
-        self._waiting = [w for w in self._waiting if not w[1].done()]
+        self._waiting = [w for w in self._waiting if not w.fut.done()]
         engines = self._routable()
         if not engines:
-            for _, fut in self._waiting:
-                fut.set_result(None)
+            for w in self._waiting:
+                w.fut.set_result(None)
             self._waiting = []
             return
         while self._waiting:
             free = self._free(engines)
             if not free:
                 return
+            served = (j for j, w in enumerate(self._waiting)  # those a free slot may serve
+                      if not w.avoid or _usable(free, engines, w.avoid))
             if self.order == "fifo":
-                i, work = 0, self._waiting[0][0]()[1]
+                i = next(served, None)
+                if i is None:
+                    return
+                work = self._waiting[i].ask()[1]
             else:  # the highest rank; the earliest among equals
-                asked = [a() for a, _ in self._waiting]
-                i = max(range(len(asked)), key=lambda j: (asked[j][0], -j))
+                asked = {j: self._waiting[j].ask() for j in served}
+                if not asked:
+                    return
+                i = max(asked, key=lambda j: (asked[j][0], -j))
                 work = asked[i][1]
-            _, fut = self._waiting.pop(i)
-            fut.set_result(self._grant(free, work))
+            w = self._waiting.pop(i)
+            w.fut.set_result(self._grant(_usable(free, engines, w.avoid), work))
 
     def num_held(self, engine: Engine) -> int:
         """Requests granted on ``engine`` and not released."""
         return self._busy.get(id(engine), 0)
 
     def slots(self, engine: Engine) -> int:
-        """The requests ``engine`` may hold now: its capacity, or its adaptive limit."""
+        """The requests ``engine`` may hold now: its capacity, or its adaptive limit, within
+        the router's cap."""
         capacity = engine.stats().capacity
-        return capacity if self._adaptive is None else min(capacity, self._limit(engine).limit)
+        n = capacity if self._adaptive is None else min(capacity, self._limit(engine).limit)
+        cap = self._cap(engine) if self._cap is not None else None
+        return n if cap is None else min(n, cap)
 
     def _limit(self, engine: Engine) -> ConcurrencyLimit:
         limit = self.limits.get(engine.engine_id)
@@ -143,6 +162,24 @@ class DispatchQueue:
         self._busy[id(engine)] = self._busy.get(id(engine), 0) + 1
         self._work[id(engine)] = self._work.get(id(engine), 0.0) + work
         return Grant(engine, work)
+
+
+def _usable(free: list[Engine], routable: list[Engine], avoid: Collection[str]) -> list[Engine]:
+    """The free engines a request that avoids ``avoid`` may take now: those not in it; while
+    a routable engine is not in it, only those (it waits for one); else any free one."""
+    if not avoid:
+        return free
+    others = [e for e in free if e.engine_id not in avoid]
+    if others or any(e.engine_id not in avoid for e in routable):
+        return others
+    return free
+
+
+@dataclass(slots=True, kw_only=True)
+class _Waiter:
+    ask: Callable[[], Ask]  # what it asks, read when a slot is free
+    fut: asyncio.Future[Grant | None]
+    avoid: frozenset[str] = field(default_factory=frozenset)  # engine ids that failed it
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,44 +1,82 @@
-"""Which engine a request goes to: least load, prefix affinity, drained engines left out.
+"""Which engine a request goes to: least load, prefix affinity, engines out of routing left
+out.
 
 The router keeps the dispatcher's per-engine request counts (its own, not the engines':
 an engine's queue is not visible through the protocol) in a :class:`LoadIndex`, so the
-least-loaded engine is found without a scan of every engine (``rollout/loads.py``), the
-engines taken out of routing by preemption (:meth:`Dispatcher.drain`), and, with prefix
-affinity, each group's home engine.
+least-loaded engine is found without a scan of every engine (``rollout/loads.py``), each
+engine's routing state (``engine/states.py``: drained by preemption, :meth:`Dispatcher.drain`;
+quarantined and probing by its :class:`Breaker`, which :meth:`observe` feeds with every
+request's outcome), and, with prefix affinity, each group's home engine. A request retried
+after an engine fault names the engines to ``avoid``: it goes elsewhere while another engine
+may take it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
 
-from rollstream.engine.protocol import Engine, EngineHealth
+from rollstream.config.breaker import BreakerConfig
+from rollstream.engine.protocol import Engine, FinishReason, GenerateOutput
+from rollstream.engine.states import EngineHealth, Routing
+from rollstream.rollout.breaker import Breaker
 from rollstream.rollout.loads import LoadIndex
 from rollstream.trajectory import Sample
 
+log = logging.getLogger(__name__)
 AFFINITY_SLACK = 4  # prefix affinity: requests an engine may hold above the least loaded
 
 
 class Router:
-    def __init__(self, engines: Sequence[Engine], *, prefix_affinity: bool = False) -> None:
+    def __init__(self, engines: Sequence[Engine], *, prefix_affinity: bool = False,
+                 breaker: BreakerConfig | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        """``breaker``: ``rollout.breaker`` (None: its defaults); ``now``: the clock
+        quarantines are timed with."""
+        breaker = breaker or BreakerConfig()
         self.engines = list(engines)
         self.prefix_affinity = prefix_affinity
         self.load: LoadIndex[Engine] = LoadIndex(self.engines)  # requests in flight
         self.by_id = {e.engine_id: e for e in self.engines}
         self.drained: set[str] = set()  # engine ids taken out of routing (preemption)
+        self.breakers = {e.engine_id: Breaker(failures=breaker.failures,
+                                              quarantine_s=breaker.quarantine_s)
+                         for e in self.engines}
+        self.now = now
         self.home: dict[str, str] = {}  # group id -> the engine that holds its prompt's prefix
 
+    def routing(self, e: Engine) -> Routing:
+        """``e``'s routing state (``engine/states.py``): drained wins over the breaker's."""
+        if e.engine_id in self.drained:
+            return Routing.DRAINED
+        return self.breakers[e.engine_id].routing(self.now())
+
     def admits(self, e: Engine) -> bool:
-        """Whether ``e`` may take a request now: UP and not drained."""
-        return e.engine_id not in self.drained and e.stats().health is EngineHealth.UP
+        """Whether ``e`` may take a request now: UP, and ROUTED (or PROBING with no request
+        in flight)."""
+        if e.stats().health is not EngineHealth.UP:
+            return False
+        state = self.routing(e)
+        return state is Routing.ROUTED or (state is Routing.PROBING and self.load[e] == 0)
+
+    def cap(self, e: Engine) -> int | None:
+        """The most requests ``e`` may hold now whatever its slots (a probing engine: one);
+        None: no cap of the router's."""
+        return 1 if self.routing(e) is Routing.PROBING else None
 
     def routable(self) -> list[Engine]:
         """Engines that may take a request now."""
         return [e for e in self.engines if self.admits(e)]
 
-    def pick(self, sample: Sample) -> Engine | None:
+    def pick(self, sample: Sample, avoid: Collection[str] = ()) -> Engine | None:
         """The engine for ``sample``'s next request (:meth:`route` from the least loaded
-        routable engine), or None while no engine may take one."""
-        least = self.load.least(self.admits)
+        routable engine not in ``avoid``, engine ids: the ones that failed it; one of those
+        only when no other is routable), or None while no engine may take one."""
+        least = self.load.least(
+            (lambda e: e.engine_id not in avoid and self.admits(e)) if avoid else self.admits)
+        if least is None and avoid:
+            least = self.load.least(self.admits)
         return None if least is None else self.route(least, sample)
 
     def pick_near(self, home: Engine | None) -> Engine | None:
@@ -59,10 +97,21 @@ class Router:
 
     def may_come_back(self) -> bool:
         """Whether an engine that takes no request now may later: one RECOVERING, or one
-        UP but drained."""
+        UP but out of routing (drained, quarantined, probing)."""
         return any(e.stats().health is EngineHealth.RECOVERING or (
-            e.engine_id in self.drained and e.stats().health is EngineHealth.UP)
+            e.stats().health is EngineHealth.UP and self.routing(e) is not Routing.ROUTED)
             for e in self.engines)
+
+    def observe(self, e: Engine, out: GenerateOutput) -> None:
+        """A request on ``e`` ended with ``out``: its breaker counts an engine fault without a
+        token (while ``e`` is UP) as a failure, a token or a finish as a success."""
+        breaker, now = self.breakers[e.engine_id], self.now()
+        if out.token_ids or out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if breaker.succeeded(now):
+                log.warning("engine %s answered its probe: routed again", e.engine_id)
+        elif out.engine_fault and e.stats().health is EngineHealth.UP:
+            if breaker.failed(now, out.error or ""):
+                log.warning("engine %s quarantined: %s", e.engine_id, breaker.reason)
 
     def route(self, least: Engine, sample: Sample) -> Engine:
         """``least`` (the least-loaded routable engine); with prefix affinity the engine that
@@ -87,12 +136,14 @@ class Router:
 
     def table(self) -> list[dict[str, object]]:
         """Each engine as the operator sees it: id, health (and why), the weight version it
-        serves, whether it is drained, and the requests in flight on it."""
+        serves, its routing state (and, quarantined or probing, why), and the requests in
+        flight on it."""
         rows = []
         for e in self.engines:
-            st = e.stats()
+            st, routing = e.stats(), self.routing(e)
+            why = None if routing is Routing.DRAINED else self.breakers[e.engine_id].reason
             rows.append({"engine_id": e.engine_id, "health": st.health.value,
                          "health_reason": st.health_reason, "version": st.version,
-                         "drained": e.engine_id in self.drained,
+                         "routing": routing.value, "routing_reason": why,
                          "in_flight": self.load[e]})
         return rows

@@ -192,7 +192,8 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
                             harnesses=harnesses, dispatch=cfg.rollout.dispatch,
                             concurrency=concurrency_limits(cfg.rollout),
-                            prefix_affinity=cfg.rollout.prefix_affinity)
+                            prefix_affinity=cfg.rollout.prefix_affinity,
+                            breaker=cfg.rollout.breaker)
     rollout = Rollout(
         cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
         groups_per_step=cfg.train.groups_per_step,

@@ -25,7 +25,8 @@ class EngineControl:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT_S)
 
     def engines(self) -> list[dict[str, Any]]:
-        """Each engine's id, health (and why), version, drained flag and requests in flight."""
+        """Each engine's id, health (and why), version, routing state (and why) and requests
+        in flight (``Router.table``)."""
         async def read() -> list[dict[str, Any]]:
             return self._dispatcher.engine_table()
         return self._call(read())

@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollstream.engine.protocol import (
-    EngineHealth,
     EngineStats,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
 )
+from rollstream.engine.states import EngineHealth
 from rollstream.sim.profile import Profile
 from rollstream.sim.workload import TOKEN, Workload
 

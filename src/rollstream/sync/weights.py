@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from rollstream.clock import Clock, WallClock
 from rollstream.config.schema import OnUpdate
-from rollstream.engine.protocol import Engine, EngineHealth, Restartable
+from rollstream.engine.protocol import Engine, Restartable
+from rollstream.engine.states import EngineHealth
 
 if TYPE_CHECKING:
     import torch

@@ -74,12 +74,12 @@ from rollstream.engine.local.scheduler import Scheduler, Sequence
 from rollstream.engine.local.weights import load_folder
 from rollstream.engine.protocol import (
     WORK_KEYS,
-    EngineHealth,
     EngineStats,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
 )
+from rollstream.engine.states import EngineHealth
 
 log = logging.getLogger(__name__)
 class LocalEngine:

@@ -36,7 +36,11 @@ interrupted before its first token drops its stream (vLLM aborts it) and returns
 
 Faults. When the server dies, in-flight ``generate`` calls return ABORT with their partial
 output, the engine restarts the server and restores its weights (``stats().health`` is
-RECOVERING meanwhile), or stays DEAD if it cannot; ``health.py`` has the details.
+RECOVERING meanwhile), or stays DEAD if it cannot; ``health.py`` has the details. A server
+that stays alive but fails a request (HTTP 5xx, 408 or 429 while ``/health`` answers; a stream
+that breaks) also gets ABORT with its partial output and the answer in ``error``: the
+engine's fault, which the rollout retries elsewhere and counts in the engine's breaker
+(``rollout/breaker.py``). An HTTP 4xx is the request's fault: ERROR.
 
 Stats are client-side: ``num_waiting`` = in flight without a token yet, ``num_running`` = in
 flight with tokens, ``busy_s`` = wall time with at least one request in flight (vLLM's own
@@ -162,7 +166,7 @@ class VllmEngine:
         return self._health.num_restarts
 
     @property
-    def sync_timings(self) -> list[SyncTiming]:
+    def sync_timings(self) -> Sequence[SyncTiming]:
         return self._sync.timings
 
     @property
@@ -299,11 +303,16 @@ class VllmEngine:
             t for t in st.request.params.stop_token_ids if 0 <= t < self._checkpoint.vocab_size]
         body["cache_salt"] = f"rollstream-v{self._sync.version}"
         failure: httpx.TransportError | None = None
+        refused: str | None = None  # the server's fault, answered at once: HTTP 5xx
         try:
             async with self._client.stream("POST", self.url + GENERATE_PATH, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")[:500]
-                    s.finish, s.error = FinishReason.ERROR, f"vLLM HTTP {resp.status_code}: {text}"
+                    answer = f"vLLM HTTP {resp.status_code}: {text}"
+                    if _server_fault(resp.status_code):
+                        refused = answer
+                    else:  # 4xx: the request's own fault
+                        s.finish, s.error = FinishReason.ERROR, answer
                 else:
                     async for line in resp.aiter_lines():
                         had = len(s.token_ids)
@@ -317,12 +326,13 @@ class VllmEngine:
             failure = e
         finally:
             st.streaming = False  # from here on, cuts are read, not delivered by cancel()
-        if st.cut is None and (failure is not None or s.finish is None):
+        if st.cut is None and refused is not None:  # a dying server fails requests so too
+            dead = await self._health.is_dead()
+            st.cut = st.cut or (f"died: {refused}" if dead else f"failed: {refused}")
+        elif st.cut is None and (failure is not None or s.finish is None):
             why = repr(failure) if failure is not None else "the stream ended without a finish"
             dead = await self._health.is_dead()
             st.cut = st.cut or (f"died: {why}" if dead else f"broken: {why}")
-        if st.cut is None and s.finish is FinishReason.ERROR and await self._health.is_dead():
-            st.cut = st.cut or f"died: {s.error}"  # a dying server fails requests with HTTP 500
         if st.cut is None and s.finish is FinishReason.ABORT:  # not ours: a server told to
             dead = await self._health.is_dead()  # stop (SIGTERM) aborts what it runs
             st.cut = st.cut or ("died: the server aborted the stream" if dead
@@ -337,7 +347,9 @@ class VllmEngine:
                  "died": f"vllm engine {self.engine_id} died ({why}); partial output "
                          "returned, the engine restarts",
                  "broken": f"stream from vllm engine {self.engine_id} broke ({why}); partial "
-                           "output returned"}[kind]
+                           "output returned",
+                 "failed": f"vllm engine {self.engine_id} failed the request ({why}) while "
+                           "its /health answers"}[kind]
         if kind == "interrupt" and s.finish is not None:
             return _output(rid, s, s.finish, s.error)  # ABORT, or it finished first
         return _output(rid, s, FinishReason.ABORT, error)
@@ -386,6 +398,13 @@ class VllmEngine:
         resp = await self._client.post(self.url + path, timeout=300.0, **kwargs)
         resp.raise_for_status()
         return resp
+
+
+def _server_fault(status: int) -> bool:
+    """An HTTP status that is the server's fault, not the request's: 5xx, and 408 / 429 (it
+    timed out or is overloaded); the request is tried again elsewhere. Other codes (4xx) say
+    the request itself is wrong."""
+    return status >= 500 or status in (408, 429)
 
 
 def _new_client() -> httpx.AsyncClient:

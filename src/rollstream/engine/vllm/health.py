@@ -7,7 +7,8 @@ only place that changes that state.
                                                                      or, if it fails, DEAD
 
 A server whose process exits or whose /health fails three times in a row (10 s timeout
-each: a busy server on a loaded machine answers slowly) is declared dead: in-flight
+each: a busy server on a loaded machine answers slowly; a check that raises anything else
+counts as a failure, logged with its cause) is declared dead: in-flight
 ``generate`` calls return ABORT with their partial output and ``error`` saying the engine
 died (the rollout layer requeues them); the engine restarts the server (or, attached,
 waits for it), restores the latest synced weights from shared memory and their version
@@ -27,7 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rollstream.engine.protocol import EngineHealth
+from rollstream.engine.states import EngineHealth
 from rollstream.engine.vllm.server import ServerProcess
 
 log = logging.getLogger(__name__)
@@ -104,18 +105,27 @@ class ServerHealth:
         self.recovering = asyncio.create_task(self._recover(reason))
 
     async def _watch(self) -> None:
-        """Declare the server dead when its process exits or /health fails 3 times in a row."""
+        """Declare the server dead when its process exits or /health fails 3 times in a row.
+        A check that raises anything (a bug, a reply that does not parse) is a failed probe,
+        logged with its traceback: the watch never ends while the engine lives, so an engine
+        is never left UP and unwatched."""
         failures, last_probe = 0, 0.0
         while True:
             await asyncio.sleep(0.5)
             if self.recovering is not None or self.fatal is not None:
                 continue
-            if not self.server.alive():
-                self.fault(self.server.exit_reason())
-                continue
-            if time.monotonic() - last_probe < self._period_s:
-                continue
-            failures = 0 if await self._probe() else failures + 1
+            try:
+                if not self.server.alive():
+                    self.fault(self.server.exit_reason())
+                    continue
+                if time.monotonic() - last_probe < self._period_s:
+                    continue
+                healthy = await self._probe()
+            except Exception:  # fault boundary: counted as a failed probe, with its cause
+                log.exception("vllm engine %s: its health check raised; counted as a failed "
+                              "probe", self.engine_id)
+                healthy = False
+            failures = 0 if healthy else failures + 1
             last_probe = time.monotonic()
             if failures >= HEALTH_FAILURES_TO_DIE:
                 failures = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ class WeightSync:
         self.engine_id = engine_id
         self.version = version  # of the weights the server samples with
         self.paused_for: int | None = None  # a reload to this version has the server paused
-        self.timings: list[SyncTiming] = []
+        self.timings: deque[SyncTiming] = deque(maxlen=256)  # the latest loads' (bounded)
         self._store, self._health, self._post, self._streams = store, health, post, streams
 
     async def restore(self, written: WrittenWeights | None) -> None:

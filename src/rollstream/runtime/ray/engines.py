@@ -29,7 +29,9 @@ its running requests' tokens, logprobs and versions to the driver; what was samp
 dies with the process and is sampled again on resubmission), later calls return ABORT at
 once, weight loads raise. A local engine whose step loop died inside a live actor is
 reported the same way (its requests came back with all their partial tokens through the
-actor). While restarts are left (``engine.local.max_restarts``) the proxy is RECOVERING and
+actor). A call that raises inside a live actor returns ABORT with the cause and the peeked
+tokens too, but the engine stays UP: whether to keep routing to it is the router's breaker's
+call (``rollout/breaker.py``). While restarts are left (``engine.local.max_restarts``) the proxy is RECOVERING and
 :meth:`RayEngine.restart` (the rollout's supervisor, through weight sync) replaces the actor
 with a new one at the current weights; then UP again.
 """
@@ -47,12 +49,12 @@ from typing import TYPE_CHECKING, Any
 from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine.protocol import (
-    EngineHealth,
     EngineStats,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
 )
+from rollstream.engine.states import EngineHealth
 from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
 from rollstream.runtime.ray.engine_actor import spawn_actor
 from rollstream.runtime.ray.wire import WireMeter
@@ -110,6 +112,11 @@ class RayEngine:
         except (*_actor_errors(), *_lost_errors()) as e:  # its tokens at the last peek survive
             self._fault(actor, e)
             return _abort(request.request_id, self._death or f"{self.engine_id}: {e}",
+                          self._partial.get(request.request_id))
+        except _task_errors() as e:  # the actor lives but the call raised: it stays UP, the
+            cause = getattr(e, "cause", None) or e  # router's breaker judges it
+            return _abort(request.request_id, f"ray engine {self.engine_id} raised "
+                          f"{type(cause).__name__}: {str(cause)[:300]}",
                           self._partial.get(request.request_id))
         finally:
             if self._inflight.get(request.request_id) is mine:
@@ -367,6 +374,13 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
     from ray.exceptions import RayActorError
 
     return (RayActorError,)
+
+
+def _task_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a call that raised inside a live actor."""
+    from ray.exceptions import RayTaskError
+
+    return (RayTaskError,)
 
 
 def _lost_errors() -> tuple[type[BaseException], ...]:
