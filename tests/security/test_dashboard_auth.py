@@ -51,7 +51,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
                 for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}"):
                     seen[host] = (http.post(drain, headers=auth | {"Host": host}).status_code,
                                   http.get("/api/config", headers={"Host": host}).status_code)
-                seen["drained_by_then"] = [r["drained"] for r in
+                seen["drained_by_then"] = [r["routing"] for r in
                                            http.get("/api/engines", headers=auth).json()]
                 seen["ok"] = http.post(drain, headers=auth | {"Host": f"localhost:{port}"})
                 seen["v6"] = http.post("/api/engines/rand-0/undrain",
@@ -75,7 +75,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
     assert TOKEN_FILE in seen["wrong"].json()["detail"]
     for host in [k for k in seen if "evil" in k or k.startswith("127.")]:
         assert seen[host] == (403, 403), (host, seen[host])  # DNS rebinding reaches nothing
-    assert seen["drained_by_then"] == [False, False]
+    assert seen["drained_by_then"] == ["routed", "routed"]
     assert seen["ok"].status_code == 200 and seen["ok"].json()["engine_id"] == "rand-0"
     assert seen["v6"] == 200
     rc, out = seen["cli"]
