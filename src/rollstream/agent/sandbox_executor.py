@@ -1,17 +1,21 @@
 """The program that runs inside a sandbox (stdlib only; started by ``agent.sandbox``).
 
 Its one argument is its layout (JSON): ``workdir`` (where programs run), ``scratch`` (the
-folders emptied after each run), ``keep`` (paths in them never removed) and ``forward``
-(``[port, unix socket]`` pairs: the network allow-list, see ``_forward_allowed``). It reads one JSON
-request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
-interpreter with the limits applied (CPU time, address space, file size, a new process group),
-and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it was
-stopped, if it was. After every run it kills every other process of the sandbox (the sandbox
-has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and empties the
-scratch folders: the next run starts from a clean sandbox.
+folders emptied after each run), ``keep`` (paths in them never removed), ``forward`` (``[port,
+unix socket]`` pairs: the network allow-list, see ``_forward_allowed``), ``uid`` (the programs'
+uid, run as root; else None: its own) and ``nproc`` (their process limit, or None). It reads
+one JSON request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
+interpreter with the limits applied (CPU time, address space, file size, a session of its
+own), under the programs' uid and a seccomp filter, and answers one JSON line on stdout: exit
+code, stdout and stderr (capped), and why it was stopped, if it was. After every run it kills
+every other process of the sandbox (the sandbox has its own PID namespace, where ``kill(-1)``
+reaches only its own processes) and empties the scratch folders: the next run starts from a
+clean sandbox. The executor serves every program of its sandbox, so no program may touch it:
+it is non-dumpable, and programs run under another uid (as root) and the seccomp filter
+(``seccomp_filter``).
 
-Run as ``--enter SETUP COMMAND...`` (the ``unshare`` backend), it first prepares the fresh
-namespaces as their root (``_enter``), then execs ``COMMAND``: the privilege drop and the
+Run as ``--enter SETUP COMMAND...``, it first prepares the fresh namespaces as their root
+(``_enter``: the size-capped folders), then execs ``COMMAND``: the privilege drop and the
 executor proper.
 """
 
@@ -33,25 +37,133 @@ import time
 import warnings
 
 
-def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, workdir: str) -> None:
-    """In the forked child: limits, redirections, then a fresh isolated interpreter."""
+def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, layout: dict,
+           program_filter: bytes) -> None:
+    """In the forked child: its own session, limits, its uid, redirections, the seccomp filter,
+    then a fresh isolated interpreter."""
     try:
-        os.setpgid(0, 0)
+        os.setsid()  # a session of its own: it cannot join the executor's process group
+        _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc files again (the exec does it too)
+        with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer takes it first
+            f.write("1000")
         cpu_s = max(1, math.ceil(limits["cpu_s"]))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         memory = limits["memory_mb"] << 20
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         size = limits["file_size_mb"] << 20
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        if layout["nproc"] is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (layout["nproc"], layout["nproc"]))
+        _become_program(layout["uid"])
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.chdir(workdir)
+        os.chdir(layout["workdir"])
+        install_seccomp(program_filter)
         os.execv(sys.executable, [sys.executable, "-I", "-c", code])
     except BaseException as e:  # noqa: BLE001 - the child must never return into the loop
         os.write(err_w, f"sandbox: could not start the program: {e!r}\n".encode())
     finally:
         os._exit(127)
+
+
+def _become_program(uid: int | None) -> None:
+    """Run as root, the executor keeps CAP_SETUID/SETGID/KILL as ambient capabilities: here
+    the child takes the programs' uid and gives every capability up before it execs."""
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    ctypes, libc = _libc()
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # none effective/permitted/inheritable
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+# --- what keeps a program off its executor ----------------------------------------------------
+#
+# Run as another user, a program has the executor's uid: the executor makes itself non-dumpable
+# (no ptrace, no /proc/<pid>/mem or environ for its uid) and each program starts under this
+# seccomp filter, built here with ctypes because the executor imports nothing outside the
+# standard library. Run as root the uids differ, and the filter is there all the same.
+
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_CAP_AMBIENT = 4, 38, 22, 47
+PR_CAP_AMBIENT_CLEAR_ALL, SECCOMP_MODE_FILTER = 4, 2
+# audit arch; syscalls refused outright; signal syscalls and the arguments that name a process
+SYSCALLS = {
+    "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+                            "pidfd_send_signal": 424, "pidfd_getfd": 438, "process_madvise": 440},
+               {62: (0,), 200: (0,), 234: (0, 1), 129: (0,), 297: (0, 1)}),
+    "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
+                             "pidfd_send_signal": 424, "pidfd_getfd": 438,
+                             "process_madvise": 440},
+                {129: (0,), 130: (0,), 131: (0, 1), 138: (0,), 240: (0, 1)}),
+}  # kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo
+X32_SYSCALL_BIT = 0x40000000
+LD_ABS, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, BPF_RET|K
+RET_ALLOW, RET_EPERM = 0x7FFF0000, 0x00050000 | 1
+
+
+def seccomp_filter(protected: list[int]) -> bytes:
+    """A BPF program (``struct sock_filter[]``) that refuses, with EPERM: ``ptrace``, access to
+    another process's memory, ``pidfd_send_signal`` (a pidfd may be any /proc/<pid> folder),
+    and the signal syscalls when a pid argument is one of ``protected`` (the executor's pid,
+    threads, process group as ``-pgid`` and ``-1``, all processes). Only a pid's low 32 bits are
+    compared, as the kernel reads it; other ABIs (i386, x32) get EPERM for every call."""
+    import struct
+
+    machine = os.uname().machine
+    if machine not in SYSCALLS:
+        raise OSError(f"sandbox: no seccomp filter for {machine} (x86_64 and aarch64 only)")
+    arch, refused, signalling = SYSCALLS[machine]
+    code: list[tuple] = [(LD_ABS, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, RET_EPERM),
+                         (LD_ABS, 0, 0, 0), (JGE, "deny", 0, X32_SYSCALL_BIT)]
+    code += [(JEQ, "deny", 0, nr) for nr in refused.values()]
+    for nr, args in signalling.items():
+        checks = [(LD_ABS, 0, 0, 16 + 8 * arg) for arg in args]
+        block = [insn for load in checks
+                 for insn in (load, *((JEQ, "deny", 0, pid & 0xFFFFFFFF) for pid in protected))]
+        code += [(LD_ABS, 0, 0, 0), (JEQ, 0, len(block) + 1, nr), *block, (RET, 0, 0, RET_ALLOW)]
+    code += [(RET, 0, 0, RET_ALLOW), (RET, 0, 0, RET_EPERM)]
+    deny = len(code) - 1
+    return b"".join(struct.pack("HBBI", op, deny - i - 1 if jt == "deny" else jt, jf, k)
+                    for i, (op, jt, jf, k) in enumerate(code))
+
+
+def _libc():
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(*args: int) -> None:
+    ctypes, libc = _libc()
+    if libc.prctl(*(ctypes.c_ulong(a) for a in args)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl{args}: {os.strerror(errno)}")
+
+
+def install_seccomp(program: bytes) -> None:
+    """In the program's process, after its last privileged step: ``program`` from then on."""
+    ctypes, libc = _libc()
+    buffer = ctypes.create_string_buffer(program, len(program))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = Fprog(len(program) // 8, ctypes.addressof(buffer))
+    _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"seccomp: {os.strerror(errno)}")
+
+
+def protected_ids() -> list[int]:
+    """The ids a program may not signal: this process (each of its threads), its process
+    group, and every process at once."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    return [os.getpid(), *tids, -os.getpgid(0), -1]
 
 
 def _read_until(proc_pid: int, fds: list[int], deadline: float, cap: int) -> tuple:
@@ -103,18 +215,38 @@ def _kill_the_rest() -> None:
 
 
 def _clean(layout: dict) -> None:
-    for folder in layout["scratch"]:
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if path in layout["keep"]:
-                continue
+    """Empty the scratch folders, as the programs' uid (the owner of what they left, whatever
+    its modes: a folder it made unreadable is opened again first)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _become_program(layout["uid"])
+            for folder in layout["scratch"]:
+                _empty(folder, layout["keep"])
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _empty(folder: str, keep: list[str]) -> None:
+    try:
+        names = os.listdir(folder)
+    except PermissionError:
+        os.chmod(folder, 0o700)
+        names = os.listdir(folder)
+    for name in names:
+        path = os.path.join(folder, name)
+        if path in keep:
+            continue
+        try:
             if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
+                os.chmod(path, 0o700)
+                _empty(path, keep)
+                os.rmdir(path)
             else:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+                os.unlink(path)
+        except OSError:  # not its own (the keep list's folders' parents): left as they are
+            pass
 
 
 async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -207,15 +339,33 @@ def _loopback_up() -> None:
 
 
 def _enter(setup: dict) -> None:
-    """The ``unshare`` backend, as root of the new namespaces (bwrap does the same itself): a
-    fresh tmpfs on each of ``tmpfs`` (``[folder, mode]``), the ``binds`` (``[source, target,
-    read_only]``, missing folders of the target made) and the loopback up."""
+    """As root of the new namespaces: one tmpfs of ``disk_bytes`` behind every folder a
+    program may write (``scratch``, ``/tmp`` first, and ``work``, owned by ``owner``), so that
+    they share its cap; the extra ``tmpfs`` (``[folder, mode]``), the ``binds`` (``[source,
+    target, read_only]``, missing folders of the target made) and, if asked, the loopback up."""
     ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind = 1, 2, 4, 32, 4096
     # opened before a tmpfs hides them: they may live under /tmp
     sources = [(os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro)
                for src, dst, ro in setup["binds"]]
+    tmp, *others = setup["scratch"]
+    _mount("tmpfs", tmp, "tmpfs", ms_nosuid | ms_nodev, f"size={setup['disk_bytes']},nr_inodes={setup['disk_bytes'] >> 10},mode=755")
+    work, owner = setup["work"], setup["owner"]
+    staged = [(f"{tmp}/.{i}", folder, 0o1777) for i, folder in enumerate(others)]
+    if not work.startswith(tmp + "/"):
+        staged.append((f"{tmp}/.work", work, 0o755))
+    staged.append((f"{tmp}/.tmp", tmp, 0o1777))  # last: it hides the tmpfs's root
+    for stage, target, mode in staged:
+        os.mkdir(stage)
+        os.chmod(stage, mode)
+        if target == work and owner is not None:
+            os.chown(stage, owner, owner)
+        _mount(stage, target, None, ms_bind)
     for folder, mode in setup["tmpfs"]:
         _mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
+    if work.startswith(tmp + "/"):
+        os.makedirs(work, 0o755)
+        if owner is not None:
+            os.chown(work, owner, owner)
     for fd, dst, read_only in sources:
         os.makedirs(dst, 0o755, exist_ok=True)
         _mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
@@ -224,7 +374,8 @@ def _enter(setup: dict) -> None:
                                                | os.ST_NOATIME | os.ST_NODIRATIME)
             _mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
         os.close(fd)
-    _loopback_up()
+    if setup["loopback"]:
+        _loopback_up()
 
 
 def _no_route(layout: dict) -> str:
@@ -249,6 +400,9 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
     no_route, writable = _no_route(layout), f"{', '.join(rest)} and {last}"
     if "MemoryError" in tail or "Cannot allocate memory" in tail:
         return f"memory limit of {limits['memory_mb']} MB exceeded"
+    if "No space left on device" in tail:
+        return (f"disk limit of {limits['disk_mb']} MB exceeded (what {writable} hold "
+                "together)")
     if "File too large" in tail:
         return f"file size limit of {limits['file_size_mb']} MB exceeded"
     if "Resource temporarily unavailable" in tail and ("fork" in tail or "thread" in tail
@@ -261,7 +415,7 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
     return None
 
 
-def run_one(request: dict, layout: dict) -> dict:
+def run_one(request: dict, layout: dict, program_filter: bytes) -> dict:
     limits = request["limits"]
     stdin_path = "/tmp/.stdin"  # unlinked once open: the program sees only its stdin
     with open(stdin_path, "w") as f:
@@ -275,7 +429,7 @@ def run_one(request: dict, layout: dict) -> dict:
     if pid == 0:
         os.close(out_r)
         os.close(err_r)
-        _child(request["code"], stdin_fd, out_w, err_w, limits, layout["workdir"])
+        _child(request["code"], stdin_fd, out_w, err_w, limits, layout, program_filter)
     os.close(out_w)
     os.close(err_w)
     os.close(stdin_fd)
@@ -308,14 +462,16 @@ def main() -> None:
     if sys.argv[1] == "--enter":
         _enter(json.loads(sys.argv[2]))
         os.execv(sys.argv[3], sys.argv[3:])
+    _prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # first: no process of its uid may trace or read it
     layout = json.loads(sys.argv[1])
     _forward_allowed(layout["forward"])
+    program_filter = seccomp_filter(protected_ids())  # after the thread: its id is known
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
-        reply = run_one(json.loads(line), layout)
+        reply = run_one(json.loads(line), layout, program_filter)
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
