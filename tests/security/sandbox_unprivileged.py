@@ -10,6 +10,7 @@ sandboxes. The host's files are not changed.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -66,3 +67,27 @@ def run_unprivileged(script: str, *, uid: int = NOBODY, env: dict[str, str] | No
         [PYTHON, "-I", "-S", "-c", code], capture_output=True, text=True,
         timeout=timeout_s, cwd="/", env={"PATH": os.environ["PATH"], **(env or {})},
         preexec_fn=_enter_as(uid, needed))
+
+
+def run_in_sandboxes_unprivileged(program: str, *, env: dict[str, str] | None = None
+                                  ) -> dict[str, dict]:
+    """Run ``program`` in a sandbox of each backend, as another user; per backend: its
+    ``stdout``, ``stderr``, what a second program printed (``again``: the executor still
+    serves) and the pool's ``num_started``."""
+    script = f"""
+import asyncio, json
+from rollstream.agent.sandbox import SandboxPool
+async def main():
+    for backend in ("bwrap", "unshare"):
+        async with SandboxPool(1, backend=backend) as pool:
+            out = await pool.run({program!r})
+            again = await pool.run("print('still served')")
+            print(json.dumps({{"backend": backend, "stdout": out.stdout,
+                              "stderr": out.stderr[-800:], "again": again.stdout,
+                              "num_started": pool.num_started}}))
+asyncio.run(main())
+"""
+    done = run_unprivileged(script, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = [json.loads(line) for line in done.stdout.splitlines()]
+    return {run.pop("backend"): run for run in runs}

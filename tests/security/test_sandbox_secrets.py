@@ -12,7 +12,7 @@ import os
 import pytest
 
 from rollstream.agent.sandbox import SandboxLimits, SandboxPool
-from tests.security.sandbox_unprivileged import run_unprivileged
+from tests.security.sandbox_unprivileged import run_in_sandboxes_unprivileged
 
 SECRET = "wandb-secret-0123456789"
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2.0, memory_mb=256, max_procs=8, file_size_mb=4)
@@ -96,20 +96,10 @@ async def test_pass_env_gives_the_names_listed_and_nothing_else(monkeypatch):
 
 
 def test_as_another_user_programs_see_no_secret_and_cannot_read_the_executor():
-    script = f"""
-import asyncio, json
-from rollstream.agent.sandbox import SandboxPool
-async def main():
-    for backend in ("bwrap", "unshare"):
-        async with SandboxPool(1, backend=backend) as pool:
-            out = await pool.run({SPY!r})
-            print(out.stdout.strip() or out.stderr[-500:])
-asyncio.run(main())
-"""
-    done = run_unprivileged(script, env={"WANDB_API_KEY": SECRET})
-    assert done.returncode == 0, done.stderr[-2000:]
-    for line in done.stdout.splitlines():
-        seen = json.loads(line)
-        assert SECRET not in line
-        assert set(seen["env"]) <= {"PATH", "LANG", "HOME", "PWD"}
-        assert seen["executor"] == "PermissionError"
+    runs = run_in_sandboxes_unprivileged(SPY, env={"WANDB_API_KEY": SECRET})
+    assert set(runs) == {"bwrap", "unshare"}
+    for backend, run in runs.items():
+        assert run["stdout"] and SECRET not in run["stdout"], (backend, run["stderr"])
+        seen = json.loads(run["stdout"])
+        assert set(seen["env"]) <= {"PATH", "LANG", "HOME", "PWD"}, backend
+        assert seen["executor"] == "PermissionError", backend

@@ -213,13 +213,16 @@ class Sandbox:
             line = await asyncio.wait_for(self._proc.stdout.readline(), READY_TIMEOUT_S)
         except TimeoutError:
             line = b""
-        if not line.startswith(b'{"ready"'):
+        try:
+            if not line.startswith(b'{"ready"'):
+                raise SandboxError(f"sandbox {self.slot} ({self.isolation.name}) did not start: "
+                                   f"{self._log_tail()}")
+            if self._cgroup is not None:
+                self._cgroup.limit(memory_bytes=self.limits.memory_mb << 20,
+                                   num_procs=self.limits.max_procs)
+        except BaseException:
             await self.close()
-            raise SandboxError(f"sandbox {self.slot} ({self.isolation.name}) did not start: "
-                               f"{self._log_tail()}")
-        if self._cgroup is not None:
-            self._cgroup.limit(memory_bytes=self.limits.memory_mb << 20,
-                               num_procs=self.limits.max_procs)
+            raise
 
     def _log_tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -286,7 +289,11 @@ class Sandbox:
             while _processes_of(self._uids) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         if self._cgroup is not None:
-            self._cgroup.remove()
+            try:
+                self._cgroup.remove()
+            except OSError as e:  # a folder left in the cgroup tree, not a process
+                log.warning("sandbox %d: its cgroup %s stays: %s", self.slot, self._cgroup.memory,
+                            e)
 
 
 class SandboxPool:

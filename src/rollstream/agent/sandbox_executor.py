@@ -28,7 +28,6 @@ import math
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
 import sys
