@@ -127,3 +127,30 @@ def test_the_run_config_sets_the_tool_output_cut():
     assert harness.tools["s"].max_output_chars == 10
     with pytest.raises(ValueError, match="max_output_chars must be >= 1, got 0"):
         ToolManager([], timeout_s=1.0, max_output_chars=0)
+
+
+def test_cgroup_v2_files_where_it_offers_memory_and_pids(tmp_path):
+    """These machines have v1; the v2 files, on a folder laid out as a v2 cgroup is."""
+    from rollstream.agent.sandbox_cgroup import CgroupRoots, SandboxCgroup, _v2
+
+    own = tmp_path / "service"
+    own.mkdir()
+    (own / "cgroup.controllers").write_text("cpu memory pids\n")
+    (own / "cgroup.subtree_control").write_text("cpu\n")
+    roots = _v2([(str(tmp_path), "/", "cgroup2", {"rw"})], {"": "/service"})
+    assert roots == CgroupRoots(version=2, memory=own, pids=own) and roots.name == "cgroup v2"
+    assert (own / "cgroup.subtree_control").read_text() == "+memory +pids"  # handed down
+    cgroup = SandboxCgroup(roots, "sandbox-0")
+    cgroup.create()
+    for name, value in [("memory.current", "1000"), ("memory.swap.max", "max"),
+                        ("pids.current", "3"), ("memory.events", "low 0\noom_kill 2\n"),
+                        ("pids.events", "max 1\n")]:
+        (cgroup.memory / name).write_text(value)
+    cgroup.limit(memory_bytes=1 << 20, num_procs=8)
+    assert (cgroup.memory / "memory.max").read_text() == str(1000 + (1 << 20))
+    assert (cgroup.memory / "memory.swap.max").read_text() == "0"
+    assert (cgroup.pids / "pids.max").read_text() == "11"
+    assert cgroup.refusals() == (2, 1)
+    (own / "cgroup.controllers").write_text("cpu hugetlb\n")
+    with pytest.raises(OSError, match="offers cpu hugetlb, not memory and pids"):
+        _v2([(str(tmp_path), "/", "cgroup2", {"rw"})], {"": "/service"})

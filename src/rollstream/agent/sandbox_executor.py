@@ -130,6 +130,7 @@ def seccomp_filter(protected: list[int]) -> bytes:
                     for i, (op, jt, jf, k) in enumerate(code))
 
 
+@functools.cache
 def _libc():
     import ctypes
 
@@ -216,6 +217,10 @@ def _kill_the_rest() -> None:
 def _clean(layout: dict) -> None:
     """Empty the scratch folders, as the programs' uid (the owner of what they left, whatever
     its modes: a folder it made unreadable is opened again first)."""
+    if layout["uid"] is None:  # one uid: its own
+        for folder in layout["scratch"]:
+            _empty(folder, layout["keep"])
+        return
     pid = os.fork()
     if pid == 0:
         try:
@@ -317,9 +322,7 @@ def _forward_allowed(forward: list) -> None:
 
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None):
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
+    ctypes, libc = _libc()
     if libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
                   data and data.encode()) != 0:
         errno = ctypes.get_errno()
@@ -347,7 +350,9 @@ def _enter(setup: dict) -> None:
     sources = [(os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro)
                for src, dst, ro in setup["binds"]]
     tmp, *others = setup["scratch"]
-    _mount("tmpfs", tmp, "tmpfs", ms_nosuid | ms_nodev, f"size={setup['disk_bytes']},nr_inodes={setup['disk_bytes'] >> 10},mode=755")
+    size = setup["disk_bytes"]  # and an inode per KiB of it: empty files cost memory too
+    _mount("tmpfs", tmp, "tmpfs", ms_nosuid | ms_nodev, f"size={size},nr_inodes={size >> 10},"
+           "mode=755")
     work, owner = setup["work"], setup["owner"]
     staged = [(f"{tmp}/.{i}", folder, 0o1777) for i, folder in enumerate(others)]
     if not work.startswith(tmp + "/"):
