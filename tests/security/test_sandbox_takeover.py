@@ -1,5 +1,6 @@
 """A program cannot take over its executor, which serves every later program of its sandbox:
-ptrace, the executor's memory through /proc or process_vm_readv, and signals to it all fail;
+ptrace, the executor's memory through /proc or process_vm_readv, signals to it and changing
+its resource limits all fail;
 both backends, run as root (two uids) and as another user (one uid: the executor is
 non-dumpable and programs run under a seccomp filter)."""
 
@@ -42,8 +43,10 @@ for name, pid, sig in [("SIGSTOP", executor, signal.SIGSTOP), ("SIGKILL", execut
                        signal.SIGKILL), ("SIGKILL to all", -1, signal.SIGKILL),
                        ("SIGKILL to its group", -os.getpgid(executor), signal.SIGKILL)]:
     call(f"kill {name}", libc.kill(pid, sig))
-call("tgkill SIGKILL", libc.syscall(234 if os.uname().machine == "x86_64" else 131,
-                                    executor, executor, signal.SIGKILL))
+x86 = os.uname().machine == "x86_64"
+call("tgkill SIGKILL", libc.syscall(234 if x86 else 131, executor, executor, signal.SIGKILL))
+no_files = (ctypes.c_uint64 * 2)(0, 0)  # RLIMIT_NOFILE 0 would break the executor's next run
+call("prlimit", libc.syscall(302 if x86 else 261, executor, 7, no_files, None))
 print(json.dumps(tried))
 """
 REFUSED = {"Operation not permitted", "Permission denied"}
@@ -51,7 +54,7 @@ REFUSED = {"Operation not permitted", "Permission denied"}
 
 def _refused(stdout: str) -> dict[str, str]:
     tried = json.loads(stdout)
-    assert len(tried) == 10, tried
+    assert len(tried) == 11, tried
     return {name: result for name, result in tried.items() if result not in REFUSED}
 
 

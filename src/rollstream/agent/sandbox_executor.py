@@ -93,12 +93,12 @@ PR_CAP_AMBIENT_CLEAR_ALL, SECCOMP_MODE_FILTER = 4, 2
 SYSCALLS = {
     "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
                             "pidfd_send_signal": 424, "pidfd_getfd": 438, "process_madvise": 440},
-               {62: (0,), 200: (0,), 234: (0, 1), 129: (0,), 297: (0, 1)}),
+               {62: (0,), 200: (0,), 234: (0, 1), 129: (0,), 297: (0, 1), 302: (0,)}),
     "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
                              "pidfd_send_signal": 424, "pidfd_getfd": 438,
                              "process_madvise": 440},
-                {129: (0,), 130: (0,), 131: (0, 1), 138: (0,), 240: (0, 1)}),
-}  # kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo
+                {129: (0,), 130: (0,), 131: (0, 1), 138: (0,), 240: (0, 1), 261: (0,)}),
+}  # kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo; prlimit64 (its limits, same uid)
 X32_SYSCALL_BIT = 0x40000000
 LD_ABS, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, BPF_RET|K
 RET_ALLOW, RET_EPERM = 0x7FFF0000, 0x00050000 | 1
@@ -107,8 +107,9 @@ RET_ALLOW, RET_EPERM = 0x7FFF0000, 0x00050000 | 1
 def seccomp_filter(protected: list[int]) -> bytes:
     """A BPF program (``struct sock_filter[]``) that refuses, with EPERM: ``ptrace``, access to
     another process's memory, ``pidfd_send_signal`` (a pidfd may be any /proc/<pid> folder),
-    and the signal syscalls when a pid argument is one of ``protected`` (the executor's pid,
-    threads, process group as ``-pgid`` and ``-1``, all processes). Only a pid's low 32 bits are
+    and the signal syscalls and ``prlimit64`` when a pid argument is one of ``protected`` (the
+    executor's pid, threads, process group as ``-pgid``, the namespace's init and ``-1``, all
+    processes). Only a pid's low 32 bits are
     compared, as the kernel reads it; other ABIs (i386, x32) get EPERM for every call."""
     import struct
 
@@ -126,6 +127,7 @@ def seccomp_filter(protected: list[int]) -> bytes:
         code += [(LD_ABS, 0, 0, 0), (JEQ, 0, len(block) + 1, nr), *block, (RET, 0, 0, RET_ALLOW)]
     code += [(RET, 0, 0, RET_ALLOW), (RET, 0, 0, RET_EPERM)]
     deny = len(code) - 1
+    assert deny < 256, "a jump of BPF goes at most 255 instructions"
     return b"".join(struct.pack("HBBI", op, deny - i - 1 if jt == "deny" else jt, jf, k)
                     for i, (op, jt, jf, k) in enumerate(code))
 
@@ -161,9 +163,9 @@ def install_seccomp(program: bytes) -> None:
 
 def protected_ids() -> list[int]:
     """The ids a program may not signal: this process (each of its threads), its process
-    group, and every process at once."""
+    group, the namespace's init (the sandbox dies with it), and every process at once."""
     tids = [int(t) for t in os.listdir("/proc/self/task")]
-    return [os.getpid(), *tids, -os.getpgid(0), -1]
+    return sorted({os.getpid(), *tids, -os.getpgid(0), 1, -1})
 
 
 def _read_until(proc_pid: int, fds: list[int], deadline: float, cap: int) -> tuple:
