@@ -21,9 +21,9 @@ from rollstream.agent.sandbox import (
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1.0, memory_mb=256, max_procs=8, file_size_mb=4)
 
 
-def _processes_in(programs: range) -> list[int]:
+def _processes_in(programs: range, *, programs_only: bool = False) -> list[int]:
     """The processes of these programs' uids and of their executors' (``EXECUTOR_UID_OFFSET``)."""
-    uids = [*programs, *(uid + EXECUTOR_UID_OFFSET for uid in programs)]
+    uids = [*programs, *(() if programs_only else (u + EXECUTOR_UID_OFFSET for u in programs))]
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and process_uid(p) in uids]
 
 
@@ -99,12 +99,12 @@ async def test_reset_between_uses_files_and_processes(tmp_path):
 
 async def test_a_killed_executor_is_replaced(pool):
     run = asyncio.create_task(pool.run("import time; time.sleep(30)"))
-    executor_uid = 62000 + EXECUTOR_UID_OFFSET  # its programs cannot kill it: the host does
-    while not (executors := [p for p in os.listdir("/proc")
-                             if p.isdigit() and process_uid(p) == executor_uid]):
+    while not _processes_in(range(62000, 62001), programs_only=True):  # it runs
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # the program runs
-    os.kill(int(executors[0]), signal.SIGKILL)
+    # its programs cannot kill it: the host does
+    [executor] = set(_processes_in(range(62000, 62001))) - set(
+        _processes_in(range(62000, 62001), programs_only=True))
+    os.kill(executor, signal.SIGKILL)
     out = await run
     assert out.exit_code is None and "sandbox died" in out.error
     outs = await asyncio.gather(*(pool.run(f"print({i})") for i in range(4)))

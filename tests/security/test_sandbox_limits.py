@@ -75,6 +75,27 @@ async def test_what_a_sandbox_writes_is_bounded_over_all_its_folders(backend):
         assert out.stdout == "ok\n", out.stderr[-500:]
 
 
+async def test_a_program_cannot_make_namespaces_past_the_disk_cap():
+    """A user namespace of its own would let a program mount a tmpfs of any size."""
+    program = r"""
+import ctypes, json, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+tried = {"unshare": libc.unshare(0x10000000 | 0x00020000)}  # CLONE_NEWUSER | CLONE_NEWNS
+tried["errno"] = os.strerror(ctypes.get_errno())
+tried["unshare -Urm"] = subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode
+thread = threading.Thread(target=print)  # threads and processes still start: libc falls
+thread.start()                           # back from clone3 (refused) to clone
+thread.join()
+tried["subprocess"] = subprocess.run(["true"]).returncode
+print(json.dumps(tried))
+"""
+    async with SandboxPool(1, limits=SandboxLimits(wall_s=10.0), uid_base=62330) as pool:
+        out = await pool.run(program)
+    tried = json.loads(out.stdout.splitlines()[-1])
+    assert tried["unshare"] == -1 and tried["errno"] == "Operation not permitted", out.stdout
+    assert tried["unshare -Urm"] != 0 and tried["subprocess"] == 0, out.stdout
+
+
 def test_without_a_cgroup_the_pool_warns_once_naming_the_rlimits():
     script = """
 import json, logging

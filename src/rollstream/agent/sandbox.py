@@ -209,11 +209,11 @@ class Sandbox:
                 + (1 << 20))
         finally:
             log_file.close()
-        try:
-            line = await asyncio.wait_for(self._proc.stdout.readline(), READY_TIMEOUT_S)
-        except TimeoutError:
-            line = b""
-        try:
+        try:  # a start that fails, or is cancelled, leaves nothing running
+            try:
+                line = await asyncio.wait_for(self._proc.stdout.readline(), READY_TIMEOUT_S)
+            except TimeoutError:
+                line = b""
             if not line.startswith(b'{"ready"'):
                 raise SandboxError(f"sandbox {self.slot} ({self.isolation.name}) did not start: "
                                    f"{self._log_tail()}")
@@ -221,7 +221,7 @@ class Sandbox:
                 self._cgroup.limit(memory_bytes=self.limits.memory_mb << 20,
                                    num_procs=self.limits.max_procs)
         except BaseException:
-            await self.close()
+            await asyncio.shield(self.close())
             raise
 
     def _log_tail(self) -> str:

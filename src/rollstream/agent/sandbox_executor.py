@@ -11,8 +11,8 @@ code, stdout and stderr (capped), and why it was stopped, if it was. After every
 every other process of the sandbox (the sandbox has its own PID namespace, where ``kill(-1)``
 reaches only its own processes) and empties the scratch folders: the next run starts from a
 clean sandbox. The executor serves every program of its sandbox, so no program may touch it:
-it is non-dumpable, and programs run under another uid (as root) and the seccomp filter
-(``seccomp_filter``).
+it is non-dumpable, and programs run under another uid (as root) and a seccomp filter
+(``sandbox_confine``).
 
 Run as ``--enter SETUP COMMAND...``, it first prepares the fresh namespaces as their root
 (``_enter``: the size-capped folders), then execs ``COMMAND``: the privilege drop and the
@@ -35,6 +35,11 @@ import threading
 import time
 import warnings
 
+try:
+    from rollstream.agent import sandbox_confine as confine
+except ImportError:  # in a sandbox: the bootstrap (``sandbox_isolation``) defined it from source
+    import sandbox_confine as confine  # type: ignore[no-redef]
+
 
 def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, layout: dict,
            program_filter: bytes) -> None:
@@ -42,7 +47,8 @@ def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, layou
     then a fresh isolated interpreter."""
     try:
         os.setsid()  # a session of its own: it cannot join the executor's process group
-        _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc files again (the exec does it too)
+        # its own /proc files again (the exec would do it too): the OOM score below
+        confine.prctl(confine.PR_SET_DUMPABLE, 1, 0, 0, 0)
         with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer takes it first
             f.write("1000")
         cpu_s = max(1, math.ceil(limits["cpu_s"]))
@@ -53,119 +59,17 @@ def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, layou
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         if layout["nproc"] is not None:
             resource.setrlimit(resource.RLIMIT_NPROC, (layout["nproc"], layout["nproc"]))
-        _become_program(layout["uid"])
+        confine.become_program(layout["uid"])
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.chdir(layout["workdir"])
-        install_seccomp(program_filter)
+        confine.install_seccomp(program_filter)
         os.execv(sys.executable, [sys.executable, "-I", "-c", code])
     except BaseException as e:  # noqa: BLE001 - the child must never return into the loop
         os.write(err_w, f"sandbox: could not start the program: {e!r}\n".encode())
     finally:
         os._exit(127)
-
-
-def _become_program(uid: int | None) -> None:
-    """Run as root, the executor keeps CAP_SETUID/SETGID/KILL as ambient capabilities: here
-    the child takes the programs' uid and gives every capability up before it execs."""
-    if uid is not None:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    ctypes, libc = _libc()
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
-    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # none effective/permitted/inheritable
-        raise OSError(ctypes.get_errno(), "capset")
-
-
-# --- what keeps a program off its executor ----------------------------------------------------
-#
-# Run as another user, a program has the executor's uid: the executor makes itself non-dumpable
-# (no ptrace, no /proc/<pid>/mem or environ for its uid) and each program starts under this
-# seccomp filter, built here with ctypes because the executor imports nothing outside the
-# standard library. Run as root the uids differ, and the filter is there all the same.
-
-PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_CAP_AMBIENT = 4, 38, 22, 47
-PR_CAP_AMBIENT_CLEAR_ALL, SECCOMP_MODE_FILTER = 4, 2
-# audit arch; syscalls refused outright; signal syscalls and the arguments that name a process
-SYSCALLS = {
-    "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-                            "pidfd_send_signal": 424, "pidfd_getfd": 438, "process_madvise": 440},
-               {62: (0,), 200: (0,), 234: (0, 1), 129: (0,), 297: (0, 1), 302: (0,)}),
-    "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                             "pidfd_send_signal": 424, "pidfd_getfd": 438,
-                             "process_madvise": 440},
-                {129: (0,), 130: (0,), 131: (0, 1), 138: (0,), 240: (0, 1), 261: (0,)}),
-}  # kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo; prlimit64 (its limits, same uid)
-X32_SYSCALL_BIT = 0x40000000
-LD_ABS, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, BPF_RET|K
-RET_ALLOW, RET_EPERM = 0x7FFF0000, 0x00050000 | 1
-
-
-def seccomp_filter(protected: list[int]) -> bytes:
-    """A BPF program (``struct sock_filter[]``) that refuses, with EPERM: ``ptrace``, access to
-    another process's memory, ``pidfd_send_signal`` (a pidfd may be any /proc/<pid> folder),
-    and the signal syscalls and ``prlimit64`` when a pid argument is one of ``protected`` (the
-    executor's pid, threads, process group as ``-pgid``, the namespace's init and ``-1``, all
-    processes). Only a pid's low 32 bits are
-    compared, as the kernel reads it; other ABIs (i386, x32) get EPERM for every call."""
-    import struct
-
-    machine = os.uname().machine
-    if machine not in SYSCALLS:
-        raise OSError(f"sandbox: no seccomp filter for {machine} (x86_64 and aarch64 only)")
-    arch, refused, signalling = SYSCALLS[machine]
-    code: list[tuple] = [(LD_ABS, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, RET_EPERM),
-                         (LD_ABS, 0, 0, 0), (JGE, "deny", 0, X32_SYSCALL_BIT)]
-    code += [(JEQ, "deny", 0, nr) for nr in refused.values()]
-    for nr, args in signalling.items():
-        checks = [(LD_ABS, 0, 0, 16 + 8 * arg) for arg in args]
-        block = [insn for load in checks
-                 for insn in (load, *((JEQ, "deny", 0, pid & 0xFFFFFFFF) for pid in protected))]
-        code += [(LD_ABS, 0, 0, 0), (JEQ, 0, len(block) + 1, nr), *block, (RET, 0, 0, RET_ALLOW)]
-    code += [(RET, 0, 0, RET_ALLOW), (RET, 0, 0, RET_EPERM)]
-    deny = len(code) - 1
-    assert deny < 256, "a jump of BPF goes at most 255 instructions"
-    return b"".join(struct.pack("HBBI", op, deny - i - 1 if jt == "deny" else jt, jf, k)
-                    for i, (op, jt, jf, k) in enumerate(code))
-
-
-@functools.cache
-def _libc():
-    import ctypes
-
-    return ctypes, ctypes.CDLL(None, use_errno=True)
-
-
-def _prctl(*args: int) -> None:
-    ctypes, libc = _libc()
-    if libc.prctl(*(ctypes.c_ulong(a) for a in args)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl{args}: {os.strerror(errno)}")
-
-
-def install_seccomp(program: bytes) -> None:
-    """In the program's process, after its last privileged step: ``program`` from then on."""
-    ctypes, libc = _libc()
-    buffer = ctypes.create_string_buffer(program, len(program))
-
-    class Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    fprog = Fprog(len(program) // 8, ctypes.addressof(buffer))
-    _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"seccomp: {os.strerror(errno)}")
-
-
-def protected_ids() -> list[int]:
-    """The ids a program may not signal: this process (each of its threads), its process
-    group, the namespace's init (the sandbox dies with it), and every process at once."""
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    return sorted({os.getpid(), *tids, -os.getpgid(0), 1, -1})
 
 
 def _read_until(proc_pid: int, fds: list[int], deadline: float, cap: int) -> tuple:
@@ -226,7 +130,7 @@ def _clean(layout: dict) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            _become_program(layout["uid"])
+            confine.become_program(layout["uid"])
             for folder in layout["scratch"]:
                 _empty(folder, layout["keep"])
         finally:
@@ -323,14 +227,6 @@ def _forward_allowed(forward: list) -> None:
         raise failed[0]
 
 
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None):
-    ctypes, libc = _libc()
-    if libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
-                  data and data.encode()) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
-
-
 def _loopback_up() -> None:
     import fcntl
     import struct
@@ -353,8 +249,8 @@ def _enter(setup: dict) -> None:
                for src, dst, ro in setup["binds"]]
     tmp, *others = setup["scratch"]
     size = setup["disk_bytes"]  # and an inode per KiB of it: empty files cost memory too
-    _mount("tmpfs", tmp, "tmpfs", ms_nosuid | ms_nodev, f"size={size},nr_inodes={size >> 10},"
-           "mode=755")
+    confine.mount("tmpfs", tmp, "tmpfs", ms_nosuid | ms_nodev,
+                  f"size={size},nr_inodes={size >> 10},mode=755")
     work, owner = setup["work"], setup["owner"]
     staged = [(f"{tmp}/.{i}", folder, 0o1777) for i, folder in enumerate(others)]
     if not work.startswith(tmp + "/"):
@@ -365,20 +261,20 @@ def _enter(setup: dict) -> None:
         os.chmod(stage, mode)
         if target == work and owner is not None:
             os.chown(stage, owner, owner)
-        _mount(stage, target, None, ms_bind)
+        confine.mount(stage, target, None, ms_bind)
     for folder, mode in setup["tmpfs"]:
-        _mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
+        confine.mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
     if work.startswith(tmp + "/"):
         os.makedirs(work, 0o755)
         if owner is not None:
             os.chown(work, owner, owner)
     for fd, dst, read_only in sources:
         os.makedirs(dst, 0o755, exist_ok=True)
-        _mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
+        confine.mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
         if read_only:  # keeping the flags a user namespace may not drop (nosuid, nodev, ...)
             locked = os.statvfs(dst).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC
                                                | os.ST_NOATIME | os.ST_NODIRATIME)
-            _mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
+            confine.mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
         os.close(fd)
     if setup["loopback"]:
         _loopback_up()
@@ -468,10 +364,12 @@ def main() -> None:
     if sys.argv[1] == "--enter":
         _enter(json.loads(sys.argv[2]))
         os.execv(sys.argv[3], sys.argv[3:])
-    _prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # first: no process of its uid may trace or read it
+    # first: no process of its uid may trace it or read its memory
+    confine.prctl(confine.PR_SET_DUMPABLE, 0, 0, 0, 0)
     layout = json.loads(sys.argv[1])
     _forward_allowed(layout["forward"])
-    program_filter = seccomp_filter(protected_ids())  # after the thread: its id is known
+    # after the allow-list's thread started: its id is known
+    program_filter = confine.seccomp_filter(confine.protected_ids())
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
     replies.write(json.dumps({"ready": True}) + "\n")

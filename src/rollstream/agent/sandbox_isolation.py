@@ -27,7 +27,8 @@ write shares one size cap. Then ``setpriv`` drops to the executor's own privileg
 root, the executor's uid (``executor_uid``) keeps only ``CAP_SETUID``, ``CAP_SETGID`` (to start
 programs under their uid, ``uid``) and ``CAP_KILL`` (to end them); run as another user, one uid
 serves both and every capability goes. The environment is the caller's to give: ``Sandbox``
-passes a minimal one.
+passes a minimal one. The executor's source travels in its command line (``executor_code``):
+a sandbox has no rollstream to import.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Protocol
 
 EXECUTOR = Path(__file__).with_name("sandbox_executor.py")
+CONFINE = Path(__file__).with_name("sandbox_confine.py")  # the executor imports it
 
 
 class SandboxError(RuntimeError):
@@ -82,13 +84,25 @@ def python_executable() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
+def executor_code() -> str:
+    """The ``-c`` program: the executor's two stdlib-only modules, defined from their source (a
+    sandbox has no rollstream to import), then its ``main``."""
+    modules = [("sandbox_confine", CONFINE.read_text()),
+               ("sandbox_executor", EXECUTOR.read_text())]
+    return ("import sys, types\n"
+            f"for name, source in {modules!r}:\n"
+            "    module = sys.modules[name] = types.ModuleType(name)\n"
+            "    exec(compile(source, name + '.py', 'exec'), module.__dict__)\n"
+            "sys.modules['sandbox_executor'].main()\n")
+
+
 def _executor(spec: SandboxSpec, *, workdir: str, scratch: list[str], keep: list[str],
               netdir: str) -> list[str]:
     """The executor, told where its folders are, as seen inside (``sandbox_executor.main``)."""
     forward = [[port, f"{netdir}/{path.name}"] for port, path in spec.sockets]
     layout = {"workdir": workdir, "scratch": scratch, "keep": keep, "forward": forward,
               "uid": spec.uid, "nproc": spec.nproc}
-    return [python_executable(), "-I", "-S", "-c", EXECUTOR.read_text(), json.dumps(layout)]
+    return [python_executable(), "-I", "-S", "-c", executor_code(), json.dumps(layout)]
 
 
 def _enter(spec: SandboxSpec, *, work: str, scratch: list[str], tmpfs: list, binds: list,
@@ -98,8 +112,7 @@ def _enter(spec: SandboxSpec, *, work: str, scratch: list[str], tmpfs: list, bin
     programs' uid; the extra ``tmpfs`` and the ``binds``; the loopback up if asked."""
     setup = {"disk_bytes": spec.disk_bytes, "scratch": scratch, "work": work,
              "owner": spec.uid, "tmpfs": tmpfs, "binds": binds, "loopback": loopback}
-    return [python_executable(), "-I", "-S", "-c", EXECUTOR.read_text(), "--enter",
-            json.dumps(setup)]
+    return [python_executable(), "-I", "-S", "-c", executor_code(), "--enter", json.dumps(setup)]
 
 
 # as root, what the executor keeps: start programs under their uid, and end them
