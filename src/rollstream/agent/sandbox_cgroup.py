@@ -25,6 +25,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def _folder(mount_point: str, mount_root: str, path: str) -> Path:
 
 def _probe(folder: Path) -> None:
     """Raise OSError unless a child cgroup can be made and removed in ``folder``."""
-    probe = folder / f"rollstream-probe-{os.getpid()}"
+    probe = folder / f"rollstream-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     probe.mkdir()
     probe.rmdir()
 
