@@ -140,6 +140,9 @@ async def test_artifacts_are_shared_read_only(tmp_path: Path):
 def test_bad_limits_and_pool_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="SandboxLimits.cpu_s must be > 0"):
         SandboxLimits(cpu_s=0)
+    with pytest.raises(ValueError, match=r"SandboxLimits.file_size_mb \(64\) must be <= disk_mb "
+                                         r"\(32\): no file can be larger than the disk"):
+        SandboxLimits(file_size_mb=64)
     with pytest.raises(ValueError, match="size must be in 1..1000, got 0"):
         SandboxPool(0)
     with pytest.raises(ValueError, match="is not a folder"):
