@@ -289,8 +289,8 @@ class Sandbox:
             while _processes_of(self._uids) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         if self._cgroup is not None:
-            try:
-                self._cgroup.remove()
+            try:  # in a thread: its processes may take a moment to leave it
+                await asyncio.to_thread(self._cgroup.remove)
             except OSError as e:  # a folder left in the cgroup tree, not a process
                 log.warning("sandbox %d: its cgroup %s stays: %s", self.slot, self._cgroup.memory,
                             e)
