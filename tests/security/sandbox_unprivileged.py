@@ -1,17 +1,18 @@
 """Run a Python script as an unprivileged uid, for the sandbox tests that need the non-root
 path (one uid for the executor and its programs) while CI runs as root.
 
-The script runs in a mount namespace of its own where this Python and rollstream's source are
-reachable by any uid: where they live under a folder others may not enter (a pyenv under
-``/root``, 0700), a tmpfs on that folder holds only them, as the ``unshare`` backend does for
-sandboxes. The host's files are not changed.
+The script runs in a mount namespace of its own (util-linux ``unshare``) where this Python and
+rollstream's source are reachable by any uid: where they live under a folder others may not
+enter (a pyenv under ``/root``, 0700), a tmpfs on that folder holds only them, as the
+``unshare`` backend does for sandboxes. A first interpreter, still root, makes those mounts and
+drops to the uid, then execs the script. The host's files are not changed.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,54 +20,46 @@ from pathlib import Path
 import rollstream
 
 NOBODY = 65534
-CLONE_NEWNS, MS_BIND, MS_REC, MS_PRIVATE = 0x00020000, 4096, 16384, 1 << 18
 SRC = Path(rollstream.__file__).resolve().parents[1]
 PYTHON = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+# argv: needed folders (JSON), uid, then the command to exec
+ENTER = r"""
+import ctypes, json, os, sys
+from pathlib import Path
+libc = ctypes.CDLL(None, use_errno=True)
 
-
-def _closed_top(path: Path) -> Path | None:
-    """The topmost folder above ``path`` that others may not enter."""
-    return next((p for p in reversed(path.parents) if not p.stat().st_mode & 0o001), None)
-
-
-def _mount(libc, source: bytes | None, target: str, fstype: bytes | None, flags: int,
-           data: bytes | None = None) -> None:
+def mount(source, target, fstype, flags, data=None):
     if libc.mount(source, target.encode(), fstype, flags, data) != 0:
         raise OSError(ctypes.get_errno(), f"mount on {target}")
 
-
-def _enter_as(uid: int, needed: list[Path]):
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def enter() -> None:  # in the child, before exec
-        if libc.unshare(CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "unshare")
-        _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-        tops = {top for path in needed if (top := _closed_top(path)) is not None}
-        fds = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in needed
-               if any(p.is_relative_to(top) for top in tops)]
-        for top in tops:
-            _mount(libc, b"tmpfs", str(top), b"tmpfs", 0, b"mode=0755")
-        for fd, path in fds:
-            os.makedirs(path, exist_ok=True)
-            _mount(libc, f"/proc/self/fd/{fd}".encode(), str(path), None, MS_BIND)
-            os.close(fd)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-
-    return enter
+needed, uid = [Path(p) for p in json.loads(sys.argv[1])], int(sys.argv[2])
+closed = {next(p for p in reversed(path.parents) if not p.stat().st_mode & 0o001)
+          for path in needed if any(not p.stat().st_mode & 0o001 for p in path.parents)}
+fds = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in needed
+       if any(p.is_relative_to(top) for top in closed)]
+for top in closed:
+    mount(b"tmpfs", str(top), b"tmpfs", 0, b"mode=0755")
+for fd, path in fds:
+    os.makedirs(path, exist_ok=True)
+    mount(f"/proc/self/fd/{fd}".encode(), str(path), None, 4096)  # MS_BIND
+    os.close(fd)
+os.setgroups([])
+os.setresgid(uid, uid, uid)
+os.setresuid(uid, uid, uid)
+os.execv(sys.argv[3], sys.argv[3:])
+"""
 
 
 def run_unprivileged(script: str, *, uid: int = NOBODY, env: dict[str, str] | None = None,
                      timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     """Run ``script`` as ``uid`` with rollstream importable (stdout and stderr captured)."""
-    needed = [Path(sys.base_prefix).resolve(), SRC]
+    needed = json.dumps([str(Path(sys.base_prefix).resolve()), str(SRC)])
     code = f"import sys\nsys.path.insert(0, {str(SRC)!r})\n{script}"
     return subprocess.run(
-        [PYTHON, "-I", "-S", "-c", code], capture_output=True, text=True,
-        timeout=timeout_s, cwd="/", env={"PATH": os.environ["PATH"], **(env or {})},
-        preexec_fn=_enter_as(uid, needed))
+        [shutil.which("unshare"), "--mount", "--propagation", "private", "--",
+         PYTHON, "-I", "-S", "-c", ENTER, needed, str(uid), PYTHON, "-I", "-S", "-c", code],
+        capture_output=True, text=True, timeout=timeout_s, cwd="/",
+        env={"PATH": os.environ["PATH"], **(env or {})})
 
 
 def run_in_sandboxes_unprivileged(program: str, *, env: dict[str, str] | None = None
