@@ -5,26 +5,26 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 
-from rollstream.agent.sandbox import SandboxLimits, SandboxPool
+from rollstream.agent.sandbox import (
+    EXECUTOR_UID_OFFSET,
+    SandboxLimits,
+    SandboxPool,
+    process_uid,
+)
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1.0, memory_mb=256, max_procs=8, file_size_mb=4)
 
 
-def _processes_in(uids: range) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid in uids:
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
+def _processes_in(programs: range, *, programs_only: bool = False) -> list[int]:
+    """The processes of these programs' uids and of their executors' (``EXECUTOR_UID_OFFSET``)."""
+    uids = [*programs, *(() if programs_only else (u + EXECUTOR_UID_OFFSET for u in programs))]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and process_uid(p) in uids]
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ async def test_memory_cpu_and_wall_time_are_limited(pool):
 
 async def test_writes_only_inside_its_dirs_and_files_are_size_limited(pool, tmp_path):
     out = await pool.run("open('/usr/evil', 'w')")
-    assert out.error == "write refused: only /work and /tmp are writable"
+    assert out.error == "write refused: only /work, /tmp and /dev/shm are writable"
     # the host's folders are not there at all
     out = await pool.run(f"import os; print(os.path.exists({str(tmp_path)!r}))")
     assert out.stdout == "False\n"
@@ -98,7 +98,14 @@ async def test_reset_between_uses_files_and_processes(tmp_path):
 
 
 async def test_a_killed_executor_is_replaced(pool):
-    out = await pool.run("import os, signal; os.kill(os.getppid(), signal.SIGKILL)")
+    run = asyncio.create_task(pool.run("import time; time.sleep(30)"))
+    while not _processes_in(range(62000, 62001), programs_only=True):  # it runs
+        await asyncio.sleep(0.01)
+    # its programs cannot kill it: the host does
+    [executor] = set(_processes_in(range(62000, 62001))) - set(
+        _processes_in(range(62000, 62001), programs_only=True))
+    os.kill(executor, signal.SIGKILL)
+    out = await run
     assert out.exit_code is None and "sandbox died" in out.error
     outs = await asyncio.gather(*(pool.run(f"print({i})") for i in range(4)))
     assert [o.stdout for o in outs] == [f"{i}\n" for i in range(4)]
@@ -126,14 +133,17 @@ async def test_artifacts_are_shared_read_only(tmp_path: Path):
         out = await pool.run("print(open('/artifacts/data.txt').read())")
         assert out.stdout == "cached\n"
         out = await pool.run("open('/artifacts/data.txt', 'w').write('changed')")
-        assert out.error == "write refused: only /work and /tmp are writable"
+        assert out.error == "write refused: only /work, /tmp and /dev/shm are writable"
     assert (tmp_path / "data.txt").read_text() == "cached"
 
 
 def test_bad_limits_and_pool_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="SandboxLimits.cpu_s must be > 0"):
         SandboxLimits(cpu_s=0)
-    with pytest.raises(ValueError, match="size must be >= 1"):
+    with pytest.raises(ValueError, match=r"SandboxLimits.file_size_mb \(64\) must be <= disk_mb "
+                                         r"\(32\): no file can be larger than the disk"):
+        SandboxLimits(file_size_mb=64)
+    with pytest.raises(ValueError, match="size must be in 1..1000, got 0"):
         SandboxPool(0)
     with pytest.raises(ValueError, match="is not a folder"):
         SandboxPool(1, artifacts=tmp_path / "missing")

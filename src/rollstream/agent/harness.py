@@ -95,11 +95,13 @@ class AgentHarness:
 
     def __init__(self, *, renderer: ChatRenderer, budgets: Budgets,
                  sources: Mapping[str, AgentSource], tool_timeout_s: float,
-                 max_tool_concurrency: int | None = None) -> None:
+                 max_tool_concurrency: int | None = None,
+                 max_tool_output_chars: int | None = None) -> None:
         self.renderer, self.budgets = renderer, budgets
         self.sources = dict(sources)
         self.tools = {name: ToolManager(src.tool_list(), timeout_s=tool_timeout_s,
-                                        max_concurrency=max_tool_concurrency)
+                                        max_concurrency=max_tool_concurrency,
+                                        max_output_chars=max_tool_output_chars)
                       for name, src in self.sources.items()}
 
     async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:

@@ -1,17 +1,21 @@
 """The program that runs inside a sandbox (stdlib only; started by ``agent.sandbox``).
 
 Its one argument is its layout (JSON): ``workdir`` (where programs run), ``scratch`` (the
-folders emptied after each run), ``keep`` (paths in them never removed) and ``forward``
-(``[port, unix socket]`` pairs: the network allow-list, see ``_forward_allowed``). It reads one JSON
-request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
-interpreter with the limits applied (CPU time, address space, file size, a new process group),
-and answers one JSON line on stdout: exit code, stdout and stderr (capped), and why it was
-stopped, if it was. After every run it kills every other process of the sandbox (the sandbox
-has its own PID namespace, where ``kill(-1)`` reaches only its own processes) and empties the
-scratch folders: the next run starts from a clean sandbox.
+folders emptied after each run), ``keep`` (paths in them never removed), ``forward`` (``[port,
+unix socket]`` pairs: the network allow-list, see ``_forward_allowed``), ``uid`` (the programs'
+uid, run as root; else None: its own) and ``nproc`` (their process limit, or None). It reads
+one JSON request per line on stdin (``code``, ``stdin``, ``limits``), runs the code in a fresh
+interpreter with the limits applied (CPU time, address space, file size, a session of its
+own), under the programs' uid and a seccomp filter, and answers one JSON line on stdout: exit
+code, stdout and stderr (capped), and why it was stopped, if it was. After every run it kills
+every other process of the sandbox (the sandbox has its own PID namespace, where ``kill(-1)``
+reaches only its own processes) and empties the scratch folders: the next run starts from a
+clean sandbox. The executor serves every program of its sandbox, so no program may touch it:
+it is non-dumpable, and programs run under another uid (as root) and a seccomp filter
+(``sandbox_confine``).
 
-Run as ``--enter SETUP COMMAND...`` (the ``unshare`` backend), it first prepares the fresh
-namespaces as their root (``_enter``), then execs ``COMMAND``: the privilege drop and the
+Run as ``--enter SETUP COMMAND...``, it first prepares the fresh namespaces as their root
+(``_enter``: the size-capped folders), then execs ``COMMAND``: the privilege drop and the
 executor proper.
 """
 
@@ -24,7 +28,6 @@ import math
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
 import sys
@@ -32,21 +35,36 @@ import threading
 import time
 import warnings
 
+try:
+    from rollstream.agent import sandbox_confine as confine
+except ImportError:  # in a sandbox: the bootstrap (``sandbox_isolation``) defined it from source
+    import sandbox_confine as confine  # type: ignore[no-redef]
 
-def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, workdir: str) -> None:
-    """In the forked child: limits, redirections, then a fresh isolated interpreter."""
+
+def _child(code: str, stdin_fd: int, out_w: int, err_w: int, limits: dict, layout: dict,
+           program_filter: bytes) -> None:
+    """In the forked child: its own session, limits, its uid, redirections, the seccomp filter,
+    then a fresh isolated interpreter."""
     try:
-        os.setpgid(0, 0)
+        os.setsid()  # a session of its own: it cannot join the executor's process group
+        # its own /proc files again (the exec would do it too): the OOM score below
+        confine.prctl(confine.PR_SET_DUMPABLE, 1, 0, 0, 0)
+        with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer takes it first
+            f.write("1000")
         cpu_s = max(1, math.ceil(limits["cpu_s"]))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         memory = limits["memory_mb"] << 20
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         size = limits["file_size_mb"] << 20
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        if layout["nproc"] is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (layout["nproc"], layout["nproc"]))
+        confine.become_program(layout["uid"])
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.chdir(workdir)
+        os.chdir(layout["workdir"])
+        confine.install_seccomp(program_filter)
         os.execv(sys.executable, [sys.executable, "-I", "-c", code])
     except BaseException as e:  # noqa: BLE001 - the child must never return into the loop
         os.write(err_w, f"sandbox: could not start the program: {e!r}\n".encode())
@@ -103,18 +121,42 @@ def _kill_the_rest() -> None:
 
 
 def _clean(layout: dict) -> None:
-    for folder in layout["scratch"]:
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if path in layout["keep"]:
-                continue
+    """Empty the scratch folders, as the programs' uid (the owner of what they left, whatever
+    its modes: a folder it made unreadable is opened again first)."""
+    if layout["uid"] is None:  # one uid: its own
+        for folder in layout["scratch"]:
+            _empty(folder, layout["keep"])
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            confine.become_program(layout["uid"])
+            for folder in layout["scratch"]:
+                _empty(folder, layout["keep"])
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _empty(folder: str, keep: list[str]) -> None:
+    try:
+        names = os.listdir(folder)
+    except PermissionError:
+        os.chmod(folder, 0o700)
+        names = os.listdir(folder)
+    for name in names:
+        path = os.path.join(folder, name)
+        if path in keep:
+            continue
+        try:
             if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
+                os.chmod(path, 0o700)
+                _empty(path, keep)
+                os.rmdir(path)
             else:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+                os.unlink(path)
+        except OSError:  # not its own (the keep list's folders' parents): left as they are
+            pass
 
 
 async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -185,16 +227,6 @@ def _forward_allowed(forward: list) -> None:
         raise failed[0]
 
 
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None):
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
-                  data and data.encode()) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
-
-
 def _loopback_up() -> None:
     import fcntl
     import struct
@@ -207,24 +239,45 @@ def _loopback_up() -> None:
 
 
 def _enter(setup: dict) -> None:
-    """The ``unshare`` backend, as root of the new namespaces (bwrap does the same itself): a
-    fresh tmpfs on each of ``tmpfs`` (``[folder, mode]``), the ``binds`` (``[source, target,
-    read_only]``, missing folders of the target made) and the loopback up."""
+    """As root of the new namespaces: one tmpfs of ``disk_bytes`` behind every folder a
+    program may write (``scratch``, ``/tmp`` first, and ``work``, owned by ``owner``), so that
+    they share its cap; the extra ``tmpfs`` (``[folder, mode]``), the ``binds`` (``[source,
+    target, read_only]``, missing folders of the target made) and, if asked, the loopback up."""
     ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind = 1, 2, 4, 32, 4096
     # opened before a tmpfs hides them: they may live under /tmp
     sources = [(os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro)
                for src, dst, ro in setup["binds"]]
+    tmp, *others = setup["scratch"]
+    size = setup["disk_bytes"]  # and an inode per KiB of it: empty files cost memory too
+    confine.mount("tmpfs", tmp, "tmpfs", ms_nosuid | ms_nodev,
+                  f"size={size},nr_inodes={size >> 10},mode=755")
+    work, owner = setup["work"], setup["owner"]
+    staged = [(f"{tmp}/.{i}", folder, 0o1777) for i, folder in enumerate(others)]
+    if not work.startswith(tmp + "/"):
+        staged.append((f"{tmp}/.work", work, 0o755))
+    staged.append((f"{tmp}/.tmp", tmp, 0o1777))  # last: it hides the tmpfs's root
+    for stage, target, mode in staged:
+        os.mkdir(stage)
+        os.chmod(stage, mode)
+        if target == work and owner is not None:
+            os.chown(stage, owner, owner)
+        confine.mount(stage, target, None, ms_bind)
     for folder, mode in setup["tmpfs"]:
-        _mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
+        confine.mount("tmpfs", folder, "tmpfs", ms_nosuid | ms_nodev, f"mode={mode}")
+    if work.startswith(tmp + "/"):
+        os.makedirs(work, 0o755)
+        if owner is not None:
+            os.chown(work, owner, owner)
     for fd, dst, read_only in sources:
         os.makedirs(dst, 0o755, exist_ok=True)
-        _mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
+        confine.mount(f"/proc/self/fd/{fd}", dst, None, ms_bind)
         if read_only:  # keeping the flags a user namespace may not drop (nosuid, nodev, ...)
             locked = os.statvfs(dst).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC
                                                | os.ST_NOATIME | os.ST_NODIRATIME)
-            _mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
+            confine.mount("none", dst, None, ms_bind | ms_remount | ms_rdonly | locked)
         os.close(fd)
-    _loopback_up()
+    if setup["loopback"]:
+        _loopback_up()
 
 
 def _no_route(layout: dict) -> str:
@@ -249,6 +302,9 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
     no_route, writable = _no_route(layout), f"{', '.join(rest)} and {last}"
     if "MemoryError" in tail or "Cannot allocate memory" in tail:
         return f"memory limit of {limits['memory_mb']} MB exceeded"
+    if "No space left on device" in tail:
+        return (f"disk limit of {limits['disk_mb']} MB exceeded (what {writable} hold "
+                "together)")
     if "File too large" in tail:
         return f"file size limit of {limits['file_size_mb']} MB exceeded"
     if "Resource temporarily unavailable" in tail and ("fork" in tail or "thread" in tail
@@ -261,7 +317,7 @@ def _why(status: int | None, timed_out: bool, stderr: str, limits: dict, cpu_use
     return None
 
 
-def run_one(request: dict, layout: dict) -> dict:
+def run_one(request: dict, layout: dict, program_filter: bytes) -> dict:
     limits = request["limits"]
     stdin_path = "/tmp/.stdin"  # unlinked once open: the program sees only its stdin
     with open(stdin_path, "w") as f:
@@ -275,7 +331,7 @@ def run_one(request: dict, layout: dict) -> dict:
     if pid == 0:
         os.close(out_r)
         os.close(err_r)
-        _child(request["code"], stdin_fd, out_w, err_w, limits, layout["workdir"])
+        _child(request["code"], stdin_fd, out_w, err_w, limits, layout, program_filter)
     os.close(out_w)
     os.close(err_w)
     os.close(stdin_fd)
@@ -308,14 +364,18 @@ def main() -> None:
     if sys.argv[1] == "--enter":
         _enter(json.loads(sys.argv[2]))
         os.execv(sys.argv[3], sys.argv[3:])
+    # first: no process of its uid may trace it or read its memory
+    confine.prctl(confine.PR_SET_DUMPABLE, 0, 0, 0, 0)
     layout = json.loads(sys.argv[1])
     _forward_allowed(layout["forward"])
+    # after the allow-list's thread started: its id is known
+    program_filter = confine.seccomp_filter(confine.protected_ids())
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write on the reply channel
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
-        reply = run_one(json.loads(line), layout)
+        reply = run_one(json.loads(line), layout, program_filter)
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 

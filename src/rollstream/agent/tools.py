@@ -27,8 +27,9 @@ cancelled with it).
 Not covered, as in the grader pool: the timeout cancels the tool's coroutine, so a tool that
 blocks the event loop (``time.sleep``, CPU-bound work, sync I/O) or swallows cancellation
 cannot be bounded. A tool doing blocking work runs it with ``asyncio.to_thread`` (or in a
-subprocess / sandbox, which it can kill). Output length is not bounded here: the episode's
-token budget owns that.
+subprocess / sandbox, which it can kill). A tool's output is cut at ``max_output_chars`` here,
+before anything tokenizes it (``cut_output``); what the episode may add in tokens is its token
+budget's to bound.
 
 Built-in tools: :class:`Calculator`. Python execution lives next to the sandbox.
 """
@@ -238,12 +239,16 @@ class ToolManager:
     """Runs a turn's tool calls (module docstring)."""
 
     def __init__(
-        self, tools: Sequence[Tool], *, timeout_s: float, max_concurrency: int | None = None
+        self, tools: Sequence[Tool], *, timeout_s: float, max_concurrency: int | None = None,
+        max_output_chars: int | None = None,
     ) -> None:
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"ToolManager: timeout_s must be a finite number > 0, got {timeout_s}")
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"ToolManager: max_concurrency must be >= 1, got {max_concurrency}")
+        if max_output_chars is not None and max_output_chars < 1:
+            raise ValueError(f"ToolManager: max_output_chars must be >= 1, got {max_output_chars}")
+        self.max_output_chars = max_output_chars  # None: not cut
         self._tools: dict[str, Tool] = {}
         self._signatures: dict[str, inspect.Signature] = {}
         for tool in tools:
@@ -270,6 +275,8 @@ class ToolManager:
             clock = asyncio.get_running_loop().time  # the agent loop's clock (virtual in sim)
             t0 = clock()
             output, error = await self._invoke(call)
+            if error is not None:  # an exception's text may be as long as any output
+                error = cut_output(error, self.max_output_chars)
             return ToolResult(
                 call=call,
                 content=output if error is None else f"error: {error}",
@@ -304,7 +311,14 @@ class ToolManager:
             return "", _raised(exc)
         if not isinstance(output, str):
             return "", f"returned {type(output).__name__}, expected str"
-        return output, None
+        return cut_output(output, self.max_output_chars), None
+
+
+def cut_output(output: str, max_chars: int | None) -> str:
+    """``output`` up to ``max_chars`` characters, then a note of how much was cut."""
+    if max_chars is None or len(output) <= max_chars:
+        return output
+    return f"{output[:max_chars]}\n[output cut: {len(output) - max_chars} more characters]"
 
 
 def _raised(exc: BaseException) -> str:

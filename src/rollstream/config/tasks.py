@@ -158,6 +158,9 @@ class AgentConfig(Section):
     """Per tool call: a call still running then ends with an error message to the model."""
     max_tool_concurrency: int | None = Field(None, ge=1)
     """Tool calls running at once per agent source, across its episodes (None = no bound)."""
+    max_tool_output_chars: int = Field(16384, ge=1)
+    """Characters of one tool call's output the model is shown; the rest is cut, with a note
+    saying so, before it is tokenized (a program may print far more than a turn's budget)."""
     harness_workers: int = Field(0, ge=0, le=256)
     """Where the agents of ``harness: openai`` sources run: 0 = as coroutines in the run's
     process; N > 0 = in a pool of N long-lived worker processes, started at the first such

@@ -155,7 +155,8 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
         harnesses[AGENT] = AgentHarness(renderer=ChatRenderer(tokenizer), budgets=budgets,
                                         sources=by_harness[AGENT],
                                         tool_timeout_s=a.tool_timeout_s,
-                                        max_tool_concurrency=a.max_tool_concurrency)
+                                        max_tool_concurrency=a.max_tool_concurrency,
+                                        max_tool_output_chars=a.max_tool_output_chars)
     if OPENAI in by_harness:
         pool = build_workers(cfg, a.harness_workers, "harness") if a.harness_workers else None
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
