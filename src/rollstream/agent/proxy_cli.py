@@ -20,7 +20,7 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
     from rollstream.config.schema import EngineConfig, LocalEngineConfig
     from rollstream.engine import build_engine
     from rollstream.models.tokenizer import load_tokenizer
-    from rollstream.models.warmstart import validate_model_folder
+    from rollstream.models.folder import validate_model_folder
 
     folder = validate_model_folder(Path(model_dir))
     tokenizer = load_tokenizer(folder)

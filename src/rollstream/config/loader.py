@@ -131,7 +131,7 @@ def validation_problems(err: ValidationError, model: type[BaseModel]) -> list[st
         else:
             value = e.get("input")
             shown = repr(value) if not isinstance(value, dict) else "{...}"
-            msg = f"{loc} = {shown}: {e['msg']}"
+            msg = f"{loc} = {shown}: {e['msg'].removeprefix('Value error, ')}"
             allowed = _allowed(e)
             if allowed:
                 msg += f" (allowed: {allowed})"

@@ -55,7 +55,7 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
     or a callable in ``rewards``) is unusable, or the runtime's library is missing (runs call
     this before touching their run directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
-    from rollstream.models.warmstart import validate_model_folder
+    from rollstream.models.folder import validate_model_folder
     from rollstream.reward.registry import build_resolver
 
     if cfg.model.path is not None:

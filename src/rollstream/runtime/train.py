@@ -58,7 +58,7 @@ def run_training(cfg: RunConfig, *,
     import torch
 
     check_inputs(cfg, rewards)
-    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir = cfg.run_dir
     ckpt = resume_point(cfg, run_dir) if cfg.resume else None
     restarts = 0
     while True:
