@@ -78,3 +78,11 @@ class EngineConfig(Section):
     """Settings of the embedded engine."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings of the vLLM engine."""
+
+    @property
+    def context(self) -> tuple[str, int]:
+        """The setting that bounds a request's prompt + response tokens on this engine, and
+        its value (a prompt fits when it leaves room for one new token)."""
+        if self.kind == "vllm":
+            return "engine.vllm.max_model_len", self.vllm.max_model_len
+        return "engine.local.max_seq_len", self.local.max_seq_len
