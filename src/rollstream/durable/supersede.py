@@ -78,6 +78,8 @@ class Supersede:
 def recover(path: Path, superseded: Path) -> None:
     """Finish or undo a :class:`Supersede` of ``path`` that a crash interrupted (module
     docstring); nothing to do after a whole one."""
+    if not path.parent.is_dir():  # a resume of a run that never started
+        return
     tmp, marker = _tmp(path), _marker(path)
     marker.with_name(marker.name + ".tmp").unlink(missing_ok=True)
     if marker.exists():

@@ -340,12 +340,12 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     tokenizer = load_tokenizer(model_path)
     mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     mix.check_fits(*cfg.engine.context)
-    prepare_run_dir(cfg, run_dir, resume=cfg.resume)
     skip: set[str] = set()
     superseded = 0
-    if cfg.resume:
+    if cfg.resume:  # first: a ledger it refuses leaves the run directory as it was
         skip, superseded = reconcile_ledger(run_dir, resume, group_size=cfg.rollout.group_size)
         reconcile_logs(run_dir, resume)
+    prepare_run_dir(cfg, run_dir, resume=cfg.resume)
     async with contextlib.AsyncExitStack() as built:  # unwound only if the build fails
         metrics = Metrics(run_dir, cfg.monitor)
         _close_on_failure(built, metrics.close)
