@@ -105,3 +105,22 @@ def test_reconciling_a_long_ledger_holds_only_its_tail(tmp_path: Path) -> None:
     short = _peak_bytes(tmp_path / "short", 5_000)
     long = _peak_bytes(tmp_path / "long", 50_000)
     assert long < 2 * short + (1 << 20), (short, long)
+
+
+def test_a_resumed_runs_metrics_read_the_ledger_in_chunks(tmp_path: Path) -> None:
+    """The run's metrics (the dashboard's view) read the ledger a resumed run starts from
+    in chunks of 1 MB: 50,000 lines (13 MB) peak well below the file's size (it used to
+    peak at 93 MB)."""
+    from rollstream.config.schema import MonitorConfig
+    from rollstream.monitor.metrics import Metrics
+
+    _ledger(tmp_path / "ledger.jsonl", 50_000)
+    tracemalloc.start()
+    try:
+        metrics = Metrics(tmp_path, MonitorConfig(progress=False))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert metrics.latest()["ledger"]["num_samples"] == 50_000
+    metrics.close()
+    assert peak < (tmp_path / "ledger.jsonl").stat().st_size // 2, peak
