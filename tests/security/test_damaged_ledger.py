@@ -58,6 +58,12 @@ def test_a_crash_between_superseding_and_replacing_the_ledger_repeats_nothing(
     """A process killed after appending to ledger.superseded.jsonl and before replacing
     ledger.jsonl used to leave the lines in both, and the next resume appended them again."""
     ckpt_dir = durable.folder(run_copy) / "step_000001"
+    state = json.loads((ckpt_dir / durable.STATE).read_text())
+    state["rollout"]["replay_lines"] = 2  # as if two replays had been checkpointed
+    (ckpt_dir / durable.STATE).write_text(json.dumps(state))
+    replays = "".join(json.dumps({"sample_uid": f"tick/train/{i}#g{i}/0", "event": "replayed",
+                                  "replayed_at_step": 1}) + "\n" for i in range(3))
+    (run_copy / "replays.jsonl").write_text(replays)
     done = subprocess.run([sys.executable, "-c", CRASH, str(run_copy)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 9, done.stderr[-2000:]
@@ -65,16 +71,17 @@ def test_a_crash_between_superseding_and_replacing_the_ledger_repeats_nothing(
     clean = tmp_path / "clean"  # the same reconcile, never interrupted
     clean_run = clean / "r"
     clean_run.mkdir(parents=True)
-    for name in ("ledger.jsonl", "replays.jsonl"):
-        if (finished_run / name).exists():
-            (clean_run / name).write_bytes((finished_run / name).read_bytes())
+    (clean_run / "ledger.jsonl").write_bytes((finished_run / "ledger.jsonl").read_bytes())
+    (clean_run / "replays.jsonl").write_text(replays)
     want = reconcile_ledger(clean_run, Checkpoint.read(ckpt_dir), group_size=2)
     assert (standing, moved) == want and moved > 0
-    for name in ("ledger.jsonl", "ledger.superseded.jsonl"):
+    for name in ("ledger.jsonl", "ledger.superseded.jsonl", "replays.jsonl",
+                 "replays.superseded.jsonl"):
         assert (run_copy / name).read_bytes() == (clean_run / name).read_bytes(), name
+    assert len((run_copy / "replays.jsonl").read_text().splitlines()) == 2
     assert not [p.name for p in run_copy.iterdir() if ".reconcile" in p.name]
     uids = [r["sample_uid"] for r in read_ledger(run_copy / "ledger.superseded.jsonl")]
-    assert len(uids) == len(set(uids)) == moved
+    assert len(uids) == len(set(uids)) == moved - 1  # and one replay event
 
 
 def _ledger(path: Path, num_lines: int) -> None:

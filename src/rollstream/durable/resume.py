@@ -126,10 +126,12 @@ def reconcile_ledger(run_dir: Path, ckpt: Checkpoint | None, *,
     return {g for g in standing if not g.endswith(_ROW)}, len(moved) + n_replays
 
 
-def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None,
-               out: IO[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
-    """Copy ``path``'s first ``n_head`` lines (each checked to be an entry) to ``out``;
-    return the lines after them (raw, parsed), a torn last line left out."""
+def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None, out: IO[bytes], *,
+               keys: tuple[str, ...] = ("sample_uid", "status"),
+               ) -> list[tuple[bytes, dict[str, Any]]]:
+    """Copy ``path``'s first ``n_head`` lines (each checked to be an entry: a JSON object
+    with string ``keys``) to ``out``; return the lines after them (raw, parsed), a torn last
+    line left out."""
     tail: list[tuple[bytes, dict[str, Any]]] = []
     bad: tuple[int, str] | None = None
     lineno = 0
@@ -139,9 +141,8 @@ def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None,
                 raise ValueError(f"{path} line {bad[0]}: {bad[1]}; only the last line may be "
                                  "torn (by a kill). Repair or remove that line to resume")
             row, why = parse_line(raw)
-            if row is not None and not (isinstance(row.get("sample_uid"), str)
-                                        and isinstance(row.get("status"), str)):
-                row, why = None, "not a ledger entry (no sample_uid and status)"
+            if row is not None and not all(isinstance(row.get(k), str) for k in keys):
+                row, why = None, f"not an entry (its {' and '.join(keys)} are not strings)"
             raw = raw if raw.endswith(b"\n") else raw + b"\n"
             if lineno <= n_head:
                 if row is None:
@@ -175,7 +176,8 @@ def _reconcile_replays(run_dir: Path, ckpt: Checkpoint | None, step: int) -> int
         return 0
     n_head = int(ckpt.state["rollout"].get("replay_lines", 0)) if ckpt is not None else 0
     with Supersede(path, superseded_path) as move:
-        tail = [row for _, row in _copy_head(path, n_head, ckpt, move.new)]
+        tail = [row for _, row in _copy_head(path, n_head, ckpt, move.new,
+                                             keys=("sample_uid",))]
         move.commit(_superseded_line(r, step) for r in tail)
     return len(tail)
 
