@@ -51,7 +51,7 @@ def build_config(config: str | Path | Mapping[str, Any] | RunConfig | None = Non
         apply_override(data, item)
     if datasets:
         probe = validate(_with_paths(data, datasets, dict.fromkeys(datasets, "unwritten")))
-        inputs = Path(probe.run_root).expanduser() / probe.name / "inputs"
+        inputs = probe.run_dir / "inputs"
         data = _with_paths(data, datasets,
                            {n: str(_write_rows(inputs, n, rows)) for n, rows in datasets.items()})
     return validate(data)
@@ -132,7 +132,7 @@ def _write_rows(folder: Path, source: str, rows: Rows | Any) -> Path:
                               "expected a mapping of column -> value")
         try:
             lines.append(json.dumps(dict(row), allow_nan=False, ensure_ascii=False))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise ConfigError(f"datasets[{source!r}] row {i}: {e} (rows are kept as JSON: "
                               "use str, number, bool, None, lists and dicts)") from None
     text = "".join(line + "\n" for line in lines)

@@ -15,6 +15,7 @@ from rollstream.config.schema import TrainConfig
 from rollstream.durable import checkpoint as durable
 from rollstream.train.trainer import Trainer
 from tests.durable.batches import batch
+from tests.durable.whole import ROLLOUT, model_saver, save_trainer
 from tests.train.conftest import SYNC, tiny_model_path  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,16 +24,17 @@ CFG = {"lr": 1e-2, "updates_per_step": 2, "micro_batch_tokens": 16}
 FRESH = '''
 import json, sys, torch
 from tests.durable.batches import batch
+from tests.durable.whole import ROLLOUT, model_saver, save_trainer
 from pathlib import Path
 from rollstream.config.schema import TrainConfig
 from rollstream.durable import checkpoint as durable
 from rollstream.train.trainer import Trainer
 from tests.train.conftest import SYNC
 model_path, run_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-ckpt = durable.latest(run_dir)
+ckpt = durable.folder(run_dir) / "step_000002"  # its model folder has no tokenizer: not read
 trainer = Trainer(TrainConfig(**json.loads(sys.argv[4])), model_path, staleness=SYNC)
-trainer.load_training_state(ckpt.model_dir, ckpt.trainer_file)
-loss = trainer.step(batch(ckpt.step), ckpt.step).metrics["loss"]
+trainer.load_training_state(ckpt / durable.MODEL, ckpt / durable.TRAINER)
+loss = trainer.step(batch(2), 2).metrics["loss"]
 torch.save({"loss": loss, "params": trainer.state_dict()}, out)
 '''
 
@@ -54,8 +56,7 @@ def test_a_fresh_process_takes_the_same_next_step(tiny_model_path: Path,  # noqa
         torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6)
     # without the optimizer state the step differs (the test can tell)
     b = Trainer(TrainConfig(**CFG), tiny_model_path, staleness=SYNC)
-    ckpt = durable.latest(tmp_path)
-    b.model.load_state_dict(load_weights(ckpt.model_dir))
+    b.model.load_state_dict(load_weights(durable.folder(tmp_path) / "step_000002" / durable.MODEL))
     other = b.step(batch(2), 2)
     diff = max((b.state_dict()[n] - p).abs().max().item() for n, p in a.state_dict().items())
     assert diff > 1e-4, (other.metrics["loss"], diff)
@@ -67,21 +68,15 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
 
 
-def test_checkpoints_are_whole_and_the_newest_are_kept(tmp_path: Path) -> None:
-    def model(path: Path) -> None:
-        path.mkdir()
-        (path / "w").write_text("weights")
-
-    def trainer(path: Path) -> None:
-        path.write_text("optimizer")
-
+def test_checkpoints_are_whole_and_the_newest_are_kept(tmp_path: Path, kit_model: Path) -> None:
+    model = model_saver(kit_model)
     for step in (2, 4, 6):
-        durable.write(tmp_path, step, {"n": step}, save_model=model, save_trainer=trainer,
-                      keep=2)
+        durable.write(tmp_path, step, {"n": step, "config": {}, "rollout": ROLLOUT},
+                      save_model=model, save_trainer=save_trainer, keep=2)
     names = sorted(p.name for p in durable.folder(tmp_path).iterdir())
     assert names == ["step_000004", "step_000006"]  # no temporary folder left either
     ckpt = durable.latest(tmp_path)
-    assert ckpt.step == 6 and ckpt.state["n"] == 6 and (ckpt.model_dir / "w").exists()
+    assert ckpt.step == 6 and ckpt.state["n"] == 6 and (ckpt.model_dir / "config.json").exists()
 
     def crash(path: Path) -> None:
         raise OSError("disk full")
@@ -91,5 +86,6 @@ def test_checkpoints_are_whole_and_the_newest_are_kept(tmp_path: Path) -> None:
     assert durable.latest(tmp_path).step == 6, "a half-written checkpoint is never the latest"
     (durable.folder(tmp_path) / "step_000006" / durable.STATE).write_text(
         json.dumps({"format": 99, "step": 6}))
-    with pytest.raises(ValueError, match="format 99"):
-        durable.latest(tmp_path)
+    skipped = []
+    assert durable.latest(tmp_path, on_skip=lambda p, why: skipped.append(why)).step == 4
+    assert len(skipped) == 1 and "format 99" in skipped[0]

@@ -8,6 +8,7 @@ from rollstream.config import ConfigError, RunConfig, load_config
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import config_changes
 from rollstream.runtime.train import resume_point
+from tests.durable.whole import ROLLOUT, model_saver, save_trainer
 
 
 def _dump(*overrides: str) -> dict:
@@ -38,11 +39,11 @@ def test_a_field_added_since_the_checkpoint_is_not_a_change_at_its_default():
                                        "tasks.mix=weighted")) == ["tasks.mix"]
 
 
-def test_resume_point_names_the_fields_and_the_allowed_ones(tmp_path):
+def test_resume_point_names_the_fields_and_the_allowed_ones(tmp_path, kit_model):
     run_dir = tmp_path / "r"
     saved = RunConfig(name="r", run_root=str(tmp_path)).model_dump(mode="json")
-    durable.write(run_dir, 4, {"config": saved}, save_model=lambda p: p.mkdir(),
-                  save_trainer=lambda p: p.write_text(""), keep=2)
+    durable.write(run_dir, 4, {"config": saved, "rollout": ROLLOUT},
+                  save_model=model_saver(kit_model), save_trainer=save_trainer, keep=2)
     ok = load_config(None, ["name=r", f"run_root={tmp_path}", "resume=true", "train.steps=90"])
     assert resume_point(ok, run_dir).step == 4
     bad = load_config(None, ["name=r", f"run_root={tmp_path}", "resume=true",

@@ -18,7 +18,7 @@ from rollstream.config.schema import (
     WarmStartConfig,
 )
 from rollstream.data.mix import TaskMix
-from rollstream.models.tiny import init_tiny_model
+from rollstream.models.tiny import init_tiny_model, save_model_folder
 from rollstream.models.tokenizer import EOS, build_char_tokenizer, load_tokenizer
 from rollstream.reward import Response
 from rollstream.trajectory import Task
@@ -73,22 +73,23 @@ def test_cache_key_covers_the_configs_that_shape_the_model(tmp_path: Path) -> No
 
 def test_a_given_model_path_is_validated(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    with pytest.raises(ValueError, match=r"'.*nope' does not exist"):
+    with pytest.raises(ValueError, match=r"'.*nope': does not exist"):
         ws.prepare_model(ModelConfig(path=str(missing)), TASKS)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"empty' has no config.json"):
+    with pytest.raises(ValueError, match=r"empty': has no config.json"):
         ws.prepare_model(ModelConfig(path=str(tmp_path / "empty")), TASKS)
-    (tmp_path / "no_tok").mkdir()
-    (tmp_path / "no_tok" / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"no_tok' has no tokenizer"):
-        ws.prepare_model(ModelConfig(path=str(tmp_path / "no_tok")), TASKS)
+    good = tmp_path / "good"
+    save_model_folder(init_tiny_model(TINY, build_char_tokenizer()), build_char_tokenizer(), good)
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    for f in good.iterdir():
+        if f.name != "tokenizer.json":
+            (no_tok / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"no_tok': has no tokenizer.json"):
+        ws.prepare_model(ModelConfig(path=str(no_tok)), TASKS)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a folder"):
         ws.prepare_model(ModelConfig(path=str(tmp_path / "file")), TASKS)
-    good = tmp_path / "good"
-    good.mkdir()
-    (good / "config.json").write_text("{}")
-    (good / "tokenizer.json").write_text("{}")
     cfg = ModelConfig(path=str(good), cache_dir=str(tmp_path / "cache"))
     assert ws.prepare_model(cfg, TASKS) == good.resolve()
     assert not (tmp_path / "cache").exists()  # nothing was built

@@ -22,7 +22,7 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
     from rollstream.config.schema import EngineConfig, LocalEngineConfig
     from rollstream.engine import build_engine
     from rollstream.models.tokenizer import load_tokenizer
-    from rollstream.models.warmstart import validate_model_folder
+    from rollstream.models.folder import validate_model_folder
 
     folder = validate_model_folder(Path(model_dir))
     tokenizer = load_tokenizer(folder)
@@ -36,7 +36,7 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
             loop.add_signal_handler(sig, stop.set)
         try:
             async with AgentProxy([engine], tokenizer, port=port, limits=limits,
-                                  context_tokens=engine_cfg.context_tokens) as proxy:
+                                  context_tokens=engine_cfg.context()[1]) as proxy:
                 handles = [proxy.open_session(f"session-{i}") for i in range(num_sessions)]
                 print(f"base_url {proxy.base_url}", flush=True)
                 for h in handles:

@@ -211,7 +211,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
 
     with ThreadMeter() as meter:
         summary = run_training(cfg)
-    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir = cfg.run_dir
     ledger = read_ledger(run_dir / "ledger.jsonl")
     # the tokens the loss kept (with train.max_token_age a resumed sample's old prefix is not)
     trained_tokens = sum(r["num_trained_tokens"] for r in ledger if r["status"] == "trained")

@@ -276,7 +276,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         print(f"bench pair: {label} seed {seed} ({i + 1}/{len(order)}) ...", flush=True)
         cfg = row_config(config, common, [*modes[label], f"name={label}-s{seed}-{i}",
                                           f"seed={seed}"])
-        runs[seed, k, side] = {**run_config(cfg), "run_dir": str(Path(cfg.run_root) / cfg.name)}
+        runs[seed, k, side] = {**run_config(cfg), "run_dir": str(cfg.run_dir)}
     pairs = {f"k{k}": summarise_pair({(s, side): r for (s, kk, side), r in runs.items()
                                       if kk == k}, k) for k in ks}
     result = {

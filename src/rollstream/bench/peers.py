@@ -74,7 +74,7 @@ def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
                 f"train.steps={steps}", "tasks.num_eval=16", "eval.samples_per_task=1"]
     cfg = load_config(TICK_YAML, [*overrides, *settings])
     row = run_config(cfg)
-    metrics = [json.loads(x) for x in (Path(cfg.run_root) / cfg.name / "metrics.jsonl")
+    metrics = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl")
                .read_text().splitlines() if x.strip()]
     rewards = [m["reward_mean"] for m in metrics if m.get("kind") == "train"]
     return {

@@ -75,7 +75,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
             "resume", root / "runs", steps=steps, checkpoint_every=2, cache_dir=cache_dir)))
         cfg = load_config(cfg_path, [])
         prepare_model(cfg.model, cfg.tasks)  # the warm start, before any clock
-        run_dir = Path(cfg.run_root) / cfg.name
+        run_dir = cfg.run_dir
         kills, resume_s, seen, t_bench = [], [], -1, time.perf_counter()
         while len(kills) < num_kills:
             first_span = _FirstSpan(run_dir / "timeline.jsonl")

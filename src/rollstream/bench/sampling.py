@@ -142,7 +142,7 @@ def run_pair(common: Sequence[str], rows: dict[str, list[str]], *,
     procs = {}
     for label, extra in rows.items():
         cfg = row_config(DEMO_YAML, common, [*extra, f"name={label}"])
-        run_dir = Path(cfg.run_root) / cfg.name
+        run_dir = cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         path = Path(cfg.run_root) / f"{label}.json"  # JSON is YAML
         path.write_text(json.dumps(cfg.model_dump(mode="json")))
@@ -176,7 +176,7 @@ def collect(cfg: Any) -> dict[str, Any]:
     from rollstream.bench.modes import read_metrics, reward_se
     from rollstream.data.ledger import read_ledger
 
-    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir = cfg.run_dir
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = read_ledger(run_dir / "ledger.jsonl")
     steps = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]

@@ -80,7 +80,9 @@ class EngineConfig(Section):
     """Settings of the vLLM engine."""
 
     @property
-    def context_tokens(self) -> int:
-        """Tokens one sequence may hold, prompt and response: the chosen kind's
-        ``local.max_seq_len`` or ``vllm.max_model_len``."""
-        return self.local.max_seq_len if self.kind == "local" else self.vllm.max_model_len
+    def context(self) -> tuple[str, int]:
+        """The setting that bounds a request's prompt + response tokens on this engine, and
+        its value (a prompt fits when it leaves room for one new token)."""
+        if self.kind == "vllm":
+            return "engine.vllm.max_model_len", self.vllm.max_model_len
+        return "engine.local.max_seq_len", self.local.max_seq_len

@@ -7,6 +7,7 @@ Errors name the field path, the offending value and what is allowed; unknown key
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +19,11 @@ from rollstream.config.schema import RunConfig
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message says where and why."""
+
+
+_REPR = reprlib.Repr()  # values in messages: bounded (a YAML alias can nest exponentially)
+_REPR.maxstring = _REPR.maxother = 120
+_REPR.maxlevel = 3
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -34,9 +40,11 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{what} file not found: {p}")
     try:
-        loaded = yaml.safe_load(p.read_text())
+        loaded = yaml.safe_load(p.read_bytes())
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, a 5,000-digit int, depth
+        raise ConfigError(f"{p}: cannot be read as YAML ({_why(e)})") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{p}: the top level must be a mapping, got {type(loaded).__name__}")
     return loaded or {}
@@ -57,27 +65,43 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``a.b.c=value`` override in place (value parsed as YAML)."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must look like key.path=value")
+        raise ConfigError(f"override {_REPR.repr(item)} must look like key.path=value")
+    key = key.strip()
     try:
         value = yaml.safe_load(raw) if raw.strip() else raw
     except yaml.YAMLError:
         value = raw
-    parts = key.strip().split(".")
+    except (ValueError, RecursionError) as e:  # a 5,000-digit int, nesting past the stack
+        raise ConfigError(f"override {key}: its value cannot be read ({_why(e)})") from None
+    parts = key.split(".")
+    if "" in parts:
+        raise ConfigError(f"override {_REPR.repr(item)}: the key {key!r} has an empty part "
+                          "(keys look like train.lr or tasks.sources.0.weight)")
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
             node = node[_index(part, node, parts[: i + 1])]
             continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[:i])} is "
+                              f"{_REPR.repr(node)}, not a mapping to set {part!r} in")
         nxt = node.get(part)
         if nxt is None:
             nxt = _default_container(parts[: i + 1])
             node[part] = nxt
         node = nxt
+    if not isinstance(node, (dict, list)):
+        raise ConfigError(f"override {key}: {'.'.join(parts[:-1])} is {_REPR.repr(node)}, not "
+                          f"a mapping to set {parts[-1]!r} in")
     last = parts[-1]
     if isinstance(node, list):
         node[_index(last, node, parts)] = value
     else:
         node[last] = value
+
+
+def _why(e: BaseException) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 def _index(part: str, node: list, path: list[str]) -> int:
@@ -130,8 +154,8 @@ def validation_problems(err: ValidationError, model: type[BaseModel]) -> list[st
             msg = reason if loc == "<root>" else f"{loc}: {reason}"
         else:
             value = e.get("input")
-            shown = repr(value) if not isinstance(value, dict) else "{...}"
-            msg = f"{loc} = {shown}: {e['msg']}"
+            shown = _REPR.repr(value) if not isinstance(value, dict) else "{...}"
+            msg = f"{loc} = {shown}: {e['msg'].removeprefix('Value error, ')}"
             allowed = _allowed(e)
             if allowed:
                 msg += f" (allowed: {allowed})"

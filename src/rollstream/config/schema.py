@@ -8,9 +8,11 @@ back here.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, model_validator
+from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
 from rollstream.config.engine import (  # the whole tree stays importable from here
     EngineConfig,
@@ -295,11 +297,30 @@ class MonitorConfig(Section):
     """Write the HTML report at the end of the run."""
 
 
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+
+
 class RunConfig(Section):
     name: str = "run"
-    """Run name; the run directory is ``{run_root}/{name}``."""
+    """Run name; the run directory is ``{run_root}/{name}``. One path component: letters,
+    digits, ``.``, ``_`` and ``-`` (at most 255), not ``.`` or ``..``, so a run writes and
+    deletes only inside its own folder."""
     run_root: str = "runs"
-    """Parent folder of run directories."""
+    """Parent folder of run directories (``~`` is expanded)."""
+
+    @field_validator("name")
+    @classmethod
+    def _one_component(cls, name: str) -> str:
+        if not _RUN_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(
+                "must be one folder name of letters, digits, '.', '_' and '-' (at most 255 "
+                "characters; not '.' or '..'): the run directory is {run_root}/{name}")
+        return name
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory, ``{run_root}/{name}``."""
+        return Path(self.run_root).expanduser() / self.name
     seed: int = 0
     """Global seed."""
     max_wall_s: float | None = Field(None, gt=0)

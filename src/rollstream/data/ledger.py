@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,7 +47,7 @@ class Ledger:
         self.num_lines = 0
         self.num_recorded = 0
         if path is not None and path.exists():
-            for row in read_ledger(path):
+            for row in iter_ledger(path):
                 uid = row["sample_uid"]
                 if uid.endswith("#row"):
                     self._rows[uid] = SampleStatus.FAILED
@@ -59,7 +60,7 @@ class Ledger:
         self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
         self._replay_path = path.with_name(REPLAYS) if path is not None else None
         self._replay_fh: IO[str] | None = None  # opened at the first replay
-        self.num_replay_lines = (len(read_ledger(self._replay_path))
+        self.num_replay_lines = (sum(1 for _ in iter_ledger(self._replay_path))
                                  if self._replay_path is not None and self._replay_path.exists()
                                  else 0)
         if self.num_replay_lines:
@@ -195,11 +196,32 @@ def turn_entry(turn: Turn) -> dict[str, Any]:
 
 
 def read_ledger(path: Path) -> list[dict]:
-    """Read a ledger file; a torn last line (crash mid-write) is skipped."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """A ledger file's rows (:func:`iter_ledger`)."""
+    return list(iter_ledger(path))
+
+
+def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
+    """A ledger file's rows, streamed. The last line may be torn (a crash mid-write) and is
+    skipped; any other line that is not a JSON object is a ValueError naming it: a lost line
+    is a lost sample."""
+    with path.open("rb") as f:
+        bad: tuple[int, str] | None = None
+        for lineno, raw in enumerate(f, start=1):
+            if bad is not None:
+                raise ValueError(f"{path} line {bad[0]}: {bad[1]}")
+            row, why = parse_line(raw)
+            if row is None:
+                bad = (lineno, why)
+                continue
+            yield row
+
+
+def parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str]:
+    """A ledger line's row, or (None, why it is not a JSON object)."""
+    try:
+        row = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        return None, f"not JSON ({e})"
+    if not isinstance(row, dict):
+        return None, f"not a JSON object ({type(row).__name__})"
+    return row, ""

@@ -92,6 +92,9 @@ def demonstration_config(cfg: TasksConfig) -> TasksConfig:
                                   "pass_rate": PassRateConfig()})
 
 
+FIT_ROWS = 1000  # training prompts per source that check_fits tokenizes (a bound on its cost)
+
+
 class TaskMix:
     """Training tasks drawn from the sources as ``tasks.mix`` says, held-out tasks round-robin.
 
@@ -168,6 +171,23 @@ class TaskMix:
         if name not in self._sources:
             raise ValueError(f"unknown task source {name!r}; this mix has {self._names}")
         return self._sources[name]
+
+    def check_fits(self, setting: str, max_tokens: int) -> None:
+        """A ValueError naming the source when none of its first ``FIT_ROWS`` training
+        prompts fits an engine context of ``max_tokens`` (``setting``): prompt + one new
+        token. Such a source would only ever fail its samples."""
+        for i, name in enumerate(self._names):
+            src = self._sources[name]
+            num = src.num_tasks("train")
+            count = FIT_ROWS if num is None else min(num, FIT_ROWS)
+            shortest = min((len(src.task(k, "train").prompt_ids) for k in range(count)),
+                           default=0)
+            if count and shortest >= max_tokens:
+                raise ValueError(
+                    f"tasks.sources.{i} ({name!r}): none of its first {count} training prompts "
+                    f"fits the context: the shortest is {shortest} tokens and {setting} = "
+                    f"{max_tokens} holds a prompt of at most {max_tokens - 1} (plus one new "
+                    f"token); raise {setting} or shorten the prompts")
 
     # ---- drawing -----------------------------------------------------------------------
     def next_task(self) -> Task | None:

@@ -29,13 +29,13 @@ recorded once.
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from rollstream.data.ledger import REPLAYS
+from rollstream.data.ledger import REPLAYS, parse_line
 from rollstream.durable.checkpoint import Checkpoint
+from rollstream.durable.supersede import Supersede, recover
 
 # what may differ between a checkpoint's config and the resuming one (dotted prefixes)
 SAFE_CHANGES = ("resume", "run_root", "max_wall_s", "train.steps", "train.checkpoint_every",
@@ -90,64 +90,95 @@ def reconcile_ledger(run_dir: Path, ckpt: Checkpoint | None, *,
     """Rewrite ``run_dir/ledger.jsonl`` for a resume from ``ckpt`` (None: from step 0).
 
     Returns the standing group ids (admitted after the checkpoint, retired untrained: the
-    resumed run skips them) and the number of superseded lines."""
+    resumed run skips them) and the number of superseded lines. The file is streamed: the
+    checkpointed head is copied line by line, only the tail is held. A head line that is not
+    a ledger entry, or a head shorter than the checkpoint counted, is a ValueError naming the
+    line (skipping it would lose its sample); so is a bad tail line other than the last (the
+    line a kill tore)."""
     path = run_dir / "ledger.jsonl"
+    superseded_path = run_dir / "ledger.superseded.jsonl"
     if not path.exists():
+        recover(path, superseded_path)
         return set(), 0
-    lines = path.read_text().splitlines()
     n_head = int(ckpt.state["rollout"]["ledger_lines"]) if ckpt is not None else 0
-    head, tail = lines[:n_head], []
-    for line in lines[n_head:]:
-        try:
-            tail.append(json.loads(line))
-        except json.JSONDecodeError:  # the line a kill tore
-            continue
-    held = set(ckpt.state["rollout"]["held_groups"]) if ckpt is not None else set()
-    by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in tail:
-        by_group[_key(row["sample_uid"])].append(row)
-    standing: set[str] = set()
-    for gid, rows in by_group.items():
-        retired_untrained = (gid not in held and len(rows) == group_size
-                             and all(r["status"] in _STANDING and r.get("taken_at_step") is None
-                                     for r in rows))
-        if gid.endswith(_ROW) or retired_untrained:
-            standing.add(gid)
-    kept = [r for r in tail if _key(r["sample_uid"]) in standing]
-    superseded = [r for r in tail if _key(r["sample_uid"]) not in standing]
-    step = ckpt.step if ckpt is not None else 0
-    if superseded:
-        with (run_dir / "ledger.superseded.jsonl").open("a") as f:
-            for r in superseded:
-                f.write(json.dumps({**r, "superseded_at_resume_step": step}) + "\n")
-    tmp = path.with_name(f".ledger.jsonl.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in head)
-                   + "".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+    with Supersede(path, superseded_path) as move:
+        tail = _copy_head(path, n_head, ckpt, move.new)
+        held = set(ckpt.state["rollout"]["held_groups"]) if ckpt is not None else set()
+        by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for _, row in tail:
+            by_group[_key(row["sample_uid"])].append(row)
+        standing: set[str] = set()
+        for gid, rows in by_group.items():
+            retired_untrained = (gid not in held and len(rows) == group_size
+                                 and all(r["status"] in _STANDING
+                                         and r.get("taken_at_step") is None for r in rows))
+            if gid.endswith(_ROW) or retired_untrained:
+                standing.add(gid)
+        step = ckpt.step if ckpt is not None else 0
+        moved = []
+        for raw, row in tail:
+            if _key(row["sample_uid"]) in standing:
+                move.new.write(raw)
+            else:
+                moved.append(_superseded_line(row, step))
+        move.commit(moved)
     n_replays = _reconcile_replays(run_dir, ckpt, step)
-    return {g for g in standing if not g.endswith(_ROW)}, len(superseded) + n_replays
+    return {g for g in standing if not g.endswith(_ROW)}, len(moved) + n_replays
+
+
+def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None, out: IO[bytes], *,
+               keys: tuple[str, ...] = ("sample_uid", "status"),
+               ) -> list[tuple[bytes, dict[str, Any]]]:
+    """Copy ``path``'s first ``n_head`` lines (each checked to be an entry: a JSON object
+    with string ``keys``) to ``out``; return the lines after them (raw, parsed), a torn last
+    line left out."""
+    tail: list[tuple[bytes, dict[str, Any]]] = []
+    bad: tuple[int, str] | None = None
+    lineno = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if bad is not None:
+                raise ValueError(f"{path} line {bad[0]}: {bad[1]}; only the last line may be "
+                                 "torn (by a kill). Repair or remove that line to resume")
+            row, why = parse_line(raw)
+            if row is not None and not all(isinstance(row.get(k), str) for k in keys):
+                row, why = None, f"not an entry (its {' and '.join(keys)} are not strings)"
+            raw = raw if raw.endswith(b"\n") else raw + b"\n"
+            if lineno <= n_head:
+                if row is None:
+                    assert ckpt is not None
+                    raise ValueError(
+                        f"{path} line {lineno}: {why}, inside the {n_head} lines that "
+                        f"checkpoint {ckpt.path} counts as done: resuming would lose that "
+                        "sample. Restore the line from a copy of the run to resume")
+                out.write(raw)
+            elif row is None:
+                bad = (lineno, why)
+            else:
+                tail.append((raw, row))
+    if lineno < n_head:
+        assert ckpt is not None
+        raise ValueError(f"{path} has {lineno} lines, fewer than the {n_head} that checkpoint "
+                         f"{ckpt.path} counts as done: the ledger lost lines since")
+    return tail
+
+
+def _superseded_line(row: dict[str, Any], step: int) -> bytes:
+    return (json.dumps({**row, "superseded_at_resume_step": step}) + "\n").encode()
 
 
 def _reconcile_replays(run_dir: Path, ckpt: Checkpoint | None, step: int) -> int:
     """Move the replay events past ``ckpt``'s count to ``replays.superseded.jsonl``."""
     path = run_dir / REPLAYS
+    superseded_path = run_dir / "replays.superseded.jsonl"
     if not path.exists():
+        recover(path, superseded_path)
         return 0
-    lines = path.read_text().splitlines()
     n_head = int(ckpt.state["rollout"].get("replay_lines", 0)) if ckpt is not None else 0
-    tail = []
-    for line in lines[n_head:]:
-        try:
-            tail.append(json.loads(line))
-        except json.JSONDecodeError:  # the line a kill tore
-            continue
-    if tail:
-        with (run_dir / "replays.superseded.jsonl").open("a") as f:
-            for r in tail:
-                f.write(json.dumps({**r, "superseded_at_resume_step": step}) + "\n")
-    tmp = path.with_name(f".{REPLAYS}.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in lines[:n_head]))
-    tmp.replace(path)
+    with Supersede(path, superseded_path) as move:
+        tail = [row for _, row in _copy_head(path, n_head, ckpt, move.new,
+                                             keys=("sample_uid",))]
+        move.commit(_superseded_line(r, step) for r in tail)
     return len(tail)
 
 
@@ -157,7 +188,8 @@ _ROW = "#row"  # a rejected dataset row's ledger uid ends so (Ledger.record_reje
 def reconcile_logs(run_dir: Path, ckpt: Checkpoint | None) -> int:
     """Move what ``metrics.jsonl`` and ``timeline.jsonl`` hold past ``ckpt``'s sizes (all of
     it when None: the run starts at step 0) to ``<stream>.superseded.jsonl``; returns the
-    lines moved. A checkpoint's own record (its ``checkpoint_step`` phase line) stands."""
+    lines moved. A checkpoint's own record (its ``checkpoint_step`` phase line) stands. The
+    head is copied in chunks; only the tail is read into memory."""
     sizes = ckpt.state.get("logs") if ckpt is not None else {}
     if sizes is None:  # written before checkpoints stored them: leave the files as they are
         return 0
@@ -165,31 +197,40 @@ def reconcile_logs(run_dir: Path, ckpt: Checkpoint | None) -> int:
     moved = 0
     for stream in ("metrics", "timeline"):
         path = run_dir / f"{stream}.jsonl"
-        if not path.exists():
-            continue
-        data = path.read_bytes()
+        superseded_path = run_dir / f"{stream}.superseded.jsonl"
         size = int(sizes.get(stream, 0))
-        if len(data) <= size:
+        if not path.exists() or path.stat().st_size <= size:
+            recover(path, superseded_path)
             continue
-        kept, superseded = [], []
-        for line in data[size:].decode(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # the line a kill tore
-                continue
-            stands = (stream == "metrics" and row.get("kind") == "phase"
-                      and row.get("checkpoint_step") is not None
-                      and row["checkpoint_step"] <= step)
-            (kept if stands else superseded).append(row)
-        with (run_dir / f"{stream}.superseded.jsonl").open("a") as f:
-            for r in superseded:
-                f.write(json.dumps({**r, "superseded_at_resume_step": step}) + "\n")
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(data[:size] + b"".join(
-            (json.dumps(r, separators=(",", ":")) + "\n").encode() for r in kept))
-        tmp.replace(path)
+        with Supersede(path, superseded_path) as move, path.open("rb") as f:
+            _copy_bytes(f, move.new, size)
+            superseded = []
+            for line in f.read().decode(errors="replace").splitlines():
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):  # the line a kill tore
+                    continue
+                stands = (stream == "metrics" and isinstance(row, dict)
+                          and row.get("kind") == "phase"
+                          and row.get("checkpoint_step") is not None
+                          and row["checkpoint_step"] <= step)
+                if stands:
+                    move.new.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
+                elif isinstance(row, dict):
+                    superseded.append(_superseded_line(row, step))
+            move.commit(superseded)
         moved += len(superseded)
     return moved
+
+
+def _copy_bytes(src: IO[bytes], dst: IO[bytes], size: int, chunk: int = 1 << 20) -> None:
+    """Copy the next ``size`` bytes of ``src`` to ``dst``, ``chunk`` at a time."""
+    while size > 0:
+        data = src.read(min(chunk, size))
+        if not data:
+            return
+        dst.write(data)
+        size -= len(data)
 
 
 def _key(sample_uid: str) -> str:

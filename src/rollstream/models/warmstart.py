@@ -45,6 +45,7 @@ from transformers import (
 from rollstream.config.schema import ModelConfig, RewardConfig, TasksConfig, WarmStartConfig
 from rollstream.data.mix import TaskMix, demonstration_config
 from rollstream.data.sources import source_rewards
+from rollstream.models.folder import validate_model_folder
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
 from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer
 from rollstream.reward import Response, Reward, build_resolver, decode_response
@@ -83,26 +84,6 @@ def prepare_model(model_cfg: ModelConfig, tasks_cfg: TasksConfig,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder.resolve()
-
-
-def validate_model_folder(path: Path) -> Path:
-    """``path`` if it looks like a HF causal-LM folder, else a ValueError saying what is missing."""
-    if not path.exists():
-        raise ValueError(f"model.path {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ValueError(
-            f"model.path {str(path)!r} is not a folder (expected a Hugging Face model folder)"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model.path {str(path)!r} has no config.json (not a Hugging Face model folder)"
-        )
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(
-            f"model.path {str(path)!r} has no tokenizer.json or tokenizer_config.json "
-            "(the run loads the tokenizer from the model folder)"
-        )
-    return path.resolve()
 
 
 def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:

@@ -14,7 +14,7 @@ import json
 import math
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,36 +203,46 @@ class RunLog:
 
 
 class JsonlTail:
-    """Reads a JSONL file incrementally: each call returns the newly completed lines."""
+    """Reads a JSONL file incrementally: each call yields the newly completed lines, read
+    ``CHUNK_BYTES`` at a time (a resumed run reads its whole history at start: memory stays
+    that of a chunk, not of the file)."""
+
+    CHUNK_BYTES = 1 << 20
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
         self.num_bad = 0
 
-    def read_new(self) -> list[dict[str, Any]]:
+    def read_new(self) -> Iterator[dict[str, Any]]:
         try:
-            with self.path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
+            f = self.path.open("rb")
         except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1  # a torn last line waits for its newline
-        self._offset += end
-        out = []
-        for line in chunk[:end].splitlines():
+            return
+        with f:
+            f.seek(self._offset)
+            buf = b""
+            while data := f.read(self.CHUNK_BYTES):
+                buf += data
+                end = buf.rfind(b"\n") + 1  # a torn last line waits for its newline
+                if end:
+                    self._offset += end
+                    yield from self._parse(buf[:end])
+                    buf = buf[end:]
+
+    def _parse(self, lines: bytes) -> Iterator[dict[str, Any]]:
+        for line in lines.splitlines():
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 self.num_bad += 1
                 continue
             if isinstance(obj, dict):
-                out.append(obj)
+                yield obj
             else:
                 self.num_bad += 1
-        return out
 
 
 def check_run_dir(run_dir: Path) -> Path:

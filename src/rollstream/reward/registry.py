@@ -322,11 +322,28 @@ def _import(path: str) -> Reward:
             f"reward {path!r}: cannot import module {module_name!r} ({e}); is it on "
             "PYTHONPATH (e.g. `PYTHONPATH=. rollstream train ...`)?"
         ) from None
+    except SyntaxError as e:
+        raise ValueError(f"reward {path!r}: module {module_name!r} has a syntax error: "
+                         f"{e.filename} line {e.lineno}: {e.msg}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - fault boundary: a user module
+        where = _raised_in(e)
+        raise ValueError(f"reward {path!r}: importing module {module_name!r} raised "
+                         f"{type(e).__name__}: {e}{where}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
     registered = next((r for r in _REGISTRY.values() if r.fn is fn), None)
     return registered or Reward.of(fn, path)
+
+
+def _raised_in(e: BaseException) -> str:
+    """`` (file line N)``: where the innermost frame of ``e``'s traceback raised, or ''."""
+    tb = e.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" ({tb.tb_frame.f_code.co_filename} line {tb.tb_lineno})"
 
 
 def known_rewards() -> list[str]:

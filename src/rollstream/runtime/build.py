@@ -2,15 +2,20 @@
 
 :func:`check_inputs` validates what a run reads (model folder, dataset paths, reward names)
 at once; :func:`build_run` builds every component for a run directory (the run directory is
-prepared only after the model and the datasets have loaded, so bad input never costs an
-earlier run's files) and returns them as one :class:`Run`; ``runtime/train.py`` runs them. The sampling parameters
-(:func:`sampling_params`) and the trainer (:func:`build_trainer`) are built from the config
-here and only here, for runs and benchmarks alike.
+prepared only after the model and the datasets have loaded and each source has a prompt that
+fits the engines' context, so bad input never costs an earlier run's files) and returns them
+as one :class:`Run`; ``runtime/train.py`` runs them. A build that fails closes every
+component it had built (engine threads, files, worker processes, Ray) before it raises.
+The sampling parameters (:func:`sampling_params`) and the trainer (:func:`build_trainer`) are
+built from the config here and only here, for runs and benchmarks alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
+import logging
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,6 +43,8 @@ from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import SINGLE_TURN
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from rollstream.data.mix import TaskMix
     from rollstream.monitor.metrics import Metrics
@@ -55,7 +62,7 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
     or a callable in ``rewards``) is unusable, or the runtime's library is missing (runs call
     this before touching their run directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
-    from rollstream.models.warmstart import validate_model_folder
+    from rollstream.models.folder import validate_model_folder
     from rollstream.reward.registry import build_resolver
 
     if cfg.model.path is not None:
@@ -161,7 +168,7 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
         pool = build_workers(cfg, a.harness_workers, "harness") if a.harness_workers else None
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
                                          budgets=budgets, workers=pool,
-                                         context_tokens=cfg.engine.context_tokens,
+                                         context_tokens=cfg.engine.context()[1],
                                          limits=a.proxy)
     return harnesses
 
@@ -313,12 +320,13 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
     return list(engines), cluster
 
 
-def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | None = None,
-              rewards: Mapping[str, RewardFn] | None = None) -> Run:
+async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | None = None,
+                    rewards: Mapping[str, RewardFn] | None = None) -> Run:
     """Every component of a run; with ``cfg.resume`` it continues from ``resume`` (the run's
     newest checkpoint; None: none was written, the run starts at step 0 keeping the ledger's
     record of what the lost process did in ``ledger.superseded.jsonl``). ``rewards``: source
-    name -> a reward callable given as an object (the Python API, ``rollstream.train``)."""
+    name -> a reward callable given as an object (the Python API, ``rollstream.train``).
+    On any failure, what was built is closed before the error propagates."""
     from transformers.utils import logging as hf_logging
 
     from rollstream.data.mix import TaskMix
@@ -336,48 +344,53 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
     tokenizer = load_tokenizer(model_path)
     mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir
-    prepare_run_dir(cfg, run_dir, resume=cfg.resume)
+    mix.check_fits(*cfg.engine.context)
     skip: set[str] = set()
     superseded = 0
-    if cfg.resume:
+    if cfg.resume:  # first: a ledger it refuses leaves the run directory as it was
         skip, superseded = reconcile_ledger(run_dir, resume, group_size=cfg.rollout.group_size)
         reconcile_logs(run_dir, resume)
-    metrics = Metrics(run_dir, cfg.monitor)
-    ledger = Ledger(run_dir / "ledger.jsonl")
-    for task_uid, source, reason in mix.rejected():
-        print(f"warning: skipped task {task_uid}: {reason}", flush=True)
-        if ledger.status_of(f"{task_uid}#row") is None:  # a resumed run recorded it before
-            ledger.record_rejected(task_uid, source, reason)
-    for warning in mix.warnings():
-        print(f"warning: {warning}", flush=True)
-    version = resume.step if resume is not None else 0  # weight version = steps done
-    weights = resume.model_dir if resume is not None else model_path
-    engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)
-    trainer = None
-    try:  # a Ray the run started (and the trainer's ranks) must not outlive a failed build
+    prepare_run_dir(cfg, run_dir, resume=cfg.resume)
+    async with contextlib.AsyncExitStack() as built:  # unwound only if the build fails
+        metrics = Metrics(run_dir, cfg.monitor)
+        _close_on_failure(built, metrics.close)
+        ledger = Ledger(run_dir / "ledger.jsonl")
+        _close_on_failure(built, ledger.close)
+        for task_uid, source, reason in mix.rejected():
+            print(f"warning: skipped task {task_uid}: {reason}", flush=True)
+            if ledger.status_of(f"{task_uid}#row") is None:  # a resumed run recorded it before
+                ledger.record_rejected(task_uid, source, reason)
+        for warning in mix.warnings():
+            print(f"warning: {warning}", flush=True)
+        version = resume.step if resume is not None else 0  # weight version = steps done
+        weights = resume.model_dir if resume is not None else model_path
+        engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)
+        if cluster is not None:  # stopped last: the trainer's ranks and engines live in it
+            _close_on_failure(built, cluster.stop)
+        for engine in engines:
+            _close_on_failure(built, engine.close)
         graders = GraderPool(cfg.reward, resolve,
                              build_workers(cfg, cfg.reward.num_workers, "reward"))
+        _close_on_failure(built, graders.close)
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None)
+        _close_on_failure(built, trainer.close)
+        harnesses = build_harnesses(cfg, mix, tokenizer)
+        for harness in harnesses.values():
+            if (close := getattr(harness, "close", None)) is not None:
+                _close_on_failure(built, close)
         loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           ledger=ledger, metrics=metrics, clock=WallClock(),
                           params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
-                          start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer),
+                          start_step=version, harnesses=harnesses,
                           reconfig_log=run_dir / LOG_FILE)
         if resume is not None:
-            trainer.load_training_state(resume.model_dir, resume.trainer_file)
+            _load_trainer_state(trainer, resume)
             loop.rollout.restore(resume.state["rollout"], version=version)
             loop.reconfigure.restore(saved, version=version)
         loop.rollout.skip(skip)
-    except BaseException:
-        try:
-            if trainer is not None:
-                trainer.close()
-        finally:
-            if cluster is not None:
-                cluster.stop()
-        raise
+        built.pop_all()  # built whole: the Run owns every component now
     return Run(
         cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,
         ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
@@ -385,3 +398,28 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
         eval_params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
         resumed=resume, superseded_lines=superseded, cluster=cluster,
     )
+
+
+def _close_on_failure(built: contextlib.AsyncExitStack, close: Callable[[], Any]) -> None:
+    """Call ``close`` (sync or async) when ``built`` unwinds; an error of its own is logged,
+    so the build's error is the one that propagates."""
+    async def closing() -> None:
+        try:
+            res = close()
+            if inspect.isawaitable(res):
+                await res
+        except Exception:  # noqa: BLE001 - fault boundary: cleanup after a failed build
+            log.exception("closing %r after a failed build", close)
+
+    built.push_async_callback(closing)
+
+
+def _load_trainer_state(trainer: Any, ckpt: durable.Checkpoint) -> None:
+    """The trainer continues from ``ckpt``; a checkpoint it cannot take (an optimizer state
+    of another model, say) is a ValueError naming the files."""
+    try:
+        trainer.load_training_state(ckpt.model_dir, ckpt.trainer_file)
+    except Exception as e:  # noqa: BLE001 - fault boundary: named, the cause kept
+        raise ValueError(f"checkpoint {ckpt.path}: the trainer cannot continue from "
+                         f"{ckpt.trainer_file} and {ckpt.model_dir} "
+                         f"({type(e).__name__}: {e})") from e

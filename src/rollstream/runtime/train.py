@@ -59,7 +59,7 @@ def run_training(cfg: RunConfig, *,
     import torch
 
     check_inputs(cfg, rewards)
-    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir = cfg.run_dir
     ckpt = resume_point(cfg, run_dir) if cfg.resume else None
     restarts = 0
     while True:
@@ -110,9 +110,20 @@ def _rank_death(exc: BaseException) -> BaseException | None:
 
 
 def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
-    """The checkpoint ``cfg`` resumes (None: there is none, the run starts at step 0); a
-    config that changed what the run means is refused, naming the fields."""
-    ckpt = durable.latest(run_dir)
+    """The checkpoint ``cfg`` resumes (None: there is none, the run starts at step 0), read
+    whole before anything in the run directory changes; a config that changed what the run
+    means is refused, naming the fields, and so are checkpoint folders none of which is whole
+    (a damaged newer one is skipped with a warning)."""
+    def skipped(path: Path, why: str) -> None:
+        print(f"warning: resume: skipped the damaged checkpoint {path.name}: {why}", flush=True)
+
+    try:
+        ckpt = durable.latest(run_dir, on_skip=skipped)
+    except durable.DamagedCheckpoint as e:
+        raise durable.DamagedCheckpoint(
+            f"resume=true: {e}. Nothing was changed. Restore a checkpoint, or move "
+            f"{durable.folder(run_dir)} away to resume from step 0 (the ledger's lines then "
+            "move to ledger.superseded.jsonl), or start a run of another name") from None
     if ckpt is None:
         print(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0",
               flush=True)
@@ -137,7 +148,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
     from rollstream.monitor.progress import Progress
 
     t_start = time.perf_counter()
-    run = build_run(cfg, run_dir, resume=ckpt, rewards=rewards)
+    run = await build_run(cfg, run_dir, resume=ckpt, rewards=rewards)
     progress = Progress(cfg.monitor, cfg.train.steps)
     dashboard = None
     if cfg.monitor.dashboard:
