@@ -18,6 +18,7 @@ from rollstream.monitor.dashboard import Dashboard
 from rollstream.monitor.report import write_report
 from rollstream.runtime.build import prepare_run_dir
 from rollstream.runtime.train import resume_point
+from tests.durable.whole import ROLLOUT, model_saver, save_trainer
 from tests.monitor.synth import synth_run
 
 CFG = MonitorConfig(progress=False, dashboard=True)
@@ -56,7 +57,8 @@ def test_secrets_are_redacted_wherever_a_config_is_written_or_served(tmp_path: P
         assert "WANDB_API_KEY" in text and "C.UTF-8" in text and "/usr/bin" in text
 
 
-def test_a_checkpoint_keeps_no_secret_and_resumes_the_run_that_has_it(tmp_path: Path) -> None:
+def test_a_checkpoint_keeps_no_secret_and_resumes_the_run_that_has_it(tmp_path: Path,
+                                                                       kit_model: Path) -> None:
     """A resume compares the checkpoint's saved config with the run's own, both as a run keeps
     them: the redacted secret is no change, a changed setting beside it still is."""
     flags = ["--api-key", SECRETS[0]]
@@ -64,8 +66,8 @@ def test_a_checkpoint_keeps_no_secret_and_resumes_the_run_that_has_it(tmp_path: 
                              f"engine.vllm.extra_args={flags}"])
     saved = saved_config(cfg)
     assert SECRETS[0] not in str(saved)
-    durable.write(tmp_path / "r", 2, {"config": saved}, save_model=lambda p: p.mkdir(),
-                  save_trainer=lambda p: p.write_text(""), keep=2)
+    durable.write(tmp_path / "r", 2, {"config": saved, "rollout": ROLLOUT},
+                  save_model=model_saver(kit_model), save_trainer=save_trainer, keep=2)
     assert resume_point(cfg, tmp_path / "r").step == 2
     with pytest.raises(ConfigError, match=r"differs in seed;") as refused:
         resume_point(cfg.model_copy(update={"seed": 7}), tmp_path / "r")

@@ -36,7 +36,7 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
             loop.add_signal_handler(sig, stop.set)
         try:
             async with AgentProxy([engine], tokenizer, port=port, limits=limits,
-                                  context_tokens=engine_cfg.context()[1]) as proxy:
+                                  context_tokens=engine_cfg.context[1]) as proxy:
                 handles = [proxy.open_session(f"session-{i}") for i in range(num_sessions)]
                 print(f"base_url {proxy.base_url}", flush=True)
                 for h in handles:

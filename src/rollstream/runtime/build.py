@@ -168,7 +168,7 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
         pool = build_workers(cfg, a.harness_workers, "harness") if a.harness_workers else None
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
                                          budgets=budgets, workers=pool,
-                                         context_tokens=cfg.engine.context()[1],
+                                         context_tokens=cfg.engine.context[1],
                                          limits=a.proxy)
     return harnesses
 
