@@ -319,9 +319,9 @@ class _Process(Link):
                     fut.set_exception(self.gone)
                     break
             return
-        if kind == "ready":
+        if kind == "ready" and not self.ready.done():  # (done: its deadline passed)
             self.ready.set_result(self.proc.pid)
-        elif kind == "started" and self.started is not None:
+        elif kind == "started" and self.started is not None and not self.started.done():
             self.started.set_result(None)
         elif kind == "done" and self.done is not None and not self.done.done():
             self.done.set_result(value)
