@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from rollstream.sync.buckets import Bucket, plan_buckets
 from rollstream.sync.object_store import ObjectStore
 from rollstream.sync.protocol import Destination, Header, Payload, check
 
@@ -34,43 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 30.0  # a rendezvous or one bucket's broadcast waiting longer lost a member
-ALIGN_BYTES = 64  # each tensor starts at a multiple of this in its bucket (dtype views)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Entry:
-    """One tensor's place in a bucket."""
-
-    name: str
-    dtype: Any  # torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # bytes into the bucket
-    num_bytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Bucket:
-    num_bytes: int
-    entries: tuple[Entry, ...]
-
-
-def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tuple[Bucket, ...]:
-    """Tensors in order, packed into buckets of at most ``bucket_bytes`` (a larger tensor
-    gets a bucket of its own)."""
-    buckets: list[Bucket] = []
-    entries: list[Entry] = []
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if entries and size + n > bucket_bytes:
-            buckets.append(Bucket(num_bytes=size, entries=tuple(entries)))
-            entries, size = [], 0
-        entries.append(Entry(name=name, dtype=t.dtype, shape=tuple(t.shape), offset=size,
-                             num_bytes=n))
-        size += -(-n // ALIGN_BYTES) * ALIGN_BYTES
-    if entries:
-        buckets.append(Bucket(num_bytes=size, entries=tuple(entries)))
-    return tuple(buckets)
 
 
 def make_group(store: Any, prefix: str, rank: int, world: int, host: str,

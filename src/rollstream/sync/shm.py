@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollstream.sync.buckets import plan_buckets
 from rollstream.sync.object_store import ObjectStore
 from rollstream.sync.protocol import Destination, Header, Payload, read_metadata
 
@@ -71,24 +72,20 @@ class WeightStore:
         t0 = time.perf_counter()
         path = self.root / f"v{version}-{time.monotonic_ns()}"
         path.mkdir(parents=True)
+        plan = plan_buckets(tensors, self.bucket_bytes)
         seen: set[int] = set()
-        bucket: dict[str, torch.Tensor] = {}
-        size = num_bytes = num_buckets = 0
-        for name, tensor in tensors.items():
-            t = tensor.detach().to("cpu").contiguous()
-            if t.untyped_storage().data_ptr() in seen:
-                t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                save_file(bucket, str(path / f"bucket-{num_buckets:03d}.safetensors"), meta)
-                bucket, size, num_buckets = {}, 0, num_buckets + 1
-            bucket[name] = t
-            size += nbytes
-            num_bytes += nbytes
-        save_file(bucket, str(path / f"bucket-{num_buckets:03d}.safetensors"), meta)
+        for i, planned in enumerate(plan):
+            bucket: dict[str, torch.Tensor] = {}
+            for entry in planned.entries:
+                t = tensors[entry.name].detach().to("cpu").contiguous()
+                if t.untyped_storage().data_ptr() in seen:
+                    t = t.clone()
+                seen.add(t.untyped_storage().data_ptr())
+                bucket[entry.name] = t
+            save_file(bucket, str(path / f"bucket-{i:03d}.safetensors"), meta)
+        num_bytes = sum(e.num_bytes for planned in plan for e in planned.entries)
         written = WrittenWeights(version=version, path=path, num_bytes=num_bytes,
-                                 num_buckets=num_buckets + 1,
+                                 num_buckets=len(plan),
                                  write_s=time.perf_counter() - t0)
         if self.latest is not None:
             self._older.append(self.latest.path)
