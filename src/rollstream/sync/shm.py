@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.sync.buckets import plan_buckets
 from rollstream.sync.object_store import ObjectStore
-from rollstream.sync.protocol import Destination, Header, Payload, read_metadata
+from rollstream.sync.protocol import Destination, Header, Payload, PayloadKind, read_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +107,21 @@ class WeightStore:
 def iter_folder(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a version folder, one at a time (memory-mapped), each file's header
     checked first (blocking)."""
+    for _, f in _buckets(path):
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            yield name, f.get_tensor(name)
+
+
+def read_folder(path: str | Path) -> Payload:
+    """A version folder's payload, its tensors in memory (blocking)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for (version, kind), f in _buckets(path):
+        tensors.update((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+    return Payload(header=Header.describe(version, kind, tensors), tensors=tensors)
+
+
+def _buckets(path: str | Path) -> Iterator[tuple[tuple[int, PayloadKind], Any]]:
+    """Each bucket file of a version folder, open, with its checked version and kind."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("bucket-*.safetensors"))
@@ -114,22 +129,7 @@ def iter_folder(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no bucket-*.safetensors files in {path}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            read_metadata(f.metadata(), str(file))
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
-
-
-def read_folder(path: str | Path) -> Payload:
-    """A version folder's payload, its tensors in memory (blocking)."""
-    from safetensors import safe_open
-
-    first = min(Path(path).glob("bucket-*.safetensors"), default=None)
-    if first is None:
-        raise FileNotFoundError(f"no bucket-*.safetensors files in {path}")
-    with safe_open(str(first), framework="pt") as f:
-        version, kind = read_metadata(f.metadata(), str(first))
-    tensors = dict(iter_folder(path))
-    return Payload(header=Header.describe(version, kind, tensors), tensors=tensors)
+            yield read_metadata(f.metadata(), str(file)), f
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

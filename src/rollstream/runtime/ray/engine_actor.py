@@ -75,8 +75,13 @@ class EngineActor:
     async def install(self, delivery: Delivery) -> None:
         """Install the version a weight transport delivered (``sync/``): the payload itself,
         a broadcast round's buckets or a shared-memory folder, opened off the loop."""
+        from rollstream.sync.protocol import Payload
+
         async with self._receiving:
-            payload = await asyncio.to_thread(delivery.open, self._group)
+            if isinstance(delivery, Payload):  # it came whole: nothing to read, no thread hop
+                payload = delivery.open()
+            else:
+                payload = await asyncio.to_thread(delivery.open, self._group)
         await self.engine.load_weights(payload.version, payload.tensors)
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
