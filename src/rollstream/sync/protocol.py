@@ -17,13 +17,14 @@ move tensors and this header.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
     import torch
 
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; engines derive them
 PROTOCOL = 1  # the layout of a header and of the transports' deliveries
 PayloadKind = Literal["full"]
 KINDS: tuple[str, ...] = get_args(PayloadKind)
@@ -140,3 +141,31 @@ def read_metadata(meta: Mapping[str, str] | None, where: str) -> tuple[int, Payl
                          f"{e!r}") from None
     check(protocol, kind)
     return version, kind  # type: ignore[return-value]  # checked against KINDS
+
+
+def check_full(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], *,
+               optional: Collection[str] = (),
+               model: str) -> list[tuple[str, torch.Tensor]]:
+    """What an engine installs of a ``full`` payload, checked against the names and shapes
+    of the model it serves (``model`` names it in errors): every name of ``shapes`` but the
+    ``optional`` ones (a tied ``lm_head.weight``) must come, with its shape; an optional
+    name the model does not hold and rotary ``inv_freq`` buffers are dropped; any other name
+    is an error. ValueError before anything is installed."""
+    pairs, unknown = [], []
+    for name, t in tensors.items():
+        expected = shapes.get(name)
+        if expected is None:
+            if not (name.endswith(IGNORED_SUFFIXES) or name in optional):
+                unknown.append(name)
+        elif tuple(t.shape) != tuple(expected):
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != expected "
+                             f"{tuple(expected)}")
+        else:
+            pairs.append((name, t))
+    if unknown:
+        raise ValueError(f"unknown weight names (not in {model}): {sorted(unknown)[:5]}")
+    missing = set(shapes) - set(optional) - {n for n, _ in pairs}
+    if missing:
+        raise ValueError(f"weights missing from the update: {sorted(missing)[:5]} "
+                         f"({len(missing)} in all); load_weights takes a full state dict")
+    return pairs
