@@ -24,12 +24,12 @@ def _start(request: pytest.FixtureRequest, model_path: Path, cfg: LocalEngineCon
     from rollstream.config.runtime import RayConfig
     from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.runtime.ray.engines import build_ray_engines
-    from rollstream.runtime.ray.weights import ObjectStoreWeights
+    from rollstream.sync.object_store import ObjectStore
 
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
     request.node.getparent(pytest.Module).addfinalizer(_stop(cluster))
     owner = build_ray_engines(model_path, cfg, num_engines=1, version=0, num_cpus=1)[0]
-    _state.update(owner=owner, weights=ObjectStoreWeights(),
+    _state.update(owner=owner, weights=ObjectStore(),
                   original=load_file(model_path / "model.safetensors"))
 
 

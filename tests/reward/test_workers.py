@@ -104,3 +104,26 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead: it waits for its reaper only
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_worker_that_died_idle_costs_no_call() -> None:
+    """A worker killed between calls: the next call goes to its replacement (nothing of it
+    ran in the dead one), as on the Ray transport; the pool is one implementation."""
+    import signal
+
+    pool = ProcessWorkers(1)
+
+    async def main() -> tuple[int, int]:
+        first = await pool.call(os.getpid, (), 30.0)
+        os.kill(first, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            while _alive(first):
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the loop has read the pipe's end
+        return first, await pool.call(os.getpid, (), 30.0)
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        pool.close()
+    assert second != first and pool.pids == []

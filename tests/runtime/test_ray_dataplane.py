@@ -87,9 +87,9 @@ def _proxy(owner, *, cache_tokens: int, out_of_band_bytes: int, max_restarts: in
     """A proxy over the module's (current) actor; ``cache_tokens`` 0: whole prompts."""
     from rollstream.runtime.ray.dataplane import Episodes
     from rollstream.runtime.ray.engines import RayEngine
-    from rollstream.runtime.ray.weights import ObjectStoreWeights
+    from rollstream.sync.object_store import ObjectStore
 
-    engine = RayEngine(engine_id="ray-0", spawn=owner._spawn, weights=ObjectStoreWeights(),
+    engine = RayEngine(engine_id="ray-0", spawn=owner._spawn, weights=ObjectStore(),
                        version=0, max_restarts=max_restarts, actor=_state["actor"],
                        episodes=Episodes(cache_tokens), out_of_band_bytes=out_of_band_bytes)
     sizes: list[int] = []  # each call's control bytes, sent and received

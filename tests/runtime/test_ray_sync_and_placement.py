@@ -58,22 +58,24 @@ def actors(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _transport(path: str):
-    from rollstream.runtime.ray import weights
+    from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.object_store import ObjectStore
+    from rollstream.sync.shm import SharedMemory
 
     if path == "broadcast":  # small buckets: several per version, a tensor above one
-        return weights.BroadcastWeights(bucket_bytes=16 << 10)
+        return Broadcast(bucket_bytes=16 << 10)
     if path == "shared_memory":
-        return weights.SharedMemoryWeights(bucket_bytes=16 << 10)
-    return weights.ObjectStoreWeights()
+        return SharedMemory(bucket_bytes=16 << 10)
+    return ObjectStore()
 
 
 def _proxies(owners, transport):
     from rollstream.runtime.ray.engines import RayEngine
-    from rollstream.runtime.ray.weights import BroadcastWeights
+    from rollstream.sync.broadcast import Broadcast
 
     engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=transport, version=0,
                          max_restarts=0, actor=o.actor) for o in owners]
-    if isinstance(transport, BroadcastWeights):
+    if isinstance(transport, Broadcast):
         transport.members = lambda: {e.engine_id: e.actor for e in engines}
     return engines
 
@@ -139,7 +141,7 @@ async def _sync_under_load(engines, model: Path) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_a_path_delivers_identical_weights_at_the_version_under_the_contract(actors, path,
                                                                            caplog):
-    caplog.set_level(logging.INFO, logger="rollstream.runtime.ray.weights")
+    caplog.set_level(logging.INFO, logger="rollstream.sync")
     model, owners = actors
     transport = _transport(path)
     engines = _proxies(owners, transport)
@@ -189,7 +191,7 @@ def test_a_run_trains_with_engine_weights_equal_to_the_trainer(actors, tmp_path,
     cfg = _run_config(tmp_path, path, "rollout.mode=sync", "train.steps=2",
                       "engine.num_engines=2", f"runtime.ray.weight_sync={path}",
                       f"runtime.ray.bucket_bytes={1 << 20}")
-    caplog.set_level(logging.INFO, logger="rollstream.runtime.ray.weights")
+    caplog.set_level(logging.INFO, logger="rollstream.sync")
     summary = run_training(cfg)
     sent = "broadcast to 2 actors" if path == "broadcast" else "bytes written to"
     assert sent in caplog.text and "object store" not in caplog.text
@@ -271,11 +273,11 @@ def test_broadcast_goes_on_when_a_member_dies(actors, caplog):
     import ray
 
     from rollstream.runtime.ray.engines import RayEngine
-    from rollstream.runtime.ray.weights import BroadcastWeights
+    from rollstream.sync.broadcast import Broadcast
 
-    caplog.set_level(logging.INFO, logger="rollstream.runtime.ray.weights")
+    caplog.set_level(logging.INFO, logger="rollstream.sync")
     model, owners = actors
-    transport = BroadcastWeights(bucket_bytes=16 << 10, timeout_s=5)  # the stall it bounds
+    transport = Broadcast(bucket_bytes=16 << 10, timeout_s=5)  # the stall it bounds
     victim_actor = owners[1]._spawn(0)
     engines = [RayEngine(engine_id=owners[0].engine_id, spawn=owners[0]._spawn,
                          weights=transport, version=0, max_restarts=0, actor=owners[0].actor),

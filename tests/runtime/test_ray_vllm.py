@@ -20,7 +20,7 @@ from rollstream.config import load_config
 from rollstream.data.ledger import read_ledger
 from rollstream.durable.audit import audit_run
 from rollstream.engine.vllm.server import SHM_PATTERN
-from rollstream.engine.vllm.sync import WeightSync
+from rollstream.sync.vllm import VllmReload
 from rollstream.runtime.train import run_training
 from tests.runtime.test_ray import _descendants
 from tests.vllm import shared
@@ -69,13 +69,13 @@ def test_a_vllm_server_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
 
     monkeypatch.setattr(ray_vllm.ActorServer, "start", spy_start)
     restored: list[int | None] = []  # the weights each (re)started server was given
-    restore = WeightSync.restore
+    restore = VllmReload.restore
 
     async def spy_restore(self, written):
         restored.append(None if written is None else written.version)
         await restore(self, written)
 
-    monkeypatch.setattr(WeightSync, "restore", spy_restore)
+    monkeypatch.setattr(VllmReload, "restore", spy_restore)
     engines: list = []
     build = ray_vllm.build_ray_vllm_engines
 

@@ -14,7 +14,8 @@ from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm import _engine_index, _max_num_seqs
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.server import VllmServer, VllmServerError, check_port_free, cpu_build
-from rollstream.engine.vllm.weights import WeightStore
+from rollstream.sync.protocol import Payload
+from rollstream.sync.shm import WeightStore
 from rollstream.engine.vllm.wire import StreamState, request_body
 from tests.engine.helpers import make_tiny_model
 
@@ -104,7 +105,7 @@ def test_weight_store_buckets_tied_tensors_and_prunes(tmp_path):
     shared = torch.randn(64, 8)
     tensors = {"a": shared, "b": shared, "c": torch.randn(300), "d": torch.ones(10)}
     store = WeightStore(root=tmp_path / "store", bucket_bytes=2048)
-    first = store.write(1, tensors)
+    first = store.write(Payload.full(1, tensors))
     assert first.num_buckets == 3 and first.num_bytes == (512 + 512 + 300 + 10) * 4
     files = sorted(first.path.glob("*.safetensors"))
     loaded = {}
@@ -113,7 +114,7 @@ def test_weight_store_buckets_tied_tensors_and_prunes(tmp_path):
             loaded.update({k: h.get_tensor(k) for k in h.keys()})
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    second = store.write(2, tensors)
+    second = store.write(Payload.full(2, tensors))
     assert first.path.exists()  # kept until the new one is installed
     store.prune()
     assert not first.path.exists() and second.path.exists() and store.latest is second

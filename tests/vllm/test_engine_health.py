@@ -15,7 +15,7 @@ from rollstream.config.schema import VllmEngineConfig
 from rollstream.engine import EngineHealth, FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm import VllmEngine, VllmServer
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
-from rollstream.engine.vllm.weights import WeightStore
+from rollstream.sync.shm import WeightStore
 from tests.engine.helpers import make_tiny_model
 from tests.vllm.fake_server import FakeVllm
 

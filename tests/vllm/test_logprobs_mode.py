@@ -12,7 +12,7 @@ from rollstream.config.loader import ConfigError, validate
 from rollstream.config.schema import VllmEngineConfig
 from rollstream.engine.vllm import VllmEngine, VllmServer, VllmServerError
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
-from rollstream.engine.vllm.weights import WeightStore
+from rollstream.sync.shm import WeightStore
 from tests.engine.helpers import make_tiny_model
 from tests.vllm.fake_server import FakeVllm
 

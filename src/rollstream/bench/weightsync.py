@@ -54,8 +54,8 @@ async def bench_model(folder: Path) -> dict[str, Any]:
 
     from rollstream.config.runtime import RayConfig
     from rollstream.config.schema import LocalEngineConfig
-    from rollstream.runtime.ray.engines import RayEngine, build_ray_engines
-    from rollstream.runtime.ray.weights import BroadcastWeights, build_transport
+    from rollstream.runtime.ray.engines import RayEngine, build_ray_engines, build_transport
+    from rollstream.sync.broadcast import Broadcast
 
     state = load_file(folder / "model.safetensors")
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -69,7 +69,7 @@ async def bench_model(folder: Path) -> dict[str, Any]:
             transport = build_transport(RayConfig(weight_sync=path))  # type: ignore[arg-type]
             engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=transport,
                                  version=0, max_restarts=0, actor=o.actor) for o in owners]
-            if isinstance(transport, BroadcastWeights):
+            if isinstance(transport, Broadcast):
                 transport.members = lambda engines=engines: {e.engine_id: e.actor
                                                              for e in engines}
             times = await _sync_seconds(engines, state, version)

@@ -1,10 +1,17 @@
-"""Worker processes for synchronous rewards, driven by the event loop itself (the agent
-harness runs OpenAI-SDK agents in a pool of them too: ``agent/proxy_harness.py``).
+"""Workers for blocking calls (synchronous rewards; the agent harness's OpenAI-SDK agents,
+``agent/proxy_harness.py``), driven by the event loop itself: one pool, two transports.
 
-Each worker is a ``spawn``-ed process (safe in a process that has threads, unlike ``fork``)
-joined to the parent by a pipe; it runs one call at a time in its main thread. The parent
-side needs no thread: the event loop writes a call to an idle worker's pipe and watches the
-pipes with ``add_reader``, so every message arrives as a loop callback::
+:class:`WorkerPool` is the pool: idle workers in a queue, a call staged and then run, its
+deadline, kill-and-replace of a worker that timed out, died or whose caller cancelled, a
+retry when a worker died before a call started (nothing of it ran), and a break after
+``MAX_FAILED_STARTS`` workers in a row died before they were ready. A transport is a
+:class:`Link` (one worker) and the pool's ``_spawn``: :class:`ProcessWorkers` here, Ray actors
+on ``runtime.kind: ray`` (:class:`~rollstream.runtime.ray.workers.RayWorkers`).
+
+Each process worker is a ``spawn``-ed process (safe in a process that has threads, unlike
+``fork``) joined to the parent by a pipe; it runs one call at a time in its main thread. The
+parent side needs no thread: the event loop writes a call to an idle worker's pipe and
+watches the pipes with ``add_reader``, so every message arrives as a loop callback::
 
     worker:  "ready" (imports done) ... recv call (unpickling imports the reward's module)
              -> "started" -> fn(*args) -> "done", result
@@ -17,7 +24,8 @@ A worker takes calls only once it is ready, and a call's ``timeout_s`` counts fr
 "started": a worker's start-up and the import of a reward's module are not the reward's time
 (they are bounded by ``STARTUP_S``). A call still running at its deadline is killed with its
 process (SIGKILL: a reward stuck in C code cannot delay it) and the worker is replaced; a
-worker that dies mid-call fails that call with its exit code and is replaced too.
+worker that dies mid-call fails that call with its exit code and is replaced too; one that
+died idle is noticed by the next call it is given, which goes to another worker.
 
 Why not pebble or ``concurrent.futures``: ``ProcessPoolExecutor`` cannot kill one worker (a
 hung call breaks the whole pool), and pebble's pool, which can, runs three manager threads in
@@ -78,36 +86,97 @@ class PoolClosed(Exception):
     """The pool was closed while the call ran or waited."""
 
 
-class _Worker:
-    def __init__(self, ctx: Any, role: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, os.getpid()), daemon=True,
-                                name=f"rollstream-{role}")
-        self.proc.start()
-        child.close()
-        self.ready = False  # it said "ready" (a worker that dies before cannot start here)
+class Link:
+    """One worker as the pool drives it; a transport subclasses it. The pool sets ``started``
+    and ``done`` for each call and reads them; the transport resolves them (and ``ready``)
+    on the pool's loop, with WorkerDied when the worker is gone."""
+
+    pid: int | None = None  # its process id, once known
+    exitcode: int | None = None  # once it exited (None where the transport cannot tell)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.ready: asyncio.Future[int] = loop.create_future()  # its pid: it takes calls
+        self.ready_deadline: asyncio.TimerHandle | None = None
         self.started: asyncio.Future[None] | None = None  # the current call began
         self.done: asyncio.Future[Any] | None = None  # its result
 
+    def stage(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Send a call; resolve ``started`` once the worker holds it (a worker that was gone
+        before fails ``started``: nothing of the call ran)."""
+        raise NotImplementedError
 
-class ProcessWorkers:
-    """``size`` worker processes, started at the first call; one call each at a time.
-    ``role`` names them in errors and process names (``reward``, ``harness``)."""
+    def run(self) -> None:
+        """Run the staged call (sent only after ``started`` resolved); resolve ``done``."""
+        raise NotImplementedError
 
-    def __init__(self, size: int, role: str = "reward") -> None:
+    def kill(self) -> None:
+        """End the worker at once (a call stuck in C code cannot delay it)."""
+        raise NotImplementedError
+
+
+class _DiedIdle(Exception):
+    """The worker was gone before the call started: the call can go to another one."""
+
+
+class WorkerPool:
+    """``size`` workers of one transport (``_spawn``), started at the first call; one call
+    each at a time. ``role`` names them in errors (``reward``, ``harness``).
+
+    A call is staged, and run only once the worker said it holds it ("started"): a call
+    whose ``fn`` ends the worker at once cannot pass for one that never started, so a call
+    is retried (once) only when nothing of it ran. Its ``timeout_s`` counts from "started":
+    a worker's start and the import of ``fn``'s module are bounded by ``STARTUP_S`` instead.
+    A call past its deadline, a cancelled caller and a death mid-call kill the worker and
+    start a replacement; workers that die before they are ready, ``MAX_FAILED_STARTS`` in
+    a row, break the pool (every call fails with the cause)."""
+
+    def __init__(self, size: int, role: str) -> None:
         self.size, self.role = size, role
-        self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle: asyncio.Queue[_Worker | None] | None = None  # None: closed
-        self._all: list[_Worker] = []
+        self._idle: asyncio.Queue[Link | None] | None = None  # None: closed
+        self._all: list[Link] = []
         self._closed = False
         self._failed_starts = 0  # workers in a row that died before they were ready
         self.broken: WorkerDied | None = None  # workers cannot start: every call fails so
 
     async def call(self, fn: Callable[..., Any], args: tuple[Any, ...],
                    timeout_s: float | None) -> Any:
-        """``fn(*args)`` in a worker; ``fn`` and ``args`` are pickled (functions by reference).
-        Raises CallTimeout, WorkerDied, PoolClosed, or what unpickling the result raises."""
+        """``fn(*args)`` in a worker. Raises CallTimeout, WorkerDied, PoolClosed, or what the
+        call raised (``fn`` itself, unpickling its result)."""
+        for _ in range(2):  # once more when the worker had died idle (nothing ran)
+            try:
+                return await self._call_once(fn, args, timeout_s)
+            except _DiedIdle as e:
+                died = e
+        raise WorkerDied(None, "died before the call started, twice", self.role,
+                         cause=str(died))
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (those known: started, not yet stopped)."""
+        return [w.pid for w in self._all if w.pid is not None]
+
+    def close(self) -> None:
+        """Kill every worker (their calls fail with PoolClosed); nothing is left running."""
+        self._closed = True
+        for worker in list(self._all):
+            self._stop(worker, PoolClosed())
+        if self._idle is not None:
+            self._idle.put_nowait(None)
+
+    # -- what a transport provides ------------------------------------------------------------
+    def _spawn(self, loop: asyncio.AbstractEventLoop) -> Link:
+        """Start one worker (it resolves ``ready`` when it can take calls)."""
+        raise NotImplementedError
+
+    def _broken(self, num_failed: int, error: BaseException) -> WorkerDied:
+        """The pool's error once ``num_failed`` workers in a row died before they were ready
+        (``error``: the last one's)."""
+        raise NotImplementedError
+
+    # -- internals ----------------------------------------------------------------------------
+    async def _call_once(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                         timeout_s: float | None) -> Any:
         if self.broken is not None:
             raise self.broken
         if self._closed:
@@ -123,7 +192,7 @@ class ProcessWorkers:
         assert self._loop is not None
         worker.started, worker.done = self._loop.create_future(), self._loop.create_future()
         try:
-            worker.conn.send((fn, args))
+            worker.stage(fn, args)
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result and
             # drops a cancellation that arrives as the future completes (a cancelled caller
             # then waited for the call to time out instead of killing its worker)
@@ -131,95 +200,70 @@ class ProcessWorkers:
                 async with asyncio.timeout(STARTUP_S):
                     await asyncio.shield(worker.started)
             except TimeoutError:
-                raise WorkerDied(worker.proc.exitcode, "did not start the call",
-                                 self.role) from None
+                raise WorkerDied(worker.exitcode, "did not start the call", self.role,
+                                 cause=f"not started within {STARTUP_S:g} s") from None
+            except WorkerDied as e:
+                raise _DiedIdle(str(e)) from None
+            worker.run()  # only now (class docstring)
             try:
                 async with asyncio.timeout(timeout_s):
                     return await asyncio.shield(worker.done)
             except TimeoutError:
                 raise CallTimeout() from None
-        except (WorkerDied, CallTimeout, asyncio.CancelledError):
+        except (WorkerDied, _DiedIdle, CallTimeout, asyncio.CancelledError):
             self._replace(worker)  # a cancelled caller: the call may still be running
             raise
-        except OSError:  # the pipe broke: the process is gone
-            self._replace(worker)
-            raise WorkerDied(worker.proc.exitcode, role=self.role) from None
         finally:
             if worker in self._all:
                 worker.started = worker.done = None
                 self._idle.put_nowait(worker)
 
-    @property
-    def pids(self) -> list[int]:
-        """The worker processes' ids (started, not yet stopped)."""
-        return [w.proc.pid for w in self._all]
-
-    def close(self) -> None:
-        """Kill every worker (their calls fail with PoolClosed); nothing is left running."""
-        self._closed = True
-        for worker in list(self._all):
-            self._stop(worker, PoolClosed())
-        if self._idle is not None:
-            self._idle.put_nowait(None)
-
-    # -- internals ----------------------------------------------------------------------------
     def _start(self) -> None:
-        assert self._loop is not None
-        worker = _Worker(self._ctx, self.role)
+        loop = self._loop
+        assert loop is not None
+        worker = self._spawn(loop)
         self._all.append(worker)
-        self._loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
+        worker.ready.add_done_callback(lambda f: self._on_ready(worker, f))
+        worker.ready_deadline = loop.call_later(
+            STARTUP_S, lambda: worker.ready.done() or worker.ready.set_exception(
+                WorkerDied(None, "did not start", self.role,
+                           cause=f"not ready within {STARTUP_S:g} s")))
 
-    def _on_readable(self, worker: _Worker) -> None:
-        try:
-            kind, value = worker.conn.recv()
-        except (EOFError, OSError):  # the process exited: fail its call, start another
-            worker.proc.join(timeout=5)
-            if not worker.ready:
-                self._failed_starts += 1
-                if self._failed_starts >= MAX_FAILED_STARTS:  # replacing it would loop forever
-                    self._break(worker)
-                    return
-            self._replace(worker, WorkerDied(worker.proc.exitcode, role=self.role))
+    def _on_ready(self, worker: Link, ready: asyncio.Future[int]) -> None:
+        if worker.ready_deadline is not None:
+            worker.ready_deadline.cancel()
+        error = None if ready.cancelled() else ready.exception()  # retrieved either way
+        if worker not in self._all or ready.cancelled():
             return
-        if kind == "ready":
+        if error is None:
             assert self._idle is not None
-            worker.ready, self._failed_starts = True, 0
+            worker.pid, self._failed_starts = ready.result(), 0
             self._idle.put_nowait(worker)
-        elif kind == "started" and worker.started is not None:
-            worker.started.set_result(None)
-        elif kind == "done" and worker.done is not None and not worker.done.done():
-            worker.done.set_result(value)
-
-    def _break(self, worker: _Worker) -> None:
-        """Workers die before they can start (a ``__main__`` a spawned process cannot import,
-        an interpreter that fails at start-up): stop replacing them; every call fails with
-        the cause instead of waiting for a worker that never comes."""
-        self.broken = WorkerDied(
-            worker.proc.exitcode, f"processes died before they were ready, "
-            f"{self._failed_starts} in a row (is the program's __main__ importable by a "
-            f"spawned process? a script read from stdin is not)", self.role)
-        self._stop(worker, self.broken)
+            return
+        self._failed_starts += 1
+        if self._failed_starts < MAX_FAILED_STARTS:
+            self._replace(worker)
+            return
+        # replacing it would loop forever: every call fails with the cause instead
+        self.broken = self._broken(self._failed_starts, error)
         for other in list(self._all):
             self._stop(other, self.broken)
         if self._idle is not None:
             self._idle.put_nowait(None)
 
-    def _replace(self, worker: _Worker, error: BaseException | None = None) -> None:
+    def _replace(self, worker: Link, error: BaseException | None = None) -> None:
         if worker in self._all:
             self._stop(worker, error)
             if not self._closed:
                 self._start()
 
-    def _stop(self, worker: _Worker, error: BaseException | None) -> None:
+    def _stop(self, worker: Link, error: BaseException | None) -> None:
         """Kill ``worker``; its pending call fails with ``error`` (None: nobody waits for it
         any more, cancel it)."""
         self._all.remove(worker)
-        assert self._loop is not None
-        if not self._loop.is_closed():
-            self._loop.remove_reader(worker.conn.fileno())
-        if worker.proc.is_alive():
-            worker.proc.kill()  # SIGKILL: a reward stuck in C code cannot delay it
-        worker.proc.join(timeout=5)
+        if worker.ready_deadline is not None:
+            worker.ready_deadline.cancel()
+        worker.kill()
         waiting = [f for f in (worker.started, worker.done) if f is not None and not f.done()]
         with contextlib.suppress(RuntimeError):  # their loop may be gone already
             for i, fut in enumerate(waiting):  # the caller awaits the first of them
@@ -227,7 +271,86 @@ class ProcessWorkers:
                     fut.cancel()
                 else:
                     fut.set_exception(error)
-        worker.conn.close()
+
+
+class _Process(Link):
+    """A ``spawn``-ed process joined by a pipe that the loop watches (``add_reader``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ctx: Any, role: str) -> None:
+        super().__init__(loop)
+        self.loop, self.role = loop, role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, os.getpid()), daemon=True,
+                                name=f"rollstream-{role}")
+        self.proc.start()
+        child.close()
+        self.pid = self.proc.pid
+        self.gone: WorkerDied | None = None  # it exited
+        loop.add_reader(self.conn.fileno(), self._on_readable)
+
+    def stage(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        assert self.started is not None
+        try:
+            if self.gone is None:
+                self.conn.send((fn, args))  # the worker runs it at once, after "started"
+        except OSError:  # the pipe broke: the process is gone
+            self._exited()
+        if self.gone is not None:
+            self.started.set_exception(self.gone)
+
+    def run(self) -> None:
+        pass  # the worker runs a call as soon as it holds it
+
+    def kill(self) -> None:
+        if not self.loop.is_closed() and self.gone is None:
+            self.loop.remove_reader(self.conn.fileno())
+        if self.proc.is_alive():
+            self.proc.kill()  # SIGKILL: a reward stuck in C code cannot delay it
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def _on_readable(self) -> None:
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError):  # the process exited: fail what waits on it
+            self._exited()
+            for fut in (self.ready, self.started, self.done):
+                if fut is not None and not fut.done():
+                    fut.set_exception(self.gone)
+                    break
+            return
+        if kind == "ready" and not self.ready.done():  # (done: its deadline passed)
+            self.ready.set_result(self.proc.pid)
+        elif kind == "started" and self.started is not None and not self.started.done():
+            self.started.set_result(None)
+        elif kind == "done" and self.done is not None and not self.done.done():
+            self.done.set_result(value)
+
+    def _exited(self) -> None:
+        if self.gone is None:
+            self.loop.remove_reader(self.conn.fileno())
+            self.proc.join(timeout=5)
+            self.exitcode = self.proc.exitcode
+            self.gone = WorkerDied(self.exitcode, role=self.role)
+
+
+class ProcessWorkers(WorkerPool):
+    """Worker processes (module docstring) in the pool of :class:`WorkerPool`."""
+
+    def __init__(self, size: int, role: str = "reward") -> None:
+        super().__init__(size, role)
+        self._ctx = multiprocessing.get_context("spawn")
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop) -> Link:
+        return _Process(loop, self._ctx, self.role)
+
+    def _broken(self, num_failed: int, error: BaseException) -> WorkerDied:
+        """Workers die before they can start (a ``__main__`` a spawned process cannot import,
+        an interpreter that fails at start-up)."""
+        return WorkerDied(
+            getattr(error, "exitcode", None), f"processes died before they were ready, "
+            f"{num_failed} in a row (is the program's __main__ importable by a spawned "
+            f"process? a script read from stdin is not)", self.role)
 
 
 def _die_with_parent(parent: int) -> None:

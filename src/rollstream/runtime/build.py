@@ -294,8 +294,7 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
         return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
                              version=version) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import LOG_DIR, RayCluster
-    from rollstream.runtime.ray.engines import build_ray_engines
-    from rollstream.runtime.ray.weights import build_transport
+    from rollstream.runtime.ray.engines import build_ray_engines, build_transport
 
     from rollstream.runtime.ray.units import ScaleUnits
 

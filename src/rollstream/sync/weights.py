@@ -18,8 +18,12 @@ Ordering contract
 4. Only after every live engine serves ``v+1`` does ``on_applied(v+1)`` run (the admission
    capacity moves on); so a sample admitted under the capacity of ``v`` never sees ``v-1``.
 
-Transport: in-process tensors handed to ``Engine.load_weights`` (the embedded engine copies
-them into its own parameters; the vLLM engine writes them to shared memory and reloads).
+Transport: ``Engine.load_weights`` gets the tensors in this process (the embedded engine
+copies them into its own parameters); an engine whose weights live elsewhere moves them with
+a transport of this package (the vLLM engine through ``vllm.py``, the Ray engine proxies
+through ``object_store.py``, ``broadcast.py`` or ``shm.py``), each a ``Payload`` of the
+versioned protocol of ``protocol.py``.
+
 WeightSync talks to the engines and to a small :class:`Gate` (pause / resume / wait until
 idle, which the dispatcher implements); it knows nothing else of the rollout. DEAD engines
 are skipped (they serve nothing). It keeps the version the engines serve (its tensors), so

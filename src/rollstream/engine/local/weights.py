@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rollstream.sync.protocol import check_full
+
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; derived here
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -166,30 +167,8 @@ class Weights:
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """Validate a full HF-named state dict; returns the (name, tensor) pairs to copy."""
-        pairs, unknown = [], []
-        for name, t in tensors.items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            view = self.hf_views.get(name)
-            if view is None:
-                unknown.append(name)
-            elif tuple(t.shape) != tuple(view.shape):
-                raise ValueError(
-                    f"weight {name}: shape {tuple(t.shape)} != expected {tuple(view.shape)}"
-                )
-            else:
-                pairs.append((name, t))
-        if unknown:
-            raise ValueError(
-                f"unknown weight names (not a Llama/Qwen2 of this shape): {sorted(unknown)[:5]}"
-            )
-        missing = set(self.hf_views) - self.optional - {n for n, _ in pairs}
-        if missing:
-            raise ValueError(
-                f"weights missing from the update: {sorted(missing)[:5]} "
-                f"({len(missing)} in all); load_weights takes a full state dict"
-            )
-        return pairs
+        return check_full(tensors, {n: tuple(v.shape) for n, v in self.hf_views.items()},
+                          optional=self.optional, model="a Llama/Qwen2 of this shape")
 
     @torch.no_grad()
     def copy_in(self, pairs: list[tuple[str, torch.Tensor]]) -> None:

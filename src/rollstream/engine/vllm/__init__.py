@@ -23,8 +23,8 @@ from rollstream.config.schema import EngineConfig
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.engine import VllmEngine
 from rollstream.engine.vllm.server import ServerProcess, VllmServer, VllmServerError, cpu_build
-from rollstream.engine.vllm.sync import SyncTiming
-from rollstream.engine.vllm.weights import BUCKET_BYTES, SHM_ROOT, WeightStore
+from rollstream.sync.shm import BUCKET_BYTES, SHM_ROOT, WeightStore
+from rollstream.sync.vllm import SyncTiming
 
 CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM's default for the API server on CPU
 # vLLM 0.32's CPU attention kernels; other head sizes crash the worker on the first request

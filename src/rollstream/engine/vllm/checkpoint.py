@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollstream.sync.protocol import check_full
+
 if TYPE_CHECKING:
     import torch
-
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -66,22 +66,5 @@ class CheckpointSpec:
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """Validate a full HF-named state dict; the (name, tensor) pairs to send."""
-        pairs, unknown = [], []
-        for name, t in tensors.items():
-            expected = self.shapes.get(name)
-            if expected is None:
-                if not (name.endswith(_IGNORED_SUFFIXES)
-                        or (name == "lm_head.weight" and self.tied_embeddings)):
-                    unknown.append(name)
-                continue
-            if tuple(t.shape) != expected:
-                raise ValueError(f"weight {name}: shape {tuple(t.shape)} != expected {expected}")
-            pairs.append((name, t))
-        if unknown:
-            raise ValueError(f"unknown weight names (not in the served checkpoint): "
-                             f"{sorted(unknown)[:5]}")
-        missing = set(self.shapes) - {n for n, _ in pairs}
-        if missing:
-            raise ValueError(f"weights missing from the update: {sorted(missing)[:5]} "
-                             f"({len(missing)} in all); load_weights takes a full state dict")
-        return pairs
+        return check_full(tensors, self.shapes, model="the served checkpoint",
+                          optional={"lm_head.weight"} if self.tied_embeddings else ())

@@ -4,7 +4,7 @@
     ----------------------------            -----------------------------------------
     generate ------ run_coroutine ------->  one SSE stream per request  --> vLLM server
     interrupt ----- _threadsafe  ------->  POST /abort_requests              (own process
-    load_weights -  (wrap_future) ------>  WeightSync: write buckets,        group)
+    load_weights -  (wrap_future) ------>  VllmReload: write buckets,        group)
                                             pause/reload/version/resume
                                             ServerHealth: process + /health --fault-->
                                                           restart, restore weights
@@ -16,7 +16,7 @@ and vLLM aborts a request whose client went away.
 
 Versions. Tokens are stamped from the spans vLLM puts on a stream's final event (exact: the
 engine core labels every step with its current version). ``load_weights`` makes the boundary
-exact (``sync.py``): in-flight requests freeze between two steps, the weights are reloaded in
+exact (``sync/vllm.py``): in-flight requests freeze between two steps, the weights are reloaded in
 place, and they continue on the new weights. Only a stream that breaks (server died, or
 an interrupt that had to drop its stream) has no final event. It still returns exact
 versions: a request sent at version v (or during the pause of a reload to v) is sampled by v
@@ -66,9 +66,10 @@ from rollstream.engine.protocol import EngineStats, FinishReason, GenerateOutput
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.health import HEALTH_TIMEOUT_S, ServerHealth
 from rollstream.engine.vllm.server import LOGPROBS_MODE, ServerProcess, VllmServerError
-from rollstream.engine.vllm.sync import SyncTiming, WeightSync
-from rollstream.engine.vllm.weights import WeightStore, WrittenWeights
 from rollstream.engine.vllm.wire import GENERATE_PATH, StreamState, request_body
+from rollstream.sync.protocol import Payload
+from rollstream.sync.shm import WeightStore, WrittenWeights
+from rollstream.sync.vllm import SyncTiming, VllmReload
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +107,7 @@ class VllmEngine:
         self._health = ServerHealth(engine_id=engine_id, server=server, period_s=health_period_s,
                                     probe=self._healthy, drop_streams=self._drop_streams,
                                     restart=self._restart)
-        self._sync = WeightSync(engine_id=engine_id, version=version, store=store,
+        self._sync = VllmReload(engine_id=engine_id, version=version, store=store,
                                 health=self._health, post=self._post, streams=self._streams)
         self._max_model_len = 0
         self._inflight: dict[str, _Inflight] = {}
@@ -146,8 +147,8 @@ class VllmEngine:
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Install a full HF-named state dict; tokens sampled afterwards carry ``version``.
         In-flight requests freeze during the reload and continue on the new weights."""
-        pairs = self._checkpoint.check(tensors)
-        await self._call(self._sync.load(version, pairs))
+        payload = Payload.full(version, dict(self._checkpoint.check(tensors)))
+        await self._call(self._sync.load(payload))
 
     def stats(self) -> EngineStats:
         inflight = list(self._inflight.values())

@@ -16,8 +16,8 @@ callable through ``POST /collective_rpc``. What it provides:
   reports the mode the worker's sampler actually runs; the engine refuses a server whose
   answer is anything else, or whose sampler cannot say (a vLLM whose logprob path cannot give
   processed logprobs must not serve training).
-* ``rollstream_reload(weights_dir)`` streams every ``*.safetensors`` file of a folder (the
-  buckets written by :mod:`rollstream.engine.vllm.weights`) into
+* ``rollstream_reload(weights_dir)`` streams every bucket of a version folder (written by
+  :mod:`rollstream.sync.shm`, whose reader checks the payload's header) into
   ``worker.reload_weights(weights_iterator=...)``, vLLM's in-place reload that re-runs the
   CPU kernels' weight repacking (calling ``model.load_weights`` directly is wrong on CPU).
   Tensors are read lazily from memory-mapped files, one at a time, so peak extra memory is
@@ -27,27 +27,15 @@ callable through ``POST /collective_rpc``. What it provides:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
+
+from rollstream.sync.shm import iter_folder
 
 try:  # a fault boundary of one: a CPU without AMX or a torch without the hook just skips it
     torch.cpu._init_amx()
 except Exception:  # noqa: BLE001
     pass
-
-def _iter_tensors(weights_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    files = sorted(Path(weights_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {weights_dir}")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
 
 class RollstreamWorkerExtension:
     """Mixed into vLLM's worker; ``self`` is the worker."""
@@ -55,7 +43,7 @@ class RollstreamWorkerExtension:
     def rollstream_reload(self, weights_dir: str) -> dict[str, float]:
         t0 = time.perf_counter()
         reload = self.reload_weights  # type: ignore[attr-defined]  # the worker's method
-        reload(weights_iterator=_iter_tensors(weights_dir))
+        reload(weights_iterator=iter_folder(weights_dir))
         return {"load_s": time.perf_counter() - t0}
 
     def rollstream_logprobs_mode(self) -> dict[str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from rollstream.runtime.ray.dataplane import (
 if TYPE_CHECKING:
     import torch
 
-    from rollstream.runtime.ray.weights import Bucket
+    from rollstream.sync.protocol import Delivery
 
 
 class EngineActor:
@@ -62,36 +62,27 @@ class EngineActor:
     async def interrupt(self, request_ids: Sequence[str] | None) -> None:
         await self.engine.interrupt(request_ids)
 
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        await self.engine.load_weights(version, tensors)
-
     async def join_weight_group(self, host: str, port: int, prefix: str, rank: int,
                                 world: int, timeout_s: float) -> None:
         """Join the driver's broadcast group (``weight_sync: broadcast``), leaving any older
         one."""
-        from rollstream.runtime.ray.weights import join_group
+        from rollstream.sync.broadcast import join_group
 
         self._group = None
         self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world,
                                               timeout_s)
 
-    async def receive_weights(self, version: int, plan: list[Bucket]) -> None:
-        """Receive one version's buckets from the driver's broadcast and install them."""
-        from rollstream.runtime.ray.weights import receive_buckets
+    async def install(self, delivery: Delivery) -> None:
+        """Install the version a weight transport delivered (``sync/``): the payload itself,
+        a broadcast round's buckets or a shared-memory folder, opened off the loop."""
+        from rollstream.sync.protocol import Payload
 
         async with self._receiving:
-            if self._group is None:
-                raise RuntimeError("receive_weights before join_weight_group")
-            tensors = await asyncio.to_thread(receive_buckets, self._group, plan)
-        await self.engine.load_weights(version, tensors)
-
-    async def load_shared(self, version: int, path: str) -> None:
-        """Install the version the driver wrote to shared memory (``weight_sync:
-        shared_memory``)."""
-        from rollstream.runtime.ray.weights import read_buckets
-
-        tensors = await asyncio.to_thread(read_buckets, Path(path))
-        await self.engine.load_weights(version, tensors)
+            if isinstance(delivery, Payload):  # it came whole: nothing to read, no thread hop
+                payload = delivery.open()
+            else:
+                payload = await asyncio.to_thread(delivery.open, self._group)
+        await self.engine.load_weights(payload.version, payload.tensors)
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the weights the engine serves, HF-named, read off the engine thread: for

@@ -8,8 +8,9 @@ over it.
       (dataplane.py: the tokens an episode added since its last call, packed; a payload
        above runtime.ray.out_of_band_bytes by reference through the object store, both ways)
     RayEngine.interrupt ------ actor.interrupt.remote --> LocalEngine.interrupt
-    RayEngine.load_weights --- the run's weight transport (weights.py): one ray.put per
-                               version, a gloo broadcast in buckets, or shared memory
+    RayEngine.load_weights --- the run's weight transport (sync/): one ray.put per
+                               version, a gloo broadcast in buckets, or shared memory,
+                               to actor.install
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
                                (and every PEEK_S one actor.peek.remote: the partial tokens
                                sampled since the last peek)
@@ -58,12 +59,14 @@ from rollstream.engine.states import EngineHealth
 from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
 from rollstream.runtime.ray.engine_actor import spawn_actor
 from rollstream.runtime.ray.wire import WireMeter
+from rollstream.sync.protocol import Destination, Payload
 
 if TYPE_CHECKING:
     import torch
 
+    from rollstream.config.runtime import RayConfig
     from rollstream.runtime.ray.units import ScaleUnits
-    from rollstream.runtime.ray.weights import WeightTransport
+    from rollstream.sync.protocol import Transport
 
 log = logging.getLogger(__name__)
 PEEK_S = 0.2  # how often the driver copies the running requests' tokens while it polls
@@ -73,7 +76,7 @@ class RayEngine:
     """Implements the engine protocol (and ``Closeable``, ``Restartable``, ``KeepsEpisodes``)
     over an ``EngineActor``; ``spawn(version)`` makes a new actor (at start and on restart)."""
 
-    def __init__(self, *, engine_id: str, spawn: Callable[[int], Any], weights: WeightTransport,
+    def __init__(self, *, engine_id: str, spawn: Callable[[int], Any], weights: Transport,
                  version: int, max_restarts: int, actor: Any = None,
                  episodes: Episodes | None = None,
                  out_of_band_bytes: int = DEFAULT_OUT_OF_BAND_BYTES) -> None:
@@ -171,7 +174,8 @@ class RayEngine:
         if self._death is not None:
             raise RuntimeError(self._death)
         try:
-            await self._weights.load(self.engine_id, actor, version, tensors)
+            await self._weights.send(Payload.full(version, tensors),
+                                     Destination(engine_id=self.engine_id, actor=actor))
         except (RuntimeError, *_actor_errors()) as e:  # a dead local engine raises RuntimeError
             self._fault(actor, e)
             raise RuntimeError(self._death or f"ray engine {self.engine_id}: {e}") from e
@@ -220,7 +224,8 @@ class RayEngine:
         actor = self._spawn(version)
         try:
             if tensors is not None:
-                await self._weights.revive(actor, version, tensors)
+                await self._weights.revive(Payload.full(version, tensors),
+                                           Destination(engine_id=self.engine_id, actor=actor))
             self._last = await actor.stats.remote()
         except BaseException:
             ray.kill(actor, no_restart=True)
@@ -400,7 +405,7 @@ def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -
 
 def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,
                       version: int, num_cpus: float,
-                      weights: WeightTransport | None = None,
+                      weights: Transport | None = None,
                       units: ScaleUnits | None = None,
                       episode_cache_tokens: int = DEFAULT_EPISODE_CACHE_TOKENS,
                       out_of_band_bytes: int = DEFAULT_OUT_OF_BAND_BYTES) -> list[RayEngine]:
@@ -408,9 +413,10 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
     which share ``weights`` (None: the object store) and the record of which actor holds an
     episode's history; engine ``i`` (and its replacements) in ``units.engine(i)`` (None: where
     Ray places them). ``episode_cache_tokens``, ``out_of_band_bytes``: ``runtime.ray``'s."""
-    from rollstream.runtime.ray.weights import BroadcastWeights, ObjectStoreWeights
+    from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.object_store import ObjectStore
 
-    weights = weights or ObjectStoreWeights()
+    weights = weights or ObjectStore()
     engines: list[RayEngine] = []
     plane = {"episode_cache_tokens": episode_cache_tokens, "out_of_band_bytes": out_of_band_bytes}
     spawns = {f"ray-{i}": _spawner(model_path, cfg, f"ray-{i}", num_cpus,
@@ -431,10 +437,26 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
         for actor in actors.values():
             ray.kill(actor, no_restart=True)
         raise
-    if isinstance(weights, BroadcastWeights):  # the group: every engine whose actor serves
+    if isinstance(weights, Broadcast):  # the group: every engine whose actor serves
         weights.members = lambda: {e.engine_id: a for e in engines
                                    if (a := e.live_actor()) is not None}
     return engines
+
+
+def build_transport(cfg: RayConfig) -> Transport:
+    """The engine actors' weight transport, by ``runtime.ray.weight_sync``."""
+    from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.object_store import ObjectStore
+    from rollstream.sync.shm import SharedMemory
+
+    match cfg.weight_sync:
+        case "object_store":
+            return ObjectStore()
+        case "broadcast":
+            return Broadcast(cfg.bucket_bytes)
+        case "shared_memory":
+            return SharedMemory(cfg.bucket_bytes)
+    raise AssertionError(cfg.weight_sync)  # the config allows nothing else
 
 
 def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str, num_cpus: float,

@@ -1,13 +1,16 @@
-"""``WeightSync``: installs weights into one running vLLM server and owns its version label.
+"""vLLM's reload path: :class:`VllmReload` installs a payload into one running vLLM server
+and owns its version label (``VllmEngine.load_weights`` calls it; its server's worker reads
+the folder through ``engine/vllm/worker_ext.py``).
 
-Ordering contract of ``load``, which makes the version boundary exact: the state dict is
-written to shared memory (``weights.py``), then ``/pause?mode=keep`` (in-flight requests
+Ordering contract of ``load``, which makes the version boundary exact: the payload is
+written to shared memory (``shm.py``), then ``/pause?mode=keep`` (in-flight requests
 freeze between two steps), reload in place through ``/collective_rpc`` (``worker_ext.py``),
 ``/update_weight_version``, ``/resume``; the frozen requests then continue on the new
 weights. Requests sent while the server is paused (``paused_for``) are sampled by the new
 version; the in-flight streams are told, just before ``/resume`` is sent, that what they hold
-was sampled before (``StreamState.resuming``, ``wire.py``). One load or restart at a time:
-``load`` holds the health's ``control`` lock, and waits out a recovery without holding it.
+was sampled before (``StreamState.resuming``, ``engine/vllm/wire.py``). One load or restart
+at a time: ``load`` holds the health's ``control`` lock, and waits out a recovery without
+holding it.
 
 A reload that fails is a server fault: the version is set anyway (the recovery restores the
 written weights and labels them) and ``load`` raises only if the engine is DEAD after it.
@@ -21,13 +24,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import httpx
 
-from rollstream.engine.vllm.health import ServerHealth
-from rollstream.engine.vllm.weights import WeightStore, WrittenWeights
-from rollstream.engine.vllm.wire import StreamState
+from rollstream.sync.protocol import Payload
+from rollstream.sync.shm import WeightStore, WrittenWeights
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +43,32 @@ class SyncTiming:
     total_s: float
 
 
-class WeightSync:
+class Health(Protocol):
+    """What a reload needs of the engine's health (``engine/vllm/health.py``)."""
+
+    control: asyncio.Lock  # held by a restart or a reload
+    ready: asyncio.Event  # set while the server can serve
+
+    async def serving(self) -> str | None:
+        """None once the server serves; why not when the engine is DEAD."""
+
+    def fault(self, reason: str) -> None: ...
+
+
+class Resumable(Protocol):
+    """An in-flight stream (``engine/vllm/wire.py``'s ``StreamState``)."""
+
+    def resuming(self) -> None:
+        """The server resumes after a reload: what the stream holds was sampled before."""
+
+
+class VllmReload:
     """``post(path, **kwargs)`` posts to the server (raising on an HTTP error);
     ``streams()`` are the engine's in-flight streams."""
 
     def __init__(self, *, engine_id: str, version: int, store: WeightStore,
-                 health: ServerHealth, post: Callable[..., Awaitable[httpx.Response]],
-                 streams: Callable[[], Iterable[StreamState]]) -> None:
+                 health: Health, post: Callable[..., Awaitable[httpx.Response]],
+                 streams: Callable[[], Iterable[Resumable]]) -> None:
         self.engine_id = engine_id
         self.version = version  # of the weights the server samples with
         self.paused_for: int | None = None  # a reload to this version has the server paused
@@ -60,8 +81,8 @@ class WeightSync:
             await self._reload(written)
         await self._label(self.version)
 
-    async def load(self, version: int, pairs: list[tuple[str, Any]]) -> None:
-        health = self._health
+    async def load(self, payload: Payload) -> None:
+        health, version = self._health, payload.version
         while True:  # wait out a recovery without holding the lock it needs
             if (why := await health.serving()) is not None:
                 raise RuntimeError(why)
@@ -71,7 +92,7 @@ class WeightSync:
             health.control.release()
         t0 = time.perf_counter()
         try:
-            written = await asyncio.to_thread(self._store.write, version, dict(pairs))
+            written = await asyncio.to_thread(self._store.write, payload)
             t1 = time.perf_counter()
             try:
                 await self._post("/pause", params={"mode": "keep"})

@@ -1,0 +1,171 @@
+"""The weight transport protocol: what a transport carries (a :class:`Payload`, one
+version's tensors under a :class:`Header` that says what they are), where to
+(a :class:`Destination`) and how (a :class:`Transport`: ``send``, ``revive``, ``close``).
+
+The header is the versioned part of the transport protocol: ``protocol`` (the layout of
+headers and deliveries, :data:`PROTOCOL`), the weight ``version``, the payload ``kind`` and
+each tensor's name, dtype and shape. A receiver checks it before it installs anything
+(:func:`check`): a payload of another protocol, or of a kind the receiver cannot apply, is
+refused with the reason, never half-applied.
+
+Kinds: ``full`` (a whole Hugging Face-named state dict, what ``Engine.load_weights`` takes)
+is the one built. A delta (tensors to add to the served ones) or an adapter-only payload (a
+LoRA's tensors) is an addition: a new :data:`PayloadKind` value, made by the trainer, and the
+receivers that can apply it accept it; the transports move any kind unchanged, since they
+move tensors and this header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+
+if TYPE_CHECKING:
+    import torch
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; engines derive them
+PROTOCOL = 1  # the layout of a header and of the transports' deliveries
+PayloadKind = Literal["full"]
+KINDS: tuple[str, ...] = get_args(PayloadKind)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorMeta:
+    name: str  # Hugging Face parameter name
+    dtype: str  # torch dtype without its module: "float32", "bfloat16"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Header:
+    version: int  # the weight version the tensors are; tokens sampled with them carry it
+    kind: PayloadKind
+    tensors: tuple[TensorMeta, ...]
+    protocol: int = PROTOCOL
+
+    @classmethod
+    def describe(cls, version: int, kind: PayloadKind,
+                 tensors: Mapping[str, torch.Tensor]) -> Header:
+        return cls(version=version, kind=kind, tensors=tuple(
+            TensorMeta(name=name, dtype=str(t.dtype).removeprefix("torch."),
+                       shape=tuple(t.shape)) for name, t in tensors.items()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.tensors)
+
+    def metadata(self) -> dict[str, str]:
+        """The fields a file format's string metadata keeps (safetensors'): the names,
+        dtypes and shapes are in the file's own header."""
+        return {"rollstream.protocol": str(self.protocol), "rollstream.version":
+                str(self.version), "rollstream.kind": self.kind}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Payload:
+    header: Header
+    tensors: Mapping[str, torch.Tensor]
+
+    @classmethod
+    def full(cls, version: int, tensors: Mapping[str, torch.Tensor]) -> Payload:
+        """A whole state dict as ``version`` (the tensors are not copied)."""
+        return cls(header=Header.describe(version, "full", tensors), tensors=tensors)
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    def open(self, group: Any = None) -> Payload:
+        """:class:`Delivery`: the object store delivers the payload itself."""
+        check(self.header.protocol, self.header.kind)
+        return self
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Destination:
+    """Where one engine's weights are installed: its engine actor
+    (``runtime/ray/engine_actor.py``), whose ``install(delivery)`` opens what a transport
+    sent. A destination on another node is the same actor handle; a transport that cannot
+    reach it from here (shared memory) says so where it is built (``RayConfig``)."""
+
+    engine_id: str
+    actor: Any  # a Ray actor handle
+
+
+class Delivery(Protocol):
+    """What a transport hands a destination for one payload: the payload itself (object
+    store), a broadcast round's bucket plan, a shared-memory folder. The destination calls
+    ``open`` (blocking: off its event loop), so a new transport needs no new actor method."""
+
+    def open(self, group: Any) -> Payload:
+        """The payload, checked (:func:`check`); ``group``: the destination's broadcast
+        group, if it joined one."""
+        ...
+
+
+class Transport(Protocol):
+    """Carries payloads from this process to destinations. Sends of one payload's tensors
+    (the same mapping: weight sync hands every engine the same one) to several destinations
+    form one round, so a version travels once for all of them; rounds never overlap."""
+
+    async def send(self, payload: Payload, to: Destination) -> None:
+        """Install ``payload`` at ``to`` (raises the destination's errors)."""
+
+    async def revive(self, payload: Payload, to: Destination) -> None:
+        """The same for one new destination (an engine that replaced a dead one), outside
+        the rounds."""
+
+    def close(self) -> None:
+        """Free what the transport holds (idempotent)."""
+
+
+def check(protocol: int, kind: str, kinds: tuple[str, ...] = KINDS) -> None:
+    """Refuse a payload this receiver cannot apply (ValueError with the reason)."""
+    if protocol != PROTOCOL:
+        raise ValueError(f"weight payload of transport protocol {protocol}; this rollstream "
+                         f"reads protocol {PROTOCOL} (trainer and engines must run one version)")
+    if kind not in kinds:
+        raise ValueError(f"weight payload of kind {kind!r} cannot be applied here "
+                         f"(accepted: {', '.join(kinds)})")
+
+
+def read_metadata(meta: Mapping[str, str] | None, where: str) -> tuple[int, PayloadKind]:
+    """The version and kind :meth:`Header.metadata` wrote, checked (``where``: the file)."""
+    meta = meta or {}
+    try:
+        protocol, version = int(meta["rollstream.protocol"]), int(meta["rollstream.version"])
+        kind = meta["rollstream.kind"]
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{where}: not a rollstream weight payload (metadata {meta}): "
+                         f"{e!r}") from None
+    check(protocol, kind)
+    return version, kind  # type: ignore[return-value]  # checked against KINDS
+
+
+def check_full(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], *,
+               optional: Collection[str] = (),
+               model: str) -> list[tuple[str, torch.Tensor]]:
+    """What an engine installs of a ``full`` payload, checked against the names and shapes
+    of the model it serves (``model`` names it in errors): every name of ``shapes`` but the
+    ``optional`` ones (a tied ``lm_head.weight``) must come, with its shape; an optional
+    name the model does not hold and rotary ``inv_freq`` buffers are dropped; any other name
+    is an error. ValueError before anything is installed."""
+    pairs, unknown = [], []
+    for name, t in tensors.items():
+        expected = shapes.get(name)
+        if expected is None:
+            if not (name.endswith(IGNORED_SUFFIXES) or name in optional):
+                unknown.append(name)
+        elif tuple(t.shape) != tuple(expected):
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != expected "
+                             f"{tuple(expected)}")
+        else:
+            pairs.append((name, t))
+    if unknown:
+        raise ValueError(f"unknown weight names (not in {model}): {sorted(unknown)[:5]}")
+    missing = set(shapes) - set(optional) - {n for n, _ in pairs}
+    if missing:
+        raise ValueError(f"weights missing from the update: {sorted(missing)[:5]} "
+                         f"({len(missing)} in all); load_weights takes a full state dict")
+    return pairs
