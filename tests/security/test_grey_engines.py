@@ -24,7 +24,7 @@ from rollstream.data.ledger import read_ledger
 from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm import VllmEngine, VllmServer, build_vllm_engine
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
-from rollstream.engine.vllm.weights import WeightStore
+from rollstream.sync.shm import WeightStore
 from rollstream.models.warmstart import prepare_model
 from rollstream.runtime import build
 from rollstream.runtime.train import run_training

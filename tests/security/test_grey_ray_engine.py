@@ -38,7 +38,7 @@ async def test_an_actor_whose_call_raises_is_an_engine_fault_and_stays_up(tmp_pa
     from rollstream.config.runtime import RayConfig
     from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.runtime.ray.engines import RayEngine
-    from rollstream.runtime.ray.weights import ObjectStoreWeights
+    from rollstream.sync.object_store import ObjectStore
 
     model = make_tiny_model(tmp_path / "model")
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need no tests/
@@ -48,7 +48,7 @@ async def test_an_actor_whose_call_raises_is_an_engine_fault_and_stays_up(tmp_pa
             return ray.remote(FlakyActor).options(num_cpus=1, max_concurrency=100).remote(
                 str(model), LocalEngineConfig(max_slots=4), "ray-0", version, 1 << 16, 1 << 20)
 
-        engine = RayEngine(engine_id="ray-0", spawn=spawn, weights=ObjectStoreWeights(),
+        engine = RayEngine(engine_id="ray-0", spawn=spawn, weights=ObjectStore(),
                            version=0, max_restarts=1)
         request = GenerateRequest(request_id="r0", prompt_ids=[1, 2, 3],
                                   params=SamplingParams(max_new_tokens=4, temperature=0))
