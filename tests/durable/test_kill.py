@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
-from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger import read_jsonl, read_ledger
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.audit import audit_run
 from rollstream.models.warmstart import prepare_model
@@ -69,15 +69,15 @@ def check_run(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and not summary["unfinished_samples"], summary
     rows = read_ledger(run_dir / "ledger.jsonl")
-    uids = [r["sample_uid"] for r in rows]
+    uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
     lines = defaultdict(int)
     trained_groups: dict[int, set[str]] = defaultdict(set)
     for r in rows:
-        gid = r["sample_uid"].rsplit("/", 1)[0]
+        gid = r.sample_uid.rsplit("/", 1)[0]
         lines[gid] += 1
-        if r["status"] == "trained":
-            trained_groups[r["trained_at_step"]].add(gid)
+        if r.status == "trained":
+            trained_groups[r.trained_at_step].add(gid)
     for gid, n in lines.items():  # evaluation groups hold eval.samples_per_task samples
         assert n == (EVAL_SAMPLES if "#eval" in gid else GROUP), f"group {gid}: {n} recorded"
     assert sorted(trained_groups) == list(range(STEPS))
@@ -89,9 +89,9 @@ def check_run(run_dir: Path) -> dict:
     assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
     cursor = durable.latest(run_dir).state["rollout"]["tasks"]["next_index"]["tick"]
     drawn = {f"tick/train/{i}" for i in range(cursor)}
-    seen = {r["task_uid"] for r in rows if "#eval" not in r["sample_uid"]}
+    seen = {r.task_uid for r in rows if "#eval" not in r.sample_uid}
     assert drawn <= seen, f"tasks of the cursor's range missing: {sorted(drawn - seen)[:5]}"
-    metrics = read_ledger(run_dir / "metrics.jsonl")  # JSON lines, torn ones skipped
+    metrics = read_jsonl(run_dir / "metrics.jsonl")  # JSON lines, torn ones skipped
     assert sorted(r["step"] for r in metrics if r["kind"] == "train") == list(range(STEPS)), \
         "metrics.jsonl records each trained step once"
     final = load_file(run_dir / "checkpoint" / "model.safetensors")
@@ -143,8 +143,8 @@ def test_sigkill_at_random_moments_loses_nothing(config: Path) -> None:
     # samples judged on other weights than the resumed run's, which needed fewer tasks)
     superseded = run_dir / "ledger.superseded.jsonl"
     if superseded.exists():
-        final = {r["sample_uid"] for r in out["rows"]}
-        not_redone = {r["sample_uid"] for r in read_ledger(superseded)} - final
+        final = {r.sample_uid for r in out["rows"]}
+        not_redone = {r.sample_uid for r in read_ledger(superseded)} - final
         beyond = {uid for uid in not_redone
                   if (i := _train_task_index(uid)) is not None and i >= out["cursor"]}
         assert not_redone == beyond, sorted(not_redone - beyond)[:8]
@@ -220,12 +220,12 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and not summary["unfinished_samples"], summary
     rows = read_ledger(run_dir / "ledger.jsonl")
-    uids = [r["sample_uid"] for r in rows]
+    uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
     audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES,
                       groups_per_step=GROUPS, steps=steps)
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
-    resumed = [r for r in rows if r["restored_tokens"] > 0 and r["num_turns"] >= 2]
+    resumed = [r for r in rows if r.restored_tokens > 0 and r.num_turns >= 2]
     assert resumed, "an episode saved between turns was continued, not started again"
-    assert not [r for r in rows if r["reason"] and "Replay" in r["reason"]], "replays agreed"
+    assert not [r for r in rows if r.reason and "Replay" in r.reason], "replays agreed"

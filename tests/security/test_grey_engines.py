@@ -85,9 +85,9 @@ def test_a_failing_engine_beside_a_healthy_one_trains_to_the_end_with_no_sample_
 
     assert summary["steps"] == STEPS
     rows = read_ledger(run_dir / "ledger.jsonl")
-    failed = [r for r in rows if r["status"] == "failed"]
+    failed = [r for r in rows if r.status == "failed"]
     assert not failed, failed[:3]
-    assert sum(r["status"] == "trained" for r in rows) >= STEPS * GROUPS * GROUP // 2
+    assert sum(r.status == "trained" for r in rows) >= STEPS * GROUPS * GROUP // 2
     quarantines = [m for m in caplog.messages if m.startswith("engine vllm-0 quarantined")]
     assert quarantines and "HTTP 500" in quarantines[0], caplog.messages
     assert len(quarantines) >= 2, "probed back after quarantine_s, and quarantined again"

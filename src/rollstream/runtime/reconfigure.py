@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from rollstream.rollout.rollout import Rollout
     from rollstream.runtime.controller import MetricsLike
 
-LOG_FILE = "reconfig.jsonl"
 
 
 @runtime_checkable
