@@ -37,6 +37,7 @@ from rollstream.data.ledger_row import (
     EnvTurn,
     LedgerRow,
     PolicyTurn,
+    TurnRow,
     decode_row,
     encode_row,
 )
@@ -173,7 +174,7 @@ class Ledger:
         self._fh = self._replay_fh = None
 
 
-def turn_entry(turn: Turn) -> PolicyTurn | EnvTurn:
+def turn_entry(turn: Turn) -> TurnRow:
     """A turn of an agent episode as its ledger line lists it: what a replay of the episode in
     the simulator needs (tokens; a model turn's seconds, an environment turn's tool wait) and
     what the harness spent beside (an environment turn's seconds beyond ``tool_s``; the gap

@@ -14,8 +14,6 @@ the response tokens, one list per name, e.g. an MoE router's choices).
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from msgspec import UNSET, UnsetType
 
@@ -46,7 +44,7 @@ class EnvTurn(msgspec.Struct, kw_only=True, tag="env", tag_field="kind"):
     num_tool_calls: int = 0
 
 
-Turn = PolicyTurn | EnvTurn
+TurnRow = PolicyTurn | EnvTurn
 
 
 class LedgerRow(msgspec.Struct, kw_only=True):
@@ -66,7 +64,7 @@ class LedgerRow(msgspec.Struct, kw_only=True):
     num_interrupts: int = 0
     finish_reason: str | None = None
     num_turns: int = 0  # an agent episode's model turns
-    turns: list[Turn] = msgspec.field(default_factory=list)
+    turns: list[TurnRow] = msgspec.field(default_factory=list)
     trained_at_step: int | None = None
     min_trained_version: int | None = None  # of the tokens the loss kept
     num_trained_tokens: int | None = None
@@ -91,9 +89,6 @@ class LedgerRow(msgspec.Struct, kw_only=True):
     def is_dataset_row(self) -> bool:
         """A dataset row that could not become a task (``<task_uid>#row``), not a sample."""
         return self.sample_uid.endswith("#row")
-
-    def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
 
 
 _decode = msgspec.json.Decoder(LedgerRow).decode

@@ -10,7 +10,8 @@
   evaluation every ``eval.every`` steps, a checkpoint every ``train.checkpoint_every``) and
   :class:`FinalCheckpoint` (when the run ends or stops).
 
-``runtime/build.py`` builds them and hands the hooks to the controller's constructor.
+``runtime/run.py`` builds them with the run and hands the hooks to the controller's
+constructor.
 """
 
 from __future__ import annotations

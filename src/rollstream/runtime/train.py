@@ -1,4 +1,4 @@
-"""``rollstream train``: run the components ``runtime/build.py`` builds from a config.
+"""``rollstream train``: run the components ``runtime/run.py`` builds from a config.
 
 The embedded runtime: one process, one asyncio loop; engines run their step loops in their own
 threads, the trainer in a dedicated thread, synchronous rewards in worker processes. A run:
