@@ -1,15 +1,15 @@
 """An OpenAI-compatible endpoint that turns any agent harness into a rollout source.
 
 An unmodified agent written against the official ``openai`` SDK (``chat.completions``,
-streaming or not, with tools) is pointed at ``base_url`` with a per-episode ``api_key``. Each
-call is rendered with the model's chat template, sent to an engine as token ids, and its
-tokens, logprobs and versions are recorded; the calls of one session are stitched into one
-trajectory by **dialogue-prefix matching**: a call whose messages are the previous call's
-messages plus the reply it got plus new ones (tool results, a user turn) continues the
-trajectory, the new messages rendered incrementally after the tokens already served
-(``ChatRenderer.extend``); a call that rewrote history (dropped, edited or reordered earlier
-messages), or follows a call the engine failed, starts a new sample, recorded with the
-reason. Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with
+streaming or not, with tools, ``n`` choices) is pointed at ``base_url`` with a per-episode
+``api_key``. Each call is rendered with the model's chat template, sent to an engine as token
+ids, and its tokens, logprobs and versions are recorded; the calls of one session are stitched
+into trajectories by **dialogue-prefix matching** (``proxy_session.py``): a call whose
+messages are the previous call's messages plus a reply it got plus new ones (tool results, a
+user turn) continues that reply's trajectory, the new messages rendered incrementally after
+the tokens already served (``ChatRenderer.extend``); a call that rewrote history (dropped,
+edited or reordered earlier messages), or follows a call the engine failed, starts a new
+sample, recorded with the reason; each extra choice of a call is a sample of its own. Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with
 prefix affinity, counting the proxy's calls in flight: a session's first call goes to the
 least-loaded UP engine, and its later calls stay on the engine that holds its prefix while the
 router keeps them there (UP, with a free sequence and not far above the least loaded), else
@@ -27,7 +27,9 @@ the prompt against the context (refused before rendering when its text alone can
 Every refusal is a 400 (or 413) whose ``param`` names the field or the limit.
 
 A streamed reply (``stream: true``) sends the text as the engine samples it
-(``proxy_stream.py``). Simplification: ``n`` must be 1.
+(``proxy_stream.py``). A session bound to a training sample (``proxy_episode.py``) is one
+trajectory, refuses ``n > 1``, runs the source's tools for its agent, and answers a restored
+episode from its record.
 """
 
 from __future__ import annotations
