@@ -279,9 +279,10 @@ def test_sigkill_mid_episode_replays_sdk_agent_episodes(tmp_path_factory,
     for group in saved.state["rollout"]["live"]:
         for s in group["samples"]:
             row = rows[f"{group['group_id']}/{s['idx']}"]
-            if not any(seg["kind"] == "env" for seg in s["segments"]) or (
+            if s["status"] != "interrupted" or not any(
+                    seg["kind"] == "env" for seg in s["segments"]) or (
                     row["status"] not in ("trained", "filtered")):
-                continue
+                continue  # not saved mid-episode, or not finished by the resumed run
             checked += 1
             assert row["restored_tokens"] > 0, row
             model = [t for t in row["turns"] if t["kind"] == "policy"]
