@@ -9,8 +9,9 @@ messages are the previous call's messages plus a reply it got plus new ones (too
 user turn) continues that reply's trajectory, the new messages rendered incrementally after
 the tokens already served (``ChatRenderer.extend``); a call that rewrote history (dropped,
 edited or reordered earlier messages), or follows a call the engine failed, starts a new
-sample, recorded with the reason; each extra choice of a call is a sample of its own. Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with
-prefix affinity, counting the proxy's calls in flight: a session's first call goes to the
+sample, recorded with the reason; each extra choice of a call is a sample of its own.
+Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with prefix
+affinity, counting the proxy's calls in flight: a session's first call goes to the
 least-loaded UP engine, and its later calls stay on the engine that holds its prefix while the
 router keeps them there (UP, with a free sequence and not far above the least loaded), else
 move to the least loaded. A training session's turns are routed by the run's dispatcher.
