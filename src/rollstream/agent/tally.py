@@ -132,8 +132,9 @@ class TallySource(_Synthetic):
 
 async def openai_agent(session: SessionHandle, task: Task, sampling: SamplingParams) -> None:
     """The same episode written as an ordinary agent with the ``openai`` SDK (the ``openai``
-    harness, ``TallySource.agent``): it keeps the conversation, runs the calculator itself and
-    deals the numbers; the proxy it talks to turns its calls into the training sample."""
+    harness, ``TallySource.agent``): it keeps the conversation, deals the numbers and has the
+    run execute its calculator calls (``SessionHandle.call_tool``: the episode records them);
+    the proxy it talks to turns its calls into the training sample."""
     import openai
 
     values = _values(task)
@@ -150,11 +151,13 @@ async def openai_agent(session: SessionHandle, task: Task, sampling: SamplingPar
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:
                 return  # the answer
-            for call in message.tool_calls:
+            for call in message.tool_calls:  # run by rollstream: a resume replays them
                 try:
-                    result = await calc(**json.loads(call.function.arguments))
-                except (ValueError, TypeError) as e:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError as e:
                     result = f"error: {e}"
+                else:
+                    result = await session.call_tool(call.function.name, arguments)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             deal = f"add {values[dealt]}" if dealt < len(values) else "end"
             messages.append({"role": "user", "content": deal})

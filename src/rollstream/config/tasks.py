@@ -155,7 +155,8 @@ class AgentConfig(Section):
     """Wall time of an episode (None = no limit); a turn or tool still running then is
     stopped and the episode ends with ``max_wall``."""
     tool_timeout_s: float = Field(10.0, gt=0)
-    """Per tool call: a call still running then ends with an error message to the model."""
+    """Per tool call (the loop's, and those an SDK agent runs through its session): a call
+    still running then ends with an error message to the model."""
     max_tool_concurrency: int | None = Field(None, ge=1)
     """Tool calls running at once per agent source, across its episodes (None = no bound)."""
     max_tool_output_chars: int = Field(16384, ge=1)

@@ -187,8 +187,9 @@ def turn_entry(turn: Turn) -> dict[str, Any]:
     entry: dict[str, Any] = {"kind": turn.kind.value, "num_tokens": turn.num_tokens,
                              "started_s": round(turn.started_s, 6),
                              "duration_s": round(turn.duration_s, 6)}
-    if turn.kind is SegmentKind.POLICY:
-        entry.update(finish_reason=turn.finish_reason, num_interrupts=turn.num_interrupts)
+    if turn.kind is SegmentKind.POLICY:  # tool calls: an SDK agent's after this turn
+        entry.update(finish_reason=turn.finish_reason, num_interrupts=turn.num_interrupts,
+                     num_tool_calls=len(turn.tool_calls))
     else:
         entry.update(num_tool_calls=len(turn.tool_calls),
                      tool_s=round(max((r.duration_s for r in turn.tool_results), default=0.0), 6))

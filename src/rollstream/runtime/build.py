@@ -169,7 +169,8 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
                                          budgets=budgets, workers=pool,
                                          context_tokens=cfg.engine.context[1],
-                                         limits=a.proxy)
+                                         limits=a.proxy, tool_timeout_s=a.tool_timeout_s,
+                                         max_tool_concurrency=a.max_tool_concurrency)
     return harnesses
 
 
