@@ -110,7 +110,8 @@ class RunTotals:
             age = _ratio(self.token_age, self.trained_tokens)
         else:
             window = list(self.recent_train)
-            scope = f"last {len(window)} steps" if len(window) != 1 else "last step"
+            scope = (f"last {len(window)} steps" if len(window) > 1
+                     else "last step" if window else "no step yet")
             sums = _Sums()
             for rec in window:
                 sums.add(rec)
