@@ -404,7 +404,7 @@
       { label: "train reward_mean", points: series("train", "reward_mean") },
       { label: "eval reward", points: evals, dots: true, line: !onlyEnds, color: COLORS[1] },
     ], { id: "reward", note: onlyEnds ?
-      "held-out reward measured only at the start and the end (eval.every = 0): no curve" : "" });
+      "held-out reward measured only at the start and the end: no curve (set eval.every)" : "" });
     lineChart($("chart-throughput"), [
       { label: "generated tokens/s", points: series("rollout", "gen_tok_s"), color: COLORS[2] },
     ], { id: "throughput" });
