@@ -28,6 +28,7 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed "
                        "(apt-get install -y chromium)"),
 ]
+LIVE_STEPS = 10  # a live run's tiles cover its last 10 steps (docs/monitoring.md)
 DRAWN = "document.querySelectorAll('#tiles .tile[data-tile=\"tokens/s\"]').length > 0"
 
 
@@ -73,12 +74,10 @@ def expected_run_tiles(run_dir: Path) -> dict[str, float | None]:
 
 
 def expected_live_tiles(run_dir: Path) -> dict[str, float | None]:
-    """A live run's tiles over its last WINDOW_STEPS steps, from its files."""
-    from rollstream.monitor.tiles import WINDOW_STEPS
-
+    """A live run's tiles over its last LIVE_STEPS steps, from its files."""
     metrics = lines(run_dir, "metrics.jsonl")
-    train = [m for m in metrics if m["kind"] == "train"][-WINDOW_STEPS:]
-    roll = [m for m in metrics if m["kind"] == "rollout"][-WINDOW_STEPS - 1:]
+    train = [m for m in metrics if m["kind"] == "train"][-LIVE_STEPS:]
+    roll = [m for m in metrics if m["kind"] == "rollout"][-LIVE_STEPS - 1:]
     first = train[0]["step"]
     trained = [e for e in lines(run_dir, "ledger.jsonl")
                if e["status"] == "trained" and e["trained_at_step"] >= first]
@@ -157,8 +156,6 @@ def test_report_with_only_start_and_end_evaluations_says_so(tmp_path: Path) -> N
 
 
 def test_live_dashboard_shows_the_last_steps_then_the_run(tmp_path: Path) -> None:
-    from rollstream.monitor.tiles import WINDOW_STEPS
-
     run_dir = tmp_path / "live"
     metrics = synth_run(run_dir, num_steps=30, close=False, summary=False)
     dash = Dashboard(metrics, run_dir, MonitorConfig(progress=False, dashboard_poll_s=0.3))
@@ -167,7 +164,7 @@ def test_live_dashboard_shows_the_last_steps_then_the_run(tmp_path: Path) -> Non
         with open_page(url, tmp_path / "profile") as page:
             page.wait_for(DRAWN)
             live = read_page(page)
-            assert_tiles(live, expected_live_tiles(run_dir), f"last {WINDOW_STEPS} steps")
+            assert_tiles(live, expected_live_tiles(run_dir), f"last {LIVE_STEPS} steps")
             assert live["summary"] == {}
             metrics.close()
             # the run ends: its summary appears and the tiles become the run's

@@ -41,6 +41,7 @@ def test_a_finished_run_shows_its_totals() -> None:
 
 def test_a_live_run_shows_its_last_steps() -> None:
     n, k = 25, WINDOW_STEPS
+    assert k == 10  # docs/monitoring.md
     tiles = by_key(fed(n).tiles(None))
     last = range(n - k, n)
     assert tiles["tokens/s"]["scope"] == f"last {k} steps"
