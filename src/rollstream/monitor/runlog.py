@@ -203,7 +203,7 @@ class RunLog:
         """The page's tiles (monitor/tiles.py): the run's when ``summary`` (the run ended),
         else the last steps'."""
         with self._lock:
-            return self._totals.tiles(summary)
+            return self._totals.tiles(summary, trained_samples=self._ledger.by_status["trained"])
 
     def ledger_counts(self) -> dict[tuple[str, str], int]:
         """(status, source) -> number of ledger lines."""

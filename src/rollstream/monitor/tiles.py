@@ -58,7 +58,6 @@ class RunTotals:
 
     run: _Sums = field(default_factory=_Sums)
     replayed_groups: float = 0.0
-    trained_samples: int = 0
     trained_tokens: int = 0  # ledger: Σ num_trained_tokens of trained samples
     token_age: int = 0  # ledger: Σ num_trained_tokens × age
     recent_train: deque[dict[str, Any]] = field(
@@ -85,7 +84,6 @@ class RunTotals:
     def add_ledger(self, entry: Mapping[str, Any]) -> None:
         if entry.get("status") != "trained":
             return
-        self.trained_samples += 1
         step = entry.get("trained_at_step")
         version = entry.get("min_trained_version", entry.get("min_version"))  # older ledgers
         tokens = entry.get("num_trained_tokens")
@@ -102,8 +100,10 @@ class RunTotals:
             for old in sorted(self.age_by_step)[:-WINDOW_STEPS]:
                 del self.age_by_step[old]
 
-    def tiles(self, summary: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-        """The tiles: ``{"key", "value" (a number or None), "scope"}`` each."""
+    def tiles(self, summary: Mapping[str, Any] | None, *,
+              trained_samples: int) -> list[dict[str, Any]]:
+        """The tiles: ``{"key", "value" (a number or None), "scope"}`` each;
+        ``trained_samples``: the ledger summary's count."""
         if summary is not None:
             scope, sums = "run", self.run
             tok_s = _num(summary.get("gen_tok_s"))
@@ -126,7 +126,7 @@ class RunTotals:
              "scope": scope},
             {"key": "mixture error pp", "value": _ratio(sums.mixture_sum, sums.mixture_n),
              "scope": scope},
-            {"key": "trained samples", "value": self.trained_samples, "scope": "run"},
+            {"key": "trained samples", "value": trained_samples, "scope": "run"},
             {"key": "replayed groups", "value": self.replayed_groups, "scope": "run"},
         ]
 
