@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.monitor.histogram import Hist
+from rollstream.monitor.tiles import RunTotals
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json")
 
@@ -132,6 +133,7 @@ class RunLog:
         self._ledger = LedgerSummary()
         self._latest: dict[str, dict[str, Any]] = {}  # kind -> merged latest values
         self._hists: dict[str, Hist] = {}  # name -> total over the run
+        self._totals = RunTotals()  # what the tiles read (monitor/tiles.py)
         self.num_bad_lines = 0
 
     def add_record(self, record: Mapping[str, Any]) -> None:
@@ -143,6 +145,7 @@ class RunLog:
                 self._add_hist(rec)
             else:
                 self._latest.setdefault(kind, {}).update(rec)
+                self._totals.add_record(rec)
 
     def _add_hist(self, rec: dict[str, Any]) -> None:
         name, edges, counts = rec.get("name"), rec.get("edges"), rec.get("counts")
@@ -166,6 +169,7 @@ class RunLog:
     def add_ledger(self, entry: Mapping[str, Any]) -> None:
         with self._lock:
             self._ledger.add(entry)
+            self._totals.add_ledger(entry)
 
     def state(self) -> dict[str, Any]:
         """Latest values per kind, the furthest step, run-wide histograms, ledger counts."""
@@ -194,6 +198,12 @@ class RunLog:
     def ledger_summary(self) -> dict[str, Any]:
         with self._lock:
             return self._ledger.to_json()
+
+    def tiles(self, summary: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """The page's tiles (monitor/tiles.py): the run's when ``summary`` (the run ended),
+        else the last steps'."""
+        with self._lock:
+            return self._totals.tiles(summary, trained_samples=self._ledger.by_status["trained"])
 
     def ledger_counts(self) -> dict[tuple[str, str], int]:
         """(status, source) -> number of ledger lines."""
