@@ -17,7 +17,7 @@ from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.trajectory import Task
 
@@ -44,12 +44,15 @@ def _reward(task: Task, text: str) -> float:
     return float(len(text) % 3 == 0)
 
 
-def rollout_cfg(*, mode: str, k: int, on_update: str, **extra) -> RolloutConfig:
+def rollout_cfg(*, mode: str, k: int, on_update: str, max_token_age: int | None = None,
+                max_context_age: int | None = None, **extra) -> RolloutConfig:
     """The rollout section as a user would write it: no setting the mode contradicts."""
-    kw = dict(mode=mode, on_update=on_update, group_size=3, **extra)
+    staleness = {key: v for key, v in (("max_token_age", max_token_age),
+                                       ("max_context_age", max_context_age)) if v is not None}
     if mode == "async":
-        kw["max_staleness"] = k
-    return RolloutConfig(**kw)
+        staleness["max_staleness"] = k
+    return RolloutConfig(mode=mode, on_update=on_update, group_size=3, staleness=staleness,
+                         **extra)
 
 
 def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
@@ -57,9 +60,9 @@ def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
                    engines=None, reward=_reward, max_wall_s: float | None = None,
                    **rollout_extra):
     cfg = RunConfig(
-        rollout=rollout_cfg(mode=mode, k=k, on_update=on_update,
+        rollout=rollout_cfg(mode=mode, k=k, on_update=on_update, max_token_age=max_token_age,
                             **rollout_extra),
-        train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
+        train=TrainConfig(steps=steps, groups_per_step=2),
         max_wall_s=max_wall_s,
     )
 
@@ -71,12 +74,12 @@ def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
             return reward(task, text)
 
         graders = GraderPool(RewardConfig(timeout_s=5.0), lambda task, r=get_reward(in_loop): r)
-        policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+        policy = cfg.rollout.staleness_policy()
         trainer = CountingTrainer(seed, policy)
         loop = build_loop(cfg, engines=engs, trainer=trainer, tasks=Tasks(), graders=graders,
                           decode=lambda ids: "x" * len(ids), ledger=ledger,
                           metrics=NullMetrics(), clock=WallClock(),
-                          params=SamplingParams(max_new_tokens=24))
+                          params=SamplingParams(max_new_tokens=24), staleness=policy)
         res = await run_then_close(loop, graders, ledger)
         return loop, res, ledger, trainer
 

@@ -16,7 +16,7 @@ from rollstream.engine.protocol import Engine
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.runtime.controller import Controller
 from rollstream.sim.profile import load_profile

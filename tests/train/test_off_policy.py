@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.losses import resolve_loss
 from rollstream.train.trainer import Trainer

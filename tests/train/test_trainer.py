@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import KeptTokens
 from tests.train.conftest import SYNC, make_group

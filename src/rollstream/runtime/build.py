@@ -30,7 +30,7 @@ from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.harness import Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
 from rollstream.runtime.placement import TimeShare, placed_engine, placed_train
@@ -78,13 +78,14 @@ def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
     )
 
 
-def build_trainer(cfg: RunConfig, model_path: Path,
-                  units: ScaleUnits | None = None) -> Trainer | FsdpTrainer:
+def build_trainer(cfg: RunConfig, model_path: Path, units: ScaleUnits | None = None, *,
+                  staleness: StalenessPolicy) -> Trainer | FsdpTrainer:
     """The trainer of ``train.backend``: in this process (``local``) or FSDP ranks
     (``fsdp``): Ray actors in the run's scale ``units`` where given (``runtime.kind: ray``),
-    else processes this one spawns; either way :meth:`close` releases it."""
+    else processes this one spawns; either way :meth:`close` releases it. ``staleness``: the
+    run's policy (``cfg.rollout.staleness_policy()``, built once and given to the loop too)."""
     kwargs: dict[str, Any] = dict(
-        staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        staleness=staleness,
         max_response_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
     if cfg.train.backend == "local":
@@ -100,6 +101,10 @@ def build_trainer(cfg: RunConfig, model_path: Path,
 
         kwargs["launch"] = partial(RayRanks, num_cpus=cfg.runtime.ray.rank_num_cpus,
                                    units=units)
+    else:
+        from rollstream.train.rank_processes import ProcessRanks
+
+        kwargs["launch"] = ProcessRanks
     return FsdpTrainer(placed_train(cfg), model_path, **kwargs)
 
 
@@ -181,10 +186,11 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                graders: GraderPool, decode: Callable[[list[int]], str], ledger: Ledger,
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
                span: Callable[..., None] | None = None, start_step: int = 0,
-               harnesses: Mapping[str, Harness] | None = None,
+               staleness: StalenessPolicy, harnesses: Mapping[str, Harness] | None = None,
                reconfig_log: Path | None = None) -> Loop:
     """Wire dispatcher, rollout, weight sync and controller as ``cfg`` says (tests use this
-    with their own engines and trainers at the process edges). ``harnesses``: what runs
+    with their own engines and trainers at the process edges). ``staleness``: the run's
+    policy, the one its trainer was given. ``harnesses``: what runs
     tasks that are not one engine request (:func:`build_harnesses`); ``reconfig_log``: where
     reconfigurations are recorded (the run directory's ``reconfig.jsonl``)."""
     lifecycle = Lifecycle(ledger, clock)
@@ -194,7 +200,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                             concurrency=concurrency_limits(cfg.rollout),
                             prefix_affinity=cfg.rollout.prefix_affinity)
     rollout = Rollout(
-        cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        cfg=cfg.rollout, policy=staleness,
         groups_per_step=cfg.train.groups_per_step,
         total_groups=cfg.train.steps * cfg.train.groups_per_step, tasks=tasks,
         dispatcher=dispatcher, lifecycle=lifecycle,
@@ -356,12 +362,15 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
         graders = GraderPool(cfg.reward, resolve,
                              build_workers(cfg, cfg.reward.num_workers, "reward"))
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None)
+        staleness = cfg_now.rollout.staleness_policy()  # one policy: trainer and rollout
+        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None,
+                                staleness=staleness)
         loop = build_loop(cfg_now, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           ledger=ledger, metrics=metrics, clock=WallClock(),
                           params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
-                          start_step=version, harnesses=build_harnesses(cfg, mix, tokenizer),
+                          start_step=version, staleness=staleness,
+                          harnesses=build_harnesses(cfg, mix, tokenizer),
                           reconfig_log=run_dir / LOG_FILE)
         if resume is not None:
             trainer.load_training_state(resume.model_dir, resume.trainer_file)

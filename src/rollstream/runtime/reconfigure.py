@@ -5,12 +5,12 @@ The controller calls :meth:`Reconfigure.at_boundary` right after it publishes we
 ``v`` (before it awaits anything, so before any group is admitted under ``v``): the change
 scheduled at ``at_step == v`` applies, then the watched file's content if it changed. The new
 config is the old one with the changes, validated by the whole schema
-(``config.reconfigure.with_changes``); each component is handed its new values through its
+(``config.schema.with_changes``); each component is handed its new values through its
 own small method, and nobody re-reads the config:
 
     Dispatcher.set_params     sampling.temperature, sampling.max_new_tokens
     TaskMix.reweight          tasks.sources.<name>.weight / max_in_flight / max_in_flight_per_task
-    Rollout.set_policy        rollout.max_staleness (admission capacity, buffer, live groups)
+    Rollout.set_policy        rollout.staleness.max_staleness (admission capacity, buffer, live groups)
     Trainer.follow_rollout    the staleness policy, response budget and default temperature
 
 Each change is recorded as a ``reconfig`` metrics line (key -> new value, ``<key>.old`` -> the
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rollstream.config import ConfigError, RunConfig
 from rollstream.config.loader import read_yaml_mapping
-from rollstream.config.reconfigure import with_changes
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.config.schema import with_changes
+from rollstream.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from rollstream.config.schema import SourceConfig
@@ -70,7 +70,10 @@ def value_at(cfg: RunConfig, key: str) -> Any:
     if parts[:2] == ["tasks", "sources"]:
         source = next(s for s in cfg.tasks.sources if s.source_name == parts[2])
         return getattr(source, parts[3])
-    return getattr(getattr(cfg, parts[0]), parts[1])
+    node: Any = cfg
+    for part in parts:
+        node = getattr(node, part)
+    return node
 
 
 def with_applied(cfg: RunConfig, applied: list[dict[str, Any]]) -> RunConfig:
@@ -132,12 +135,12 @@ class Reconfigure:
             self.dispatcher.set_params(replace(self.dispatcher.params, **sampling))
         if self.tasks is not None and new.tasks.sources != old.tasks.sources:
             self.tasks.reweight(new.tasks.sources)
-        policy = StalenessPolicy.from_config(new.rollout, new.train)
+        policy = new.rollout.staleness_policy()
         if self.trainer is not None:
             self.trainer.follow_rollout(staleness=policy,
                                         max_response_tokens=new.sampling.max_new_tokens,
                                         temperature=new.sampling.temperature)
-        if policy != StalenessPolicy.from_config(old.rollout, old.train):
+        if policy != old.rollout.staleness_policy():
             await self.rollout.set_policy(policy, version)
 
     def _read_watch(self, version: int) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.config.staleness import StalenessConfig
 from rollstream.sim.outputs import (
     NO_PLOTS,
     have_matplotlib,
@@ -39,9 +40,10 @@ from rollstream.sim.profile import load_profile
 from rollstream.sim.run import simulate_mode
 from rollstream.sim.scenario import ModeConfig, Scenario, load_scenario
 
+_K2 = StalenessConfig(max_staleness=2)
 STUDY_MODES = (ModeConfig(name="sync", mode="sync"),
-               ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, on_update="drain"),
-               ModeConfig(name="async_k2_partial", mode="async", max_staleness=2))
+               ModeConfig(name="async_k2_drain", mode="async", staleness=_K2, on_update="drain"),
+               ModeConfig(name="async_k2_partial", mode="async", staleness=_K2))
 
 # (system, what, figure, how) from WORKLOADS.md, as their authors report them
 PUBLISHED = (
