@@ -21,6 +21,7 @@ from pathlib import Path
 import rollstream
 
 PACKAGE = Path(rollstream.__file__).resolve().parent
+PRINT_ALLOWED = ("cli.py", "agent/proxy_cli.py", "monitor/progress.py", "bench/")
 
 
 def _modules(package: Path) -> dict[str, tuple[Path, bool]]:
@@ -126,3 +127,22 @@ def test_no_import_cycle_inside_the_package():
     detail = [" <-> ".join(c) + "  (" + "; ".join(
         f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c) + ")" for c in found]
     assert not found, "import cycles:\n" + "\n".join(detail)
+
+
+def _prints(path: Path) -> list[int]:
+    """Lines of ``print(...)`` calls (the builtin; a method such as ``console.print`` is not)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted(node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "print")
+
+
+def test_no_print_outside_the_cli_the_progress_line_and_the_bench_tables():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(PRINT_ALLOWED):
+            continue
+        found += [f"{rel}:{line}" for line in _prints(path)]
+    assert not found, ("print( outside the CLI, the progress line and the bench tables (use "
+                       "the package logger):\n" + "\n".join(found))

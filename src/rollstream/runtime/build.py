@@ -11,6 +11,7 @@ here and only here, for runs and benchmarks alike.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from rollstream.train.fsdp import FsdpTrainer
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Task
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
@@ -215,8 +218,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                       version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
-        print(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s",
-              flush=True)
+        log.info(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s")
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
     supervisor = EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
@@ -349,11 +351,11 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     metrics = Metrics(run_dir, cfg.monitor)
     ledger = Ledger(run_dir / "ledger.jsonl")
     for task_uid, source, reason in mix.rejected():
-        print(f"warning: skipped task {task_uid}: {reason}", flush=True)
+        log.warning(f"skipped task {task_uid}: {reason}")
         if ledger.status_of(f"{task_uid}#row") is None:  # a resumed run recorded it before
             ledger.record_rejected(task_uid, source, reason)
     for warning in mix.warnings():
-        print(f"warning: {warning}", flush=True)
+        log.warning(warning)
     version = resume.step if resume is not None else 0  # weight version = steps done
     weights = resume.model_dir if resume is not None else model_path
     engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)

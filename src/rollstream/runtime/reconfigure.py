@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from rollstream.rollout.dispatcher import Dispatcher
     from rollstream.rollout.rollout import Rollout
     from rollstream.runtime.controller import MetricsLike
+
+log = logging.getLogger(__name__)
 
 LOG_FILE = "reconfig.jsonl"
 
@@ -166,12 +169,12 @@ class Reconfigure:
             values[c.key], values[f"{c.key}.old"] = c.new, c.old
         self.metrics.record("reconfig", version, values)
         shown = ", ".join(f"{c.key} {c.old} -> {c.new}" for c in diffs)
-        print(f"reconfigure at step {version} ({source}): {shown}", flush=True)
+        log.info(f"reconfigure at step {version} ({source}): {shown}")
         self._log({"step": version, "source": source,
                    "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in diffs]})
 
     def _reject(self, version: int, source: str, changes: dict[str, Any], reason: str) -> None:
-        print(f"warning: reconfigure at step {version} ({source}) refused: {reason}", flush=True)
+        log.warning(f"reconfigure at step {version} ({source}) refused: {reason}")
         self.metrics.record("reconfig", version, {"rejected": 1})
         self._log({"step": version, "source": source, "rejected": reason, "set": changes})
 
