@@ -34,7 +34,7 @@ from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
-from rollstream.runtime.placement import TimeShare, placed_engine, placed_train
+from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import SINGLE_TURN
@@ -287,32 +287,20 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
     """The run's engines serving ``weights`` tagged ``version``: in this process
     (``runtime.kind: embedded``) or one Ray actor each (``ray``, in the run's scale units,
     with the Ray they run on, which holds the units and which the run stops at the end)."""
-    from rollstream.engine.factory import build_engine
+    from rollstream.engine.factory import build_engine, engine_kind
 
     if cfg.runtime.kind == "embedded":
         return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
                              version=version) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import LOG_DIR, RayCluster
-    from rollstream.runtime.ray.engines import build_ray_engines
-    from rollstream.runtime.ray.weights import build_transport
-
     from rollstream.runtime.ray.units import ScaleUnits
 
+    build_on_ray = engine_kind(cfg.engine.kind).ray_builder()
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
     try:
         cluster.units = ScaleUnits.reserve(cfg)
-        if cfg.engine.kind == "vllm":
-            from rollstream.runtime.ray.vllm import build_ray_vllm_engines
-
-            return list(build_ray_vllm_engines(
-                cfg.engine, weights, version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                units=cluster.units, log_dir=run_dir / "vllm-logs")), cluster
-        engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
-                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                                    weights=build_transport(cfg.runtime.ray),
-                                    units=cluster.units,
-                                    episode_cache_tokens=cfg.runtime.ray.episode_cache_tokens,
-                                    out_of_band_bytes=cfg.runtime.ray.out_of_band_bytes)
+        engines = build_on_ray(cfg, weights, version=version, units=cluster.units,
+                               run_dir=run_dir)
     except BaseException:
         cluster.stop()
         raise
