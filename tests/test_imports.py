@@ -101,7 +101,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_checker_counts_lazy_type_only_and_relative_imports(tmp_path: Path):
+def _check_the_checker(tmp_path: Path) -> None:
+    """A lazy, a type-only and a relative import are all edges (on a package made here)."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     for name, text in {
@@ -121,7 +122,8 @@ def test_the_checker_counts_lazy_type_only_and_relative_imports(tmp_path: Path):
     assert cycles(import_graph(pkg)) == []
 
 
-def test_no_import_cycle_inside_the_package():
+def test_no_import_cycle_inside_the_package(tmp_path: Path):
+    _check_the_checker(tmp_path)
     graph = import_graph()
     found = cycles(graph)
     detail = [" <-> ".join(c) + "  (" + "; ".join(
@@ -133,8 +135,8 @@ def _prints(path: Path) -> list[int]:
     """Lines of ``print(...)`` calls (the builtin; a method such as ``console.print`` is not)."""
     tree = ast.parse(path.read_text(), str(path))
     return sorted(node.lineno for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "print")
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "print")
 
 
 def test_no_print_outside_the_cli_the_progress_line_and_the_bench_tables():
