@@ -152,7 +152,8 @@ def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig
                f" = {rt.ray.rank_num_cpus}" if fsdp else "")
             + f" need {need:g} CPUs, more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray "
             "would never place them all")
-    if rt.ray.num_cpus is not None and need + num_workers * rt.ray.worker_num_cpus > rt.ray.num_cpus:
+    workers_cpus = num_workers * rt.ray.worker_num_cpus
+    if rt.ray.num_cpus is not None and need + workers_cpus > rt.ray.num_cpus:
         raise ValueError(
             f"runtime.ray.worker_num_cpus = {rt.ray.worker_num_cpus} for {num_workers} worker "
             f"actors (reward.num_workers + agent.harness_workers) and {need:g} CPUs of "

@@ -345,9 +345,9 @@ def _check_run_can_follow(old: RunConfig, new: RunConfig) -> None:
     k_old, k_new = old.rollout.staleness_bound, new.rollout.staleness_bound
     if (k_old == 0) != (k_new == 0):
         raise ValueError(
-            f"rollout.staleness.max_staleness {k_old} -> {k_new}: a run does not switch between on-policy "
-            "(bound 0) and off-policy (bound >= 1) training: the loss train.loss: auto means is "
-            "chosen for one of them at the start")
+            f"rollout.staleness.max_staleness {k_old} -> {k_new}: a run does not switch "
+            "between on-policy (bound 0) and off-policy (bound >= 1) training: the loss "
+            "train.loss: auto means is chosen for one of them at the start")
     agents = [s.source_name for s in new.tasks.sources if s.kind == "tally"]
     if agents and old.sampling.max_new_tokens != new.sampling.max_new_tokens:
         raise ValueError(

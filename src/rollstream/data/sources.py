@@ -10,10 +10,10 @@ its own side.
 
 Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) live in
 ``rollstream.data.dataset`` and the agent source in ``rollstream.agent.tally``; both build on
-this module, and ``rollstream.data.kinds`` builds every kind. :func:`check_source_paths` checks that the datasets a tasks
-config names exist and can be opened, reading nothing and needing no tokenizer, so a
-launcher can fail on a bad path before it touches the run directory (``TaskMix`` runs it
-too). How sources are mixed is ``rollstream.data.mix``.
+this module, and ``rollstream.data.kinds`` builds every kind. :func:`check_source_paths`
+checks that the datasets a tasks config names exist and can be opened, reading nothing and
+needing no tokenizer, so a launcher can fail on a bad path before it touches the run
+directory (``TaskMix`` runs it too). How sources are mixed is ``rollstream.data.mix``.
 
 Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
 the previous item, the information the next token needs is close to it):

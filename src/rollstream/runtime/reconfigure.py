@@ -10,7 +10,8 @@ own small method, and nobody re-reads the config:
 
     Dispatcher.set_params     sampling.temperature, sampling.max_new_tokens
     TaskMix.reweight          tasks.sources.<name>.weight / max_in_flight / max_in_flight_per_task
-    Rollout.set_policy        rollout.staleness.max_staleness (admission capacity, buffer, live groups)
+    Rollout.set_policy        rollout.staleness.max_staleness (admission capacity, buffer,
+                              live groups)
     Trainer.follow_rollout    the staleness policy, response budget and default temperature
 
 Each change is recorded as a ``reconfig`` metrics line (key -> new value, ``<key>.old`` -> the
