@@ -3,7 +3,7 @@ group is too old to train. One frozen object, built once per run from the config
 ``rollout.staleness`` block (``RolloutConfig.staleness_policy``) and handed to admission, the
 buffer, the rollout's group life and the trainer's token mask; nobody else writes these
 rules. It lives beside the data model (:mod:`rollstream.trajectory`) because both the
-rollout and the trainer ask it, and it imports neither (nor the config, nor torch).
+rollout and the trainer ask it, and it imports neither of them (nor the config, nor torch).
 
 Ages. A token of policy version ``v`` in a loss at trainer step ``s`` has age ``s - v``
 (:func:`age`); a trained sample's age is the age of its oldest kept token. The controller's

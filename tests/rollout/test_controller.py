@@ -17,7 +17,6 @@ from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.trajectory import Task
 
@@ -58,7 +57,7 @@ def rollout_cfg(*, mode: str, k: int, on_update: str, max_token_age: int | None 
 def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
                    steps: int = 6, num_engines: int = 2, max_token_age: int | None = None,
                    engines=None, reward=_reward, max_wall_s: float | None = None,
-                   **rollout_extra):
+                   metrics=None, **rollout_extra):
     cfg = RunConfig(
         rollout=rollout_cfg(mode=mode, k=k, on_update=on_update, max_token_age=max_token_age,
                             **rollout_extra),
@@ -78,7 +77,7 @@ def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
         trainer = CountingTrainer(seed, policy)
         loop = build_loop(cfg, engines=engs, trainer=trainer, tasks=Tasks(), graders=graders,
                           decode=lambda ids: "x" * len(ids), ledger=ledger,
-                          metrics=NullMetrics(), clock=WallClock(),
+                          metrics=metrics or NullMetrics(), clock=WallClock(),
                           params=SamplingParams(max_new_tokens=24), staleness=policy)
         res = await run_then_close(loop, graders, ledger)
         return loop, res, ledger, trainer
@@ -242,3 +241,25 @@ def test_adaptive_concurrency_keeps_the_invariants_through_weight_updates(tmp_pa
     assert queue is not None and set(queue.limits) == {"rand-0", "rand-1"}
     assert all(1 <= c.limit <= c.capacity for c in queue.limits.values())
     assert "concurrency_mean" in loop.dispatcher.gauges()
+
+
+class _Observed(NullMetrics):
+    def __init__(self) -> None:
+        self.staleness: list[float] = []
+
+    def observe(self, name, value) -> None:
+        if name == "staleness":
+            self.staleness.append(value)
+
+
+def test_the_staleness_metric_is_each_trained_samples_age_in_the_ledger(tmp_path):
+    """The controller's staleness histogram holds, per trained sample, trained step - oldest
+    kept version, as the ledger (and so the run log and the simulator) has it: a sample whose
+    oldest kept token is of version 0 counts its full age, not 0."""
+    seen = _Observed()
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=2,
+                                                on_update="interrupt", seed=4, metrics=seen)
+    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
+    ages = sorted(float(r["trained_at_step"] - r["min_trained_version"]) for r in rows)
+    assert sorted(seen.staleness) == ages
+    assert any(r["min_trained_version"] == 0 and r["trained_at_step"] > 0 for r in rows)
