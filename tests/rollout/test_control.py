@@ -16,8 +16,8 @@ from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.monitor.dashboard import URL_FILE, Dashboard
 from rollstream.monitor.metrics import Metrics
-from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.control import EngineControl
+from rollstream.staleness import StalenessPolicy
 
 from .fakes import CountingTrainer
 from .test_controller import Tasks, rollout_cfg

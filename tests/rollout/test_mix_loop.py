@@ -22,8 +22,8 @@ from rollstream.engine.protocol import SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Task
 
 from .fakes import CountingTrainer, RandomEngine, run_then_close

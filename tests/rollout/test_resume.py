@@ -20,8 +20,8 @@ from rollstream.durable.resume import reconcile_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
+from rollstream.staleness import StalenessPolicy
 
 from .fakes import CountingTrainer, NullMetrics, RandomEngine, run_then_close
 from .test_controller import Tasks, _reward, rollout_cfg

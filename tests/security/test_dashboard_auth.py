@@ -14,8 +14,8 @@ from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger
 from rollstream.monitor.dashboard import TOKEN_FILE, URL_FILE, Dashboard
 from rollstream.monitor.metrics import Metrics
-from rollstream.staleness import StalenessPolicy
 from rollstream.runtime.control import EngineControl
+from rollstream.staleness import StalenessPolicy
 from tests.rollout.fakes import CountingTrainer
 from tests.rollout.test_control import _cli
 from tests.rollout.test_controller import Tasks, rollout_cfg

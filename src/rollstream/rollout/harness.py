@@ -5,7 +5,7 @@ routing, interrupts, retries and spans), which reports how the turn ended as a
 :class:`TurnOutput`. :class:`EpisodeHost` is what a harness may use of the dispatcher that
 runs it (the :class:`~rollstream.rollout.dispatcher.Dispatcher` is one); this module sits
 below the dispatcher, so the two do not import each other. Implementations:
-``agent/harness.py``, ``agent/proxy_harness.py`` and the simulator's ``sim/agentic.py``."""
+``agent/harness.py`` (also the simulator's) and ``agent/proxy_harness.py``."""
 
 from __future__ import annotations
 

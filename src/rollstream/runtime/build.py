@@ -31,11 +31,11 @@ from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.harness import Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
-from rollstream.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
 from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
+from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import SINGLE_TURN
 

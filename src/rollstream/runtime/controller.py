@@ -41,6 +41,7 @@ from rollstream.staleness import age
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import Group, Sample, SegmentKind, StepResult
 
+
 class TrainerLike(Protocol):
     def step(self, groups: Sequence[Group], step: int) -> StepResult: ...
 

@@ -44,7 +44,6 @@ from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Reward
-from rollstream.staleness import age
 from rollstream.runtime.build import Loop, build_loop
 from rollstream.sim.agentic import END, AgentWorkload
 from rollstream.sim.engine import SimEngine
@@ -54,6 +53,7 @@ from rollstream.sim.scenario import ModeConfig, Scenario, run_config
 from rollstream.sim.trainer import SimTrainer
 from rollstream.sim.vloop import LoopClock, VirtualExecutor, run_virtual
 from rollstream.sim.workload import CORRECT, WRONG, TaskStream, Workload, sim_reward
+from rollstream.staleness import age
 
 SIM_REWARD = Reward.of(sim_reward, "sim")
 TAIL_QUANTILE = 0.9

@@ -84,6 +84,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import TrainConfig
+from rollstream.staleness import StalenessPolicy, age
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.batching import (
     MicroBatch,
@@ -102,7 +103,6 @@ from rollstream.train.losses import (
 )
 from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
-from rollstream.staleness import StalenessPolicy, age
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
 TOKENIZER_FILES = (
