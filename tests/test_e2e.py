@@ -36,7 +36,7 @@ def cache_dir(tmp_path_factory) -> Path:
 def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
     cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
                              "name=e2e", "train.steps=40", "rollout.mode=async",
-                             "rollout.max_staleness=2", "monitor.report=true",
+                             "rollout.staleness.max_staleness=2", "monitor.report=true",
                              "eval.every=10", "train.checkpoint_every=20",
                              # 512 held-out samples per evaluation: the gain's noise (two
                              # means, s.e. ~0.03) is well below the gain asserted. lr 2e-4
@@ -82,7 +82,7 @@ AGENT = [
     "model.warm_start.noise=0.1", "tasks.sources=[{kind: tally, max_items: 4}]",
     "agent.max_turns=6", "agent.max_turn_tokens=16", "engine.local.max_slots=64",
     "engine.local.max_seq_len=256", "sampling.max_new_tokens=224", "rollout.group_size=8",
-    "rollout.max_context_age=4", "train.loss=ppo_clip", "train.groups_per_step=16",
+    "rollout.staleness.max_context_age=4", "train.loss=ppo_clip", "train.groups_per_step=16",
     "train.lr=3e-4", "monitor.progress=false",
 ]
 

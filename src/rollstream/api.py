@@ -63,8 +63,10 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
     """Run one training job as ``rollstream train`` does and return its summary (also in
     ``{run_root}/{name}/summary.json``). Raises ConfigError for a bad config, ValueError or
     TypeError for an unusable reward, and ``RunStopped`` when the run could not train."""
+    from rollstream.logs import configure_unless_configured
     from rollstream.runtime.train import run_training
 
+    configure_unless_configured()  # the messages `rollstream train` shows
     cfg = build_config(config, overrides, datasets=datasets)
     for i, src in enumerate(cfg.tasks.sources):
         name = src.name or src.kind

@@ -20,6 +20,8 @@ import importlib
 import sys
 from pathlib import Path
 
+from rollstream.logs import LEVELS, configure
+
 BENCHES = {
     "agentic": "multi-turn episodes with slow heavy-tailed tools: batched by turn vs async",
     "dispatch": "a synchronous rollout's makespan: engine queues vs fifo vs longest-first; "
@@ -45,10 +47,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="rollstream",
         description="Asynchronous RL post-training for LLMs, built around rollout infrastructure.",
     )
+    p.add_argument("--log-level", choices=LEVELS, default="info",
+                   help="the least severe messages shown on stderr (default: info)")
+    # also after the command (`rollstream train x.yaml --log-level warning`); SUPPRESS keeps
+    # the value given before it when it is not repeated
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=LEVELS, default=argparse.SUPPRESS,
+                        help="as before the command")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     t = sub.add_parser(
         "train",
+        parents=[common],
         help="run RL post-training from a YAML config",
         description="Run RL post-training. The run directory (runs/<name>) receives the resolved "
         "config, metrics.jsonl, the ledger, checkpoints and summary.json.",
@@ -60,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
+        parents=[common],
         help="run a benchmark (prints a table, writes JSON)",
         description="Benchmarks measure; they do not assert. Available:\n"
         + "\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()),
@@ -78,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser(
         "report",
+        parents=[common],
         help="write a self-contained HTML report of a run directory",
         description="Write RUN_DIR/report.html with reward and throughput curves, the staleness "
         "histogram, the rollout timeline, the resolved config and the ledger summary.",
@@ -86,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "engines",
+        parents=[common],
         help="list a live run's engines; drain one (preempt it) or route to it again",
         description="Talks to the run's live dashboard (monitor.dashboard=true; its URL is in "
         "RUN_DIR/dashboard.url, the run's token in RUN_DIR/dashboard.token). --drain takes "
@@ -99,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "sim",
+        parents=[common],
         help="simulate a scenario's modes at cluster scale on virtual time (table + JSON)",
         description="Run the real controller, rollout and weight sync against simulated "
         "engines and a simulated trainer on virtual time, once per mode of the scenario, and "
@@ -119,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "config",
+        parents=[common],
         help="print the documented config tree with its defaults",
         description="Print every config setting as YAML: its default, what it means and what "
         "values are allowed (the whole tree is a valid config of the defaults).",
@@ -128,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser(
         "proxy",
+        parents=[common],
         help="serve a model folder through the OpenAI-compatible agent proxy",
         description="The embedded engine on MODEL_DIR behind an OpenAI-compatible endpoint on "
         "127.0.0.1: prints base_url and one api_key per session; an agent using the openai SDK "
@@ -189,6 +205,7 @@ def _talk(base: str, token: str, drain: str | None, undrain: str | None) -> None
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    configure(args.log_level)
     from rollstream.config import ConfigError
 
     try:

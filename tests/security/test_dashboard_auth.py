@@ -14,7 +14,6 @@ from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger
 from rollstream.monitor.dashboard import TOKEN_FILE, URL_FILE, Dashboard
 from rollstream.monitor.metrics import Metrics
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.control import EngineControl
 from tests.rollout.fakes import CountingTrainer
 from tests.rollout.test_control import _cli
@@ -32,7 +31,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
     async def run() -> None:
         ledger = Ledger(tmp_path / "ledger.jsonl")
         loop, graders = _loop(cfg, seed=2, ledger=ledger, tasks=Tasks(), trainer=CountingTrainer(
-            2, StalenessPolicy.from_config(cfg.rollout, cfg.train)))
+            2, cfg.rollout.staleness_policy()))
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, CFG, control=EngineControl(
             loop.dispatcher, asyncio.get_running_loop()))

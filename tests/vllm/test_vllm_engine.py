@@ -66,7 +66,7 @@ async def test_truncated_sampling_gives_is_weights_of_one_on_policy(vllm_engine,
     (processed logprobs): a trainer on the same weights, truncating its own logits the same
     way, recomputes them (fp32), so an on-policy step has IS weight 1."""
     from rollstream.config.schema import TrainConfig
-    from rollstream.rollout.staleness import StalenessPolicy
+    from rollstream.staleness import StalenessPolicy
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Group, Task
 

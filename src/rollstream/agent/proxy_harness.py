@@ -64,8 +64,7 @@ from rollstream.reward.workers import CallTimeout, PoolClosed, WorkerDied, Worke
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Task
 
 if TYPE_CHECKING:
-    from rollstream.rollout.dispatcher import Dispatcher
-    from rollstream.rollout.harness import TurnOutput
+    from rollstream.rollout.harness import EpisodeHost, TurnOutput
 
 OPENAI = "openai"  # Task.harness of episodes driven by an OpenAI-SDK agent
 
@@ -142,7 +141,7 @@ class ProxyHarness:
         self.proxies: dict[str, AgentProxy] = {}  # per source: its tool-call format
         self._starting: asyncio.Lock | None = None
 
-    async def _proxy(self, dispatcher: Dispatcher, name: str) -> AgentProxy:
+    async def _proxy(self, dispatcher: EpisodeHost, name: str) -> AgentProxy:
         self._starting = self._starting or asyncio.Lock()
         async with self._starting:
             if name not in self.proxies:
@@ -173,7 +172,7 @@ class ProxyHarness:
         if error is not None:
             raise AgentFailed(error)
 
-    async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:
+    async def run(self, sample: Sample, dispatcher: EpisodeHost, params: SamplingParams) -> None:
         move = dispatcher.lifecycle.move
         source = self.sources.get(sample.task.source)
         if source is None:
@@ -220,7 +219,7 @@ class ProxyHarness:
             dispatcher.finish(sample, binding.ended or "done")
 
 
-def _bound_turns(dispatcher: Dispatcher, sample: Sample) -> BoundTurns:
+def _bound_turns(dispatcher: EpisodeHost, sample: Sample) -> BoundTurns:
     async def generate(params: SamplingParams, rid: str,
                        on_tokens: OnTokens | None) -> TurnOutput | None:
         return await dispatcher.episode_turn(sample, params, on_tokens=on_tokens)

@@ -78,7 +78,7 @@ def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
                .read_text().splitlines() if x.strip()]
     rewards = [m["reward_mean"] for m in metrics if m.get("kind") == "train"]
     return {
-        "config": f"{cfg.rollout.mode} k={cfg.rollout.max_staleness} "
+        "config": f"{cfg.rollout.mode} k={cfg.rollout.staleness_bound} "
                   f"on_update={cfg.rollout.on_update}",
         "steps": row["steps"],
         "trained_samples": row["trained_samples"],

@@ -208,7 +208,7 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
             sat, groups = _saturate(engine, mix, params, saturate_s, group_size=g,
                                     settle_s=settle)
         batch = _batch(groups, resolve, tokenizer, cfg.train.groups_per_step)
-        trainer = build_trainer(cfg, folder)
+        trainer = build_trainer(cfg, folder, staleness=cfg.rollout.staleness_policy())
 
         def steps(n: int) -> list[float]:
             out = []

@@ -21,6 +21,7 @@ from typing import Any
 
 from rollstream.monitor.histogram import Hist
 from rollstream.monitor.tiles import RunTotals
+from rollstream.staleness import age
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json")
 
@@ -62,7 +63,7 @@ class LedgerSummary:
         step = entry.get("trained_at_step")
         version = entry.get("min_trained_version", entry.get("min_version"))  # older ledgers
         if status == "trained" and isinstance(step, int) and isinstance(version, int):
-            self.staleness[step - version] += 1
+            self.staleness[age(step, version)] += 1
         reward = entry.get("reward")
         if isinstance(reward, (int, float)) and math.isfinite(reward):
             self.reward_sum[source] = self.reward_sum.get(source, 0.0) + float(reward)

@@ -35,11 +35,11 @@ from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.harness import Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.runtime.controller import Controller, MetricsLike, TrainerLike
-from rollstream.runtime.placement import TimeShare, placed_engine, placed_train
+from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
+from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import SINGLE_TURN
 
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from rollstream.train.fsdp import FsdpTrainer
     from rollstream.train.trainer import Trainer
     from rollstream.trajectory import Task
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
@@ -85,13 +87,14 @@ def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
     )
 
 
-def build_trainer(cfg: RunConfig, model_path: Path,
-                  units: ScaleUnits | None = None) -> Trainer | FsdpTrainer:
+def build_trainer(cfg: RunConfig, model_path: Path, units: ScaleUnits | None = None, *,
+                  staleness: StalenessPolicy) -> Trainer | FsdpTrainer:
     """The trainer of ``train.backend``: in this process (``local``) or FSDP ranks
     (``fsdp``): Ray actors in the run's scale ``units`` where given (``runtime.kind: ray``),
-    else processes this one spawns; either way :meth:`close` releases it."""
+    else processes this one spawns; either way :meth:`close` releases it. ``staleness``: the
+    run's policy (``cfg.rollout.staleness_policy()``, built once and given to the loop too)."""
     kwargs: dict[str, Any] = dict(
-        staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        staleness=staleness,
         max_response_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
     if cfg.train.backend == "local":
@@ -107,6 +110,10 @@ def build_trainer(cfg: RunConfig, model_path: Path,
 
         kwargs["launch"] = partial(RayRanks, num_cpus=cfg.runtime.ray.rank_num_cpus,
                                    units=units)
+    else:
+        from rollstream.train.rank_processes import ProcessRanks
+
+        kwargs["launch"] = ProcessRanks
     return FsdpTrainer(placed_train(cfg), model_path, **kwargs)
 
 
@@ -190,10 +197,11 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                graders: GraderPool, decode: Callable[[list[int]], str], ledger: Ledger,
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
                span: Callable[..., None] | None = None, start_step: int = 0,
-               harnesses: Mapping[str, Harness] | None = None,
+               staleness: StalenessPolicy, harnesses: Mapping[str, Harness] | None = None,
                reconfig_log: Path | None = None) -> Loop:
     """Wire dispatcher, rollout, weight sync and controller as ``cfg`` says (tests use this
-    with their own engines and trainers at the process edges). ``harnesses``: what runs
+    with their own engines and trainers at the process edges). ``staleness``: the run's
+    policy, the one its trainer was given. ``harnesses``: what runs
     tasks that are not one engine request (:func:`build_harnesses`); ``reconfig_log``: where
     reconfigurations are recorded (the run directory's ``reconfig.jsonl``)."""
     lifecycle = Lifecycle(ledger, clock)
@@ -204,7 +212,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                             prefix_affinity=cfg.rollout.prefix_affinity,
                             breaker=cfg.rollout.breaker)
     rollout = Rollout(
-        cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        cfg=cfg.rollout, policy=staleness,
         groups_per_step=cfg.train.groups_per_step,
         total_groups=cfg.train.steps * cfg.train.groups_per_step, tasks=tasks,
         dispatcher=dispatcher, lifecycle=lifecycle,
@@ -219,8 +227,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                       version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
-        print(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s",
-              flush=True)
+        log.info(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s")
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
     supervisor = EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
@@ -289,31 +296,20 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int,
     """The run's engines serving ``weights`` tagged ``version``: in this process
     (``runtime.kind: embedded``) or one Ray actor each (``ray``, in the run's scale units,
     with the Ray they run on, which holds the units and which the run stops at the end)."""
-    from rollstream.engine.factory import build_engine
+    from rollstream.engine.factory import build_engine, engine_kind
 
     if cfg.runtime.kind == "embedded":
         return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
                              version=version) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import LOG_DIR, RayCluster
-    from rollstream.runtime.ray.engines import build_ray_engines, build_transport
-
     from rollstream.runtime.ray.units import ScaleUnits
 
+    build_on_ray = engine_kind(cfg.engine.kind).ray_builder()
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=run_dir / LOG_DIR)
     try:
         cluster.units = ScaleUnits.reserve(cfg)
-        if cfg.engine.kind == "vllm":
-            from rollstream.runtime.ray.vllm import build_ray_vllm_engines
-
-            return list(build_ray_vllm_engines(
-                cfg.engine, weights, version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                units=cluster.units, log_dir=run_dir / "vllm-logs")), cluster
-        engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
-                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                                    weights=build_transport(cfg.runtime.ray),
-                                    units=cluster.units,
-                                    episode_cache_tokens=cfg.runtime.ray.episode_cache_tokens,
-                                    out_of_band_bytes=cfg.runtime.ray.out_of_band_bytes)
+        engines = build_on_ray(cfg, weights, version=version, units=cluster.units,
+                               run_dir=run_dir)
     except BaseException:
         cluster.stop()
         raise
@@ -357,11 +353,11 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         ledger = Ledger(run_dir / "ledger.jsonl")
         _close_on_failure(built, ledger.close)
         for task_uid, source, reason in mix.rejected():
-            print(f"warning: skipped task {task_uid}: {reason}", flush=True)
+            log.warning(f"skipped task {task_uid}: {reason}")
             if ledger.status_of(f"{task_uid}#row") is None:  # a resumed run recorded it before
                 ledger.record_rejected(task_uid, source, reason)
         for warning in mix.warnings():
-            print(f"warning: {warning}", flush=True)
+            log.warning(warning)
         version = resume.step if resume is not None else 0  # weight version = steps done
         weights = resume.model_dir if resume is not None else model_path
         engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir)
@@ -373,7 +369,9 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                              build_workers(cfg, cfg.reward.num_workers, "reward"))
         _close_on_failure(built, graders.close)
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None)
+        staleness = cfg_now.rollout.staleness_policy()  # one policy: trainer and rollout
+        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None,
+                                staleness=staleness)
         _close_on_failure(built, trainer.close)
         harnesses = build_harnesses(cfg, mix, tokenizer)
         for harness in harnesses.values():
@@ -383,7 +381,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           ledger=ledger, metrics=metrics, clock=WallClock(),
                           params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
-                          start_step=version, harnesses=harnesses,
+                          start_step=version, staleness=staleness, harnesses=harnesses,
                           reconfig_log=run_dir / LOG_FILE)
         if resume is not None:
             _load_trainer_state(trainer, resume)

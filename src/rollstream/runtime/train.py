@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -45,6 +46,8 @@ from rollstream.runtime.evaluate import evaluate
 
 if TYPE_CHECKING:
     from rollstream.reward.registry import RewardFn
+
+log = logging.getLogger(__name__)
 
 
 class RunStopped(RuntimeError):
@@ -79,8 +82,8 @@ def run_training(cfg: RunConfig, *,
                 raise RunStopped(f"{died} before the run's first durable checkpoint: nothing to "
                                  "resume from (train.checkpoint_every)") from e
             restarts += 1
-            print(f"trainer: {died}: resuming from the newest checkpoint (restart {restarts} "
-                  f"of {cfg.train.fsdp.max_restarts})", flush=True)
+            log.warning(f"trainer: {died}: resuming from the newest checkpoint (restart "
+                        f"{restarts} of {cfg.train.fsdp.max_restarts})")
             cfg = cfg.model_copy(update={"resume": True})
             ckpt = resume_point(cfg, run_dir)
     if summary["stalled"]:
@@ -125,8 +128,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
             f"{durable.folder(run_dir)} away to resume from step 0 (the ledger's lines then "
             "move to ledger.superseded.jsonl), or start a run of another name") from None
     if ckpt is None:
-        print(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0",
-              flush=True)
+        log.info(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0")
         return None
     changed = config_changes(ckpt.state["config"], saved_config(cfg))
     if changed:
@@ -138,7 +140,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
     if ckpt.step > cfg.train.steps:
         raise ConfigError(f"resume=true: {ckpt.path} has trained {ckpt.step} steps, more than "
                           f"train.steps = {cfg.train.steps}")
-    print(f"resume: continuing from {ckpt.path} (step {ckpt.step})", flush=True)
+    log.info(f"resume: continuing from {ckpt.path} (step {ckpt.step})")
     return ckpt
 
 
@@ -157,7 +159,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
 
         dashboard = Dashboard(run.metrics, run_dir, cfg.monitor, control=EngineControl(
             run.loop.dispatcher, asyncio.get_running_loop()))
-        print(f"dashboard: {dashboard.start()}", flush=True)
+        log.info(f"dashboard: {dashboard.start()}")
     saved = ckpt.state if ckpt is not None else {}
     next_round = saved.get("eval_rounds", 0)  # evaluation rounds (their group ids)
 
@@ -202,7 +204,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
         run.metrics.record("phase", done, {"checkpoint_step": float(done),
                                            "checkpoint_hold_s": held_s,
                                            "checkpoint_s": time.perf_counter() - t0})
-        print(f"checkpoint: {path} (generation held {held_s * 1e3:.0f} ms)", flush=True)
+        log.info(f"checkpoint: {path} (generation held {held_s * 1e3:.0f} ms)")
 
     async def after_step(step: int, values: dict[str, float]) -> None:
         progress.update(step, values)
@@ -229,17 +231,16 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
             else:
                 initial = await _eval(run, new_round(), 0)
                 if not run.eval_tasks:
-                    print("warning: no held-out task: the held-out reward is not measured",
-                          flush=True)
+                    log.warning("no held-out task: the held-out reward is not measured")
                 else:
-                    print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
+                    log.info(f"held-out reward at start: {initial['reward']:.3f}")
             t_train = time.perf_counter()
             tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
             work_before = engine_work(run)
             result = await controller.run()
             done_totals, work_done = so_far(), engine_work(run)
             if result.stop_reason is not None:
-                print(f"run stopped early: {result.stop_reason}", flush=True)
+                log.info(f"run stopped early: {result.stop_reason}")
             if not result.stalled and result.stop_reason != stop_msg:
                 final = await _eval(run, new_round(), result.steps_done)
         except RolloutStopped as e:  # no engine alive during an evaluation
@@ -265,18 +266,17 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
     run.metrics.close()
     write_passes(run, run_dir / "engine_passes.jsonl")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(
+    log.info(
         f"held-out reward {summary['reward_initial']:.3f} -> {summary['reward_final']:.3f} in "
-        f"{summary['wall_s']:.0f} s ({summary['trained_samples']} trained samples); run dir: {run_dir}",
-        flush=True,
-    )
+        f"{summary['wall_s']:.0f} s ({summary['trained_samples']} trained samples); run dir: "
+        f"{run_dir}")
     if summary["unfinished_samples"]:
         raise AssertionError(f"{len(summary['unfinished_samples'])} samples never reached a "
                              "terminal status")
     if cfg.monitor.report:
         from rollstream.monitor.report import write_report
 
-        print(f"report: {write_report(run_dir)}", flush=True)
+        log.info(f"report: {write_report(run_dir)}")
     return summary
 
 

@@ -44,7 +44,6 @@ from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Reward
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import Loop, build_loop
 from rollstream.sim.agentic import END, AgentWorkload
 from rollstream.sim.engine import SimEngine
@@ -54,6 +53,7 @@ from rollstream.sim.scenario import ModeConfig, Scenario, run_config
 from rollstream.sim.trainer import SimTrainer
 from rollstream.sim.vloop import LoopClock, VirtualExecutor, run_virtual
 from rollstream.sim.workload import CORRECT, WRONG, TaskStream, Workload, sim_reward
+from rollstream.staleness import age
 
 SIM_REWARD = Reward.of(sim_reward, "sim")
 TAIL_QUANTILE = 0.9
@@ -103,8 +103,8 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     cfg = run_config(sc, mode)
     workload = make_workload(sc)
     engines = [SimEngine(f"sim-{i}", profile, workload) for i in range(sc.engines)]
-    trainer = SimTrainer(profile.trainer, devices=sc.trainer_devices,
-                         policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+    staleness = cfg.rollout.staleness_policy()  # one policy: the trainer and the rollout
+    trainer = SimTrainer(profile.trainer, devices=sc.trainer_devices, policy=staleness,
                          token_block=sc.token_block)
     clock = LoopClock()
     metrics, spans, ledger = SimMetrics(clock), Spans(), Ledger(ledger_path)
@@ -115,7 +115,7 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
                             stop_token_ids=(END,) if agentic else (CORRECT, WRONG))
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
-                      clock=clock, params=params, span=spans,
+                      clock=clock, params=params, span=spans, staleness=staleness,
                       harnesses={AGENT: workload.harness()} if agentic else None)
     loop.controller.train_pool = _train_pool(trainer, engines, profile)
     loop.controller.supervisor = None
@@ -192,7 +192,7 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
     steps = [(step, t) for kind, step, t, _ in metrics.records if kind == "train"]
     sim_s = steps[-1][1] if steps else metrics.clock.now()
     block = sc.token_block
-    staleness = Counter(r["trained_at_step"] - r["min_trained_version"]
+    staleness = Counter(age(r["trained_at_step"], r["min_trained_version"])
                         for r in rows if r["status"] == "trained")
     busy = sum(e.busy_s for e in engines)
     by_step: dict[int, list[int]] = {}

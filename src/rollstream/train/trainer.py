@@ -78,13 +78,13 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import TrainConfig
+from rollstream.staleness import StalenessPolicy, age
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.batching import (
     MicroBatch,
@@ -104,9 +104,6 @@ from rollstream.train.losses import (
 from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
-
-if TYPE_CHECKING:
-    from rollstream.rollout.staleness import StalenessPolicy
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -424,7 +421,7 @@ class Trainer:
             mismatch_abs=float(diff.abs().sum()),
             entropy=float(-logp_prox[kept].sum()),
         )
-        age_bucket = (step - mb.versions).clamp(0, self.staleness.max_staleness + 1)
+        age_bucket = age(step, mb.versions).clamp(0, self.staleness.max_staleness + 1)
         stages = torch.stack([mb.loss_mask, young, base, kept]).sum(dim=-1).T  # [B, 4]
         return Prepared(mb=mb, targets=targets, age_bucket=age_bucket,
                          stage_counts=stages.tolist())
