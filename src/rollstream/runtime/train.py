@@ -118,7 +118,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
     means is refused, naming the fields, and so are checkpoint folders none of which is whole
     (a damaged newer one is skipped with a warning)."""
     def skipped(path: Path, why: str) -> None:
-        print(f"warning: resume: skipped the damaged checkpoint {path.name}: {why}", flush=True)
+        log.warning(f"resume: skipped the damaged checkpoint {path.name}: {why}")
 
     try:
         ckpt = durable.latest(run_dir, on_skip=skipped)
