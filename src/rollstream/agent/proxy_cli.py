@@ -17,13 +17,14 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
     then every session's samples are written to ``out`` (JSON lines)."""
     import signal
 
+    from transformers import AutoTokenizer
+
     from rollstream.config.schema import EngineConfig, LocalEngineConfig
     from rollstream.engine import build_engine
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import validate_model_folder
 
     folder = validate_model_folder(Path(model_dir))
-    tokenizer = load_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
 
     async def main() -> None:
         engine = build_engine(EngineConfig(kind="local", local=LocalEngineConfig(

@@ -99,6 +99,19 @@ def latest(run_dir: Path) -> Checkpoint | None:
     return Checkpoint.read(found[-1]) if found else None
 
 
+def steps(run_dir: Path) -> list[int]:
+    """The steps of a run directory's whole checkpoints, oldest first."""
+    return [int(p.name[len(_PREFIX):]) for p in _complete(folder(run_dir))]
+
+
+def at_step(run_dir: Path, step: int) -> Checkpoint:
+    """Checkpoint ``step`` of a run directory (ValueError naming the steps there are)."""
+    if step not in steps(run_dir):
+        raise ValueError(f"{run_dir} has no durable checkpoint of step {step}; it has: "
+                         f"{steps(run_dir) or 'none'}")
+    return Checkpoint.read(folder(run_dir) / f"{_PREFIX}{step:06d}")
+
+
 def _complete(root: Path) -> list[Path]:
     if not root.is_dir():
         return []

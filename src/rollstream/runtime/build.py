@@ -234,6 +234,7 @@ class Run:
     cfg: RunConfig
     run_dir: Path
     model_path: Path
+    tokenizer: Any  # the model folder's (AutoTokenizer): each saved folder is checked against it
     mix: TaskMix
     metrics: Metrics
     ledger: Ledger
@@ -314,11 +315,11 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     newest checkpoint; None: none was written, the run starts at step 0 keeping the ledger's
     record of what the lost process did in ``ledger.superseded.jsonl``). ``rewards``: source
     name -> a reward callable given as an object (the Python API, ``rollstream.train``)."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
@@ -329,7 +330,7 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
     cfg_now = with_applied(cfg, saved.get("applied", []))  # what reconfigurations left in force
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)  # fail first
     model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     prepare_run_dir(cfg, run_dir, resume=cfg.resume)
     skip: set[str] = set()
@@ -374,7 +375,8 @@ def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint | Non
                 cluster.stop()
         raise
     return Run(
-        cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,
+        cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer, mix=mix,
+        metrics=metrics,
         ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
         eval_tasks=mix.eval_tasks(),
         eval_params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
