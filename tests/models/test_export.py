@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -218,3 +219,14 @@ def test_the_save_check_fails_on_a_broken_tokenizer_file(exported: Path, tmp_pat
     with pytest.raises(FolderCheckError, match="AutoTokenizer reads its tokenizer differently"):
         check_tokenizer(broken, build_char_tokenizer())
     assert check_model(exported, [[5, 6, 7]]) == []  # the model round trip has no tie here
+
+
+def test_the_docs_transformers_example_runs_on_an_export(exported: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    body = docs.split("## Hugging Face transformers\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    assert '"exports/tick-demo"' in block
+    exec(compile(block.replace('"exports/tick-demo"', repr(str(exported))), "export.md", "exec"),
+         {})
+    assert len(capsys.readouterr().out.splitlines()) >= 2  # the two generations

@@ -188,12 +188,17 @@ def check_model(folder: Path, prompts: Sequence[Sequence[int]], *,
     gen = GenerationConfig.from_pretrained(str(folder))
     stop = gen.eos_token_id
     stop = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+    from rollstream.engine.local.device import resolve_device
+
+    device = resolve_device("auto")  # the engine's default: both on the same device
     engine_out = _engine_greedy(folder, prompts, max_new_tokens, stop)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = model.to(device).eval()
     ties = []
     for i, (prompt, theirs) in enumerate(zip(prompts, engine_out, strict=True)):
         with torch.no_grad():
-            out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=len(theirs) or 1,
+            out = model.generate(torch.tensor([list(prompt)], device=device),
+                                 max_new_tokens=len(theirs) or 1,
                                  do_sample=False, eos_token_id=stop or None,
                                  pad_token_id=gen.pad_token_id, output_logits=True,
                                  return_dict_in_generate=True)
