@@ -152,8 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--step", type=int, default=None,
                    help="a durable checkpoint's step (default: the final checkpoint)")
     o.add_argument("--out", type=Path, required=True, help="a new or empty folder")
-    o.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights' dtype (default: as saved)")
+    o.add_argument("--dtype", default=None,
+                   help="weights' dtype: float32, bfloat16 or float16 (default: as saved)")
     return p
 
 

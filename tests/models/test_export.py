@@ -193,6 +193,9 @@ def test_export_cli_takes_a_step_and_a_dtype(exported: Path, tmp_path: Path,
     assert "no durable checkpoint of step 4; it has: [3]" in capsys.readouterr().err
     assert cli(["export", str(run), "--out", str(out)]) == 2  # not an empty folder
     assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert cli(["export", str(run), "--out", str(tmp_path / "x"), "--dtype", "fp8"]) == 2
+    assert "--dtype must be one of float32, bfloat16, float16, got 'fp8'" in \
+        capsys.readouterr().err
 
 
 def _broken_copy(folder: Path, dst: Path, how: str) -> Path:
@@ -230,3 +233,47 @@ def test_the_docs_transformers_example_runs_on_an_export(exported: Path,
     exec(compile(block.replace('"exports/tick-demo"', repr(str(exported))), "export.md", "exec"),
          {})
     assert len(capsys.readouterr().out.splitlines()) >= 2  # the two generations
+
+
+def _bpe_tokenizer():
+    """A tokenizer that is not the kit's: byte-level BPE with merges and a chat template that
+    shows tools, as a real model folder has."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(["the quick brown fox jumps over the lazy dog",
+                              "add 12\nadd 7\n#calc 12+7", '{"name": "calc"}'] * 20,
+                             BpeTrainer(vocab_size=400, show_progress=False,
+                                        special_tokens=["<|endoftext|>", "<|im_start|>", IM_END],
+                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    template = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n"
+                "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", IM_END],
+                                   chat_template=template)
+
+
+def test_a_non_kit_folder_exports_its_tokenizer_files_byte_for_byte(tmp_path: Path) -> None:
+    tok = _bpe_tokenizer()
+    run = tmp_path / "run"
+    make_tiny_model(run / "checkpoint", vocab_size=len(tok), hidden_size=32,
+                    num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    tok.save_pretrained(str(run / "checkpoint"))
+    done = export_run(run, out=tmp_path / "out")  # checked: AutoTokenizer reads it as `tok`
+    names = sorted(p.name for p in (run / "checkpoint").iterdir()
+                   if p.name.startswith(("tokenizer", "chat_template")))
+    assert names == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    for name in names:
+        assert (done.folder / name).read_bytes() == (run / "checkpoint" / name).read_bytes()
+    stop = json.loads((done.folder / "generation_config.json").read_text())["eos_token_id"]
+    assert tok.convert_tokens_to_ids(IM_END) in stop and tok.eos_token_id in stop
