@@ -22,14 +22,14 @@ character outside ASCII encodes to nothing, in the kit as in every tool reading 
 No merges and no BOS/EOS post-processor: encoding a prompt adds nothing, the task decides
 where the EOS goes.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
-from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer
 
 PAD = "<|pad|>"
 EOS = "<|endoftext|>"
