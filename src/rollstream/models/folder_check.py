@@ -177,32 +177,22 @@ class Tie:
 
 
 def check_model(folder: Path, prompts: Sequence[Sequence[int]], *,
-                max_new_tokens: int = 24) -> list[Tie]:
+                max_new_tokens: int = 24, threads: int = 0) -> list[Tie]:
     """Greedy tokens of ``prompts`` from ``AutoModelForCausalLM`` on ``folder`` against the
-    embedded engine on the same folder (module docstring); returns the accepted ties."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    embedded engine on the same folder (module docstring); returns the accepted ties.
+    ``threads``: torch intra-op threads of both on a CPU (0 = as they are; a tiny model on a
+    shared machine is many times faster on 1 than on several)."""
+    from transformers import GenerationConfig
 
     if not prompts:
         raise ValueError("check_model needs at least one prompt")
-    gen = GenerationConfig.from_pretrained(str(folder))
-    stop = gen.eos_token_id
+    stop = GenerationConfig.from_pretrained(str(folder)).eos_token_id
     stop = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
-    from rollstream.engine.local.device import resolve_device
-
-    device = resolve_device("auto")  # the engine's default: both on the same device
-    engine_out = _engine_greedy(folder, prompts, max_new_tokens, stop)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    model = model.to(device).eval()
+    engine_out = _engine_greedy(folder, prompts, max_new_tokens, stop, threads)
     ties = []
-    for i, (prompt, theirs) in enumerate(zip(prompts, engine_out, strict=True)):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([list(prompt)], device=device),
-                                 max_new_tokens=len(theirs) or 1,
-                                 do_sample=False, eos_token_id=stop or None,
-                                 pad_token_id=gen.pad_token_id, output_logits=True,
-                                 return_dict_in_generate=True)
-        ours = out.sequences[0, len(prompt):].tolist()
+    for i, (prompt, theirs, (ours, logits)) in enumerate(zip(
+            prompts, engine_out, _hf_greedy(folder, prompts, engine_out, stop, threads),
+            strict=True)):
         if ours == theirs:
             continue
         pos = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
@@ -210,7 +200,7 @@ def check_model(folder: Path, prompts: Sequence[Sequence[int]], *,
             raise FolderCheckError(
                 f"model folder {folder}: prompt {i}: HF generate gave {len(ours)} tokens, the "
                 f"engine {len(theirs)} (HF: {ours}, engine: {theirs})")
-        top2 = out.logits[pos][0].float().topk(2).values
+        top2 = logits[pos].topk(2).values
         gap = float(top2[0] - top2[1])
         if gap >= TIE_GAP:
             raise FolderCheckError(
@@ -222,8 +212,38 @@ def check_model(folder: Path, prompts: Sequence[Sequence[int]], *,
     return ties
 
 
+def _hf_greedy(folder: Path, prompts: Sequence[Sequence[int]], lengths: Sequence[list[int]],
+               stop: Sequence[int], threads: int) -> list[tuple[list[int], Any]]:
+    """HF ``generate``'s greedy tokens per prompt (as many as the engine gave) and its logits
+    [T, vocab] (float32, on the CPU), on the engine's default device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollstream.engine.local.device import resolve_device
+
+    device = resolve_device("auto")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = model.to(device).eval()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        out = []
+        for prompt, theirs in zip(prompts, lengths, strict=True):
+            with torch.no_grad():
+                gen = model.generate(torch.tensor([list(prompt)], device=device),
+                                     max_new_tokens=len(theirs) or 1, do_sample=False,
+                                     eos_token_id=list(stop) or None, output_logits=True,
+                                     pad_token_id=stop[0] if stop else None,
+                                     return_dict_in_generate=True)
+            out.append((gen.sequences[0, len(prompt):].tolist(),
+                        torch.stack([x[0] for x in gen.logits]).float().cpu()))
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
 def _engine_greedy(folder: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   stop: Sequence[int]) -> list[list[int]]:
+                   stop: Sequence[int], threads: int) -> list[list[int]]:
     from rollstream.config.schema import LocalEngineConfig
     from rollstream.engine.local import LocalEngine
     from rollstream.engine.protocol import FinishReason, GenerateRequest, SamplingParams
@@ -231,7 +251,7 @@ def _engine_greedy(folder: Path, prompts: Sequence[Sequence[int]], max_new_token
     longest = max(len(p) for p in prompts) + max_new_tokens
     engine = LocalEngine(folder, LocalEngineConfig(
         max_slots=len(prompts), max_seq_len=max(8, longest), dtype="float32",
-        max_prefill_tokens=max(2048, longest)))
+        max_prefill_tokens=max(2048, longest), threads=threads))
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                                 stop_token_ids=tuple(stop))

@@ -354,7 +354,7 @@ def check_final(run: Run, folder: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     prompts = ([list(t.prompt_ids) for t in run.eval_tasks[:CHECK_PROMPTS]]
                or probe_prompts(run.tokenizer))
-    ties = check_model(folder, prompts)
+    ties = check_model(folder, prompts, threads=run.cfg.engine.local.threads)
     for tie in ties:
         print(f"checkpoint check: {tie}", flush=True)
     print(f"checkpoint check: AutoTokenizer and AutoModelForCausalLM read {folder} as "
