@@ -154,13 +154,17 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     o.add_argument("--dtype", default=None,
                    help="weights' dtype: float32, bfloat16 or float16 (default: as saved)")
+    o.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the check's two decoders on a CPU (default 0: "
+                   "torch's own; 1 is fastest for the tiny models on a busy machine)")
     return p
 
 
-def _export(run_dir: Path, step: int | None, out: Path, dtype: str | None) -> None:
+def _export(run_dir: Path, step: int | None, out: Path, dtype: str | None,
+            threads: int) -> None:
     from rollstream.models.export import export_run
 
-    done = export_run(run_dir, out=out, step=step, dtype=dtype)
+    done = export_run(run_dir, out=out, step=step, dtype=dtype, threads=threads)
     for tie in done.ties:
         print(f"note: {tie}")
     print(f"exported {done.source} to {done.folder} ({done.dtype}); checked in "
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--sessions must be >= 1, got {args.sessions}")
             serve(args.model_dir, port=args.port, num_sessions=args.sessions, out=args.out)
         elif args.command == "export":
-            _export(args.run_dir, args.step, args.out, args.dtype)
+            _export(args.run_dir, args.step, args.out, args.dtype, args.threads)
     except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2

@@ -183,7 +183,8 @@ def test_export_cli_takes_a_step_and_a_dtype(exported: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
     run = exported.parent / "run"
     out = tmp_path / "bf16"
-    assert cli(["export", str(run), "--step", "3", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert cli(["export", str(run), "--step", "3", "--out", str(out), "--dtype", "bfloat16",
+                "--threads", "1"]) == 0
     said = capsys.readouterr().out
     assert "checkpoints/step_000003/model" in said and "(bfloat16)" in said, said
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

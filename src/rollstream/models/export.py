@@ -52,9 +52,9 @@ def source_folder(run_dir: Path, step: int | None) -> Path:
 
 
 def export_run(run_dir: Path, *, out: Path, step: int | None = None,
-               dtype: str | None = None) -> Exported:
+               dtype: str | None = None, threads: int = 0) -> Exported:
     """Write ``run_dir``'s model folder (module docstring) into ``out`` (new or empty), in
-    ``dtype`` (None: as saved), and check it."""
+    ``dtype`` (None: as saved), and check it (``threads``: as ``check_model`` takes them)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,6 +66,8 @@ def export_run(run_dir: Path, *, out: Path, step: int | None = None,
     )
     from rollstream.models.tokenizer import copy_tokenizer_files, is_legacy_kit_tokenizer
 
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0 = torch's default), got {threads}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     src = source_folder(run_dir, step)
@@ -88,6 +90,6 @@ def export_run(run_dir: Path, *, out: Path, step: int | None = None,
     t0 = time.perf_counter()
     check_tokenizer(out, tokenizer)
     prompts = probe_prompts(tokenizer)
-    ties = check_model(out, prompts)
+    ties = check_model(out, prompts, threads=threads)
     return Exported(folder=out, source=src, dtype=saved_dtype, num_prompts=len(prompts),
                     ties=tuple(ties), check_s=time.perf_counter() - t0)
