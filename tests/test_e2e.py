@@ -46,6 +46,7 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
                              "tasks.num_eval=64", "eval.samples_per_task=8"])
     summary = run_training(cfg)
     assert summary["reward_final"] > summary["reward_initial"] + 0.08, summary
+    assert summary["checkpoint_check"]["num_prompts"] == 4  # HF generate == the engine's
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json",
               "report.html", "checkpoint/config.json", "checkpoints/step_000020/model/config.json",

@@ -6,6 +6,8 @@
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
     rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
     rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
+    rollstream export RUN_DIR [--step N] --out DIR [--dtype bfloat16]
+                                                   a run's model folder for other tools, checked
     rollstream sim SCENARIO.yaml [--json OUT] [--out DIR] [--study 8,...,1024]
                                                    the real schedulers on simulated engines
     rollstream config [SECTION]                    the config tree: defaults and what each means
@@ -157,7 +159,38 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("max_request_bytes", "max_session_calls", "max_session_history_bytes"):
         x.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None,
                        help=f"the proxy's limit (agent.proxy.{flag} of a run's config)")
+
+    o = sub.add_parser(
+        "export",
+        help="write a run's model folder for other tools (HF, vLLM) and check it",
+        description="Write the run's final checkpoint (or durable checkpoint --step N) into "
+        "--out: weights (cast to --dtype), config, generation config and the tokenizer files "
+        "as trained. Then check it: AutoTokenizer encodes and decodes as training did, and "
+        "AutoModelForCausalLM's greedy tokens equal the embedded engine's (docs/export.md).",
+    )
+    o.add_argument("run_dir", type=Path)
+    o.add_argument("--step", type=int, default=None,
+                   help="a durable checkpoint's step (default: the final checkpoint)")
+    o.add_argument("--out", type=Path, required=True, help="a new or empty folder")
+    o.add_argument("--dtype", default=None,
+                   help="weights' dtype: float32, bfloat16 or float16 (default: as saved)")
+    o.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the check's two decoders on a CPU (default 0: "
+                   "torch's own; 1 is fastest for the tiny models on a busy machine)")
     return p
+
+
+def _export(run_dir: Path, step: int | None, out: Path, dtype: str | None,
+            threads: int) -> None:
+    from rollstream.models.export import export_run
+
+    done = export_run(run_dir, out=out, step=step, dtype=dtype, threads=threads)
+    for tie in done.ties:
+        print(f"note: {tie}")
+    print(f"exported {done.source} to {done.folder} ({done.dtype}); checked in "
+          f"{done.check_s:.1f} s: AutoTokenizer reads its tokenizer as trained and "
+          f"AutoModelForCausalLM's greedy tokens equal the engine's on {done.num_prompts} "
+          f"prompts ({len(done.ties)} near ties)")
 
 
 def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
@@ -271,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                                     if (v := getattr(args, k)) is not None})
             serve(args.model_dir, port=args.port, num_sessions=args.sessions, out=args.out,
                   limits=limits)
+        elif args.command == "export":
+            _export(args.run_dir, args.step, args.out, args.dtype, args.threads)
     except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollstream.models.warmstart as ws
+
 from rollstream.config.schema import (
     ModelConfig,
     SourceConfig,
@@ -19,7 +20,7 @@ from rollstream.config.schema import (
 )
 from rollstream.data.mix import TaskMix
 from rollstream.models.tiny import init_tiny_model, save_model_folder
-from rollstream.models.tokenizer import EOS, build_char_tokenizer, load_tokenizer
+from rollstream.models.tokenizer import EOS, build_char_tokenizer
 from rollstream.reward import Response
 from rollstream.trajectory import Task
 
@@ -47,7 +48,7 @@ def test_prepare_model_builds_once_then_returns_the_cache(tmp_path: Path, monkey
     assert 0.0 <= report["sampled_accuracy"] <= 1.0 and 0.0 <= report["greedy_accuracy"] <= 1.0
     assert report["wall_s"] > 0 and report["num_train_tokens"] >= 3 * 256
     assert AutoModelForCausalLM.from_pretrained(folder).config.hidden_size == 32
-    assert load_tokenizer(folder).eos_token == EOS
+    assert AutoTokenizer.from_pretrained(str(folder)).eos_token == EOS
     assert torch.get_num_threads() == threads
 
     def no_rebuild(*args, **kwargs):

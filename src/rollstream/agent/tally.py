@@ -15,8 +15,8 @@ everything a token needs is in the environment's last message, a few tokens back
 model cannot add reliably, so the calculator matters; what RL improves is copying, turn after
 turn (one slip and the answer is wrong). The number of items is long-tailed
 (``pareto_items``, capped by ``SourceConfig.max_items``), so is the number of turns. Tool
-calls use :class:`CommandToolParser` (``#calc 57+7``): the kit's character vocabulary has no
-``<``, ``{`` or ``"`` for the Hermes format. Demonstrations for the warm start slip a copied
+calls use :class:`CommandToolParser` (``#calc 57+7``): a few tokens where a Hermes
+``<tool_call>`` JSON block takes dozens, for a tiny model to learn. Demonstrations for the warm start slip a copied
 number by one with probability ``noise``; later turns add on from the calculator's result,
 so a slip makes the answer wrong, as a sampling error does.
 """

@@ -105,9 +105,12 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
     import warnings
 
     import torch
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
-
-    from rollstream.models.tokenizer import load_tokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PrinterCallback,
+        TrainerCallback,
+    )
 
     with warnings.catch_warnings():  # TRL warns about the vLLM version it does not use here
         warnings.simplefilter("ignore", UserWarning)
@@ -120,7 +123,7 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
     from rollstream.reward import build_resolver, decode_response
 
     torch.set_num_threads(threads)
-    tokenizer = load_tokenizer(folder, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     mix = TaskMix(base.tasks, tokenizer)
     resolve = build_resolver(base.reward, source_rewards(base.tasks))
     g, n = base.rollout.group_size, base.train.groups_per_step

@@ -187,14 +187,15 @@ def _batch(groups: list[tuple[Any, list[Any]]], resolve: Any, tokenizer: Any, n:
 
 def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) -> dict[str, Any]:
     """Saturated engine tokens/s on its core, then trainer steps alone and next to it."""
+    from transformers import AutoTokenizer
+
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
     from rollstream.engine.local import LocalEngine
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.reward import build_resolver
     from rollstream.runtime.build import build_trainer, sampling_params
 
-    tokenizer = load_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     mix = TaskMix(cfg.tasks, tokenizer)
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks))
     params = sampling_params(cfg.sampling, (tokenizer.eos_token_id,))

@@ -254,6 +254,7 @@ class Run:
     cfg: RunConfig
     run_dir: Path
     model_path: Path
+    tokenizer: Any  # the model folder's (AutoTokenizer): each saved folder is checked against it
     mix: TaskMix
     metrics: Metrics
     ledger: Ledger
@@ -323,11 +324,11 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     record of what the lost process did in ``ledger.superseded.jsonl``). ``rewards``: source
     name -> a reward callable given as an object (the Python API, ``rollstream.train``).
     On any failure, what was built is closed before the error propagates."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model
     from rollstream.monitor.metrics import Metrics
     from rollstream.reward.pool import GraderPool
@@ -338,7 +339,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     cfg_now = with_applied(cfg, saved.get("applied", []))  # what reconfigurations left in force
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)  # fail first
     model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     mix.check_fits(*cfg.engine.context)
     skip: set[str] = set()
@@ -390,7 +391,8 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         loop.rollout.skip(skip)
         built.pop_all()  # built whole: the Run owns every component now
     return Run(
-        cfg=cfg, run_dir=run_dir, model_path=model_path, mix=mix, metrics=metrics,
+        cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer, mix=mix,
+        metrics=metrics,
         ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
         eval_tasks=mix.eval_tasks(),
         eval_params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),

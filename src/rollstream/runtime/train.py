@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+CHECK_PROMPTS = 4  # held-out prompts the final checkpoint's model round trip generates from
+
+
 class RunStopped(RuntimeError):
     """The run ended before its steps because it could not train; the message says why."""
 
@@ -197,7 +200,7 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
         state["logs"] = run.metrics.sync()  # what a resume finds past these was lost
         state["config_hash"] = durable.config_hash(state["config"])
         path = await controller.in_trainer(
-            lambda: durable.write(run_dir, done, state, save_model=run.trainer.save_checkpoint,
+            lambda: durable.write(run_dir, done, state, save_model=lambda d: save_model(run, d),
                                   save_trainer=run.trainer.save_training_state,
                                   keep=cfg.train.keep_checkpoints))
         last_ckpt = done
@@ -253,15 +256,20 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
             if dashboard is not None:
                 dashboard.stop()
     try:
-        final_dir = save_checkpoint(run.trainer, run_dir / "checkpoint")
+        t_save = time.perf_counter()
+        final_dir = save_checkpoint(run, run_dir / "checkpoint")
+        save_s = time.perf_counter() - t_save
     finally:
         run.stop()  # the trainer (the fsdp backend's ranks), then the run's Ray
+    checked = check_final(run, final_dir)
     summary = _summary(run, result, initial, final, final_dir, time.perf_counter() - t_start,
                        done_totals["train_wall_s"], done_totals["generated_tokens"],
                        engines={k: {n: v - work_before.get(k, {}).get(n, 0.0)
                                     for n, v in w.items()}
                                 for k, w in work_done.items()})
     summary["trainer_restarts"] = trainer_restarts  # in this command (train.fsdp.max_restarts)
+    summary["checkpoint_save_s"] = save_s
+    summary["checkpoint_check"] = checked
     run.ledger.close()
     run.metrics.close()
     write_passes(run, run_dir / "engine_passes.jsonl")
@@ -320,20 +328,51 @@ def _on_sigterm(loop: asyncio.AbstractEventLoop, handler: Any) -> Any:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def save_checkpoint(trainer: Any, final: Path) -> Path:
-    """The trainer's HF folder at ``final``, written atomically: into a temporary folder
-    beside it, then renamed into place (an older one is replaced only after the new one is
-    complete), so a crash never leaves half a checkpoint under the final name."""
+def save_model(run: Run, folder: Path) -> Path:
+    """The trainer's HF folder, its ``generation_config.json`` stopping at the chat's
+    end-of-turn token as well, and its tokenizer checked: ``AutoTokenizer`` reads it as the
+    run's (every save; ``models/folder_check.py``)."""
+    from rollstream.models.folder_check import check_tokenizer, write_stop_tokens
+
+    run.trainer.save_checkpoint(folder)
+    write_stop_tokens(folder, run.tokenizer)
+    check_tokenizer(folder, run.tokenizer)
+    return folder
+
+
+def save_checkpoint(run: Run, final: Path) -> Path:
+    """:func:`save_model` at ``final``, written atomically: into a temporary folder beside it,
+    then renamed into place (an older one is replaced only after the new one is complete), so
+    a crash never leaves half a checkpoint under the final name. A folder that fails its
+    check stays in the temporary folder the error names."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_checkpoint(tmp)
+    save_model(run, tmp)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_final(run: Run, folder: Path) -> dict[str, Any]:
+    """The model round trip on the final checkpoint: ``AutoModelForCausalLM``'s greedy tokens
+    for a few held-out prompts equal the embedded engine's (``check_model``); printed, and
+    returned for the summary."""
+    from rollstream.models.folder_check import check_model, probe_prompts
+
+    t0 = time.perf_counter()
+    prompts = ([list(t.prompt_ids) for t in run.eval_tasks[:CHECK_PROMPTS]]
+               or probe_prompts(run.tokenizer))
+    ties = check_model(folder, prompts, threads=run.cfg.engine.local.threads)
+    for tie in ties:
+        print(f"checkpoint check: {tie}", flush=True)
+    print(f"checkpoint check: AutoTokenizer and AutoModelForCausalLM read {folder} as "
+          f"trained ({len(prompts)} prompts, {len(ties)} near ties)", flush=True)
+    return {"num_prompts": len(prompts), "ties": [str(t) for t in ties],
+            "check_s": time.perf_counter() - t0}
 
 
 def engine_work(run: Run) -> dict[str, dict[str, float]]:
