@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from rollstream.config import load_config
 from rollstream.data.mix import TaskMix
 from rollstream.data.sources import source_rewards
-from rollstream.models.tokenizer import save_char_tokenizer
+from rollstream.models.folder_check import save_char_tokenizer
 from rollstream.reward import GraderPool, build_resolver, decode_response
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -16,12 +16,13 @@ from transformers import AutoTokenizer
 from rollstream.agent.chat import ChatRenderer
 from rollstream.config.loader import ConfigError, load_config
 from rollstream.config.schema import SourceConfig, TasksConfig
+from rollstream.data.kinds import build_source
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.data.mix import TaskMix
-from rollstream.data.kinds import build_source
 from rollstream.data.sources import check_source_paths, split_of
 from rollstream.durable.state import task_from_dict, task_to_dict
-from rollstream.models.tokenizer import build_char_tokenizer, save_char_tokenizer
+from rollstream.models.folder_check import save_char_tokenizer
+from rollstream.models.tokenizer import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollstream.agent.chat import ChatRenderer
 from rollstream.cli import main as cli
 from rollstream.config import load_config
-from rollstream.config.schema import LocalEngineConfig, TinyModelConfig
+from rollstream.config.redact import saved_config
+from rollstream.config.schema import LocalEngineConfig, RunConfig, TinyModelConfig
 from rollstream.data.mix import TaskMix
 from rollstream.durable import checkpoint as durable
 from rollstream.engine.local import LocalEngine
@@ -39,9 +40,11 @@ from rollstream.models.folder_check import (
     FolderCheckError,
     check_model,
     check_tokenizer,
+    save_char_tokenizer,
 )
 from rollstream.models.tiny import build_tiny_model
-from rollstream.models.tokenizer import ALPHABET, IM_END, build_char_tokenizer, save_char_tokenizer
+from rollstream.models.tokenizer import ALPHABET, IM_END, build_char_tokenizer
+from tests.durable.whole import ROLLOUT, save_trainer
 from tests.engine.helpers import make_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -140,8 +143,9 @@ def _kit_run(root: Path) -> Path:
     tok.save_pretrained(str(model))
     run = root / "run"
     shutil.copytree(model, run / "checkpoint")
-    durable.write(run, 3, {}, save_model=lambda d: shutil.copytree(model, d),
-                  save_trainer=lambda f: f.write_bytes(b""), keep=2)
+    durable.write(run, 3, {"config": saved_config(RunConfig()), "rollout": ROLLOUT},
+                  save_model=lambda d: shutil.copytree(model, d), save_trainer=save_trainer,
+                  keep=2)
     return run
 
 

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollstream.config.schema import TinyModelConfig
+from rollstream.models.folder_check import save_char_tokenizer
 from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import (
     ALPHABET,
@@ -20,7 +21,6 @@ from rollstream.models.tokenizer import (
     PAD,
     build_char_tokenizer,
     is_legacy_kit_tokenizer,
-    save_char_tokenizer,
 )
 
 

@@ -26,9 +26,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollstream.models.tokenizer import ALPHABET
+from rollstream.models.tokenizer import ALPHABET, build_char_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TIE_GAP = 1e-4  # top-2 logit gap below which two greedy decoders may pick differently
 
@@ -266,3 +269,13 @@ def _engine_greedy(folder: Path, prompts: Sequence[Sequence[int]], max_new_token
             raise FolderCheckError(f"model folder {folder}: the embedded engine could not "
                                    f"generate from it: {out.finish_reason.value} {out.error}")
     return [list(o.token_ids) for o in outs]
+
+
+def save_char_tokenizer(out_dir: Path) -> PreTrainedTokenizerBase:
+    """Build the kit tokenizer, save it into ``out_dir`` (created if needed) and check that
+    ``AutoTokenizer`` reads it back as built."""
+    tokenizer = build_char_tokenizer()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    check_tokenizer(out_dir, tokenizer)
+    return tokenizer

@@ -87,18 +87,6 @@ def build_char_tokenizer() -> Qwen2Tokenizer:
     )
 
 
-def save_char_tokenizer(out_dir: Path) -> PreTrainedTokenizerBase:
-    """Build the kit tokenizer, save it into ``out_dir`` (created if needed) and check that
-    ``AutoTokenizer`` reads it back as built."""
-    from rollstream.models.folder_check import check_tokenizer
-
-    tokenizer = build_char_tokenizer()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(out_dir))
-    check_tokenizer(out_dir, tokenizer)
-    return tokenizer
-
-
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
     """Copy ``src``'s tokenizer files (:data:`TOKENIZER_FILES`) into ``dst`` byte for byte:
     a folder's tokenizer is never re-saved, so what other tools read is what training read."""

@@ -359,7 +359,7 @@ def save_checkpoint(run: Run, final: Path) -> Path:
 
 def check_final(run: Run, folder: Path) -> dict[str, Any]:
     """The model round trip on the final checkpoint: ``AutoModelForCausalLM``'s greedy tokens
-    for a few held-out prompts equal the embedded engine's (``check_model``); printed, and
+    for a few held-out prompts equal the embedded engine's (``check_model``); logged, and
     returned for the summary."""
     from rollstream.models.folder_check import check_model, probe_prompts
 
@@ -368,9 +368,9 @@ def check_final(run: Run, folder: Path) -> dict[str, Any]:
                or probe_prompts(run.tokenizer))
     ties = check_model(folder, prompts, threads=run.cfg.engine.local.threads)
     for tie in ties:
-        print(f"checkpoint check: {tie}", flush=True)
-    print(f"checkpoint check: AutoTokenizer and AutoModelForCausalLM read {folder} as "
-          f"trained ({len(prompts)} prompts, {len(ties)} near ties)", flush=True)
+        log.info(f"checkpoint check: {tie}")
+    log.info(f"checkpoint check: AutoTokenizer and AutoModelForCausalLM read {folder} as "
+             f"trained ({len(prompts)} prompts, {len(ties)} near ties)")
     return {"num_prompts": len(prompts), "ties": [str(t) for t in ties],
             "check_s": time.perf_counter() - t0}
 

@@ -67,7 +67,7 @@ def scaled(base: Scenario, engines: int, steps: int | None) -> Scenario:
     """``base`` at ``engines`` engines: groups per step and trainer devices scaled alike."""
     f = engines / base.engines
     return base.model_validate({
-        **base.model_dump(), "name": f"{base.name}@{engines}", "engines": engines,
+        **base.model_dump(), "name": f"{base.name}-x{engines}", "engines": engines,
         "groups_per_step": max(1, round(base.groups_per_step * f)),
         "trainer_devices": max(1, round(base.trainer_devices * f)),
         "steps": steps or base.steps, "modes": [m.model_dump() for m in STUDY_MODES]})
