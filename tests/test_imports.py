@@ -148,3 +148,20 @@ def test_no_print_outside_the_cli_the_progress_line_and_the_bench_tables():
         found += [f"{rel}:{line}" for line in _prints(path)]
     assert not found, ("print( outside the CLI, the progress line and the bench tables (use "
                        "the package logger):\n" + "\n".join(found))
+
+
+def _warns(path: Path) -> list[int]:
+    """Lines of ``warnings.warn(...)`` calls."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted(node.lineno for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "warn" and isinstance(node.func.value, ast.Name)
+                  and node.func.value.id == "warnings")
+
+
+def test_every_warning_goes_through_the_package_logger():
+    """A user sees every warning the same way (``warning: ...`` on standard error, filtered by
+    ``--log-level``): ``warnings.warn`` would bypass that, and be shown once per place."""
+    found = [f"{path.relative_to(PACKAGE).as_posix()}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py")) for line in _warns(path)]
+    assert not found, "warnings.warn( (use the package logger):\n" + "\n".join(found)
