@@ -29,7 +29,7 @@ import json
 import shutil
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer
+from transformers import Qwen2Tokenizer
 
 PAD = "<|pad|>"
 EOS = "<|endoftext|>"
