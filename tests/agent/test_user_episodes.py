@@ -160,11 +160,13 @@ def test_what_cannot_run_is_refused_when_the_run_is_built_naming_the_field(
 BAD_AT_LOAD = [
     ({"harness": "agent"}, r"harness agent needs `environment`"),
     ({"harness": "openai"}, r"harness openai needs `agent`"),
-    ({"harness": "agent", "environment": "envs.GuessNumber"}, r"environment"),
+    ({"harness": "agent", "environment": "envs.GuessNumber"},
+     r"tasks\.sources\.0\.environment = 'envs\.GuessNumber': String should match pattern"),
     ({"harness": "openai", "agent": "a:b", "environment": "a:c"},
      r"`environment` is read by harness agent"),
     ({"tools": ["calculator"]}, r"`tools` is read only by a source whose tasks are episodes"),
-    ({"harness": "agent", "environment": "a:b", "tool_parser": "json"}, r"tool_parser"),
+    ({"harness": "agent", "environment": "a:b", "tool_parser": "json"},
+     r"tasks\.sources\.0\.tool_parser = 'json': String should match pattern"),
     ({"harness": "agent", "environment": "a:b", "reward_kwargs": ["row"]},
      r"keyword 'row' is the whole row"),
 ]
