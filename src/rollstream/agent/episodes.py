@@ -155,9 +155,9 @@ def environment_factory(path: str, kwargs: dict[str, Any]) -> Callable[..., Any]
     return factory  # type: ignore[no-any-return]
 
 
-def check_agent(path: str) -> None:
-    """The agent at ``path`` is an ``async def (session, task, sampling)`` that worker
-    processes can import (it pickles by reference)."""
+def check_agent(path: str) -> Any:
+    """The agent at ``path``, checked to be an ``async def (session, task, sampling)`` that
+    worker processes can import (it pickles by reference)."""
     fn = import_named(path, "agent")
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"agent {path!r} must be an `async def` function of (session, task, "
@@ -173,6 +173,7 @@ def check_agent(path: str) -> None:
         raise TypeError(f"agent {path!r} cannot be sent to a harness worker process "
                         f"({type(e).__name__}: {e}): define it at the top level of a "
                         "module") from None
+    return fn
 
 
 def build_tool(spec: str, sandbox: RunSandbox) -> Tool:

@@ -203,18 +203,10 @@ class DatasetSource:
             value = lookup(row, col)
             if value is _MISSING:
                 raise _Rejected(_missing(where, col, "reward_kwargs", row))
-            try:
-                json.dumps(value, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise _Rejected(f"{where}: reward_kwargs column {col!r} is not a JSON value "
-                                f"({e})") from None
+            _json(value, f"{where}: reward_kwargs column {col!r} is not a JSON value")
             extra[name] = value
         if self.cfg.episodic:  # its environment or agent is built from the whole row
-            try:
-                json.dumps(row, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise _Rejected(f"{where}: the row of an episode is kept in checkpoints and "
-                                f"must be JSON ({e})") from None
+            _json(row, f"{where}: the row of an episode is kept in checkpoints and must be JSON")
             extra[EPISODE_ROW] = row
         return extra
 
@@ -255,6 +247,15 @@ class DatasetSource:
 
 class _Rejected(Exception):
     """A row this source cannot use; the message is the ledger's reason."""
+
+
+def _json(value: object, problem: str) -> None:
+    """``value`` is a JSON value (checkpoints keep it); else the row is rejected with
+    ``problem`` and why."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise _Rejected(f"{problem} ({e})") from None
 
 
 def lookup(row: Mapping[str, Any], path: str) -> Any:
