@@ -162,12 +162,11 @@ def test_every_example_config_loads():
 
 
 def test_a_harness_on_a_single_turn_source_is_an_error():
-    with pytest.raises(ConfigError, match="`harness` is read only by agent sources"):
+    with pytest.raises(ConfigError, match="`harness` is read by dataset kinds and tally"):
         load_config(None, ["tasks.sources=[{kind: tick, harness: openai}]"])
 
 
 def test_agent_harness_workers_is_checked_and_read_by_the_openai_harness():
-    from rollstream.data.mix import TaskMix
     from rollstream.models.tokenizer import build_char_tokenizer
     from rollstream.runtime.build import build_harnesses
 
@@ -179,7 +178,7 @@ def test_agent_harness_workers_is_checked_and_read_by_the_openai_harness():
     tokenizer = build_char_tokenizer()
     for n in (0, 3):
         cfg = load_config(EXAMPLES / "agent_openai.yaml", [f"agent.harness_workers={n}"])
-        harness = build_harnesses(cfg, TaskMix(cfg.tasks, tokenizer), tokenizer)["openai"]
+        harness = build_harnesses(cfg, tokenizer)["openai"]
         assert (harness.workers.size if harness.workers else 0) == n  # started at first use
 
 

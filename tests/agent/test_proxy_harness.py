@@ -16,12 +16,13 @@ from typing import Any
 import psutil
 
 from rollstream.agent.chat import ChatRenderer, check_alignment
+from rollstream.agent.episodes import EpisodeSource, episode_sources
 from rollstream.agent.loop import Budgets
 from rollstream.agent.proxy_harness import OPENAI, ProxyHarness
 from rollstream.agent.tally import TallySource
 from rollstream.agent.tools import CommandToolParser
 from rollstream.clock import WallClock
-from rollstream.config.schema import RewardConfig, SourceConfig
+from rollstream.config.schema import RewardConfig, SourceConfig, TasksConfig
 from rollstream.data.ledger import Ledger
 from rollstream.engine import SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
@@ -46,6 +47,11 @@ class ScriptedSource:
     agent: str = "tests.agent.sdk_agents:scripted"
     parser: CommandToolParser = dataclasses.field(
         default_factory=lambda: CommandToolParser(commands={"calc": "expression"}))
+
+
+def _episodes(source: TallySource) -> EpisodeSource:
+    """How the tally source's episodes run, as a run resolves them from its config."""
+    return episode_sources(TasksConfig(sources=(source.cfg,)))[source.name]
 
 
 def _task(i: int = 0, source: str = "s", text: str = "3") -> Task:
@@ -144,7 +150,7 @@ async def test_the_tally_sdk_agent_runs_its_episodes_through_the_proxy(engine, t
                          tokenizer=TOKENIZER, seed=0)
     groups = [Group.new(source.task(i, "train"), 2) for i in range(3)]
     assert groups[0].task.harness == OPENAI
-    await _run(engine, source, groups, tmp_path,
+    await _run(engine, _episodes(source), groups, tmp_path,
                Budgets(max_turns=6, max_turn_tokens=16, max_total_tokens=224))
     for s in (s for g in groups for s in g.samples):
         assert s.status is SampleStatus.GRADED, s.failure
@@ -177,7 +183,7 @@ async def test_pooled_worker_processes_drive_episodes_and_are_reused(engine, tmp
     scripted = [Group.new(_task(i, text="3 pid"), 3) for i in range(2)]
     tallies = [Group.new(tally.task(i, "train"), 2) for i in range(2)]
     budgets = Budgets(max_turns=6, max_turn_tokens=16, max_total_tokens=224)
-    disp, (graders, harness) = _dispatcher(engine, [ScriptedSource(), tally],
+    disp, (graders, harness) = _dispatcher(engine, [ScriptedSource(), _episodes(tally)],
                                            Ledger(tmp_path / "l.jsonl"), budgets, workers=2)
     try:
         await asyncio.wait_for(asyncio.gather(*(disp.run_group(g)

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
-import inspect
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -91,21 +89,11 @@ class AgentFailed(Exception):
 
 @functools.cache
 def resolve_agent(path: str) -> OpenAIAgent:
-    """The ``async def`` function at import path ``module:function`` (a ValueError or
-    TypeError that names what is wrong otherwise)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"agent {path!r} is not an import path `module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent {path!r}: cannot import module {module_name!r} ({e}); is it on "
-                         "PYTHONPATH?") from None
-    fn = getattr(module, attr, None)
-    if not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"agent {path!r} must be an `async def` function of (session, task, "
-                        f"sampling); module {module_name!r} has {fn!r}")
-    return fn
+    """The ``async def`` function at import path ``module:function``, checked
+    (``agent/episodes.py``: a ValueError or TypeError that names what is wrong)."""
+    from rollstream.agent.episodes import check_agent
+
+    return check_agent(path)
 
 
 def run_agent(path: str, session: SessionHandle, task: Task,

@@ -258,6 +258,15 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
+class ToolRunner(Protocol):
+    """What an environment runs its tool calls with (a :class:`ToolManager`, or in an
+    episode the harness's runner, which answers a resumed episode's recorded calls)."""
+
+    async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]: ...
+
+    def schemas(self) -> list[dict[str, Any]]: ...
+
+
 class ToolManager:
     """Runs a turn's tool calls (module docstring)."""
 

@@ -237,8 +237,8 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
     agent: AgentConfig = AgentConfig()
-    """How agent episodes (sources of kind ``tally``) run: budgets, tool limits and where
-    OpenAI-SDK agents run."""
+    """How agent episodes (sources with a ``harness``, and ``tally``) run: budgets, tool
+    limits, the sandbox pool and where OpenAI-SDK agents run."""
     engine: EngineConfig = EngineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     """Where engines run: in this process, or as Ray actors (docs/distributed.md)."""
@@ -373,7 +373,7 @@ def _check_run_can_follow(old: RunConfig, new: RunConfig) -> None:
             f"rollout.staleness.max_staleness {k_old} -> {k_new}: a run does not switch "
             "between on-policy (bound 0) and off-policy (bound >= 1) training: the loss "
             "train.loss: auto means is chosen for one of them at the start")
-    agents = [s.source_name for s in new.tasks.sources if s.kind == "tally"]
+    agents = [s.source_name for s in new.tasks.sources if s.episodic]
     if agents and old.sampling.max_new_tokens != new.sampling.max_new_tokens:
         raise ValueError(
             f"sampling.max_new_tokens cannot change during a run with agent sources "

@@ -41,7 +41,6 @@ from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import LOG_FILE, Reconfigure, with_applied
 from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
-from rollstream.trajectory import SINGLE_TURN
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +59,10 @@ log = logging.getLogger(__name__)
 
 
 def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
-    """Fail early, naming the setting, when a model folder, a dataset file or a reward (a name,
-    or a callable in ``rewards``) is unusable, or the runtime's library is missing (runs call
-    this before touching their run directory)."""
+    """Fail early, naming the setting, when a model folder, a dataset file, a reward (a name,
+    or a callable in ``rewards``), an episode's environment, agent, tool or tool-call parser
+    or the sandbox's artifact folder is unusable, or the runtime's library is missing (runs
+    call this before touching their run directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
     from rollstream.models.folder import validate_model_folder
     from rollstream.reward.registry import build_resolver
@@ -71,10 +71,27 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
         validate_model_folder(Path(cfg.model.path))
     check_source_paths(cfg.tasks)
     build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)
+    _check_sandbox(cfg.agent.sandbox)
+    if any(s.episodic for s in cfg.tasks.sources):
+        from rollstream.agent.episodes import episode_sources
+
+        episode_sources(cfg.tasks)  # resolves and checks what each source names
     if cfg.runtime.kind == "ray":
         from rollstream.runtime.ray.cluster import require_ray
 
         require_ray()
+
+
+def _check_sandbox(cfg: Any) -> None:
+    """What ``agent.sandbox`` names outside the config: its folder and its variables."""
+    if cfg.artifacts is not None and not Path(cfg.artifacts).expanduser().is_dir():
+        raise ValueError(f"agent.sandbox.artifacts: {cfg.artifacts!r} is not a folder")
+    from rollstream.agent.sandbox import sandbox_env
+
+    try:
+        sandbox_env(list(cfg.pass_env))
+    except ValueError as e:
+        raise ValueError(f"agent.sandbox.pass_env: {e}") from None
 
 
 def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
@@ -148,19 +165,21 @@ def build_workers(cfg: RunConfig, size: int, role: str) -> Workers:
                       on_driver_node=role == "harness")
 
 
-def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, Harness]:
+def build_harnesses(cfg: RunConfig, tokenizer: Any, sandbox: Any = None) -> dict[str, Harness]:
     """The harnesses the run's task sources need: the agent loop, and the OpenAI-SDK agents
-    behind the proxy, for sources whose tasks are episodes (``cfg.agent`` sets their budgets;
-    ``sampling.max_new_tokens`` caps an episode's response tokens in all)."""
+    behind the proxy, for sources whose tasks are episodes (``agent/episodes.py`` resolves
+    what each names; ``cfg.agent`` sets their budgets; ``sampling.max_new_tokens`` caps an
+    episode's response tokens in all). ``sandbox``: the run's pool (``RunSandbox``), which
+    tools that ask for one get."""
     from rollstream.agent.chat import ChatRenderer
+    from rollstream.agent.episodes import episode_sources
     from rollstream.agent.harness import AGENT, AgentHarness
     from rollstream.agent.loop import Budgets
     from rollstream.agent.proxy_harness import OPENAI, ProxyHarness
 
     by_harness: dict[str, dict[str, Any]] = {}
-    for name in mix.names:
-        src = mix.source(name)
-        by_harness.setdefault(getattr(src, "harness", SINGLE_TURN), {})[name] = src
+    for name, src in episode_sources(cfg.tasks, sandbox).items():
+        by_harness.setdefault(src.harness, {})[name] = src
     a = cfg.agent
     budgets = Budgets(max_turns=a.max_turns, max_turn_tokens=a.max_turn_tokens,
                       max_total_tokens=cfg.sampling.max_new_tokens, max_wall_s=a.max_wall_s)
@@ -267,6 +286,7 @@ class Run:
     resumed: durable.Checkpoint | None = None  # the checkpoint this run continues
     superseded_lines: int = 0  # ledger lines a resume moved to ledger.superseded.jsonl
     cluster: RayCluster | None = None  # runtime.kind: ray (stopped after the trainer closes)
+    sandbox: Any = None  # the RunSandbox of agent.sandbox (closed with the harnesses)
 
     def stop(self) -> None:
         """Close the trainer, then stop the Ray the run uses (fsdp rank actors live in it):
@@ -278,11 +298,14 @@ class Run:
                 self.cluster.stop()
 
     async def close(self) -> None:
-        """Close harnesses, engines and graders (the trainer and Ray stay: :meth:`stop`)."""
+        """Close harnesses, the sandbox pool, engines and graders (the trainer and Ray stay:
+        :meth:`stop`)."""
         for harness in self.loop.dispatcher.harnesses.values():
             close = getattr(harness, "close", None)
             if close is not None:
                 await close()
+        if self.sandbox is not None:
+            await self.sandbox.close()
         for e in self.engines:
             close = getattr(e, "close", None)
             if close is not None:
@@ -327,6 +350,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from rollstream.agent.sandbox_shared import install_sandbox
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
     from rollstream.models.warmstart import prepare_model
@@ -374,7 +398,9 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None,
                                 staleness=staleness)
         _close_on_failure(built, trainer.close)
-        harnesses = build_harnesses(cfg, mix, tokenizer)
+        sandbox = install_sandbox(cfg.agent.sandbox)  # started by its first program
+        _close_on_failure(built, sandbox.close)
+        harnesses = build_harnesses(cfg, tokenizer, sandbox)
         for harness in harnesses.values():
             if (close := getattr(harness, "close", None)) is not None:
                 _close_on_failure(built, close)
@@ -396,7 +422,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
         eval_tasks=mix.eval_tasks(),
         eval_params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
-        resumed=resume, superseded_lines=superseded, cluster=cluster,
+        resumed=resume, superseded_lines=superseded, cluster=cluster, sandbox=sandbox,
     )
 
 
