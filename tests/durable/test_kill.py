@@ -33,6 +33,11 @@ pytestmark = pytest.mark.slow
 # resumed process ~4 s to reach its first checkpoint; 20 steps leave room for three kills.
 STEPS = 20
 KILL_WITHIN_S = 0.6  # a kill lands at a random moment this long after a checkpoint is seen
+# The agent runs below are killed within their first AGENT_STEPS steps; the resumed run trains
+# AFTER_KILL steps past its checkpoint (train.steps may change on a resume): the saved
+# episodes are trained or dropped within the staleness bound (2 versions), so more steps
+# would only repeat what these show.
+AGENT_STEPS, AFTER_KILL = 12, 4
 
 
 @pytest.fixture(scope="module")
@@ -218,9 +223,12 @@ def _kill_between_turns(config: Path, run_dir: Path) -> durable.Checkpoint:
     return saved
 
 
-def _resume_exactly_once(config: Path, run_dir: Path, steps: int) -> list[dict]:
-    """Resume the killed run to its end: every sample recorded once, nothing lost; its rows."""
-    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), "--resume"],
+def _resume_exactly_once(config: Path, run_dir: Path, saved: durable.Checkpoint) -> list[dict]:
+    """Resume the killed run from ``saved`` to AFTER_KILL steps past it: every sample recorded
+    once, nothing lost; its rows."""
+    steps = saved.step + AFTER_KILL
+    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config),
+                           f"train.steps={steps}", "--resume"],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -241,14 +249,13 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     and records every sample exactly once. The cheap warm start writes the tool-call format
     but adds badly, so every reward is 0: zero-variance groups are trained anyway here.
     Whether a step's checkpoint catches an episode between turns depends on timing (one CI
-    run on a loaded machine went 8 checkpoints without one): 12 steps give it more chances,
-    and a run that still has none says what each checkpoint held."""
-    steps = 12
+    run on a loaded machine went 8 checkpoints without one): AGENT_STEPS steps give it more
+    chances, and a run that still has none says what each checkpoint held."""
     root = tmp_path_factory.mktemp("agent-kill")
-    config = _agent_run(root, tiny_run_cache, steps)
+    config = _agent_run(root, tiny_run_cache, AGENT_STEPS)
     run_dir = root / "runs" / "agent"
-    _kill_between_turns(config, run_dir)
-    rows = _resume_exactly_once(config, run_dir, steps)
+    saved = _kill_between_turns(config, run_dir)
+    rows = _resume_exactly_once(config, run_dir, saved)
     resumed = [r for r in rows if r["restored_tokens"] > 0 and r["num_turns"] >= 2]
     assert resumed, "an episode saved between turns was continued, not started again"
     assert not [r for r in rows if r["reason"] and "Replay" in r["reason"]], "replays agreed"
@@ -262,12 +269,11 @@ def test_sigkill_mid_episode_replays_sdk_agent_episodes(tmp_path_factory,
     requests of its turns the checkpoint lacked (the timeline's spans past the checkpoint),
     and each calculator call its model wrote ran once (the ledger's tool calls per turn
     equal the calls in the turn's checkpointed text)."""
-    steps = 12
     root = tmp_path_factory.mktemp("sdk-kill")
-    config = _agent_run(root, tiny_run_cache, steps, harness="openai")
+    config = _agent_run(root, tiny_run_cache, AGENT_STEPS, harness="openai")
     run_dir = root / "runs" / "agent"
     saved = _kill_between_turns(config, run_dir)
-    rows = {r["sample_uid"]: r for r in _resume_exactly_once(config, run_dir, steps)}
+    rows = {r["sample_uid"]: r for r in _resume_exactly_once(config, run_dir, saved)}
     assert not [r for r in rows.values() if r["reason"] and "diverged" in r["reason"]]
     after = (run_dir / "timeline.jsonl").read_bytes()[saved.state["logs"]["timeline"]:]
     requests = defaultdict(int)  # per sample: engine requests of the resumed run
