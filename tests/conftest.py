@@ -1,9 +1,12 @@
-"""The tiny run's warm-started model, built once for the durability and Ray runtime tests
-(its cache is keyed by the model and task settings, which the tests share), and a random kit
-model folder for tests that need a whole model folder but no trained one."""
+"""The session's warm-start cache and the tiny run's warm-started model, and a random kit
+model folder for tests that need a whole model folder but no trained one.
+
+A warm start's cache entry is keyed by the model and task settings (models/warmstart.py), so
+tests that pass this one cache as ``model.cache_dir`` build each shape once per session."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,25 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_run_cache(tmp_path_factory) -> Path:
+    """The warm-start cache every test that warm-starts a kit model shares."""
     return tmp_path_factory.mktemp("tiny-run-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_run_model(tmp_path_factory, tiny_run_cache: Path) -> Path:
+    """The folder of the tiny run's warm-started model (bench/tiny_run.py: tick tasks of up
+    to 6 items), for runs that need a model that answers tick but not a warm start of their
+    own: the same cache entry as the tiny runs' (built once)."""
+    from rollstream.bench.tiny_run import tiny_run_config
+    from rollstream.config import load_config
+    from rollstream.models.warmstart import prepare_model
+
+    root = tmp_path_factory.mktemp("tiny-run-model")
+    path = root / "config.json"
+    path.write_text(json.dumps(tiny_run_config("model", root, steps=1, checkpoint_every=0,
+                                               cache_dir=tiny_run_cache)))
+    cfg = load_config(path, [])
+    return prepare_model(cfg.model, cfg.tasks)
 
 
 @pytest.fixture(scope="session")

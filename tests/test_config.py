@@ -41,7 +41,7 @@ def test_bad_values_name_the_field_the_value_and_what_is_allowed(override, expec
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.lr=-1", "rollout.max_staleness=-2"])
+        load_config(None, ["train.lr=-1", "rollout.staleness.max_staleness=-2"])
     assert "2 problems" in str(info.value)
 
 
@@ -66,20 +66,28 @@ def test_cross_field_check():
 @pytest.mark.parametrize(
     "overrides, fields",
     [
-        (["rollout.mode=sync", "rollout.max_staleness=3"], ["rollout.max_staleness = 3",
-                                                            "rollout.mode = sync"]),
-        (["rollout.mode=one_step", "rollout.max_staleness=0"], ["rollout.max_staleness = 0",
-                                                                "rollout.mode = one_step"]),
+        (["rollout.mode=sync", "rollout.staleness.max_staleness=3"],
+         ["rollout.staleness.max_staleness = 3", "rollout.mode = sync"]),
+        (["rollout.mode=one_step", "rollout.staleness.max_staleness=0"],
+         ["rollout.staleness.max_staleness = 0", "rollout.mode = one_step"]),
         (["rollout.partial_rollout=false"],  # the field on_update replaced: its new spelling
          ["rollout: partial_rollout was replaced by on_update", "false is on_update: drain"]),
-        (["rollout.max_staleness=1", "train.max_token_age=2"],
-         ["train.max_token_age = 2", "rollout.max_staleness = 1"]),
-        (["rollout.mode=sync", "train.max_token_age=1"], ["train.max_token_age = 1",
-                                                          "rollout.mode = sync"]),
-        (["rollout.max_context_age=1"], ["rollout.max_context_age = 1",
-                                         "rollout.max_staleness"]),
-        (["rollout.max_staleness=3", "train.max_token_age=1", "rollout.max_context_age=2"],
-         ["rollout.max_context_age = 2", "rollout.max_staleness"]),
+        (["rollout.staleness.max_staleness=1", "rollout.staleness.max_token_age=2"],
+         ["rollout.staleness.max_token_age = 2", "rollout.staleness.max_staleness = 1"]),
+        (["rollout.mode=sync", "rollout.staleness.max_token_age=1"],
+         ["rollout.staleness.max_token_age = 1", "rollout.mode = sync"]),
+        (["rollout.staleness.max_context_age=1"],
+         ["rollout.staleness.max_context_age = 1", "rollout.staleness.max_staleness"]),
+        (["rollout.staleness.max_staleness=3", "rollout.staleness.max_token_age=1",
+          "rollout.staleness.max_context_age=2"],
+         ["rollout.staleness.max_context_age = 2", "rollout.staleness.max_staleness"]),
+        # the keys the staleness block replaced: each names its new path
+        (["rollout.max_staleness=3"],
+         ["rollout: max_staleness was replaced by rollout.staleness.max_staleness"]),
+        (["rollout.max_context_age=4"],
+         ["rollout: max_context_age was replaced by rollout.staleness.max_context_age"]),
+        (["train.max_token_age=1"],
+         ["train: max_token_age was replaced by rollout.staleness.max_token_age"]),
         (["rollout.group_size=1"], ["rollout.group_size = 1",
                                     "rollout.filter_zero_variance = true"]),
         (["sampling.temperature=0"], ["sampling.temperature = 0", "eval.temperature"]),
@@ -103,7 +111,7 @@ def test_contradicting_or_untrainable_settings_fail_at_load_naming_both(override
 
 
 def test_consistent_settings_load():
-    load_config(None, ["rollout.mode=sync", "rollout.max_staleness=0"])  # agrees with the mode
+    load_config(None, ["rollout.mode=sync", "rollout.staleness.max_staleness=0"])  # as the mode
     load_config(None, ["rollout.mode=sync"])  # the async default is not a contradiction
     load_config(None, ["rollout.on_update=drain"])
     load_config(None, ["rollout.group_size=1", "rollout.filter_zero_variance=false"])
@@ -113,8 +121,8 @@ def test_consistent_settings_load():
     made = concurrency_limits(cfg.rollout)(32)  # type: ignore[misc]
     assert (made.capacity, made.window_tokens, made.min_gain, made.limit) == (32, 512, 0.1, 8)
     assert concurrency_limits(load_config(None, []).rollout) is None
-    load_config(None, ["train.max_token_age=2", "rollout.max_context_age=5"])
-    load_config(None, ["rollout.max_context_age=4"])  # admission semantics (AReaL's)
+    load_config(None, ["rollout.staleness.max_token_age=2", "rollout.staleness.max_context_age=5"])
+    load_config(None, ["rollout.staleness.max_context_age=4"])  # admission semantics (AReaL's)
     load_config(None, ["sampling.temperature=0.7", "eval.temperature=0"])
     load_config(EXAMPLES / "tick.yaml", ["rollout.mode=sync"])  # the README's override
     for example in ("tick.yaml", "tick_long.yaml"):  # the README's overrides
@@ -154,12 +162,11 @@ def test_every_example_config_loads():
 
 
 def test_a_harness_on_a_single_turn_source_is_an_error():
-    with pytest.raises(ConfigError, match="`harness` is read only by agent sources"):
+    with pytest.raises(ConfigError, match="`harness` is read by dataset kinds and tally"):
         load_config(None, ["tasks.sources=[{kind: tick, harness: openai}]"])
 
 
 def test_agent_harness_workers_is_checked_and_read_by_the_openai_harness():
-    from rollstream.data.mix import TaskMix
     from rollstream.models.tokenizer import build_char_tokenizer
     from rollstream.runtime.build import build_harnesses
 
@@ -171,7 +178,7 @@ def test_agent_harness_workers_is_checked_and_read_by_the_openai_harness():
     tokenizer = build_char_tokenizer()
     for n in (0, 3):
         cfg = load_config(EXAMPLES / "agent_openai.yaml", [f"agent.harness_workers={n}"])
-        harness = build_harnesses(cfg, TaskMix(cfg.tasks, tokenizer), tokenizer)["openai"]
+        harness = build_harnesses(cfg, tokenizer)["openai"]
         assert (harness.workers.size if harness.workers else 0) == n  # started at first use
 
 
@@ -201,7 +208,7 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     walk(RunConfig)
     assert main(["config", "rollout"]) == 0
     rollout = capsys.readouterr().out
-    assert rollout.startswith("rollout:\n") and "  max_staleness: 2  # >= 0\n" in rollout
+    assert rollout.startswith("rollout:\n") and "    max_staleness: 2  # >= 0\n" in rollout
     assert "  mode: async  # one of: sync, one_step, async\n" in rollout
     assert "train:" not in rollout
     sources = describe("tasks.sources")
@@ -210,7 +217,7 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     assert describe("reward.timeout_s").endswith("timeout_s: 10.0  # > 0")
     assert main(["config", "rollout.nope"]) == 2
     err = capsys.readouterr().err
-    assert "config has no 'rollout.nope'; keys under rollout: mode, max_staleness" in err
+    assert "config has no 'rollout.nope'; keys under rollout: mode, staleness" in err
     assert main(["config", "reward.name.x"]) == 2
     assert "'reward.name' has no keys under it" in capsys.readouterr().err
 

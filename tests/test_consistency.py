@@ -18,7 +18,7 @@ from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import Group, SampleStatus, Task

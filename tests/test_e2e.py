@@ -27,16 +27,12 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.mark.slow
-def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
-    cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
-                             "name=e2e", "train.steps=40", "rollout.mode=async",
-                             "rollout.max_staleness=2", "monitor.report=true",
+def test_short_async_run_raises_heldout_reward(tmp_path, tiny_run_cache):
+    cfg = load_config(None, [*TINY, f"model.cache_dir={tiny_run_cache}",
+                             f"run_root={tmp_path}", "name=e2e", "train.steps=40",
+                             "rollout.mode=async", "rollout.staleness.max_staleness=2",
+                             "monitor.report=true",
                              "eval.every=10", "train.checkpoint_every=20",
                              # 512 held-out samples per evaluation: the gain's noise (two
                              # means, s.e. ~0.03) is well below the gain asserted. lr 2e-4
@@ -46,6 +42,7 @@ def test_short_async_run_raises_heldout_reward(tmp_path, cache_dir):
                              "tasks.num_eval=64", "eval.samples_per_task=8"])
     summary = run_training(cfg)
     assert summary["reward_final"] > summary["reward_initial"] + 0.08, summary
+    assert summary["checkpoint_check"]["num_prompts"] == 4  # HF generate == the engine's
     run = tmp_path / "e2e"
     for f in ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json",
               "report.html", "checkpoint/config.json", "checkpoints/step_000020/model/config.json",
@@ -82,19 +79,19 @@ AGENT = [
     "model.warm_start.noise=0.1", "tasks.sources=[{kind: tally, max_items: 4}]",
     "agent.max_turns=6", "agent.max_turn_tokens=16", "engine.local.max_slots=64",
     "engine.local.max_seq_len=256", "sampling.max_new_tokens=224", "rollout.group_size=8",
-    "rollout.max_context_age=4", "train.loss=ppo_clip", "train.groups_per_step=16",
+    "rollout.staleness.max_context_age=4", "train.loss=ppo_clip", "train.groups_per_step=16",
     "train.lr=3e-4", "monitor.progress=false",
 ]
 
 
 @pytest.mark.slow
-def test_multi_turn_agent_run_raises_heldout_reward(tmp_path, cache_dir):
+def test_multi_turn_agent_run_raises_heldout_reward(tmp_path, tiny_run_cache):
     """Episodes of several turns with tool calls, every turn through the dispatcher: the
     held-out reward rises, trained episodes kept only model tokens, and each recorded
     episode's turns alternate model and tool."""
-    cfg = load_config(None, [*AGENT, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
-                             "name=agent", "train.steps=20", "rollout.mode=async",
-                             "tasks.num_eval=64", "eval.samples_per_task=8",
+    cfg = load_config(None, [*AGENT, f"model.cache_dir={tiny_run_cache}",
+                             f"run_root={tmp_path}", "name=agent", "train.steps=20",
+                             "rollout.mode=async", "tasks.num_eval=64", "eval.samples_per_task=8",
                              "monitor.report=false"])
     summary = run_training(cfg)
     # measured with this config (and seeds 0, 1): +0.21, +0.19; with 8 groups per step the
@@ -126,7 +123,10 @@ def _flaky(task, text: str, *, finish_reason: str):
 
 
 @pytest.mark.slow
-def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, cache_dir):
+def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, tiny_run_model):
+    """The tiny run's model (TINY's shape, warm-started on tick) answers the rows, which are
+    tick tasks: the run needs no warm start of its own (tests/models/test_warmstart.py
+    warm-starts on such a mix of bad rows and a reward that fails)."""
     data = tmp_path / "data.jsonl"
     rows = [json.dumps({"id": f"r{i}", "prompt": f"T{100 + i}#0{1 + i % 5}=",
                         "answer": " ".join(f"{100 + i + j}/0{1 + i % 5 - j}"
@@ -135,7 +135,8 @@ def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, cac
     rows.insert(9, json.dumps({"id": "noprompt", "answer": "1"}))
     rows.insert(20, json.dumps({"id": "noprompt", "prompt": "", "answer": "2"}))  # same id
     data.write_text("\n".join(rows) + "\n")
-    cfg = load_config(None, [*TINY, f"model.cache_dir={cache_dir}", f"run_root={tmp_path}",
+    run = [o for o in TINY if not o.startswith("model.")]
+    cfg = load_config(None, [*run, f"model.path={tiny_run_model}", f"run_root={tmp_path}",
                              "name=bad", "train.steps=2", "reward.name=flaky_tick",
                              f"tasks.sources=[{{kind: tick, max_items: 6}}, "
                              f"{{kind: jsonl, path: '{data}', name: ds}}]",

@@ -11,11 +11,12 @@ import re
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from rollstream.config import load_config
 from rollstream.data.mix import TaskMix
 from rollstream.data.sources import source_rewards
-from rollstream.models.tokenizer import load_tokenizer, save_char_tokenizer
+from rollstream.models.folder_check import save_char_tokenizer
 from rollstream.reward import GraderPool, build_resolver, decode_response
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -38,7 +39,7 @@ async def test_the_readme_reward_example_runs_and_sees_an_exact_match(
     compile(script_block, "README script", "exec")  # the run script is valid Python
 
     save_char_tokenizer(tmp_path / "tok")
-    tok = load_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     one = "reward.num_workers=1"
     by_name = load_config(None, [one, "tasks.sources=[{kind: tick}]", "reward.name=partial_credit"])
     by_path = load_config(

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from rollstream.config import EngineConfig, TrainConfig
 from rollstream.engine.factory import build_engine
 from rollstream.engine.protocol import GenerateRequest, SamplingParams
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import Group, Task
 from tests.engine.helpers import make_tiny_model

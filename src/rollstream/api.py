@@ -19,6 +19,14 @@ source: the run directory keeps the data it trained on, a resume finds it, and e
 check of a dataset source applies. ``rewards`` maps a source name to a reward callable (sync
 or async, per sample or ``@group_reward``); such a source names no ``reward`` in the config.
 A resumed run is given the same rewards again (a callable is not in the checkpoint).
+
+``environments``, ``agents`` and ``tools`` map a source name to an environment class (or
+function), an OpenAI-SDK agent function, and a list of tools (objects, the classes or
+functions that make them, or built-in names): the source's tasks become episodes of
+``harness: agent`` or ``openai`` (docs/agents.md). Each object is written into the config as
+the import path that names it, checked to lead back to it, so it must be defined at the top
+level of a module (a script's own included): the saved config names what ran, and worker
+processes import it.
 """
 
 from __future__ import annotations
@@ -42,30 +50,41 @@ _DEFAULT_KIND = "tick"  # a source entry without `kind` (SourceConfig's default)
 
 def build_config(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
                  overrides: Sequence[str] = (), *,
-                 datasets: Mapping[str, Rows | Any] | None = None) -> RunConfig:
-    """The validated config of a run given ``datasets`` (module docstring); writes their rows
-    under the run directory. A dataset for no source, or for a source that already has a
-    ``path``, is a ConfigError naming it."""
+                 datasets: Mapping[str, Rows | Any] | None = None,
+                 environments: Mapping[str, Any] | None = None,
+                 agents: Mapping[str, Any] | None = None,
+                 tools: Mapping[str, Sequence[Any]] | None = None) -> RunConfig:
+    """The validated config of a run given ``datasets`` and episode objects (module
+    docstring); writes the rows under the run directory. A dataset or object for no source,
+    or for a source that already names one, is a ConfigError naming it."""
     data = _tree(config)
     for item in overrides:
         apply_override(data, item)
+    objects = {"environment": environments or {}, "agent": agents or {}, "tools": tools or {}}
     if datasets:
-        probe = validate(_with_paths(data, datasets, dict.fromkeys(datasets, "unwritten")))
+        probe = validate(_with_objects(_with_paths(
+            data, datasets, dict.fromkeys(datasets, "unwritten")), objects))
         inputs = probe.run_dir / "inputs"
         data = _with_paths(data, datasets,
                            {n: str(_write_rows(inputs, n, rows)) for n, rows in datasets.items()})
-    return validate(data)
+    return validate(_with_objects(data, objects))
 
 
 def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
           overrides: Sequence[str] = (), *, datasets: Mapping[str, Rows | Any] | None = None,
-          rewards: Mapping[str, RewardFn] | None = None) -> dict[str, Any]:
+          rewards: Mapping[str, RewardFn] | None = None,
+          environments: Mapping[str, Any] | None = None, agents: Mapping[str, Any] | None = None,
+          tools: Mapping[str, Sequence[Any]] | None = None) -> dict[str, Any]:
     """Run one training job as ``rollstream train`` does and return its summary (also in
     ``{run_root}/{name}/summary.json``). Raises ConfigError for a bad config, ValueError or
-    TypeError for an unusable reward, and ``RunStopped`` when the run could not train."""
+    TypeError for an unusable reward, environment, agent or tool, and ``RunStopped`` when the
+    run could not train."""
+    from rollstream.logs import configure_unless_configured
     from rollstream.runtime.train import run_training
 
-    cfg = build_config(config, overrides, datasets=datasets)
+    configure_unless_configured()  # the messages `rollstream train` shows
+    cfg = build_config(config, overrides, datasets=datasets, environments=environments,
+                       agents=agents, tools=tools)
     for i, src in enumerate(cfg.tasks.sources):
         name = src.name or src.kind
         if rewards and name in rewards and src.reward is not None:
@@ -115,6 +134,45 @@ def _with_paths(data: dict[str, Any], datasets: Mapping[str, Any],
             raise ConfigError(f"tasks.sources.{i}.kind is {kind!r}, but its dataset was given "
                               "as rows, which the run reads as JSONL: drop kind (or set jsonl)")
         entry["path"] = paths[source]
+    return data
+
+
+_HARNESS_OF = {"environment": "agent", "agent": "openai"}
+
+
+def _with_objects(data: dict[str, Any], objects: Mapping[str, Mapping[str, Any]]
+                  ) -> dict[str, Any]:
+    """``data`` with each given environment, agent and tool named by its import path in its
+    source's entry (a new tree)."""
+    from rollstream.named import path_of
+
+    data = copy.deepcopy(data)
+    sources = data.get("tasks", {}).get("sources", [])
+    names = [s.get("name") or s.get("kind", _DEFAULT_KIND) if isinstance(s, dict) else None
+             for s in sources]
+    for key, given in objects.items():
+        arg = "tools" if key == "tools" else f"{key}s"
+        for source, obj in given.items():
+            if source not in names:
+                raise ConfigError(f"{arg}[{source!r}] is for a source that tasks.sources does "
+                                  f"not have (sources: {names})")
+            i = names.index(source)
+            entry = sources[i]
+            try:
+                if key == "tools":
+                    if isinstance(obj, (str, bytes)) or not isinstance(obj, Sequence):
+                        raise ValueError(f"is a {type(obj).__name__}, not a list of tools")
+                    named = [t if isinstance(t, str) else path_of(t, "tool") for t in obj]
+                    entry["tools"] = [*entry.get("tools", []), *named]
+                    continue
+                path = path_of(obj, key)
+            except ValueError as e:
+                raise ConfigError(f"{arg}[{source!r}]: {e}") from None
+            if entry.get(key) is not None:
+                raise ConfigError(f"tasks.sources.{i}.{key} is {entry[key]!r} and {arg} gives "
+                                  f"one for source {source!r}: give one of them")
+            entry[key] = path
+            entry.setdefault("harness", _HARNESS_OF[key])
     return data
 
 

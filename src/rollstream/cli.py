@@ -6,6 +6,8 @@
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
     rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
     rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
+    rollstream export RUN_DIR [--step N] --out DIR [--dtype bfloat16]
+                                                   a run's model folder for other tools, checked
     rollstream sim SCENARIO.yaml [--json OUT] [--out DIR] [--study 8,...,1024]
                                                    the real schedulers on simulated engines
     rollstream config [SECTION]                    the config tree: defaults and what each means
@@ -19,6 +21,8 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+
+from rollstream.logs import LEVELS, configure
 
 BENCHES = {
     "agentic": "multi-turn episodes with slow heavy-tailed tools: batched by turn vs async",
@@ -45,10 +49,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="rollstream",
         description="Asynchronous RL post-training for LLMs, built around rollout infrastructure.",
     )
+    p.add_argument("--log-level", choices=LEVELS, default="info",
+                   help="the least severe messages shown on stderr (default: info)")
+    # also after the command (`rollstream train x.yaml --log-level warning`); SUPPRESS keeps
+    # the value given before it when it is not repeated
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=LEVELS, default=argparse.SUPPRESS,
+                        help="as before the command")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     t = sub.add_parser(
         "train",
+        parents=[common],
         help="run RL post-training from a YAML config",
         description="Run RL post-training. The run directory (runs/<name>) receives the resolved "
         "config, metrics.jsonl, the ledger, checkpoints and summary.json.",
@@ -60,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
+        parents=[common],
         help="run a benchmark (prints a table, writes JSON)",
         description="Benchmarks measure; they do not assert. Available:\n"
         + "\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()),
@@ -78,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser(
         "report",
+        parents=[common],
         help="write a self-contained HTML report of a run directory",
         description="Write RUN_DIR/report.html with reward and throughput curves, the staleness "
         "histogram, the rollout timeline, the resolved config and the ledger summary.",
@@ -86,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "engines",
+        parents=[common],
         help="list a live run's engines; drain one (preempt it) or route to it again",
         description="Talks to the run's live dashboard (monitor.dashboard=true; its URL is in "
         "RUN_DIR/dashboard.url, the run's token in RUN_DIR/dashboard.token). --drain takes "
@@ -99,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "sim",
+        parents=[common],
         help="simulate a scenario's modes at cluster scale on virtual time (table + JSON)",
         description="Run the real controller, rollout and weight sync against simulated "
         "engines and a simulated trainer on virtual time, once per mode of the scenario, and "
@@ -119,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "config",
+        parents=[common],
         help="print the documented config tree with its defaults",
         description="Print every config setting as YAML: its default, what it means and what "
         "values are allowed (the whole tree is a valid config of the defaults).",
@@ -128,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser(
         "proxy",
+        parents=[common],
         help="serve a model folder through the OpenAI-compatible agent proxy",
         description="The embedded engine on MODEL_DIR behind an OpenAI-compatible endpoint on "
         "127.0.0.1: prints base_url and one api_key per session; an agent using the openai SDK "
@@ -141,7 +159,38 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("max_request_bytes", "max_session_calls", "max_session_history_bytes"):
         x.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None,
                        help=f"the proxy's limit (agent.proxy.{flag} of a run's config)")
+
+    o = sub.add_parser(
+        "export",
+        help="write a run's model folder for other tools (HF, vLLM) and check it",
+        description="Write the run's final checkpoint (or durable checkpoint --step N) into "
+        "--out: weights (cast to --dtype), config, generation config and the tokenizer files "
+        "as trained. Then check it: AutoTokenizer encodes and decodes as training did, and "
+        "AutoModelForCausalLM's greedy tokens equal the embedded engine's (docs/export.md).",
+    )
+    o.add_argument("run_dir", type=Path)
+    o.add_argument("--step", type=int, default=None,
+                   help="a durable checkpoint's step (default: the final checkpoint)")
+    o.add_argument("--out", type=Path, required=True, help="a new or empty folder")
+    o.add_argument("--dtype", default=None,
+                   help="weights' dtype: float32, bfloat16 or float16 (default: as saved)")
+    o.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the check's two decoders on a CPU (default 0: "
+                   "torch's own; 1 is fastest for the tiny models on a busy machine)")
     return p
+
+
+def _export(run_dir: Path, step: int | None, out: Path, dtype: str | None,
+            threads: int) -> None:
+    from rollstream.models.export import export_run
+
+    done = export_run(run_dir, out=out, step=step, dtype=dtype, threads=threads)
+    for tie in done.ties:
+        print(f"note: {tie}")
+    print(f"exported {done.source} to {done.folder} ({done.dtype}); checked in "
+          f"{done.check_s:.1f} s: AutoTokenizer reads its tokenizer as trained and "
+          f"AutoModelForCausalLM's greedy tokens equal the engine's on {done.num_prompts} "
+          f"prompts ({len(done.ties)} near ties)")
 
 
 def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
@@ -189,6 +238,7 @@ def _talk(base: str, token: str, drain: str | None, undrain: str | None) -> None
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    configure(args.log_level)
     from rollstream.config import ConfigError
 
     try:
@@ -254,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                                     if (v := getattr(args, k)) is not None})
             serve(args.model_dir, port=args.port, num_sessions=args.sessions, out=args.out,
                   limits=limits)
+        elif args.command == "export":
+            _export(args.run_dir, args.step, args.out, args.dtype, args.threads)
     except (ConfigError, ValueError) as e:
         print(f"rollstream: {e}", file=sys.stderr)
         return 2

@@ -1,12 +1,13 @@
 """OpenAI-SDK agents for the harness tests, at an import path (``tests.agent.sdk_agents:...``)
 as the OpenAI harness needs: it runs them here or in its worker processes, which import this
 module. What an agent does is read from its task's text (the prompt itself is always
-``OPENING``): ``"<turns> [rewrite] [pid] [crash] [hang]"``."""
+``OPENING``): ``"<turns> [rewrite] [pid] [crash] [hang] [tools] [nonce]"``."""
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import openai
 
@@ -17,16 +18,24 @@ from rollstream.trajectory import Task
 OPENING = [{"role": "user", "content": "go"}]
 
 
+NONCE = uuid.uuid4().hex[:6]  # this process's: a resumed run's agent says another
+SIDE_EFFECTS: list[str] = []  # what the agent's own code did, in this process
+
+
 def user_message(i: int, task: Task) -> str:
-    """What the scripted agent says after model turn ``i`` (its process id with ``pid``)."""
-    return f"more {i}" + (f" pid {os.getpid()}" if "pid" in task.prompt_text.split() else "")
+    """What the scripted agent says after model turn ``i`` (its process id with ``pid``, a
+    nonce of its process with ``nonce``)."""
+    flags = task.prompt_text.split()
+    return (f"more {i}" + (f" pid {os.getpid()}" if "pid" in flags else "")
+            + (f" nonce {NONCE}" if "nonce" in flags else ""))
 
 
 async def scripted(session: SessionHandle, task: Task, sampling: SamplingParams) -> None:
     """Answers every model turn with a tool message and a user message, for ``turns`` turns;
     ``rewrite``: rewrites its history after the first; ``crash``: its process exits after
     the first reply (exit code 3); ``hang``: it blocks there (not an ``await``: nothing in
-    its process can stop it)."""
+    its process can stop it); ``tools``: each tool message is what the run's ``calc`` tool
+    answered (``session.call_tool``), and the agent notes a side effect of its own."""
     turns, *flags = task.prompt_text.split()
     messages = list(OPENING)
     async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
@@ -40,7 +49,11 @@ async def scripted(session: SessionHandle, task: Task, sampling: SamplingParams)
             if "hang" in flags:
                 time.sleep(3600)  # noqa: ASYNC251 - the point: a hang no await can end
             messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-            messages += [{"role": "tool", "content": f"r{i}"},
+            result = f"r{i}"
+            if "tools" in flags:
+                SIDE_EFFECTS.append(f"{task.uid} after turn {i}")
+                result = await session.call_tool("calc", {"expression": f"{i}+100"})
+            messages += [{"role": "tool", "content": result},
                          {"role": "user", "content": user_message(i, task)}]
             if "rewrite" in flags:
                 messages = [*OPENING, {"role": "user", "content": "start again"}]

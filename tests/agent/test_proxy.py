@@ -102,13 +102,85 @@ async def test_missing_wrong_or_closed_keys_are_refused_and_only_loopback_is_bou
                                  headers={"Authorization": f"Bearer {handle.api_key}"})
         assert closed.status_code == 401
         handle = proxy.open_session("n")
-        two = await http.post(url, json=body | {"n": 2},
-                              headers={"Authorization": f"Bearer {handle.api_key}"})
-        assert two.status_code == 400 and "n must be 1" in two.json()["error"]["message"]
     client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="wrong")
     with pytest.raises(openai.AuthenticationError):
         await client.chat.completions.create(**body)
     await client.close()
+
+
+async def test_a_streamed_reply_arrives_as_it_is_sampled_and_adds_up_to_the_reply(proxy):
+    """The official SDK with ``stream=True``: the text comes in several chunks while the
+    engine samples it (a chunk per decode step here), then the finish and the usage chunk;
+    joined, they are the reply the same call gets without streaming (same seed)."""
+    messages = [{"role": "user", "content": "tell me a story"}]
+    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 1.0,
+              "seed": 11}
+    streaming, plain_ = proxy.open_session("streamed"), proxy.open_session("whole")
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key=streaming.api_key) as sdk:
+        chunks = [c async for c in await sdk.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs)]
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key=plain_.api_key) as sdk:
+        whole = await sdk.chat.completions.create(**kwargs)
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and
+             c.choices[0].delta.content]
+    assert len(texts) > 1, texts
+    assert "".join(texts) == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert len({c.id for c in chunks}) == 1
+    [sample] = proxy.close_session(streaming.api_key)
+    assert sample.token_ids == proxy.close_session(plain_.api_key)[0].token_ids
+
+
+def test_a_reply_streams_its_prose_and_holds_back_what_may_be_a_tool_call():
+    """The content streamed is what is certain: never the start of a tool call (or a tag
+    that may grow into one), never trailing space (a reply with calls has its prose
+    stripped); what it sent always begins the final content."""
+    from rollstream.agent.proxy_stream import StreamedText
+    from rollstream.agent.tools import HermesToolParser
+
+    parser = HermesToolParser()
+    text = StreamedText(decode=lambda ids: "".join(map(chr, ids)), parser=parser)  # a token
+    sent = [text.add(list(map(ord, piece)))  # per character
+            for piece in ("let me ", "add <to", 'ol_call>{"name": "f"}', "</tool_call> ok")]
+    assert sent == ["let me", " add", "", ""]
+    final = "".join(map(chr, text.ids))
+    content = reply_message(final, parser.parse(final), 0)["content"]
+    assert parser.parse(final).calls and content == "let me add  ok"
+    assert "".join(sent) + text.rest(content) == content
+    plain_text = StreamedText(decode=lambda ids: "".join(map(chr, ids)), parser=parser)
+    assert plain_text.add(list(map(ord, " hi"))) == ""  # leading space: at the end
+    assert plain_text.rest(" hi") == " hi"
+
+
+async def test_n_choices_are_each_their_own_sample_and_a_next_call_goes_on_in_its_own(proxy):
+    """``n=3`` through the SDK: three choices, each sampled on its own and each its own
+    sample of the session (the two extra ones forked from the call's prompt); the next call
+    keeps the third reply and goes on in that choice's sample. A streamed call takes n=1."""
+    handle = proxy.open_session("choices")
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key=handle.api_key) as sdk:
+        messages = [{"role": "user", "content": "pick one"}]
+        reply = await sdk.chat.completions.create(model="t", messages=messages, n=3,
+                                                  max_tokens=10, temperature=1.0, seed=5)
+        texts = [c.message.content for c in reply.choices]
+        assert [c.index for c in reply.choices] == [0, 1, 2] and len(set(texts)) == 3
+        messages += [{"role": "assistant", "content": texts[2]},
+                     {"role": "user", "content": "go on"}]
+        await sdk.chat.completions.create(model="t", messages=messages, max_tokens=10)
+        with pytest.raises(openai.BadRequestError, match="one choice") as refused:
+            await sdk.chat.completions.create(model="t", messages=messages, n=2, stream=True)
+        assert refused.value.body["param"] == "n"
+    samples = proxy.close_session(handle.api_key)
+    assert [(s.started_because, s.num_calls) for s in samples] == [
+        (None, 1), ("choice 1 of call 1", 1), ("choice 2 of call 1", 2)]
+    assert samples[0].prompt_ids == samples[2].prompt_ids
+    renderer = ChatRenderer(build_char_tokenizer())
+    for sample, text in zip(samples, texts, strict=True):
+        assert sample.messages[1]["content"] == text
+        check_alignment(renderer, sample.messages, sample.token_ids)
+    assert reply.usage.completion_tokens == sum(len(s.segments[0]) for s in samples)
 
 
 async def test_run_harness_returns_the_samples_of_a_harness_that_times_out(proxy):

@@ -31,10 +31,10 @@ TINY = [
 ]
 
 
-def test_bench_modes_quick_writes_json(tmp_path):
+def test_bench_modes_quick_writes_json(tmp_path, tiny_run_cache):
     out = tmp_path / "modes.json"
     result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
-                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+                  overrides=[*TINY, f"model.cache_dir={tiny_run_cache}"])
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     for key in ("async_partial_vs_sync_throughput", "engine_utilization_async", "reward_sync",

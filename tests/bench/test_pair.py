@@ -47,10 +47,10 @@ def test_the_verdict_needs_the_whole_interval_on_one_side_of_one():
     assert verdict(0.9, 1.1) == "within noise"
 
 
-def test_bench_pair_quick_writes_json(tmp_path):
+def test_bench_pair_quick_writes_json(tmp_path, tiny_run_cache):
     out = tmp_path / "pair.json"
     result = main(json_out=out, quick=True, run_root=tmp_path / "runs", ks=(2,),
-                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+                  overrides=[*TINY, f"model.cache_dir={tiny_run_cache}"])
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     assert written["settings"]["seeds"] == 2 and list(written["pairs"]) == ["k2"]

@@ -11,12 +11,12 @@ from tests.bench.test_modes import TINY
 pytest.importorskip("trl")
 
 
-def test_bench_peers_quick_runs_both_sides(tmp_path):
+def test_bench_peers_quick_runs_both_sides(tmp_path, tiny_run_cache):
     from rollstream.bench.peers import main
 
     out = tmp_path / "peers.json"
     result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
-                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+                  overrides=[*TINY, f"model.cache_dir={tiny_run_cache}"])
     written = json.loads(out.read_text())
     assert "error" not in written["trl"], written["trl"]
     assert written["samples_per_s_vs_trl"] == result["samples_per_s_vs_trl"] > 0

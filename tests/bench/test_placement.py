@@ -13,7 +13,7 @@ from rollstream.config.schema import LocalEngineConfig, TinyModelConfig, TrainCo
 from rollstream.engine.local import LocalEngine
 from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")

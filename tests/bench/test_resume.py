@@ -9,11 +9,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_bench_resume_quick_loses_nothing(tmp_path):
+def test_bench_resume_quick_loses_nothing(tmp_path, tiny_run_cache):
     from rollstream.bench.resume import main
 
     out = tmp_path / "resume.json"
-    result = main(json_out=out, quick=True, cache_dir=tmp_path / "cache")
+    result = main(json_out=out, quick=True, cache_dir=tiny_run_cache)
     written = json.loads(out.read_text())
     assert written["final_exit_code"] == 0, written["final_output_tail"]
     assert written["steps_done"] == result["steps"] == 8

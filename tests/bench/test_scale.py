@@ -23,7 +23,7 @@ def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
-def test_quick_scale_bench_writes_every_key(tmp_path):
+def test_quick_scale_bench_writes_every_key(tmp_path, tiny_run_cache):
     import ray
 
     from rollstream.bench.scale import DISAGGREGATED, EMBEDDED, OUT_OF_BAND, main
@@ -31,7 +31,7 @@ def test_quick_scale_bench_writes_every_key(tmp_path):
 
     out = tmp_path / "scale.json"
     result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
-                  overrides=[*TINY, f"model.cache_dir={tmp_path / 'cache'}"])
+                  overrides=[*TINY, f"model.cache_dir={tiny_run_cache}"])
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     assert set(written["rows"]) == {EMBEDDED, DISAGGREGATED, OUT_OF_BAND}

@@ -7,15 +7,21 @@ import json
 
 import pytest
 
+from rollstream.config.schema import WarmStartConfig
+
 pytestmark = pytest.mark.slow
 
 
-def test_bench_sim_agent_quick_replays_both_runs_and_measures_turn_costs(tmp_path):
+def test_bench_sim_agent_quick_replays_both_runs_and_measures_turn_costs(tmp_path,
+                                                                          tiny_run_cache):
+    """The warm start is the agent kill test's (tests/durable/test_kill.py): its demonstration
+    noise is the tiny run's, not examples/agent.yaml's, so the two share one cache entry."""
     from rollstream.bench.sim_agent import main
 
     out = tmp_path / "sim_agent.json"
     main(json_out=out, quick=True, run_root=tmp_path / "runs",
-         overrides=[f"model.cache_dir={tmp_path}"])
+         overrides=[f"model.warm_start.noise={WarmStartConfig().noise}",
+                    f"model.cache_dir={tiny_run_cache}"])
     got = json.loads(out.read_text())
     for key in ("calibration_error_step_time", "calibration_error_utilization"):
         assert set(got[key]) == {"sync", "async"} and all(v >= 0 for v in got[key].values())

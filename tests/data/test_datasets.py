@@ -11,22 +11,25 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from transformers import AutoTokenizer
 
 from rollstream.agent.chat import ChatRenderer
 from rollstream.config.loader import ConfigError, load_config
 from rollstream.config.schema import SourceConfig, TasksConfig
+from rollstream.data.kinds import build_source
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.data.mix import TaskMix
-from rollstream.data.sources import build_source, check_source_paths, split_of
+from rollstream.data.sources import check_source_paths, split_of
 from rollstream.durable.state import task_from_dict, task_to_dict
-from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer, save_char_tokenizer
+from rollstream.models.folder_check import save_char_tokenizer
+from rollstream.models.tokenizer import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("tok")
     save_char_tokenizer(folder)
-    return load_tokenizer(folder)  # as a run loads a model folder's tokenizer
+    return AutoTokenizer.from_pretrained(str(folder))  # as a run loads a model folder's tokenizer
 
 
 _SYSTEM = {"role": "system", "content": "answer with a number."}
@@ -197,7 +200,7 @@ def _bare_tokenizer(tmp_path: Path, tok):
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    bare = load_tokenizer(folder)
+    bare = AutoTokenizer.from_pretrained(str(folder))
     assert getattr(bare, "chat_template", None) is None
     return bare
 

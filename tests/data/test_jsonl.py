@@ -12,7 +12,8 @@ from rollstream.config.loader import ConfigError, load_config
 from rollstream.config.schema import SourceConfig, TasksConfig
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.data.mix import TaskMix
-from rollstream.data.sources import build_source, check_source_paths, split_of
+from rollstream.data.kinds import build_source
+from rollstream.data.sources import check_source_paths, split_of
 from rollstream.models.tokenizer import build_char_tokenizer
 
 TOK = build_char_tokenizer()

@@ -67,8 +67,8 @@ def test_an_episodes_line_lists_its_turns_and_the_longest_tool_wait_of_each_answ
     assert episode["num_turns"] == 2 and single["turns"] == []
     assert episode["turns"] == [
         {"kind": "policy", "num_tokens": 9, "started_s": 0.0, "duration_s": 0.25,
-         "finish_reason": "stop", "num_interrupts": 0},
+         "finish_reason": "stop", "num_interrupts": 0, "num_tool_calls": 0},
         {"kind": "env", "num_tokens": 30, "started_s": 0.26, "duration_s": 0.5,
          "num_tool_calls": 2, "tool_s": 0.375},  # the calls ran concurrently
         {"kind": "policy", "num_tokens": 3, "started_s": 0.8, "duration_s": 0.1,
-         "finish_reason": "length", "num_interrupts": 1}]
+         "finish_reason": "length", "num_interrupts": 1, "num_tool_calls": 0}]

@@ -12,7 +12,8 @@ import pytest
 
 from rollstream.config.schema import SourceConfig, TasksConfig
 from rollstream.data.mix import TaskMix
-from rollstream.data.sources import build_source, source_rewards, split_of
+from rollstream.data.kinds import build_source
+from rollstream.data.sources import source_rewards, split_of
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward import decode_response, get_reward
 from rollstream.trajectory import Task

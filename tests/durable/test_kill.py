@@ -18,12 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollstream.agent.tools import CommandToolParser
 from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
 from rollstream.data.ledger import read_jsonl, read_ledger
+from rollstream.data.ledger_row import LedgerRow, PolicyTurn
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.audit import audit_run
+from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.models.warmstart import prepare_model
+from rollstream.trajectory import SampleStatus
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +35,11 @@ pytestmark = pytest.mark.slow
 # resumed process ~4 s to reach its first checkpoint; 20 steps leave room for three kills.
 STEPS = 20
 KILL_WITHIN_S = 0.6  # a kill lands at a random moment this long after a checkpoint is seen
+# The agent runs below are killed within their first AGENT_STEPS steps; the resumed run trains
+# AFTER_KILL steps past its checkpoint (train.steps may change on a resume): the saved
+# episodes are trained or dropped within the staleness bound (2 versions), so more steps
+# would only repeat what these show.
+AGENT_STEPS, AFTER_KILL = 12, 4
 
 
 @pytest.fixture(scope="module")
@@ -173,20 +182,14 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
     check_run(run_dir)
 
 
-def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_cache) -> None:
-    """Multi-turn agent episodes (tally) killed with SIGKILL after a checkpoint: the resumed
-    run continues the saved episodes from their turns (their environments rebuilt by replay)
-    and records every sample exactly once. The cheap warm start writes the tool-call format
-    but adds badly, so every reward is 0: zero-variance groups are trained anyway here.
-    Whether a step's checkpoint catches an episode between turns depends on timing (one CI
-    run on a loaded machine went 8 checkpoints without one): 12 steps give it more chances,
-    and a run that still has none says what each checkpoint held."""
-    steps = 12
-    root = tmp_path_factory.mktemp("agent-kill")
+def _agent_run(root: Path, cache: Path, steps: int, harness: str | None = None) -> Path:
+    """A tally run (the built-in loop, or ``harness``) whose warm start every agent test here
+    shares (a source's harness is not part of the warm start's key)."""
     cfg = tiny_run_config("agent", root / "runs", steps=steps, checkpoint_every=1,
-                          cache_dir=tiny_run_cache, max_slots=8)
+                          cache_dir=cache, max_slots=8)
     cfg["model"]["tiny"]["max_position"] = 256
-    cfg["tasks"]["sources"] = [{"kind": "tally", "max_items": 4}]
+    cfg["tasks"]["sources"] = [{"kind": "tally", "max_items": 4}
+                               | ({"harness": harness} if harness else {})]
     cfg["engine"]["local"]["max_seq_len"] = 256
     cfg["sampling"]["max_new_tokens"] = 224
     cfg["agent"] = {"max_turns": 6, "max_turn_tokens": 16}
@@ -195,10 +198,15 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     config.write_text(json.dumps(cfg))
     loaded = load_config(config, [])
     prepare_model(loaded.model, loaded.tasks)
-    run_dir = root / "runs" / "agent"
+    return config
+
+
+def _kill_between_turns(config: Path, run_dir: Path) -> durable.Checkpoint:
+    """Start the run and SIGKILL it after the first checkpoint that holds an episode between
+    turns (whether one does depends on timing); that checkpoint."""
     proc, seen = _start(config), 0
     held: list[tuple[int, int]] = []  # per checkpoint looked at: (step, live samples)
-    while True:  # kill after the first checkpoint that holds episodes between turns
+    while True:
         step = _wait_for_checkpoint(run_dir, seen, proc)
         assert step is not None, (
             f"the run ended before a checkpoint held an episode mid-way: (step, live samples) "
@@ -214,7 +222,16 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), "--resume"],
+    return saved
+
+
+def _resume_exactly_once(config: Path, run_dir: Path,
+                         saved: durable.Checkpoint) -> list[LedgerRow]:
+    """Resume the killed run from ``saved`` to AFTER_KILL steps past it: every sample recorded
+    once, nothing lost; its rows."""
+    steps = saved.step + AFTER_KILL
+    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config),
+                           f"train.steps={steps}", "--resume"],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -226,6 +243,65 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
                       groups_per_step=GROUPS, steps=steps)
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
+    return rows
+
+
+def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_cache) -> None:
+    """Multi-turn agent episodes (tally) killed with SIGKILL after a checkpoint: the resumed
+    run continues the saved episodes from their turns (their environments rebuilt by replay)
+    and records every sample exactly once. The cheap warm start writes the tool-call format
+    but adds badly, so every reward is 0: zero-variance groups are trained anyway here.
+    Whether a step's checkpoint catches an episode between turns depends on timing (one CI
+    run on a loaded machine went 8 checkpoints without one): AGENT_STEPS steps give it more
+    chances, and a run that still has none says what each checkpoint held."""
+    root = tmp_path_factory.mktemp("agent-kill")
+    config = _agent_run(root, tiny_run_cache, AGENT_STEPS)
+    run_dir = root / "runs" / "agent"
+    saved = _kill_between_turns(config, run_dir)
+    rows = _resume_exactly_once(config, run_dir, saved)
     resumed = [r for r in rows if r.restored_tokens > 0 and r.num_turns >= 2]
     assert resumed, "an episode saved between turns was continued, not started again"
     assert not [r for r in rows if r.reason and "Replay" in r.reason], "replays agreed"
+
+
+def test_sigkill_mid_episode_replays_sdk_agent_episodes(tmp_path_factory,
+                                                        tiny_run_cache) -> None:
+    """The same with the tally source's OpenAI-SDK agent (``harness: openai``): the resumed
+    run runs each saved episode's agent again and answers it from the record up to where the
+    checkpoint held it. Replayed, not re-executed: a resumed episode sent the engine only the
+    requests of its turns the checkpoint lacked (the timeline's spans past the checkpoint),
+    and each calculator call its model wrote ran once (the ledger's tool calls per turn
+    equal the calls in the turn's checkpointed text)."""
+    root = tmp_path_factory.mktemp("sdk-kill")
+    config = _agent_run(root, tiny_run_cache, AGENT_STEPS, harness="openai")
+    run_dir = root / "runs" / "agent"
+    saved = _kill_between_turns(config, run_dir)
+    rows = {r.sample_uid: r for r in _resume_exactly_once(config, run_dir, saved)}
+    assert not [r for r in rows.values() if r.reason and "diverged" in r.reason]
+    after = (run_dir / "timeline.jsonl").read_bytes()[saved.state["logs"]["timeline"]:]
+    requests = defaultdict(int)  # per sample: engine requests of the resumed run
+    for line in after.decode().splitlines():
+        requests[json.loads(line)["sample_uid"]] += 1
+    tokenizer = build_char_tokenizer()
+    parser = CommandToolParser(commands={"calc": "expression"})
+    checked = 0
+    for group in saved.state["rollout"]["live"]:
+        for s in group["samples"]:
+            row = rows[f"{group['group_id']}/{s['idx']}"]
+            if s["status"] != "interrupted" or not any(
+                    seg["kind"] == "env" for seg in s["segments"]) or (
+                    row.status not in (SampleStatus.TRAINED, SampleStatus.FILTERED)):
+                continue  # not saved mid-episode, or not finished by the resumed run
+            checked += 1
+            assert row.restored_tokens > 0, row
+            model = [t for t in row.turns if isinstance(t, PolicyTurn)]
+            kept = sum(t["kind"] == "policy" for t in s["turns"])  # whole turns saved
+            assert requests[row.sample_uid] == sum(1 + t.num_interrupts
+                                                      for t in model[kept:]), row
+            for i, turn in enumerate(s["turns"]):  # the whole model turns saved
+                if turn["kind"] != "policy":
+                    continue
+                ids = s["segments"][i]["token_ids"]
+                text = tokenizer.decode(ids[:-1] if turn["finish_reason"] == "stop" else ids)
+                assert row.turns[i].num_tool_calls == len(parser.parse(text).calls), row
+    assert checked, "a saved episode was resumed and finished"

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 def _config(root: Path, name: str, steps: int, cache: Path, seed: int = 0) -> Path:
     cfg = tiny_run_config(name, root / "runs", steps=steps, checkpoint_every=2,
                           cache_dir=cache, rollout={"mode": "sync"})
-    cfg["rollout"].pop("max_staleness")  # sync mode has none
+    cfg["rollout"].pop("staleness")  # sync mode has no bound to set
     cfg["seed"] = seed
     cfg["reconfigure"] = {"schedule": [{"at_step": 1, "set": {"sampling.temperature": 0.8}}]}
     path = root / f"{name}-{steps}.yaml"

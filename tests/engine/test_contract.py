@@ -338,3 +338,16 @@ async def test_top_k_one_equals_greedy(engine):
         # plain log_softmax of the raw logits
         assert k.logprobs == [0.0] * len(k.token_ids)
         assert all(lp < 0 for lp in g.logprobs)
+
+
+async def test_a_streaming_request_hears_its_tokens_in_order_each_once(engine):
+    """``GenerateRequest.on_tokens`` (from the engine's thread) hears what the output holds,
+    in order and each token once, on an engine that streams (local, vllm); an engine actor
+    of the Ray runtime returns them at the end only."""
+    prompt = _prompts(1, engine.vocab_size, seed=31)[0]
+    heard: list[list[int]] = []
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3)
+    out = await engine.engine.generate(GenerateRequest(
+        request_id="streamed", prompt_ids=prompt, params=params, on_tokens=heard.append))
+    assert out.token_ids == (await _gen(engine.engine, "whole", prompt, params)).token_ids
+    assert [t for h in heard for t in h] == ([] if engine.kind == "ray" else out.token_ids)

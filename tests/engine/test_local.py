@@ -584,3 +584,26 @@ async def test_a_pass_that_finishes_a_batch_is_not_binned_as_one_during_training
     # a prefill with the first token, then a decode pass for each of the other 11
     assert sum(x["count"] for x in lines if x["kind"] == "decode") == 11, lines
     assert {x["trainer"] for x in lines} == {0}, lines
+
+
+async def test_a_streaming_request_hears_each_token_as_it_is_sampled(local_engine):
+    """``GenerateRequest.on_tokens`` hears a request's tokens step by step, from the engine's
+    thread, in order, each once, beside requests that do not stream; an interrupted one
+    heard what it returns."""
+    heard: list[list[int]] = []
+    prompts = _prompts(3, seed=4)
+    streamed = GenerateRequest(request_id="s", prompt_ids=prompts[0], on_tokens=heard.append,
+                               params=SamplingParams(max_new_tokens=16, seed=1))
+    outs = await asyncio.gather(local_engine.generate(streamed),
+                                *(local_engine.generate(_req(f"q{i}", p, max_new_tokens=16))
+                                  for i, p in enumerate(prompts[1:])))
+    assert len(heard) > 1 and [t for h in heard for t in h] == outs[0].token_ids
+    cut: list[list[int]] = []
+    long = asyncio.ensure_future(local_engine.generate(GenerateRequest(
+        request_id="c", prompt_ids=prompts[1], on_tokens=cut.append,
+        params=SamplingParams(max_new_tokens=200, stop_token_ids=()))))
+    while len(cut) < 3:
+        await asyncio.sleep(0.005)
+    await local_engine.interrupt(["c"])
+    out = await long
+    assert out.finish_reason is FinishReason.ABORT and [t for h in cut for t in h] == out.token_ids

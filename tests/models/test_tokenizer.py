@@ -1,13 +1,17 @@
-"""The kit tokenizer: character round trip, specials, chat template, HF folder loading (a
-tokenizer folder, and model folders of both architectures, where transformers 5's
-AutoTokenizer would swap in the architecture's byte-level pre-tokenizer)."""
+"""The kit tokenizer: character round trip, specials, chat template, loaded by AutoTokenizer
+from a tokenizer folder and from model folders of both architectures (transformers 5 builds
+Qwen2's own tokenizer class for a qwen2 folder; tests/models/test_export.py checks the same in
+a process that never imports rollstream)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
+
 from rollstream.config.schema import TinyModelConfig
+from rollstream.models.folder_check import save_char_tokenizer
 from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import (
     ALPHABET,
@@ -15,11 +19,8 @@ from rollstream.models.tokenizer import (
     IM_END,
     IM_START,
     PAD,
-    UNK,
     build_char_tokenizer,
-    is_kit_tokenizer,
-    load_tokenizer,
-    save_char_tokenizer,
+    is_legacy_kit_tokenizer,
 )
 
 
@@ -32,16 +33,20 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         cfg = TinyModelConfig(arch=request.param, hidden_size=16, num_layers=1, num_heads=2,
                               num_kv_heads=1, intermediate_size=32, max_position=32)
         build_tiny_model(cfg, build_char_tokenizer(), folder)
-    assert is_kit_tokenizer(folder)
+    assert not is_legacy_kit_tokenizer(folder)
     return folder
+
+
+def load_tokenizer(folder: Path):
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def test_vocab_is_small_and_one_token_per_character() -> None:
     tok = build_char_tokenizer()
-    assert len(tok) < 128
+    assert len(tok) == 4 + 128  # the special tokens and one per ASCII byte
     for ch in ALPHABET:
         assert len(tok.encode(ch, add_special_tokens=False)) == 1, repr(ch)
-    assert len(set(tok.convert_tokens_to_ids(list(ALPHABET)))) == len(ALPHABET)
+    assert len({tok.encode(ch, add_special_tokens=False)[0] for ch in ALPHABET}) == len(ALPHABET)
 
 
 def test_round_trip_keeps_every_character(saved: Path) -> None:
@@ -72,9 +77,16 @@ def test_encoding_a_prompt_adds_no_special_tokens(saved: Path) -> None:
     assert tok.eos_token_id not in plain
 
 
-def test_unknown_character_maps_to_unk() -> None:
-    tok = build_char_tokenizer()
-    assert tok.encode("a~b", add_special_tokens=False)[1] == tok.convert_tokens_to_ids(UNK)
+def test_ascii_is_one_token_per_byte_and_any_ids_decode_to_text_that_encodes_back(
+        saved: Path) -> None:
+    tok = load_tokenizer(saved)
+    text = "".join(map(chr, range(128)))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == [4 + b for b in range(128)]
+    assert tok.decode(ids) == text
+    every = list(range(len(tok))) * 2  # specials and bytes, in any order: rendered again exactly
+    assert tok.encode(tok.decode(every), add_special_tokens=False) == every
+    assert tok.encode("é中🙂", add_special_tokens=False) == []  # outside ASCII: nothing
 
 
 def test_chatml_template_with_generation_prompt(saved: Path) -> None:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollstream.models.warmstart as ws
+
 from rollstream.config.schema import (
     ModelConfig,
     SourceConfig,
@@ -19,7 +20,7 @@ from rollstream.config.schema import (
 )
 from rollstream.data.mix import TaskMix
 from rollstream.models.tiny import init_tiny_model, save_model_folder
-from rollstream.models.tokenizer import EOS, build_char_tokenizer, load_tokenizer
+from rollstream.models.tokenizer import EOS, build_char_tokenizer
 from rollstream.reward import Response
 from rollstream.trajectory import Task
 
@@ -47,7 +48,7 @@ def test_prepare_model_builds_once_then_returns_the_cache(tmp_path: Path, monkey
     assert 0.0 <= report["sampled_accuracy"] <= 1.0 and 0.0 <= report["greedy_accuracy"] <= 1.0
     assert report["wall_s"] > 0 and report["num_train_tokens"] >= 3 * 256
     assert AutoModelForCausalLM.from_pretrained(folder).config.hidden_size == 32
-    assert load_tokenizer(folder).eos_token == EOS
+    assert AutoTokenizer.from_pretrained(str(folder)).eos_token == EOS
     assert torch.get_num_threads() == threads
 
     def no_rebuild(*args, **kwargs):
@@ -182,3 +183,26 @@ def test_the_warm_start_measures_accuracy_with_the_sources_registered_rewards(
     assert report["greedy_accuracy"] == 1.0 and report["sampled_accuracy"] == 1.0
     with pytest.raises(ValueError, match="unknown reward 'nope'"):  # before any training
         ws.prepare_model(_cfg(tmp_path), TasksConfig(sources=(SourceConfig(reward="nope"),)))
+
+
+def not_a_number(task: Task, text: str, *, finish_reason: str) -> str:
+    return "not a number"
+
+
+def test_a_warm_start_on_bad_rows_scores_a_failing_reward_0(tmp_path: Path) -> None:
+    """A dataset with malformed rows beside tick, its reward returning a string: the
+    demonstrations skip the rows a run rejects, and a failed grade scores 0 (as in a run's
+    evaluation) instead of stopping the warm start."""
+    data = tmp_path / "data.jsonl"
+    rows = [json.dumps({"id": f"r{i}", "prompt": f"T{100 + i}#01=", "answer": f"{100 + i}/01"})
+            for i in range(40)]
+    rows.insert(5, "{not json")
+    rows.insert(9, json.dumps({"id": "noprompt", "answer": "1"}))
+    data.write_text("\n".join(rows) + "\n")
+    tasks = TasksConfig(num_eval=16, sources=(
+        SourceConfig(kind="tick", max_items=6, reward=f"{__name__}:always_one"),
+        SourceConfig(kind="jsonl", path=str(data), name="ds", reward=f"{__name__}:not_a_number")))
+    folder = ws.prepare_model(_cfg(tmp_path / "cache", steps=2), tasks)
+    report = json.loads((folder / "warmstart.json").read_text())
+    assert report["greedy_accuracy_by_source"] == {"tick": 1.0, "ds": 0.0}, report
+    assert report["sampled_accuracy_by_source"] == {"tick": 1.0, "ds": 0.0}, report

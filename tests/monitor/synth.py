@@ -6,6 +6,7 @@ and resumed on the same slot with the new weights; one in five instead continues
 update (its span ends on a later version). Samples finish as trained, filtered (zero
 variance), dropped_stale or failed; per-step rollout/train/phase records, eval every 10
 steps, and staleness/length histograms go through a real `Metrics` registry on a fake clock.
+summary.json has the keys a real run writes (``runtime/train.py``), long JSON values included.
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def _samples(rng: random.Random, *, num_steps: int, engines: int, slots: int,
 
 def synth_run(run_dir: Path, *, num_steps: int = 40, engines: int = 2, slots: int = 8,
               period: float = 3.0, seed: int = 0, cfg: MonitorConfig | None = None,
-              close: bool = True) -> Metrics:
-    """Write a whole synthetic run into run_dir through a Metrics registry."""
+              close: bool = True, summary: bool = True,
+              eval_steps: tuple[int, ...] | None = None) -> Metrics:
+    """Write a whole synthetic run into run_dir through a Metrics registry (``summary``:
+    with summary.json, as a run that ended; ``eval_steps``: where it evaluates, by default
+    step 1 and every 10th)."""
     rng = random.Random(seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg or MonitorConfig(progress=False)
@@ -113,12 +117,15 @@ def synth_run(run_dir: Path, *, num_steps: int = 40, engines: int = 2, slots: in
             status, reason = "trained", None
         progress = step / num_steps
         reward = float(rng.random() < 0.25 + 0.5 * progress)
+        trained = status == "trained"
         entry = {"sample_uid": s["uid"], "task_uid": f"t{int(s['uid'][1:]) // 8:04d}",
                  "source": s["source"], "status": status, "reason": reason,
                  "reward": None if status == "failed" else reward, "num_tokens": s["length"],
                  "min_version": s["v_min"], "max_version": step - 1,
                  "num_interrupts": s["interrupts"],
-                 "trained_at_step": step if status == "trained" else None}
+                 "trained_at_step": step if trained else None,
+                 "min_trained_version": s["v_min"] if trained else None,
+                 "num_trained_tokens": s["length"] - (s["length"] // 7) if trained else None}
         events.append(Event(t=s["t_end"] + 0.01, order=1, call="ledger", args=entry))
         per_step.setdefault(step, []).append(entry)
     for step in range(1, num_steps + 1):
@@ -132,18 +139,42 @@ def synth_run(run_dir: Path, *, num_steps: int = 40, engines: int = 2, slots: in
                 f.write(json.dumps({**ev.args, "t_s": ev.t}) + "\n")
         else:
             step = ev.args["step"]
-            _record_step(metrics, rng, step, num_steps, per_step.get(step, []))
-    (run_dir / "summary.json").write_text(json.dumps({
-        "reward_initial": 0.27, "reward_final": 0.71, "wall_s": num_steps * period,
-        "trained_samples": sum(1 for s in per_step.values() for e in s if e["status"] == "trained"),
-        "steps": num_steps}))
+            _record_step(metrics, rng, step, num_steps, per_step.get(step, []),
+                         eval_steps)
+    if summary:
+        write_summary(run_dir, num_steps=num_steps, wall_s=num_steps * period, engines=engines)
     if close:
         metrics.close()
     return metrics
 
 
+def write_summary(run_dir: Path, *, num_steps: int, wall_s: float, engines: int = 2) -> None:
+    """The summary.json a run in ``run_dir`` writes when it ends, from its files."""
+    def rows(name: str) -> list[dict]:
+        return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
+    counts: dict[str, int] = {}
+    for e in rows("ledger.jsonl"):
+        counts[e["status"]] = counts.get(e["status"], 0) + 1
+    generated_tokens = sum(s["num_tokens"] for s in rows("timeline.jsonl"))
+    train_wall_s = wall_s - 7.25
+    (run_dir / "summary.json").write_text(json.dumps({
+        "name": run_dir.name, "mode": "async", "reward_initial": 0.27, "reward_final": 0.71,
+        "reward_initial_by_source": {"reward/tick": 0.3, "reward/math": 0.24},
+        "reward_final_by_source": {"reward/tick": 0.75, "reward/math": 0.67},
+        "wall_s": wall_s + 11.5, "train_wall_s": train_wall_s, "steps": num_steps,
+        "trained_samples": counts.get("trained", 0), "resumed_from_step": None,
+        "superseded_ledger_lines": 0, "generated_tokens": generated_tokens,
+        "gen_tok_s": generated_tokens / train_wall_s, "interrupts": 350,
+        # one long line in the file, as a real run's per-engine work is
+        "engines": {f"local-{i}": {"busy_s": 80.123456 + i, "prefill_s": 3.21987654,
+                                   "decode_s": 71.5550123, "load_s": 2.25, "passes": 4096.0}
+                    for i in range(engines)},
+        "ledger": counts, "unfinished_samples": [], "stop_reason": None, "stalled": False,
+        "checkpoint": str(run_dir / "checkpoint"), "trainer_restarts": 0}, indent=2))
+
+
 def _record_step(metrics: Metrics, rng: random.Random, step: int, num_steps: int,
-                 entries: list[dict]) -> None:
+                 entries: list[dict], eval_steps: tuple[int, ...] | None) -> None:
     trained = [e for e in entries if e["status"] == "trained"]
     stale = [e["trained_at_step"] - e["min_version"] for e in trained] or [0]
     for e in trained:
@@ -170,11 +201,15 @@ def _record_step(metrics: Metrics, rng: random.Random, step: int, num_steps: int
         "reward_mean": 0.25 + 0.5 * progress + 0.05 * rng.random(), "step_s": 0.9,
         "grad_norm": 0.5 + rng.random(),  # an extra name the monitor has not heard of
         "replayed_groups": 1 if step % 5 == 0 else 0,
+        "gen_tokens": sum(e["num_tokens"] for e in entries),
+        "trained_tokens": sum(e["num_trained_tokens"] for e in trained),
+        "mixture_error_pp": 10 * rng.random() / step,
     })
     if step == 12:
         metrics.record("reconfig", step, {"sampling.temperature": 0.7,
                                           "sampling.temperature.old": 1.0})
     metrics.record("phase", step, {"rollout_s": 2.0, "train_s": 0.8, "sync_s": 0.1,
                                    "eval_s": 0.4 if step % 10 == 0 else 0.0})
-    if step % 10 == 0 or step == 1:
+    evaluates = step % 10 == 0 or step == 1 if eval_steps is None else step in eval_steps
+    if evaluates:
         metrics.record("eval", step, {"reward": 0.27 + 0.45 * progress})

@@ -22,7 +22,7 @@ from rollstream.engine.protocol import (
     GenerateOutput,
     GenerateRequest,
 )
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import KeptTokens, StepResult
 
 

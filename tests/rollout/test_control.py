@@ -17,7 +17,6 @@ from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.monitor.dashboard import Dashboard
 from rollstream.monitor.metrics import Metrics
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.run_files import DASHBOARD_URL as URL_FILE
 from rollstream.runtime.build import build_controller
 from rollstream.runtime.control import EngineControl
@@ -37,7 +36,7 @@ def _cli(*args: str) -> tuple[int, str]:
 def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
     cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, on_update="continue"),
                     train=TrainConfig(steps=30, groups_per_step=2))
-    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+    policy = cfg.rollout.staleness_policy()
     seen: dict = {}
 
     async def run() -> None:

@@ -17,9 +17,8 @@ from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
-from rollstream.trajectory import Task
+from rollstream.trajectory import SampleStatus, Task
 
 from .fakes import CountingTrainer, NullMetrics, RandomEngine, run_then_close
 
@@ -44,22 +43,25 @@ def _reward(task: Task, text: str) -> float:
     return float(len(text) % 3 == 0)
 
 
-def rollout_cfg(*, mode: str, k: int, on_update: str, **extra) -> RolloutConfig:
+def rollout_cfg(*, mode: str, k: int, on_update: str, max_token_age: int | None = None,
+                max_context_age: int | None = None, **extra) -> RolloutConfig:
     """The rollout section as a user would write it: no setting the mode contradicts."""
-    kw = dict(mode=mode, on_update=on_update, group_size=3, **extra)
+    staleness = {key: v for key, v in (("max_token_age", max_token_age),
+                                       ("max_context_age", max_context_age)) if v is not None}
     if mode == "async":
-        kw["max_staleness"] = k
-    return RolloutConfig(**kw)
+        staleness["max_staleness"] = k
+    return RolloutConfig(mode=mode, on_update=on_update, group_size=3, staleness=staleness,
+                         **extra)
 
 
 def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
                    steps: int = 6, num_engines: int = 2, max_token_age: int | None = None,
                    engines=None, reward=_reward, max_wall_s: float | None = None,
-                   **rollout_extra):
+                   metrics=None, **rollout_extra):
     cfg = RunConfig(
-        rollout=rollout_cfg(mode=mode, k=k, on_update=on_update,
+        rollout=rollout_cfg(mode=mode, k=k, on_update=on_update, max_token_age=max_token_age,
                             **rollout_extra),
-        train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
+        train=TrainConfig(steps=steps, groups_per_step=2),
         max_wall_s=max_wall_s,
     )
 
@@ -71,12 +73,12 @@ def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
             return reward(task, text)
 
         graders = GraderPool(RewardConfig(timeout_s=5.0), lambda task, r=get_reward(in_loop): r)
-        policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+        policy = cfg.rollout.staleness_policy()
         trainer = CountingTrainer(seed, policy)
         loop = build_loop(cfg, engines=engs, trainer=trainer, tasks=Tasks(), graders=graders,
                           decode=lambda ids: "x" * len(ids), ledger=ledger,
-                          metrics=NullMetrics(), clock=WallClock(),
-                          params=SamplingParams(max_new_tokens=24))
+                          metrics=metrics or NullMetrics(), clock=WallClock(),
+                          params=SamplingParams(max_new_tokens=24), staleness=policy)
         res = await run_then_close(cfg, loop, graders, ledger)
         return loop, res, ledger, trainer
 
@@ -239,3 +241,26 @@ def test_adaptive_concurrency_keeps_the_invariants_through_weight_updates(tmp_pa
     assert queue is not None and set(queue.limits) == {"rand-0", "rand-1"}
     assert all(1 <= c.limit <= c.capacity for c in queue.limits.values())
     assert "concurrency_mean" in loop.dispatcher.gauges()
+
+
+class _Observed(NullMetrics):
+    def __init__(self) -> None:
+        self.staleness: list[float] = []
+
+    def observe(self, name, value) -> None:
+        if name == "staleness":
+            self.staleness.append(value)
+
+
+def test_the_staleness_metric_is_each_trained_samples_age_in_the_ledger(tmp_path):
+    """The controller's staleness histogram holds, per trained sample, trained step - oldest
+    kept version, as the ledger (and so the run log and the simulator) has it: a sample whose
+    oldest kept token is of version 0 counts its full age, not 0."""
+    seen = _Observed()
+    loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=2,
+                                                on_update="interrupt", seed=4, metrics=seen)
+    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl")
+            if r.status is SampleStatus.TRAINED]
+    ages = sorted(float(r.trained_at_step - r.min_trained_version) for r in rows)
+    assert sorted(seen.staleness) == ages
+    assert any(r.min_trained_version == 0 and r.trained_at_step > 0 for r in rows)

@@ -8,6 +8,7 @@ import pytest
 from rollstream.config import RunConfig
 from rollstream.config.early_stop import EarlyStopConfig
 from rollstream.config.loader import ConfigError
+from rollstream.config.staleness import StalenessConfig
 from rollstream.rollout.early_stop import EarlyStop
 from rollstream.trajectory import Group, SampleStatus, Task
 
@@ -136,7 +137,7 @@ def test_the_real_rollout_cancels_stopped_groups_and_files_them_as_zero_variance
         "steps": 12, "groups_per_step": 8, "group_size": 8, "trainer_devices": 2,
         "workload": {"mean_response_tokens": 3000, "max_response_tokens": 12288,
                      "pass_rate_mean": 0.4, "pass_rate_concentration": 0.1}})
-    mode = ModeConfig(name="es", mode="async", max_staleness=2,
+    mode = ModeConfig(name="es", mode="async", staleness=StalenessConfig(max_staleness=2),
                       early_stop=EarlyStopConfig(after=2, min_groups=4, witness_share=0.3,
                                                  stop_above=0.7))
     ledger_path = tmp_path / "ledger.jsonl"

@@ -22,7 +22,6 @@ from rollstream.engine.protocol import SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.trajectory import Task
 
@@ -62,7 +61,7 @@ class Recorder:
 
 
 def _run(tmp_path: Path, tasks: TasksConfig, *, steps: int, seed: int = 0, watch=None):
-    cfg = RunConfig(rollout=RolloutConfig(group_size=4, max_staleness=2),
+    cfg = RunConfig(rollout=RolloutConfig(group_size=4, staleness={"max_staleness": 2}),
                     train=TrainConfig(steps=steps, groups_per_step=4), tasks=tasks)
 
     async def main():
@@ -71,12 +70,13 @@ def _run(tmp_path: Path, tasks: TasksConfig, *, steps: int, seed: int = 0, watch
         ledger = Ledger(tmp_path / "ledger.jsonl")
         reward = get_reward(_reward)
         graders = GraderPool(RewardConfig(timeout_s=5.0), lambda task: reward)
-        trainer = CountingTrainer(seed, StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        trainer = CountingTrainer(seed, cfg.rollout.staleness_policy(),
                                   max_delay_s=0.002)
         metrics = Recorder()
         loop = build_loop(cfg, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                           decode=lambda ids: "x" * len(ids), ledger=ledger, metrics=metrics,
-                          clock=WallClock(), params=SamplingParams(max_new_tokens=24))
+                          clock=WallClock(), params=SamplingParams(max_new_tokens=24),
+                          staleness=trainer.policy)
         if watch is not None:
             for e in engines:
                 e.watch = lambda: watch(loop.rollout)

@@ -23,7 +23,6 @@ from rollstream.engine.protocol import SamplingParams
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.runtime.reconfigure import with_applied
 from rollstream.trajectory import Task
@@ -82,7 +81,7 @@ def _run(tmp_path: Path, cfg: RunConfig, *, on_step=None, trainer_delay_s: float
         ledger = Ledger(tmp_path / "ledger.jsonl")
         reward = get_reward(_parity)
         graders = GraderPool(RewardConfig(timeout_s=5.0), lambda task: reward)
-        trainer = FollowingTrainer(0, StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        trainer = FollowingTrainer(0, cfg.rollout.staleness_policy(),
                                    max_delay_s=trainer_delay_s)
         if on_step is not None:
             trainer.on_step = on_step
@@ -90,7 +89,7 @@ def _run(tmp_path: Path, cfg: RunConfig, *, on_step=None, trainer_delay_s: float
         loop = build_loop(cfg, engines=engines, trainer=trainer, tasks=mix, graders=graders,
                           decode=lambda ids: "x" * len(ids), ledger=ledger, metrics=metrics,
                           clock=WallClock(), params=SamplingParams(max_new_tokens=24),
-                          reconfig_log=tmp_path / "reconfig.jsonl")
+                          staleness=trainer.policy, reconfig_log=tmp_path / "reconfig.jsonl")
         if built is not None:
             built["loop"] = loop
         res = await run_then_close(cfg, loop, graders, ledger)
@@ -131,9 +130,10 @@ def test_sampling_changes_at_exactly_one_step_boundary(tmp_path: Path):
 
 
 def test_a_shrunk_staleness_bound_holds_from_its_step_and_admission_follows(tmp_path: Path):
-    cfg = _cfg(rollout={"max_staleness": 3, "group_size": 4},
+    cfg = _cfg(rollout={"staleness": {"max_staleness": 3}, "group_size": 4},
                train={"steps": 12, "groups_per_step": 3},
-               reconfigure={"schedule": [{"at_step": 6, "set": {"rollout.max_staleness": 1}}]})
+               reconfigure={"schedule": [
+                   {"at_step": 6, "set": {"rollout.staleness.max_staleness": 1}}]})
     built: dict = {}
 
     def run_ahead(step: int) -> None:
@@ -210,9 +210,9 @@ def test_a_watched_file_applies_at_the_next_boundary_and_a_bad_one_is_refused(tm
 
 def test_resume_is_built_with_the_changes_already_applied(tmp_path: Path):
     watched = tmp_path / "live.yaml"
-    cfg = _cfg(rollout={"max_staleness": 3, "group_size": 4}, reconfigure={
+    cfg = _cfg(rollout={"staleness": {"max_staleness": 3}, "group_size": 4}, reconfigure={
         "watch": str(watched), "schedule": [{"at_step": 2, "set": {
-            "rollout.max_staleness": 2, "tasks.sources.b.max_in_flight": 1}}]})
+            "rollout.staleness.max_staleness": 2, "tasks.sources.b.max_in_flight": 1}}]})
     watched.write_text("tasks.sources.a.weight: 2\nsampling.temperature: 0.9\n")
     first, _, _, _, _ = _run(tmp_path, cfg)
     state = json.loads(json.dumps(first.reconfigure.state()))  # as a checkpoint holds it
@@ -227,9 +227,9 @@ def test_resume_is_built_with_the_changes_already_applied(tmp_path: Path):
 
     async def resume() -> None:  # build_run's order: built from `resumed`, then restored
         mix = TaskMix(resumed.tasks, TOK)
+        policy = resumed.rollout.staleness_policy()
         loop = build_loop(resumed, engines=[SeeingEngine(0)],
-                          trainer=FollowingTrainer(0, StalenessPolicy.from_config(
-                              resumed.rollout, resumed.train)),
+                          trainer=FollowingTrainer(0, policy), staleness=policy,
                           tasks=mix, graders=None, decode=str, ledger=Ledger(None),
                           metrics=Recorder(), clock=WallClock(),
                           params=SamplingParams(temperature=resumed.sampling.temperature,
@@ -258,18 +258,18 @@ def test_a_bad_key_or_value_fails_at_load_with_what_is_allowed():
     msg = error("reconfigure.schedule=[{at_step: 3, set: {model.tiny.hidden_size: 64}}]")
     assert "reconfigure.schedule.0 (at_step 3): model.tiny.hidden_size cannot change during a " \
            "run; reconfigurable keys: sampling.temperature, sampling.max_new_tokens, " \
-           "rollout.max_staleness, tasks.sources.<name>.weight" in msg
+           "rollout.staleness.max_staleness, tasks.sources.<name>.weight" in msg
     assert "tasks.sources.0.max_in_flight = 0" in error(
         "reconfigure.schedule=[{at_step: 3, set: {tasks.sources.tick.max_in_flight: 0}}]")
-    assert "rollout.max_staleness = 1 contradicts rollout.mode = sync" in error(
+    assert "rollout.staleness.max_staleness = 1 contradicts rollout.mode = sync" in error(
         "rollout.mode=sync",
-        "reconfigure.schedule=[{at_step: 3, set: {rollout.max_staleness: 1}}]")
+        "reconfigure.schedule=[{at_step: 3, set: {rollout.staleness.max_staleness: 1}}]")
     assert "no task source is named 'math'" in error(
         "reconfigure.schedule=[{at_step: 3, set: {tasks.sources.math.weight: 2}}]")
     assert "at_step must be below train.steps = 60" in error(
         "reconfigure.schedule=[{at_step: 60, set: {sampling.temperature: 0.5}}]")
     assert "between on-policy (bound 0) and off-policy" in error(
-        "reconfigure.schedule=[{at_step: 3, set: {rollout.max_staleness: 0}}]")
+        "reconfigure.schedule=[{at_step: 3, set: {rollout.staleness.max_staleness: 0}}]")
     cfg = load_config(None, ["reconfigure.schedule=[{at_step: 3, set: "
                              "{sampling.temperature: 0.5, tasks.sources.tick.weight: 2}}]"])
     assert cfg.reconfigure.schedule[0].set["sampling.temperature"] == 0.5

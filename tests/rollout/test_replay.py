@@ -14,7 +14,7 @@ from rollstream.config.replay import ReplayConfig
 from rollstream.data.ledger import read_jsonl, read_ledger
 from rollstream.durable.audit import audit_run
 from rollstream.rollout.replay import ReplayPool
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Group, SampleStatus
 
 from .fakes import CountingTrainer, RandomEngine
@@ -76,7 +76,7 @@ def _take_loop(tmp_path):
     cfg = RunConfig(rollout=rollout_cfg(mode="async", k=2, on_update="continue",
                                         replay=REPLAY),
                     train=TrainConfig(steps=1, groups_per_step=4))
-    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+    policy = cfg.rollout.staleness_policy()
     from rollstream.data.ledger import Ledger
 
     loop, graders = _loop(cfg, seed=0, ledger=Ledger(None), tasks=Tasks(),
@@ -157,7 +157,7 @@ def test_resume_keeps_the_replay_pool_and_its_uses(tmp_path, lost):
 
 @pytest.mark.parametrize("rollout, train, field", [
     ({"mode": "sync", "replay": {"max_share": 0.5}}, {}, "rollout.replay.max_share"),
-    ({"max_staleness": 2, "replay": {"max_share": 0.5}}, {"max_token_age": 0},
+    ({"staleness": {"max_staleness": 2, "max_token_age": 0}, "replay": {"max_share": 0.5}}, {},
      "rollout.replay.max_share"),
     ({"replay": {"max_uses": 3}}, {}, "rollout.replay.max_uses"),
     ({"replay": {"max_share": 0.05}}, {"groups_per_step": 8}, "rollout.replay.max_share"),

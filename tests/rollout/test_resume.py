@@ -20,7 +20,6 @@ from rollstream.durable.resume import reconcile_ledger
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 
 from .fakes import CountingTrainer, NullMetrics, RandomEngine, run_then_close
@@ -54,7 +53,7 @@ def _loop(cfg, *, seed, ledger, tasks, trainer, start_step=0):
     loop = build_loop(cfg, engines=engines, trainer=trainer, tasks=tasks, graders=graders,
                       decode=lambda ids: "x" * len(ids), ledger=ledger, metrics=NullMetrics(),
                       clock=WallClock(), params=SamplingParams(max_new_tokens=24),
-                      start_step=start_step)
+                      start_step=start_step, staleness=trainer.policy)
     return loop, graders
 
 
@@ -65,11 +64,12 @@ def run_with_resume(tmp: Path, *, k: int, on_update: str, seed: int,
     if replay is not None:
         extra["replay"] = replay
     cfg = RunConfig(
-        rollout=rollout_cfg(mode="async", k=k, on_update=on_update, **extra),
-        train=TrainConfig(steps=steps, groups_per_step=2, max_token_age=max_token_age),
+        rollout=rollout_cfg(mode="async", k=k, on_update=on_update, max_token_age=max_token_age,
+                            **extra),
+        train=TrainConfig(steps=steps, groups_per_step=2),
     )
     path = tmp / "ledger.jsonl"
-    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+    policy = cfg.rollout.staleness_policy()
     snap: dict = {}
 
     async def first():
@@ -120,7 +120,7 @@ def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, on_u
     cfg, snap, res, ledger, trainer, tasks = run_with_resume(
         tmp, k=k, on_update=on_update, seed=seed, steps=steps,
         resume_at=resume_at, lost=lost, max_token_age=max_token_age, max_context_age=h)
-    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+    policy = cfg.rollout.staleness_policy()
     assert res.steps_done == steps
     assert not ledger.unfinished(), "every dispatched sample reaches a terminal status"
     rows = read_ledger(tmp / "ledger.jsonl")
@@ -178,7 +178,7 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
     cfg = RunConfig(rollout=rollout_cfg(mode="async", k=1, on_update="continue"),
                     train=TrainConfig(steps=4, groups_per_step=2))
     path = tmp_path / "ledger.jsonl"
-    policy = StalenessPolicy.from_config(cfg.rollout, cfg.train)
+    policy = cfg.rollout.staleness_policy()
     snap: dict = {}
 
     async def first():

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from rollstream.config import RolloutConfig, TrainConfig
+from rollstream.config import RolloutConfig
 from rollstream.rollout.buffer import TrajectoryBuffer
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Group, SampleStatus, Segment, Task
 
 
@@ -27,10 +27,9 @@ def _group(i: int, *versions_per_sample: list[int]) -> Group:
     return g
 
 
-def test_from_config_maps_modes_and_defaults_the_context_bound():
-    def policy(**rollout):
-        train = {k: rollout.pop(k) for k in ("max_token_age",) if k in rollout}
-        return StalenessPolicy.from_config(RolloutConfig(**rollout), TrainConfig(**train))
+def test_config_block_maps_modes_and_defaults_the_context_bound():
+    def policy(mode, **bounds):
+        return RolloutConfig(mode=mode, staleness=bounds).staleness_policy()
 
     assert policy(mode="sync").max_staleness == 0
     assert policy(mode="one_step").max_staleness == 1

@@ -6,11 +6,11 @@ outlives the run."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
 import threading
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -102,7 +102,7 @@ def test_a_run_on_ray_records_every_sample_once_and_stops_its_ray(tmp_path, tiny
 
 
 def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
-        tmp_path, tiny_run_cache, monkeypatch, capsys):
+        tmp_path, tiny_run_cache, monkeypatch, caplog):
     import ray
 
     from rollstream.runtime.ray import engines
@@ -146,6 +146,7 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     # a peek every 20 ms, not 200: a 64-token request runs ~0.1 s here, and its groups run in
     # step, so peeks 0.2 s apart could miss every request's first half (CI, 2026-12-04)
     monkeypatch.setattr(engines, "PEEK_S", 0.02)
+    caplog.set_level(logging.INFO, logger="rollstream.runtime.build")
     before = _descendants()
     # 5 steps: groups of steps 3 and 4 are admitted only after version 1 (max_staleness 2)
     summary = _train(_config(tmp_path, tiny_run_cache, "kill", steps=5))
@@ -159,7 +160,7 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     restarts = [m for m in metrics if "engine_restart_s" in m]
     assert len(restarts) == 1, restarts
     # revived at the version the other engine serves (weights of step 1 or later)
-    restarted = re.search(r"engine ray-0 restarted at version (\d+)", capsys.readouterr().out)
+    restarted = re.search(r"engine ray-0 restarted at version (\d+)", caplog.text)
     assert restarted is not None and int(restarted.group(1)) >= 1
     assert max(m.get("engine_failures", 0) for m in metrics) > 0
     assert _descendants() - before == set(), "a Ray process outlived the run"

@@ -247,8 +247,8 @@ def test_a_run_in_each_placement_trains_where_it_should(actors, tmp_path, monkey
                      ray.get(actor.stats.remote()).num_running))
 
     _spy_steps(monkeypatch, probe)
-    cfg = _run_config(tmp_path, placement, "rollout.mode=async", "rollout.max_staleness=1",
-                      "train.steps=3", "engine.num_engines=1",
+    cfg = _run_config(tmp_path, placement, "rollout.mode=async",
+                      "rollout.staleness.max_staleness=1", "train.steps=3", "engine.num_engines=1",
                       f"runtime.ray.placement={placement}")
     summary = run_training(cfg)
     assert summary["steps"] == 3 and summary["trained_samples"] == 24, summary

@@ -32,7 +32,7 @@ def test_checkpoint_folders_none_of_which_is_whole_are_refused(run_copy: Path,
 
 @pytest.mark.parametrize("damage", ["state", "trainer", "weights"])
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
-        run_copy: Path, kit_model: Path, damage: str, capsys) -> None:
+        run_copy: Path, kit_model: Path, damage: str, caplog) -> None:
     """Garbage in the newest checkpoint's state.json, trainer.pt or weights: the resume warns,
     naming it and the file, and continues from the older whole one."""
     newest = durable.folder(run_copy) / "step_000002"
@@ -40,8 +40,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
             "weights": newest / durable.MODEL / "model.safetensors"}[damage]
     file.write_bytes(file.read_bytes()[: len(file.read_bytes()) // 2])  # truncated
     summary = _resume(run_copy, kit_model, "train.steps=3")
-    out = capsys.readouterr().out
-    warning = next(line for line in out.splitlines() if line.startswith("warning: resume"))
+    warning = next(r.getMessage() for r in caplog.records
+                   if r.levelname == "WARNING" and r.getMessage().startswith("resume:"))
     assert "skipped the damaged checkpoint step_000002" in warning and str(file) in warning
     assert summary["resumed_from_step"] == 1 and summary["steps"] == 3
 

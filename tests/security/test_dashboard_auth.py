@@ -16,7 +16,6 @@ from rollstream.monitor.dashboard import Dashboard
 from rollstream.run_files import DASHBOARD_TOKEN as TOKEN_FILE
 from rollstream.run_files import DASHBOARD_URL as URL_FILE
 from rollstream.monitor.metrics import Metrics
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.control import EngineControl
 from tests.rollout.fakes import CountingTrainer
 from tests.rollout.test_control import _cli
@@ -34,7 +33,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
     async def run() -> None:
         ledger = Ledger(tmp_path / "ledger.jsonl")
         loop, graders = _loop(cfg, seed=2, ledger=ledger, tasks=Tasks(), trainer=CountingTrainer(
-            2, StalenessPolicy.from_config(cfg.rollout, cfg.train)))
+            2, cfg.rollout.staleness_policy()))
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, CFG, control=EngineControl(
             loop.dispatcher, asyncio.get_running_loop()))

@@ -108,7 +108,7 @@ BAD_BODIES = [  # (body, the field the refusal must name)
      "messages.0.tool_calls.0.function"),  # a tool call without `function`
     (json.dumps({"messages": [USER], "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"messages": [USER], "seed": "x"}).encode(), "seed"),
-    (json.dumps({"messages": [USER], "n": 2}).encode(), "n"),
+    (json.dumps({"messages": [USER], "n": 65}).encode(), "n"),
     (json.dumps({"messages": [USER], "temperature": -1}).encode(), "temperature"),
     (json.dumps({"messages": [USER], "top_k": 1 << 70}).encode(), "top_k"),
     (json.dumps({"messages": [USER], "stop": ["\n"]}).encode(), "stop"),
@@ -233,13 +233,16 @@ async def test_only_a_keys_id_leaves_the_proxy_and_its_secret_is_checked(engine,
 
 
 def test_the_docs_list_every_field_the_proxy_accepts() -> None:
-    """docs/agents.md's table is the request model's: no field missing, none made up."""
+    """docs/agents.md's tables are the request model's: every field it accepts (used,
+    ignored, or accepted with one value), none made up, each with what its docstring says."""
     docs = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
     for model, fields in field_docs().items():
         table = re.search(rf"<!-- {model} -->\n(.*?)\n\n", docs, re.S)
         assert table is not None, f"docs/agents.md has no table of {model}"
-        listed = re.findall(r"^\| `(\w+)` \|", table.group(1), re.M)
-        assert listed == list(fields), (model, listed)
+        rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", table.group(1), re.M))
+        assert list(rows) == list(fields), (model, list(rows))
+        for name, doc in fields.items():
+            assert rows[name] == " ".join(doc.replace("``", "`").split()), (model, name)
 
 
 def test_the_proxy_limits_are_config_checked_against_the_other_settings() -> None:

@@ -33,7 +33,8 @@ def agentic() -> Scenario:
                                "tool_output_tokens": 64,
                                "tool_latency": {"median_s": 2.0, "p99_s": 60.0}}},
         "modes": [{"name": "sync", "mode": "sync"},
-                  {"name": "k1_partial", "mode": "async", "max_staleness": 1}],
+                  {"name": "k1_partial", "mode": "async",
+                   "staleness": {"max_staleness": 1}}],
     })
 
 

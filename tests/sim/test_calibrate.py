@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from rollstream.config.staleness import StalenessConfig
 from rollstream.data.ledger import read_ledger
 from rollstream.engine.local.passes import PassTimes
 from rollstream.sim.calibrate import fit_decode, fit_nonneg, fit_prefill, fit_trainer
@@ -122,7 +123,8 @@ def test_a_replay_simulates_the_recorded_samples_group_by_group(tmp_path):
     sc = Scenario(name="replay", seed=5, profile="cpu_this_machine", engines=2, steps=3,
                   groups_per_step=2, group_size=4, filter_zero_variance=False,
                   trainer_devices=1, replay=str(run_dir),
-                  modes=(ModeConfig(name="k1", mode="async", max_staleness=1),))
+                  modes=(ModeConfig(name="k1", mode="async",
+                                        staleness=StalenessConfig(max_staleness=1)),))
     ledger_path = tmp_path / "sim-ledger.jsonl"
 
     async def main():

@@ -21,12 +21,14 @@ def _write(tmp_path, text: str):
     ("workload: {sigma_prompt: -1}\n", "workload.sigma_prompt = -1"),
     ("workload: {mean_response_tokens: 9000, max_response_tokens: 4096}\n",
      "mean_response_tokens (9000) must be below max_response_tokens (4096)"),
-    ("modes: [{name: a, mode: sync, max_staleness: 2}]\n",
-     "modes.0 (a): rollout.max_staleness = 2 contradicts rollout.mode = sync"),
+    ("modes: [{name: a, mode: sync, staleness: {max_staleness: 2}}]\n",
+     "modes.0 (a): rollout.staleness.max_staleness = 2 contradicts rollout.mode = sync"),
     ("modes: [{name: a}, {name: a}]\n", "names must be unique"),
-    ("modes: [{name: a, mode: async, max_staleness: 1, max_token_age: 2}]\n",
-     "modes.0 (a): train.max_token_age = 2 exceeds the staleness bound 1"),
+    ("modes: [{name: a, mode: async, staleness: {max_staleness: 1, max_token_age: 2}}]\n",
+     "modes.0 (a): rollout.staleness.max_token_age = 2 exceeds the staleness bound 1"),
     ("modes: [{name: a, mode: fast}]\n", "modes.0.mode = 'fast'"),
+    ("modes: [{name: a, max_staleness: 2}]\n",
+     "max_staleness was replaced by staleness.max_staleness"),
     ("- 1\n", "the top level must be a mapping"),
 ])
 def test_bad_scenario_names_the_field(tmp_path, text, expected):

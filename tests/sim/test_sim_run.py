@@ -17,7 +17,6 @@ from rollstream.engine.protocol import Engine
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.runtime.build import build_loop
 from rollstream.runtime.controller import Controller
 from rollstream.sim.profile import load_profile
@@ -25,6 +24,7 @@ from rollstream.sim.report import run_scenario
 from rollstream.sim.run import build_sim, simulate_mode
 from rollstream.sim.vloop import run_virtual
 from rollstream.sim.workload import Workload, capped_lognormal_mean
+from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import SampleStatus
 

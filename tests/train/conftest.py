@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Group, Segment, SegmentKind, Task
 
 VOCAB = 64

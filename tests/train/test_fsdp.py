@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.fsdp import FsdpTrainer, RankTrainer, rank_cores
 from rollstream.train.trainer import Trainer
 from tests.train.conftest import make_group
@@ -107,11 +107,13 @@ def test_ranks_match_the_single_process_trainer(tiny_model_path: Path, tmp_path:
 
 @pytest.fixture
 def launch(request: pytest.FixtureRequest):
-    """How the ranks start: spawned processes (``None``, the default), or Ray actors in one
-    scale unit (1 engine of 1 CPU + 2 ranks of 0.5) of a local Ray of 2 CPUs, which the
+    """How the ranks start: spawned processes (``runtime.kind: embedded``), or Ray actors in
+    one scale unit (1 engine of 1 CPU + 2 ranks of 0.5) of a local Ray of 2 CPUs, which the
     fixture stops; with a function returning each rank's pid."""
     if request.param == "process":
-        yield None, lambda trainer: [p.pid for p in trainer.ranks.procs]
+        from rollstream.train.rank_processes import ProcessRanks
+
+        yield ProcessRanks, lambda trainer: [p.pid for p in trainer.ranks.procs]
         return
     from functools import partial
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollstream.config.schema import ISCorrectionConfig
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.losses import (
     aggregation_weights,
     anchor_fn,

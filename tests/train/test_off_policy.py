@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.losses import resolve_loss
 from rollstream.train.trainer import Trainer
@@ -123,7 +123,7 @@ def test_failed_reward_enters_the_baseline_only_when_zero(
 
 def test_kept_reasons_for_samples_the_loss_keeps_nothing_of(tiny_model_path: Path) -> None:
     policy = StalenessPolicy(max_staleness=2, max_token_age=1)
-    trainer = Trainer(TrainConfig(max_token_age=1), tiny_model_path, staleness=policy)
+    trainer = Trainer(TrainConfig(), tiny_model_path, staleness=policy)
     g = make_group("g", [1, 2], [[3, 4], [5, 6], [7]], rewards=[1.0, 0.0, 0.5],
                    versions=[[2, 3], [1, 1], [3]])
     g.samples[2].segments.clear()  # an empty response

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import KeptTokens
 from tests.train.conftest import SYNC, make_group
@@ -116,7 +116,7 @@ def test_step_lowers_the_surrogate_loss(tiny_model_path: Path) -> None:
 
 
 def test_skips_unrewarded_and_masks_env_and_old_tokens(tiny_model_path: Path) -> None:
-    cfg = TrainConfig(max_token_age=1, updates_per_step=1)
+    cfg = TrainConfig(updates_per_step=1)
     policy = StalenessPolicy(max_staleness=2, max_token_age=1)
     trainer = Trainer(cfg, tiny_model_path, staleness=policy)
     g = make_group("g", [1, 2], [[3, 4, 5], [6, 7], [8]], rewards=[1.0, 0.0, None],

@@ -5,12 +5,14 @@ that server (its own stats and request table, as a newly built engine would have
 test starts at weights version 0 (the folder's own weights, reloaded in place) with nothing
 in flight.
 
-The model is the contract tests' random tiny Qwen2 (tests/engine/helpers.py) with
-hidden_size 128, i.e. head_dim 32 (vLLM's CPU attention has no kernel for head_dim 16), and a
-4096-token context: on a loaded 2-core machine vLLM's API server can take ~0.5 s to pass on
-an abort or a pause, longer than the server needs for a few hundred tokens, so tests that
-must land mid-stream use streams of thousands of tokens. It has no tokenizer: the server
-runs with ``--skip-tokenizer-init`` (token in, token out).
+The model is the contract tests' random tiny Qwen2 (tests/engine/helpers.py) with the kit
+tokenizer's vocabulary, hidden_size 128, i.e. head_dim 32 (vLLM's CPU attention has no kernel
+for head_dim 16), and a 4096-token context: on a loaded 2-core machine vLLM's API server can
+take ~0.5 s to pass on an abort or a pause, longer than the server needs for a few hundred
+tokens, so tests that must land mid-stream use streams of thousands of tokens. The server
+runs on that model as ``rollstream export`` wrote it (kit tokenizer files, generation config;
+checked), with its tokenizer (``--no-skip-tokenizer-init`` after rollstream's
+``--skip-tokenizer-init``), so ``/tokenize`` answers as any user's server of an export would.
 """
 
 from __future__ import annotations
@@ -23,16 +25,28 @@ from pathlib import Path
 import pytest
 
 from rollstream.config.schema import EngineConfig, VllmEngineConfig
-from tests.engine.helpers import VOCAB, make_tiny_model
+from rollstream.models.tokenizer import build_char_tokenizer
+from tests.engine.helpers import make_tiny_model
 
 # long enough that a stream outlasts the control path (abort, pause) of a busy 2-core box
 MAX_MODEL_LEN = 4096
+
+VOCAB = len(build_char_tokenizer())
+SERVER_ARGS = ("--no-skip-tokenizer-init",)  # serve the export's tokenizer too (/tokenize)
 
 _state: dict = {}
 
 
 def make_model(path: Path) -> Path:
-    return make_tiny_model(path, hidden_size=128, max_position_embeddings=MAX_MODEL_LEN)
+    """The random tiny Qwen2 with the kit tokenizer, exported from a run directory that holds
+    it as its final checkpoint (``rollstream export``, checks included)."""
+    from rollstream.models.export import export_run
+
+    tokenizer = build_char_tokenizer()
+    final = make_tiny_model(path / "run" / "checkpoint", hidden_size=128,
+                            max_position_embeddings=MAX_MODEL_LEN, vocab_size=VOCAB)
+    tokenizer.save_pretrained(str(final))
+    return export_run(path / "run", out=path / "export").folder
 
 
 def make_unloadable_model(path: Path) -> Path:
@@ -66,7 +80,8 @@ def owner(request: pytest.FixtureRequest):
 
         tmp = request.getfixturevalue("tmp_path_factory")
         path = make_model(tmp.mktemp("vllm-tiny-qwen2"))
-        cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(max_model_len=MAX_MODEL_LEN))
+        cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(max_model_len=MAX_MODEL_LEN,
+                                                              extra_args=SERVER_ARGS))
         engine = build_vllm_engine(cfg, path, engine_id="vllm-0",
                                    log_dir=tmp.mktemp("vllm-logs"))
         _state.update(engine=engine, path=path, weights=original_weights(path))

@@ -27,8 +27,8 @@ from rollstream.agent.tools import (
     HermesToolParser,
     ToolCall,
     ToolCallParser,
-    ToolManager,
     ToolResult,
+    ToolRunner,
 )
 
 Message = dict[str, Any]
@@ -99,7 +99,7 @@ class ToolEnvironment:
     """Runs the tool calls of each turn; the first turn without any is the answer."""
 
     messages: list[Message]
-    tools: ToolManager
+    tools: ToolRunner
     grade: Callable[[str], float] | None = None  # answer text -> reward
     parser: ToolCallParser = field(default_factory=HermesToolParser)
 

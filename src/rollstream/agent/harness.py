@@ -52,7 +52,7 @@ from rollstream.engine import SamplingParams
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Task
 
 if TYPE_CHECKING:
-    from rollstream.rollout.dispatcher import Dispatcher, TurnOutput
+    from rollstream.rollout.harness import EpisodeHost, TurnOutput
 
 AGENT = "agent"  # Task.harness of agent episodes
 
@@ -77,7 +77,7 @@ class _DispatchTurns:
     the environment's snapshot (if any): a checkpoint taken during this turn or the
     environment's answer to it saves the state from before them."""
 
-    dispatcher: Dispatcher
+    dispatcher: EpisodeHost
     sample: Sample
 
     async def __call__(self, episode: Episode, params: SamplingParams, *, rid: str,
@@ -104,7 +104,7 @@ class AgentHarness:
                                         max_output_chars=max_tool_output_chars)
                       for name, src in self.sources.items()}
 
-    async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:
+    async def run(self, sample: Sample, dispatcher: EpisodeHost, params: SamplingParams) -> None:
         move = dispatcher.lifecycle.move
         source = self.sources.get(sample.task.source)
         if source is None:

@@ -44,6 +44,7 @@ from rollstream.agent.chat import ChatRenderer, Message, TemplateError
 from rollstream.agent.environment import Environment, ModelTurn, Observation, Snapshottable
 from rollstream.agent.tools import ToolCall, ToolResult
 from rollstream.engine import Engine, FinishReason, GenerateRequest, SamplingParams
+from rollstream.engine.protocol import OnTokens
 from rollstream.rollout.dispatcher import TurnOutput
 from rollstream.trajectory import EnvSnapshot, Segment, SegmentKind, Turn, append_policy_tokens
 
@@ -336,11 +337,13 @@ def replay_start(episode: Episode, env: Environment) -> int:
 
 async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, rid: str,
                         segments: list[Segment], deadline: float | None = None, *,
-                        episode_id: str | None = None) -> TurnOutput:
+                        episode_id: str | None = None,
+                        on_tokens: OnTokens | None = None) -> TurnOutput:
     """One model turn on ``ids`` by ``engine``, appended to ``segments``: continues after
     interrupts (weight updates) until it stops, reaches ``params.max_new_tokens``, fails, or
     ``deadline`` (the event loop's clock, :func:`_now`) passes; then it is interrupted and what
-    it has is kept. Its requests carry ``episode_id`` (the turn's episode, if any)."""
+    it has is kept. Its requests carry ``episode_id`` (the turn's episode, if any);
+    ``on_tokens`` hears its tokens as they are sampled (``GenerateRequest.on_tokens``)."""
     budget = params.max_new_tokens
     done = 0
     interrupts, out_of_time = 0, False
@@ -348,7 +351,7 @@ async def generate_turn(engine: Engine, ids: list[int], params: SamplingParams, 
         request_id = f"{rid}/{interrupts}"
         request = GenerateRequest(request_id=request_id, prompt_ids=ids,
                                   params=replace(params, max_new_tokens=budget - done),
-                                  episode_id=episode_id)
+                                  episode_id=episode_id, on_tokens=on_tokens)
         task = asyncio.ensure_future(engine.generate(request))
         timeout = None if deadline is None else max(0.0, deadline - _now())
         finished, _ = await asyncio.wait({task}, timeout=timeout)

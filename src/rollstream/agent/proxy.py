@@ -1,16 +1,17 @@
 """An OpenAI-compatible endpoint that turns any agent harness into a rollout source.
 
 An unmodified agent written against the official ``openai`` SDK (``chat.completions``,
-streaming or not, with tools) is pointed at ``base_url`` with a per-episode ``api_key``. Each
-call is rendered with the model's chat template, sent to an engine as token ids, and its
-tokens, logprobs and versions are recorded; the calls of one session are stitched into one
-trajectory by **dialogue-prefix matching**: a call whose messages are the previous call's
-messages plus the reply it got plus new ones (tool results, a user turn) continues the
-trajectory, the new messages rendered incrementally after the tokens already served
-(``ChatRenderer.extend``); a call that rewrote history (dropped, edited or reordered earlier
-messages), or follows a call the engine failed, starts a new sample, recorded with the
-reason. Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with
-prefix affinity, counting the proxy's calls in flight: a session's first call goes to the
+streaming or not, with tools, ``n`` choices) is pointed at ``base_url`` with a per-episode
+``api_key``. Each call is rendered with the model's chat template, sent to an engine as token
+ids, and its tokens, logprobs and versions are recorded; the calls of one session are stitched
+into trajectories by **dialogue-prefix matching** (``proxy_session.py``): a call whose
+messages are the previous call's messages plus a reply it got plus new ones (tool results, a
+user turn) continues that reply's trajectory, the new messages rendered incrementally after
+the tokens already served (``ChatRenderer.extend``); a call that rewrote history (dropped,
+edited or reordered earlier messages), or follows a call the engine failed, starts a new
+sample, recorded with the reason; each extra choice of a call is a sample of its own.
+Engines are chosen by the rollout's :class:`~rollstream.rollout.routing.Router` with prefix
+affinity, counting the proxy's calls in flight: a session's first call goes to the
 least-loaded UP engine, and its later calls stay on the engine that holds its prefix while the
 router keeps them there (UP, with a free sequence and not far above the least loaded), else
 move to the least loaded. A training session's turns are routed by the run's dispatcher.
@@ -26,8 +27,10 @@ it is read whole), its shape (``proxy_wire.py``), a session's calls and history 
 the prompt against the context (refused before rendering when its text alone cannot fit).
 Every refusal is a 400 (or 413) whose ``param`` names the field or the limit.
 
-Simplifications: ``n`` must be 1; a streamed reply is sent as one content chunk (and one chunk
-per tool call) after generation, since the engine protocol returns a turn at once.
+A streamed reply (``stream: true``) sends the text as the engine samples it
+(``proxy_stream.py``). A session bound to a training sample (``proxy_episode.py``) is one
+trajectory, refuses ``n > 1``, runs the source's tools for its agent, and answers a restored
+episode from its record.
 """
 
 from __future__ import annotations
@@ -36,103 +39,37 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Self
 
 from fastapi import Request
 
-from rollstream.agent.chat import ChatRenderer, Message
+from rollstream.agent.chat import ChatRenderer
 from rollstream.agent.loop import generate_turn
-from rollstream.agent.proxy_wire import (ChatMessage, ChatRequest, Refused, parse_request, plain,
+from rollstream.agent.proxy_episode import (Binding, EpisodeOver, EpisodeRefused,
+                                            refused_calls)
+from rollstream.agent.proxy_session import (Head, ProxySample, Session, Stitcher, held_tokens,
+                                            render)
+from rollstream.agent.proxy_stream import ReplyStream, StreamedText, streamed
+from rollstream.agent.proxy_wire import (TOOL_PATH, ChatMessage, ChatRequest, Refused,
+                                         SessionHandle, parse_request, parse_tool_call, plain,
                                          read_body, reply_message, sse)
 from rollstream.agent.tools import HermesToolParser, ToolCallParser
 from rollstream.config.tasks import ProxyConfig
 from rollstream.engine import Engine, FinishReason, SamplingParams
+from rollstream.engine.protocol import OnTokens
 from rollstream.rollout.harness import TurnOutput
 from rollstream.rollout.routing import Router
-from rollstream.trajectory import Segment, SegmentKind, ToolCall, ToolResult, Turn
+from rollstream.trajectory import Segment, ToolCall, ToolResult
+
+__all__ = ["AgentProxy", "Binding", "EngineFailed", "EpisodeOver", "EpisodeRefused",
+           "ProxySample", "SessionHandle"]  # what harnesses and the CLI take from here
 
 KEY_PREFIX = "rs-"
 
 
 class EngineFailed(RuntimeError):
     """The engine failed a call (the harness gets HTTP 502 with the reason)."""
-
-
-class EpisodeRefused(Refused):
-    """A call a training session cannot take (the harness gets HTTP 400 with the reason):
-    history rewritten, or a prompt other than the task's."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("messages", message)
-
-
-class EpisodeOver(EpisodeRefused):
-    """A training session's budget is spent (``end``: ``max_tokens`` or ``max_turns``)."""
-
-    def __init__(self, end: str, message: str) -> None:
-        super().__init__(message)
-        self.end = end
-        self.param = "max_turns" if end == "max_turns" else "max_tokens"
-
-
-BoundTurns = Callable[[SamplingParams, str], Awaitable["TurnOutput | None"]]
-
-
-@dataclass(slots=True, kw_only=True)
-class Binding:
-    """A session that feeds a training sample (``agent/proxy_harness.py``): its trajectory
-    is the sample's own ``segments`` and ``turns``, its first prompt must be the task's, its
-    model turns are generated by ``generate`` (the dispatcher, for that sample), and its
-    response stays within ``max_total_tokens``."""
-
-    prompt_ids: list[int]
-    segments: list[Segment]
-    turns: list[Turn]
-    generate: BoundTurns
-    max_total_tokens: int
-    max_turns: int
-    refused: str | None = None  # why a call was refused (the episode cannot be trained)
-    ended: str | None = None  # the budget that ended it (max_tokens, max_turns)
-
-
-@dataclass(slots=True, kw_only=True)
-class ProxySample:
-    """One stitched trajectory of a session."""
-
-    prompt_ids: list[int]
-    messages: list[Message]  # the conversation as rendered (model turns as their raw text)
-    segments: list[Segment] = field(default_factory=list)
-    num_calls: int = 0
-    started_because: str | None = None  # why a new sample began (None: the first one)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + [t for s in self.segments for t in s.token_ids]
-
-
-@dataclass(slots=True, kw_only=True)
-class _Session:
-    id: str  # the public half of its key: what request ids, episode ids and logs show
-    secret: bytes
-    episode_id: str
-    samples: list[ProxySample] = field(default_factory=list)
-    # the last request's messages + its reply (None: that call failed)
-    seen: list[Message] | None = field(default_factory=list)
-    ended_turn: bool = True  # the last model turn ended with its stop token
-    engine: Engine | None = None
-    num_calls: int = 0
-    history_bytes: int = 0  # message text its samples hold (ProxyConfig.max_session_...)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    binding: Binding | None = None  # a training sample's session
-    closed: bool = False  # ended: a call that was waiting for the lock is refused
-
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class SessionHandle:
-    base_url: str
-    api_key: str  # rs-<session_id>.<secret>
-    session_id: str
 
 
 class AgentProxy:
@@ -150,10 +87,9 @@ class AgentProxy:
         self.host, self.port = host, port
         self.parser = parser or HermesToolParser()
         self.context_tokens, self.limits = context_tokens, limits
-        # a token covers at most this many characters, so text of n characters is at least
-        # n / this many tokens: a prompt can be refused before it is rendered or tokenized
-        self._max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
-        self._sessions: dict[str, _Session] = {}
+        self.stitch = Stitcher(tokenizer=tokenizer, parser=self.parser, limits=limits,
+                               context_tokens=context_tokens)
+        self._sessions: dict[str, Session] = {}
         self._server = None
         self._task: asyncio.Task | None = None
         self.app = self._build_app()
@@ -166,12 +102,12 @@ class AgentProxy:
 
     def open_session(self, episode_id: str, *, binding: Binding | None = None) -> SessionHandle:
         sid, secret = secrets.token_hex(6), secrets.token_urlsafe(24)
-        self._sessions[sid] = _Session(id=sid, secret=secret.encode(), episode_id=episode_id,
+        self._sessions[sid] = Session(id=sid, secret=secret.encode(), episode_id=episode_id,
                                        binding=binding)
         return SessionHandle(base_url=self.base_url, api_key=f"{KEY_PREFIX}{sid}.{secret}",
                              session_id=sid)
 
-    def _session(self, api_key: str) -> _Session | None:
+    def _session(self, api_key: str) -> Session | None:
         """The open session whose key this is (its id finds it, its secret must match)."""
         sid, dot, secret = api_key.removeprefix(KEY_PREFIX).partition(".")
         session = self._sessions.get(sid)
@@ -253,99 +189,79 @@ class AgentProxy:
             return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
                                            "param": param, "code": None}}, status_code=status)
 
+        def authorized(request: Request) -> Session | None:
+            auth = request.headers.get("authorization", "")
+            return self._session(auth[7:].strip()) if auth.startswith("Bearer ") else None
+
+        unknown = error(401, None, "missing or unknown API key (each episode has its own)")
+
+        @app.post(TOOL_PATH)
+        async def tool_calls(request: Request):
+            if (session := authorized(request)) is None:
+                return unknown
+            try:
+                call = parse_tool_call(await read_body(request, self.limits.max_request_bytes))
+                result = await self._tool_call(session, call)
+            except Refused as e:
+                refused_calls(session.binding, e)
+                return error(e.status, e.param, str(e))
+            return {"content": result.content, "ok": result.ok, "error": result.error}
+
+        def failed(session: Session, e: Exception) -> JSONResponse:
+            if isinstance(e, Refused):
+                refused_calls(session.binding, e)
+                return error(e.status, e.param, str(e))
+            if isinstance(e, EngineFailed):
+                return error(502, None, str(e))
+            raise e
+
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            auth = request.headers.get("authorization", "")
-            session = self._session(auth[7:].strip()) if auth.startswith("Bearer ") else None
-            if session is None:
-                return error(401, None, "missing or unknown API key (each episode has its own)")
+            if (session := authorized(request)) is None:
+                return unknown
             try:
                 body = parse_request(await read_body(request, self.limits.max_request_bytes))
-                reply = await self._complete(session, body)
-            except Refused as e:
-                if isinstance(e, EpisodeRefused) and session.binding is not None:
-                    if isinstance(e, EpisodeOver):
-                        session.binding.ended = session.binding.ended or e.end
-                    else:
-                        session.binding.refused = session.binding.refused or str(e)
-                return error(e.status, e.param, str(e))
-            except EngineFailed as e:
-                return error(502, None, str(e))
-            if body.stream:
-                return StreamingResponse(sse(reply), media_type="text/event-stream")
-            return reply
+                if not body.stream:
+                    return await self._complete(session, body)
+            except (Refused, EngineFailed) as e:
+                return failed(session, e)
+            text = StreamedText(decode=self.tokenizer.decode, parser=self.parser)
+            lines, task = await streamed(lambda stream: self._complete(session, body, stream),
+                                         text, model=body.model, usage=bool(
+                                             body.stream_options and
+                                             body.stream_options.include_usage))
+            if lines is None:  # it ended before generating: an answer of its own
+                try:
+                    return StreamingResponse(sse(task.result()), media_type="text/event-stream")
+                except (Refused, EngineFailed) as e:
+                    return failed(session, e)
+            return StreamingResponse(lines, media_type="text/event-stream")
 
         return app
 
-    def _check_room(self, session: _Session, *, held: int, text: list[Message]) -> None:
-        """Refuse a call whose new messages ``text`` would pass the session's history cap, or
-        cannot fit the context after ``held`` tokens (by their length alone: no rendering)."""
-        added = sum(len(m["content"].encode()) for m in text)
-        cap = self.limits.max_session_history_bytes
-        if session.history_bytes + added > cap:
-            raise Refused("max_session_history_bytes", (
-                f"the session's messages would hold {session.history_bytes + added} bytes, over "
-                f"the proxy's limit of {cap} (agent.proxy.max_session_history_bytes)"))
-        chars = sum(len(m["content"]) for m in text)
-        if self.context_tokens is not None and held + chars // self._max_token_chars >= (
-                self.context_tokens):
-            raise Refused("messages", (
-                f"messages: the prompt is longer than the context: at least "
-                f"{held + chars // self._max_token_chars} tokens, and a sequence holds "
-                f"{self.context_tokens} (prompt + at least one new token)"))
+    async def _tool_call(self, session: Session, call: ToolCall) -> ToolResult:
+        """A tool call of a training session's agent (``Binding.tool_call``), counted among
+        the session's calls."""
+        async with session.lock:
+            if session.closed:
+                raise Refused("authorization", "the session is closed: its episode ended")
+            if session.binding is None:
+                raise Refused("name", "name: tools are run for the sessions of training "
+                                      "episodes (this one has none)")
+            if session.num_tool_calls >= self.limits.max_session_calls:
+                raise Refused("max_session_calls", (
+                    f"the session has made {session.num_tool_calls} tool calls, the proxy's "
+                    f"limit (agent.proxy.max_session_calls)"))
+            session.num_tool_calls += 1
+            return await session.binding.tool_call(call)
 
-    def _check_context(self, num_tokens: int) -> None:
-        if self.context_tokens is not None and num_tokens >= self.context_tokens:
-            raise Refused("messages", (
-                f"messages: the prompt of {num_tokens} tokens does not fit the context of "
-                f"{self.context_tokens} tokens (prompt + at least one new token)"))
-
-    async def _place(self, session: _Session, messages: list[Message],
-                     renderer: ChatRenderer) -> ProxySample:
-        """The sample this call continues or starts, holding the call's prompt: checked
-        against the caps and the context before anything of it is appended."""
-        bound = session.binding
-        sample = session.samples[-1] if session.samples else None
-        if sample is None:
-            at: int | str = "the first call"
-        elif session.seen is None:  # its tokens end where that call's prompt did
-            at = "the previous call failed"
-        else:
-            at = _extends(session.seen, messages)
-        if isinstance(at, int):
-            new = [_templated(m, self.parser) for m in messages[at:]]
-            if bound is not None:
-                self._bound_room(bound, sample)
-            if new:
-                self._check_room(session, held=len(sample.token_ids), text=new)
-                delta = await _render(renderer.extend, sample.messages, new,
-                                      model_ended_turn=session.ended_turn)
-                self._check_context(len(sample.token_ids) + len(delta))
-                if bound is not None:
-                    self._bound_answer(bound, sample, messages[at:], delta)
-                sample.segments.append(Segment.env(delta))
-                sample.messages.extend(new)
-                session.history_bytes += sum(len(m["content"].encode()) for m in new)
-            return sample
-        templated = [_templated(m, self.parser) for m in messages]
-        self._check_room(session, held=0, text=templated)
-        prompt = await _render(renderer.prompt, templated)
-        self._check_context(len(prompt))
-        if bound is not None and (session.samples or prompt != bound.prompt_ids):
-            raise EpisodeRefused(
-                f"a training episode is one trajectory: {at}" if session.samples else
-                "the first messages render to another prompt than the task's")
-        sample = ProxySample(prompt_ids=prompt, messages=templated,
-                             started_because=None if not session.samples else at,
-                             segments=[] if bound is None else bound.segments)
-        session.samples.append(sample)
-        session.history_bytes += sum(len(m["content"].encode()) for m in templated)
-        return sample
-
-    async def _complete(self, session: _Session, body: ChatRequest) -> dict:
+    async def _complete(self, session: Session, body: ChatRequest,
+                        stream: ReplyStream | None = None) -> dict:
+        """One call: its sample placed, its choices generated (``stream`` hears when that
+        starts and the tokens as they are sampled), the reply."""
         messages = [plain(m) for m in body.messages]
         renderer = ChatRenderer(self.tokenizer, tools=body.tool_schemas())
-        bound = session.binding
+        bound, n = session.binding, body.n or 1
         async with session.lock:
             if session.closed:
                 raise Refused("authorization", "the session is closed: its episode ended")
@@ -353,43 +269,72 @@ class AgentProxy:
                 raise Refused("max_session_calls", (
                     f"the session has made {session.num_calls} calls, the proxy's limit "
                     f"(agent.proxy.max_session_calls)"))
+            if bound is not None and n > 1:
+                raise Refused("n", "n: a training episode is one trajectory, so its calls take "
+                                   "one choice (a task's samples: rollout.group_size)")
             session.num_calls += 1
-            sample = await self._place(session, messages, renderer)
-            # the sample now holds this call's prompt: until its reply is recorded, a call that
-            # fails (engine, or an error of ours) has the next one start a new sample
-            session.seen = None
-            stop = tuple(await _render(renderer.stop_token_ids, sample.messages))
+            call = session.num_calls
+            sample = await self.stitch.place(session, messages, renderer)
+            # the sample now holds this call's prompt: until its replies are recorded, a call
+            # that fails (engine, or an error of ours) has the next one start a new sample
+            session.heads = []
+            stop = tuple(await render(renderer.stop_token_ids, sample.messages))
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=max(body.top_k or 0, 0), max_new_tokens=body.max_new_tokens,
                 stop_token_ids=stop, seed=body.seed)
-            rid = f"{session.id}/{session.num_calls}"
-            if bound is not None:
-                out, turn = await self._bound_turn(bound, sample, params, rid)
-            else:
-                out, turn = await self._engine_turn(session, sample, params, rid)
-            sample.num_calls += 1
-            session.ended_turn = out.finish_reason is FinishReason.STOP
-            served = [t for seg in turn for t in seg.token_ids]
-            ids = served[:-1] if session.ended_turn else served
-            text = await asyncio.to_thread(self.tokenizer.decode, ids)
-            sample.messages.append({"role": "assistant", "content": text})
-            session.history_bytes += len(text.encode())
-            message = reply_message(text, self.parser.parse(text), session.num_calls)
-            session.seen = [*messages, plain(ChatMessage.model_validate(message))]
+            prompt_tokens = held_tokens(sample, bound)
+            samples = [sample] + [self.stitch.fork(session, sample, i, call) for i in range(1, n)]
+            if stream is not None:
+                stream.start(f"chatcmpl-{session.id}-{call}", stop)
+            outs = await asyncio.gather(*(  # a choice's own seed: the call's, told apart
+                self._turn(session, s, params if body.seed is None else replace(
+                    params, seed=body.seed ^ i), f"{session.id}/{call}" + (f".{i}" if i else ""),
+                    None if stream is None else stream.on_tokens)
+                for i, s in enumerate(samples)), return_exceptions=True)
+            if failed := next((o for o in outs if isinstance(o, BaseException)), None):
+                raise failed
+            choices = [await self._choice(session, messages, i, s, *out)
+                       for i, (s, out) in enumerate(zip(samples, outs, strict=True))]
+        done = sum(out.num_tokens for out, _ in outs)
+        return {"id": f"chatcmpl-{session.id}-{call}",
+                "object": "chat.completion", "created": int(time.time()),
+                "model": body.model, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                          "total_tokens": prompt_tokens + done}}
+
+    async def _turn(self, session: Session, sample: ProxySample, params: SamplingParams,
+                    rid: str, on_tokens: OnTokens | None) -> tuple[TurnOutput, list[Segment]]:
+        """One choice's model turn: the run's for a training session, else the proxy's."""
+        if session.binding is None:
+            return await self._engine_turn(session, sample, params, rid, on_tokens)
+        out = await session.binding.model_turn(params, rid, session.num_calls, on_tokens)
+        if out is None:
+            raise EngineFailed("the run gave up on this episode (cancelled, failed, or no "
+                               "engine is alive)")
+        return out
+
+    async def _choice(self, session: Session, messages: list, index: int,
+                      sample: ProxySample, out: TurnOutput, turn: list[Segment]) -> dict:
+        """Record a choice's reply on its sample; the reply's choice, which a next call may
+        continue."""
+        sample.num_calls += 1
+        ended = out.finish_reason is FinishReason.STOP
+        served = [t for seg in turn for t in seg.token_ids]
+        text = await asyncio.to_thread(self.tokenizer.decode, served[:-1] if ended else served)
+        sample.messages.append({"role": "assistant", "content": text})
+        session.history_bytes += len(text.encode())
+        message = reply_message(text, self.parser.parse(text), session.num_calls)
+        session.heads.append(Head(sample=sample, ended_turn=ended, seen=[
+            *messages, plain(ChatMessage.model_validate(message))]))
         finish = "length" if out.finish_reason is FinishReason.LENGTH else (
             "tool_calls" if message.get("tool_calls") else "stop")
-        return {"id": f"chatcmpl-{session.id}-{session.num_calls}",
-                "object": "chat.completion", "created": int(time.time()),
-                "model": body.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(sample.token_ids) - out.num_tokens,
-                          "completion_tokens": out.num_tokens,
-                          "total_tokens": len(sample.token_ids)}}
+        return {"index": index, "message": message, "finish_reason": finish}
 
-    async def _engine_turn(self, session: _Session, sample: ProxySample, params: SamplingParams,
-                           rid: str) -> tuple[TurnOutput, list[Segment]]:
+    async def _engine_turn(self, session: Session, sample: ProxySample, params: SamplingParams,
+                           rid: str, on_tokens: OnTokens | None,
+                           ) -> tuple[TurnOutput, list[Segment]]:
         """A turn on the session's engine (sticky while UP), appended to ``sample``."""
         engine = self.router.pick_near(session.engine)
         if engine is None:
@@ -398,7 +343,7 @@ class AgentProxy:
         self.router.load.add(engine, 1)
         try:
             out = await generate_turn(engine, sample.token_ids, params, rid, turn,
-                                      episode_id=_episode(session))
+                                      episode_id=_episode(session), on_tokens=on_tokens)
         finally:
             self.router.load.add(engine, -1)
         if out.error is not None:
@@ -406,91 +351,8 @@ class AgentProxy:
         sample.segments += turn
         return out, turn
 
-    async def _bound_turn(self, bound: Binding, sample: ProxySample, params: SamplingParams,
-                          rid: str) -> tuple[TurnOutput, list[Segment]]:
-        """A training session's turn: generated by the run for its sample (which appends the
-        tokens), within the episode's token budget, recorded as a turn."""
-        room = self._bound_room(bound, sample)
-        t0 = time.monotonic()
-        out = await bound.generate(replace(params, max_new_tokens=min(params.max_new_tokens,
-                                                                      room)), rid)
-        if out is None:
-            raise EngineFailed("the run gave up on this episode (cancelled, failed, or no "
-                               "engine is alive)")
-        turn = bound.segments[-1:]
-        bound.turns.append(Turn(kind=SegmentKind.POLICY, num_tokens=len(turn[0]),
-                                started_s=0.0, duration_s=time.monotonic() - t0,
-                                finish_reason=out.finish_reason.value,
-                                num_interrupts=out.num_interrupts))
-        return out, turn
 
-    @staticmethod
-    def _bound_room(bound: Binding, sample: ProxySample) -> int:
-        """Tokens the episode may still take; EpisodeOver when a budget is spent (checked
-        before anything of the call is appended: an episode ends on a model turn)."""
-        room = bound.max_total_tokens - (len(sample.token_ids) - len(sample.prompt_ids))
-        if room <= 0:
-            raise EpisodeOver("max_tokens", "the episode's token budget "
-                                            "(sampling.max_new_tokens) is spent")
-        if sum(t.kind is SegmentKind.POLICY for t in bound.turns) >= bound.max_turns:
-            raise EpisodeOver("max_turns", "the episode's turn budget (agent.max_turns) is spent")
-        return room
-
-    @staticmethod
-    def _bound_answer(bound: Binding, sample: ProxySample, new: list[Message],
-                      delta: list[int]) -> None:
-        """Record what the harness added after a model turn (tool results, a user message);
-        it must leave room for a model token."""
-        used = len(sample.token_ids) - len(sample.prompt_ids)
-        if used + len(delta) >= bound.max_total_tokens:
-            raise EpisodeOver("max_tokens", "the episode's token budget "
-                                            "(sampling.max_new_tokens) is spent")
-        results = [ToolResult(call=ToolCall(id=m.get("tool_call_id") or "", name="",
-                                            arguments={}),
-                              content=str(m.get("content") or ""), ok=True, error=None,
-                              duration_s=0.0)
-                   for m in new if m["role"] == "tool"]
-        bound.turns.append(Turn(kind=SegmentKind.ENV, num_tokens=len(delta), started_s=0.0,
-                                duration_s=0.0, tool_results=results))
-
-
-
-async def _render(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn`` (a ChatRenderer method) in a thread; a template that cannot render what the
-    harness sent is the call's fault (400), never the proxy's."""
-    from jinja2 import TemplateError as JinjaError
-
-    try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    except (ValueError, TypeError, JinjaError) as e:
-        raise Refused("messages", f"messages: the chat template cannot render them: "
-                                  f"{type(e).__name__}: {e}") from None
-
-
-def _templated(message: Message, parser: ToolCallParser) -> Message:
-    """A message as the chat template renders it: tool calls as the model writes them."""
-    text = message["content"]
-    try:
-        calls = [parser.render(ToolCall(id="", name=name, arguments=args))
-                 for name, args in message.get("tool_calls", ())]
-    except (ValueError, TypeError) as e:  # a call this model's format cannot write
-        raise Refused("messages", f"messages: a tool call cannot be rendered: {e}") from None
-    if calls:
-        text = "\n".join([text, *calls]) if text else "\n".join(calls)
-    return {"role": message["role"], "content": text}
-
-
-def _extends(seen: list[Message], messages: list[Message]) -> int | str:
-    """Where the new messages start, when ``messages`` continue ``seen``; else why not."""
-    if len(messages) <= len(seen):
-        return f"history rewritten: {len(messages)} messages sent after {len(seen)} seen"
-    for i, (a, b) in enumerate(zip(seen, messages, strict=False)):
-        if a != b:
-            return f"history rewritten at message {i} ({a['role']} -> {b['role']})"
-    return len(seen)
-
-
-def _episode(session: _Session) -> str:
+def _episode(session: Session) -> str:
     """The episode id of an unbound session's requests: its calls continue one history (an
     engine that keeps it is sent only what each call adds, ``KeepsEpisodes``)."""
     return f"proxy/{session.id}"

@@ -19,13 +19,14 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
     proxy's caps (``agent.proxy`` of a run's config)."""
     import signal
 
+    from transformers import AutoTokenizer
+
     from rollstream.config.schema import EngineConfig, LocalEngineConfig
     from rollstream.engine import build_engine
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.folder import validate_model_folder
 
     folder = validate_model_folder(Path(model_dir))
-    tokenizer = load_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
 
     async def main() -> None:
         engine_cfg = EngineConfig(kind="local", local=LocalEngineConfig(max_slots=max_slots))

@@ -32,31 +32,37 @@ one trajectory); no model turn at all. The budgets end the episode like the buil
 each call's ``max_tokens`` is capped by ``agent.max_turn_tokens`` (the agent is given it as
 ``sampling.max_new_tokens``), and a call past ``agent.max_turns`` or
 ``sampling.max_new_tokens`` is refused with HTTP 400 and the episode ends as ``max_turns`` /
-``max_tokens``. An episode restored from a checkpoint with tokens fails with a reason instead
-of continuing: the external agent's own state (its conversation, its tools) is not in the
-checkpoint, so it cannot be resumed mid-episode; its tokens stay recorded in the ledger line.
+``max_tokens``.
+
+The agent may run its source's tools (``tool_list()``, under ``agent.tool_timeout_s`` and
+``agent.max_tool_concurrency``) through its session (``SessionHandle.call_tool``); the
+episode records each call. An episode restored from a checkpoint with tokens is run again
+from its task: its session answers the agent's calls and tool calls from the record until
+the agent reaches where the episode stood, then goes on live (``agent/proxy_episode.py``);
+an agent whose calls differ from the record, or that ends before reaching that point, fails
+the sample with the first difference. The agent's own side effects happen again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
-import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollstream.agent.loop import Budgets
 from rollstream.agent.proxy import AgentProxy, Binding, SessionHandle
+from rollstream.agent.proxy_episode import BoundTurns, replay_reason
+from rollstream.agent.tools import ToolManager
 from rollstream.config.tasks import ProxyConfig
 from rollstream.engine import SamplingParams
+from rollstream.engine.protocol import OnTokens
 from rollstream.reward.workers import CallTimeout, PoolClosed, WorkerDied, Workers
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Task
 
 if TYPE_CHECKING:
-    from rollstream.rollout.dispatcher import Dispatcher
-    from rollstream.rollout.harness import TurnOutput
+    from rollstream.rollout.harness import EpisodeHost, TurnOutput
 
 OPENAI = "openai"  # Task.harness of episodes driven by an OpenAI-SDK agent
 
@@ -69,6 +75,9 @@ class OpenAIAgent(Protocol):
 
 
 class OpenAIAgentSource(Protocol):
+    """A source whose episodes an OpenAI-SDK agent drives; a ``tool_list()`` method, when it
+    has one, gives the tools its agents may run through their sessions."""
+
     name: str
     parser: Any  # the tool-call format its model writes (a ToolCallParser)
     agent: str  # its OpenAIAgent's import path, ``module:function``
@@ -80,21 +89,11 @@ class AgentFailed(Exception):
 
 @functools.cache
 def resolve_agent(path: str) -> OpenAIAgent:
-    """The ``async def`` function at import path ``module:function`` (a ValueError or
-    TypeError that names what is wrong otherwise)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"agent {path!r} is not an import path `module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent {path!r}: cannot import module {module_name!r} ({e}); is it on "
-                         "PYTHONPATH?") from None
-    fn = getattr(module, attr, None)
-    if not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"agent {path!r} must be an `async def` function of (session, task, "
-                        f"sampling); module {module_name!r} has {fn!r}")
-    return fn
+    """The ``async def`` function at import path ``module:function``, checked
+    (``agent/episodes.py``: a ValueError or TypeError that names what is wrong)."""
+    from rollstream.agent.episodes import check_agent
+
+    return check_agent(path)
 
 
 def run_agent(path: str, session: SessionHandle, task: Task,
@@ -112,21 +111,25 @@ class ProxyHarness:
     """Runs the episodes of sources whose agents talk to the proxy (module docstring).
     ``workers``: None runs the agents as coroutines here; else the pool they run in (the
     run's ``build_workers``, role ``harness``), which the harness closes. ``context_tokens``
-    and ``limits``: the proxy's (:class:`AgentProxy`)."""
+    and ``limits``: the proxy's (:class:`AgentProxy`); ``tool_timeout_s`` and
+    ``max_tool_concurrency``: each source's tools' (``ToolManager``)."""
 
     def __init__(self, *, tokenizer: Any, sources: Mapping[str, OpenAIAgentSource],
                  budgets: Budgets, workers: Workers | None = None,
-                 context_tokens: int | None = None,
-                 limits: ProxyConfig = ProxyConfig()) -> None:
+                 context_tokens: int | None = None, limits: ProxyConfig = ProxyConfig(),
+                 tool_timeout_s: float = 30.0, max_tool_concurrency: int | None = None) -> None:
         self.tokenizer, self.budgets = tokenizer, budgets
         self.context_tokens, self.limits = context_tokens, limits
         self.sources = dict(sources)
         self.agents = {name: resolve_agent(src.agent) for name, src in self.sources.items()}
+        self.tools = {name: ToolManager(src.tool_list(), timeout_s=tool_timeout_s,
+                                        max_concurrency=max_tool_concurrency)
+                      for name, src in self.sources.items() if hasattr(src, "tool_list")}
         self.workers = workers
         self.proxies: dict[str, AgentProxy] = {}  # per source: its tool-call format
         self._starting: asyncio.Lock | None = None
 
-    async def _proxy(self, dispatcher: Dispatcher, name: str) -> AgentProxy:
+    async def _proxy(self, dispatcher: EpisodeHost, name: str) -> AgentProxy:
         self._starting = self._starting or asyncio.Lock()
         async with self._starting:
             if name not in self.proxies:
@@ -157,22 +160,19 @@ class ProxyHarness:
         if error is not None:
             raise AgentFailed(error)
 
-    async def run(self, sample: Sample, dispatcher: Dispatcher, params: SamplingParams) -> None:
+    async def run(self, sample: Sample, dispatcher: EpisodeHost, params: SamplingParams) -> None:
         move = dispatcher.lifecycle.move
         source = self.sources.get(sample.task.source)
         if source is None:
             move(sample, SampleStatus.FAILED, f"source {sample.task.source!r} has no OpenAI "
                  f"agent (such sources: {', '.join(sorted(self.sources)) or 'none'})")
             return
-        if sample.segments:
-            move(sample, SampleStatus.FAILED,
-                 "restored mid-episode: an external agent's conversation and tools are not in "
-                 "the checkpoint, so the episode cannot continue (its tokens are recorded)")
-            return
         b = self.budgets
         binding = Binding(prompt_ids=list(sample.task.prompt_ids), segments=sample.segments,
                           turns=sample.turns, generate=_bound_turns(dispatcher, sample),
-                          max_total_tokens=b.max_total_tokens, max_turns=b.max_turns)
+                          max_total_tokens=b.max_total_tokens, max_turns=b.max_turns,
+                          tools=self.tools.get(sample.task.source),
+                          recorded=len(sample.segments))  # restored: replayed first
         proxy = await self._proxy(dispatcher, sample.task.source)
         handle = proxy.open_session(sample.uid, binding=binding)
         error: str | None = None
@@ -197,6 +197,8 @@ class ProxyHarness:
             return  # the dispatcher gave up on it, or the run is ending: recorded elsewhere
         if binding.refused is not None:
             move(sample, SampleStatus.FAILED, f"episode refused: {binding.refused}")
+        elif error is None and (diverged := replay_reason(binding)) is not None:
+            move(sample, SampleStatus.FAILED, f"episode refused: {diverged}")
         elif error is not None and binding.ended is None:
             move(sample, SampleStatus.FAILED, error)
         elif not sample.segments or sample.segments[-1].kind is not SegmentKind.POLICY:
@@ -205,9 +207,9 @@ class ProxyHarness:
             dispatcher.finish(sample, binding.ended or "done")
 
 
-def _bound_turns(dispatcher: Dispatcher, sample: Sample) -> Callable[
-        [SamplingParams, str], Awaitable[TurnOutput | None]]:
-    async def generate(params: SamplingParams, rid: str) -> TurnOutput | None:
-        return await dispatcher.episode_turn(sample, params)
+def _bound_turns(dispatcher: EpisodeHost, sample: Sample) -> BoundTurns:
+    async def generate(params: SamplingParams, rid: str,
+                       on_tokens: OnTokens | None) -> TurnOutput | None:
+        return await dispatcher.episode_turn(sample, params, on_tokens=on_tokens)
 
     return generate

@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import from_json
 
 from rollstream.agent.tools import ParsedTurn
+from rollstream.trajectory import ToolCall
 
 DEFAULT_MAX_TOKENS = 256
+MAX_CHOICES = 64  # ChatRequest.n
+TOOL_PATH = "/rollstream/v1/tool_calls"  # SessionHandle.call_tool
 SEED_RANGE = (-(1 << 63), 1 << 63)  # a signed 64-bit seed, as OpenAI's API takes
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic union tags
@@ -37,6 +41,33 @@ _UNSUPPORTED = {  # fields accepted only with a value that changes nothing: why 
     "frequency_penalty": "only 0 is supported", "presence_penalty": "only 0 is supported",
     "top_logprobs": "only 0 is supported", "logit_bias": "only an empty logit_bias is supported",
     "logprobs": "returned logprobs are not supported"}
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SessionHandle:
+    """What an agent is given for one episode: the proxy's URL and the episode's key (it
+    crosses to harness worker processes)."""
+
+    base_url: str
+    api_key: str  # rs-<session_id>.<secret>
+    session_id: str
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Run the episode source's tool ``name`` (rollstream's, e.g. a sandboxed one) in the
+        run and get what the model reads: its output, or ``error: ...``. The episode records
+        the call, so a resumed episode is answered from the record instead of running it
+        again (``agent/proxy_episode.py``). A call the session refuses raises ``ValueError``
+        with the reason."""
+        import httpx
+
+        async with httpx.AsyncClient(timeout=None) as client:
+            reply = await client.post(f"{self.base_url.removesuffix('/v1')}{TOOL_PATH}",
+                                      json={"name": name, "arguments": arguments},
+                                      headers={"Authorization": f"Bearer {self.api_key}"})
+        body = reply.json()
+        if reply.status_code != 200:
+            raise ValueError(body["error"]["message"])
+        return body["content"]
 
 
 class Refused(ValueError):
@@ -55,23 +86,27 @@ class _Body(BaseModel):
 
 class TextPart(_Body):
     type: Literal["text"]
-    """Only text parts (images, audio and files are refused)."""
+    """Accepted when ``text`` (images, audio and files are refused)."""
     text: str
+    """Used: joined with the message's other parts."""
 
 
 class FunctionCall(_Body):
     name: str = Field(min_length=1)
+    """Used: the tool called."""
     arguments: str | dict[str, Any] = "{}"
-    """The arguments as a JSON string (OpenAI's form) or an object."""
+    """Used: the arguments as a JSON string (OpenAI's form) or an object."""
 
 
 class ToolCallIn(_Body):
     """A tool call of an assistant message the harness sends back."""
 
     function: FunctionCall
+    """Used: rendered as the model writes a call (its ``name`` and ``arguments``)."""
     id: str | None = None
     """Ignored: the proxy stitches by messages, and renders a call as the model wrote it."""
     type: Literal["function"] = "function"
+    """Accepted when ``function``."""
 
 
 class ChatMessage(_Body):
@@ -110,15 +145,29 @@ class ChatMessage(_Body):
 
 class FunctionSpec(_Body):
     name: str = Field(min_length=1)
+    """Used: shown to the model by the chat template."""
     description: str | None = None
+    """Used: shown to the model by the chat template."""
     parameters: dict[str, Any] | None = None
+    """Used: the JSON schema shown to the model by the chat template."""
     strict: bool | None = None
     """Ignored (the model is not constrained to the schema)."""
 
 
 class ToolSpec(_Body):
+    """One of the request's ``tools``."""
+
     type: Literal["function"]
+    """Accepted when ``function``."""
     function: FunctionSpec
+    """Used: the tool, as the chat template shows it."""
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+    """Used: a last chunk holds the usage."""
+    include_obfuscation: bool | None = None
+    """Ignored (nothing is padded)."""
 
 
 class ChatRequest(_Body):
@@ -141,11 +190,12 @@ class ChatRequest(_Body):
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     """Used: the call's sampling seed."""
     stream: bool | None = None
-    """Used: the reply as server-sent events (one content chunk, after generation)."""
+    """Used: the reply as server-sent events, its text as it is sampled."""
     tools: list[ToolSpec] | None = None
     """Used: shown to the model by the chat template; calls in a reply are parsed out."""
-    n: int | None = None
-    """Refused unless 1 (one choice per call)."""
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    """Used: that many choices, each sampled on its own and each its own sample of the
+    session (at most 64; a training episode's session and a streamed call take only 1)."""
     tool_choice: Literal["auto"] | None = None
     """Accepted when ``auto`` (the model decides; forcing a call is not implemented)."""
     stop: str | list[str] | None = None
@@ -164,8 +214,9 @@ class ChatRequest(_Body):
     """Accepted when ``{"type": "text"}``."""
     parallel_tool_calls: bool | None = None
     """Ignored."""
-    stream_options: dict[str, Any] | None = None
-    """Ignored (no usage chunk is streamed)."""
+    stream_options: StreamOptions | None = None
+    """Used: ``include_usage`` adds a last chunk with the usage (``include_obfuscation``
+    is ignored)."""
     user: str | None = None
     """Ignored."""
     metadata: dict[str, Any] | None = None
@@ -174,12 +225,32 @@ class ChatRequest(_Body):
     """Ignored."""
     service_tier: str | None = None
     """Ignored."""
+    prompt_cache_key: str | None = None
+    """Ignored (the engines cache prefixes on their own)."""
+    safety_identifier: str | None = None
+    """Ignored."""
+    prediction: dict[str, Any] | None = None
+    """Ignored (a hint of the output; what is sampled does not follow it)."""
+    reasoning_effort: str | None = None
+    """Ignored (the model's chat template is rendered without it)."""
+    verbosity: str | None = None
+    """Ignored."""
+    modalities: list[Literal["text"]] | None = None
+    """Accepted when ``["text"]``."""
+    audio: None = None
+    """Accepted when null."""
+    functions: None = None
+    """Accepted when null (the legacy form of ``tools``)."""
+    function_call: None = None
+    """Accepted when null (the legacy form of ``tool_choice``)."""
+    web_search_options: None = None
+    """Accepted when null."""
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("n must be 1 (one choice per call)")
+    def _streamed_once(cls, v: int | None, info) -> int | None:
+        if v is not None and v > 1 and info.data.get("stream"):
+            raise ValueError("a streamed call has one choice (n must be 1 with stream)")
         return v
 
     @field_validator(*_UNSUPPORTED)
@@ -205,11 +276,29 @@ class ChatRequest(_Body):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+class ToolCallBody(_Body):
+    """The body of ``SessionHandle.call_tool``: one call of the episode source's tools."""
+
+    name: str = Field(min_length=1, max_length=256)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse_tool_call(raw: bytes) -> ToolCall:
+    """The body of a tool call as a :class:`ToolCall` (:class:`Refused` naming a bad field)."""
+    try:
+        body = ToolCallBody.model_validate_json(raw)
+    except ValidationError as e:
+        raise _refused(e) from None
+    return ToolCall(id="", name=body.name, arguments=body.arguments)
+
+
 def field_docs() -> dict[str, dict[str, str]]:
-    """Every accepted field of the body and of a message, with what the proxy does with it."""
+    """Every field the body may hold (at the top, in ``stream_options``, a message, a content
+    part, a tool call, a tool), with what the proxy does with it."""
     return {model.__name__: {name: (f.description or "") for name, f in
                              model.model_fields.items()}
-            for model in (ChatRequest, ChatMessage)}
+            for model in (ChatRequest, StreamOptions, ChatMessage, TextPart, ToolCallIn,
+                          FunctionCall, ToolSpec, FunctionSpec)}
 
 
 def parse_request(raw: bytes) -> ChatRequest:
@@ -218,11 +307,15 @@ def parse_request(raw: bytes) -> ChatRequest:
     try:
         return ChatRequest.model_validate_json(raw)
     except ValidationError as e:
-        named = [(_path(err["loc"]), err["msg"])
-                 for err in e.errors(include_url=False, include_input=False)]
-        path, message = max(named, key=lambda pm: len(pm[0]))
-        param = ".".join(map(str, path)) or "body"
-        raise Refused(param, f"{param}: {message.removeprefix('Value error, ')}") from None
+        raise _refused(e) from None
+
+
+def _refused(e: ValidationError) -> Refused:
+    named = [(_path(err["loc"]), err["msg"])
+             for err in e.errors(include_url=False, include_input=False)]
+    path, message = max(named, key=lambda pm: len(pm[0]))
+    param = ".".join(map(str, path)) or "body"
+    return Refused(param, f"{param}: {message.removeprefix('Value error, ')}")
 
 
 def _path(loc: tuple) -> tuple:
@@ -281,21 +374,32 @@ def reply_message(text: str, parsed: ParsedTurn, call_index: int) -> dict[str, A
         for i, c in enumerate(parsed.calls)]}
 
 
-async def sse(reply: dict) -> AsyncIterator[str]:
-    """The reply as OpenAI stream chunks: role, content, tool calls, finish, [DONE]."""
+def chunk(head: dict, delta: dict, finish: str | None = None) -> str:
+    """One server-sent event of a streamed reply (``head``: its id, object, created, model)."""
+    data = head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def closing(reply: dict, head: dict, content: str, *, usage: bool) -> Iterator[str]:
+    """The end of a streamed ``reply``: ``content`` (what is left of its text), its tool
+    calls, the finish chunk, the usage (when asked: ``stream_options.include_usage``) and
+    ``[DONE]``."""
     choice = reply["choices"][0]
-    message = choice["message"]
-    base = {k: reply[k] for k in ("id", "created", "model")} | {"object":
-                                                               "chat.completion.chunk"}
-
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        data = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        return f"data: {json.dumps(data)}\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message["content"]:
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls", ())):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, choice["finish_reason"])
+    if content:
+        yield chunk(head, {"content": content})
+    for i, call in enumerate(choice["message"].get("tool_calls", ())):
+        yield chunk(head, {"tool_calls": [{"index": i, **call}]})
+    yield chunk(head, {}, choice["finish_reason"])
+    if usage:
+        yield f"data: {json.dumps(head | {'choices': [], 'usage': reply['usage']})}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def sse(reply: dict, *, usage: bool = False) -> AsyncIterator[str]:
+    """A whole ``reply`` as stream chunks: role, content, tool calls, finish, [DONE]."""
+    head = {k: reply[k] for k in ("id", "created", "model")} | {"object":
+                                                               "chat.completion.chunk"}
+    yield chunk(head, {"role": "assistant", "content": ""})
+    for line in closing(reply, head, reply["choices"][0]["message"]["content"] or "",
+                        usage=usage):
+        yield line

@@ -15,8 +15,8 @@ everything a token needs is in the environment's last message, a few tokens back
 model cannot add reliably, so the calculator matters; what RL improves is copying, turn after
 turn (one slip and the answer is wrong). The number of items is long-tailed
 (``pareto_items``, capped by ``SourceConfig.max_items``), so is the number of turns. Tool
-calls use :class:`CommandToolParser` (``#calc 57+7``): the kit's character vocabulary has no
-``<``, ``{`` or ``"`` for the Hermes format. Demonstrations for the warm start slip a copied
+calls use :class:`CommandToolParser` (``#calc 57+7``): a few tokens where a Hermes
+``<tool_call>`` JSON block takes dozens, for a tiny model to learn. Demonstrations for the warm start slip a copied
 number by one with probability ``noise``; later turns add on from the calculator's result,
 so a slip makes the answer wrong, as a sampling error does.
 """
@@ -27,14 +27,19 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from rollstream.agent.chat import ChatRenderer, Message
 from rollstream.agent.environment import ModelTurn, Observation, ToolEnvironment
 from rollstream.agent.harness import AGENT
-from rollstream.agent.loop import ReplayTools
 from rollstream.agent.proxy import SessionHandle
-from rollstream.agent.tools import Calculator, CommandToolParser, Tool, ToolCall, tool_schema
+from rollstream.agent.tools import (
+    Calculator,
+    CommandToolParser,
+    ToolCall,
+    ToolCallParser,
+    ToolRunner,
+    tool_schema,
+)
 from rollstream.data.sources import Split, _Synthetic, pareto_items
 from rollstream.engine import SamplingParams
 from rollstream.trajectory import Task
@@ -44,14 +49,16 @@ _MAX_VALUE = 99
 _PROMPT = re.compile(r"tally( \d+)+")
 
 
-@dataclass(slots=True, kw_only=True)
 class TallyEnvironment:
-    """Deals ``values`` one per turn; runs the model's calls; a turn without one answers."""
+    """Deals the numbers of its row's prompt (``tally 12 45 7``) one per turn; runs the
+    model's calls; a turn without one answers (graded by the source's reward). Built like any
+    user's environment (``SourceConfig.environment``): from the row, with the episode's tool
+    runner and the source's parser."""
 
-    values: list[int]
-    tools: ReplayTools
-    parser: CommandToolParser
-    dealt: int = 1  # the opening deals the first value
+    def __init__(self, *, row: dict, tools: ToolRunner, parser: ToolCallParser) -> None:
+        self.values = values_of(str(row.get("prompt", "")))
+        self.tools, self.parser = tools, parser
+        self.dealt = 1  # the opening deals the first value
 
     async def reset(self) -> list[Message]:
         self.dealt = 1
@@ -69,20 +76,29 @@ class TallyEnvironment:
                            tool_results=obs.tool_results)
 
 
+def calc() -> Calculator:
+    """The tally's tool: the calculator, named ``calc`` (``SourceConfig.tools``)."""
+    return Calculator(name="calc")
+
+
+def command_parser() -> CommandToolParser:
+    """The tally's tool-call format, ``#calc 57+7`` (``SourceConfig.tool_parser``)."""
+    return CommandToolParser(commands={"calc": "expression"})
+
+
 @dataclass(slots=True, kw_only=True)
 class TallySource(_Synthetic):
     """Agent episodes: add dealt numbers with the ``calc`` tool (module docstring)."""
 
     harness: str = field(init=False, default=AGENT)  # or OPENAI (SourceConfig.harness)
-    agent: ClassVar[str] = "rollstream.agent.tally:openai_agent"  # run by the OPENAI harness
     renderer: ChatRenderer = field(init=False)
-    parser: CommandToolParser = field(init=False)
+    parser: CommandToolParser = field(init=False)  # writes the demonstrations' calls
 
     def __post_init__(self) -> None:
         _Synthetic.__post_init__(self)
         self.harness = self.cfg.harness or AGENT
         self.renderer = ChatRenderer(self.tokenizer)
-        self.parser = CommandToolParser(commands={"calc": "expression"})
+        self.parser = command_parser()
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         n = pareto_items(rng, self.cfg.pareto_alpha, _SCALE, self.cfg.max_items)
@@ -103,12 +119,6 @@ class TallySource(_Synthetic):
 
     def opening(self, task: Task) -> list[Message]:
         return _opening(task)
-
-    def tool_list(self) -> list[Tool]:
-        return [Calculator(name="calc")]
-
-    def environment(self, task: Task, tools: ReplayTools) -> TallyEnvironment:
-        return TallyEnvironment(values=_values(task), tools=tools, parser=self.parser)
 
     def demonstration(self, task: Task, rng: random.Random, noise: float) -> list[Message]:
         """The turns after the opening: a call per number, its result and the next deal,
@@ -132,39 +142,49 @@ class TallySource(_Synthetic):
 
 async def openai_agent(session: SessionHandle, task: Task, sampling: SamplingParams) -> None:
     """The same episode written as an ordinary agent with the ``openai`` SDK (the ``openai``
-    harness, ``TallySource.agent``): it keeps the conversation, runs the calculator itself and
-    deals the numbers; the proxy it talks to turns its calls into the training sample."""
+    harness, ``SourceConfig.agent``): it keeps the conversation, deals the numbers and has the
+    run execute its calculator calls (``SessionHandle.call_tool``: the episode records them);
+    the proxy it talks to turns its calls into the training sample."""
     import openai
 
     values = _values(task)
-    calc = Calculator(name="calc")
+    tool = calc()
     messages: list[dict] = _opening(task)
     async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
                                   max_retries=0) as client:
         for dealt in range(1, len(values) + 2):
             reply = await client.chat.completions.create(
-                model="tally", messages=messages, tools=[tool_schema(calc)],
+                model="tally", messages=messages, tools=[tool_schema(tool)],
                 temperature=sampling.temperature, top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens)
             message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:
                 return  # the answer
-            for call in message.tool_calls:
+            for call in message.tool_calls:  # run by rollstream: a resume replays them
                 try:
-                    result = await calc(**json.loads(call.function.arguments))
-                except (ValueError, TypeError) as e:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError as e:
                     result = f"error: {e}"
+                else:
+                    result = await session.call_tool(call.function.name, arguments)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             deal = f"add {values[dealt]}" if dealt < len(values) else "end"
             messages.append({"role": "user", "content": deal})
 
 
+def values_of(prompt: str) -> list[int]:
+    """The numbers a tally prompt deals (``tally 12 45 7``)."""
+    if _PROMPT.fullmatch(prompt) is None:
+        raise ValueError(f"not a tally prompt: {prompt!r}")
+    return [int(v) for v in prompt.split()[1:]]
+
+
 def _values(task: Task) -> list[int]:
-    """The numbers a tally task deals (its text: ``tally 12 45 7``)."""
-    if _PROMPT.fullmatch(task.prompt_text) is None:
-        raise ValueError(f"task {task.uid} is not a tally prompt: {task.prompt_text!r}")
-    return [int(v) for v in task.prompt_text.split()[1:]]
+    try:
+        return values_of(task.prompt_text)
+    except ValueError as e:
+        raise ValueError(f"task {task.uid}: {e}") from None
 
 
 def _opening(task: Task) -> list[Message]:

@@ -60,11 +60,28 @@ class ParsedTurn:
 
 
 class ToolCallParser(Protocol):
+    """A model's tool-call format. A parser may also have ``call_start(text) -> int``: where
+    the first tool call of ``text`` begins or may begin (the text is still being generated);
+    the text before it is prose for sure, which the proxy streams as it is sampled (without
+    it, a streamed reply's content arrives at its end)."""
+
     def parse(self, text: str) -> ParsedTurn: ...
 
     def render(self, call: ToolCall) -> str:
         """The text the model writes for ``call`` (``parse`` reads it back)."""
         ...
+
+
+def marker_start(text: str, marker: str) -> int:
+    """Where ``marker`` first occurs in ``text``, or where a tail of ``text`` that may grow
+    into it begins; ``len(text)`` when neither (``ToolCallParser.call_start``)."""
+    at = text.find(marker)
+    if at != -1:
+        return at
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return len(text)
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -111,6 +128,9 @@ class HermesToolParser:
 
     def render(self, call: ToolCall) -> str:
         return render_tool_call(call, open_tag=self.open_tag, close_tag=self.close_tag)
+
+    def call_start(self, text: str) -> int:
+        return marker_start(text, self.open_tag)
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -160,6 +180,9 @@ class CommandToolParser:
             raise ValueError(f"CommandToolParser cannot write {call.name}({call.arguments}): "
                              f"one argument of {sorted(self.commands.items())} expected")
         return f"{self.prefix}{call.name} {call.arguments[key]}"
+
+    def call_start(self, text: str) -> int:
+        return marker_start(text, self.prefix)
 
 
 def _decode_call(body: str, index: int) -> ToolCall | str:
@@ -233,6 +256,15 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
             "parameters": tool.parameters,
         },
     }
+
+
+class ToolRunner(Protocol):
+    """What an environment runs its tool calls with (a :class:`ToolManager`, or in an
+    episode the harness's runner, which answers a resumed episode's recorded calls)."""
+
+    async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]: ...
+
+    def schemas(self) -> list[dict[str, Any]]: ...
 
 
 class ToolManager:

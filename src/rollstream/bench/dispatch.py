@@ -153,12 +153,11 @@ def main(json_out: Path | None = None, quick: bool = False, *,
     """The makespans, then the training runs of bench/sampling.py (their run directories under
     ``run_root``, a temporary folder by default)."""
     import torch
+    from transformers import AutoTokenizer
 
     from rollstream.bench import sampling
-
     from rollstream.config import load_config
     from rollstream.data.mix import TaskMix
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model
 
     torch.set_num_threads(1)
@@ -170,7 +169,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         *(overrides or []), "tasks.mix=weighted",
         f"tasks.sources=[{{kind: tick, name: long, max_items: {max_items}}}, "
         "{kind: tick, name: short, max_items: 6}]"])
-    tokenizer = load_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     mix = TaskMix(mixed.tasks, tokenizer)
     batches = [[mix.next_task() for _ in range(groups)] for _ in range(num_batches)]
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

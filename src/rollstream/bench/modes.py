@@ -11,10 +11,10 @@ base YAML's ``on_update``: interrupt and resume, or continue in place) and with
 controller settings as ``async k=1``: the two differ only by run-to-run noise, which is what
 their difference measures. Every row follows the base YAML's staleness rule at its own k.
 Two more rows compare the staleness semantics for a long sample at async k=2 with partial
-rollout (rollout/staleness.py), next to the headline row's (the base YAML's rule:
+rollout (staleness.py), next to the headline row's (the base YAML's rule:
 ``admission`` in both examples): ``async_k2_partial_<rule>`` for
 each other rule of ``drop`` (``max_context_age`` = k: a group holding a token older than k is
-dropped), ``mask`` (``train.max_token_age`` = k: older tokens masked) and ``admission`` (k
+dropped), ``mask`` (``max_token_age`` = k: older tokens masked) and ``admission`` (k
 bounds admission only, samples trained whole up to ``max_context_age`` 2k), all with the
 base's loss; key ``staleness_semantics``. Two more run the headline row and its drain pair
 with the trainer in a process of its own (``trainer_proc_<row>``: the fsdp backend with one
@@ -39,7 +39,7 @@ thread that always has work and is blocked is waiting for the GIL; bench/probe.p
 
 Per config (from ``run_training``'s summary, the run dir's ledger and metrics): wall and
 training time, trained tokens/s (the tokens the loss kept of TRAINED samples / training wall
-time; with ``train.max_token_age`` a resumed sample's older tokens are not counted),
+time; with ``max_token_age`` a resumed sample's older tokens are not counted),
 generated tokens/s (response tokens of every training-phase sample, eval excluded),
 **engine utilization** (generated tokens/s / saturated tokens/s), trainer busy share (trainer
 compute / training wall time), final held-out reward with its standard error over eval
@@ -78,26 +78,27 @@ from typing import Any
 import yaml
 
 from rollstream.bench.modes_bound import end_tail_s, machine_bound, share_of_bound
+from rollstream.bench.modes_tables import print_tables
 from rollstream.bench.probe import ThreadMeter, probe
 from rollstream.config import RunConfig, apply_override, load_config, validate
 from rollstream.data.ledger_row import LedgerRow
-from rollstream.rollout.staleness import StalenessPolicy, context_age
 from rollstream.run_files import RunFiles
 from rollstream.trajectory import SampleStatus, eval_group_id, is_eval_uid
 
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
 DRAIN_PAIR = "async_k2_drain"  # the same k without partial rollout
+_S = "rollout.staleness"  # the config block of the bounds each row sets
 # The trainer in a process of its own (the fsdp backend with one rank, pinned to the trainer's
 # core) instead of a thread beside the engine's: the interpreter (GIL) is no longer shared
 TRAINER_PROCESS = "trainer_proc_"
 TRAINER_PROCESS_SETTINGS = ("train.backend=fsdp", "train.fsdp.world_size=1")
 def rule_settings(rule: str, k: int) -> list[str]:
     """The overrides that make a row with staleness bound ``k`` follow ``rule`` (a staleness
-    semantics of rollout/staleness.py; the headline row follows the base YAML's)."""
-    return {"drop": ["train.max_token_age=null", f"rollout.max_context_age={k}"],
-            "mask": [f"train.max_token_age={k}", f"rollout.max_context_age={2 * k}"],
-            "admission": ["train.max_token_age=null", f"rollout.max_context_age={2 * k}"]}[rule]
+    semantics of staleness.py; the headline row follows the base YAML's)."""
+    return {"drop": [f"{_S}.max_token_age=null", f"{_S}.max_context_age={k}"],
+            "mask": [f"{_S}.max_token_age={k}", f"{_S}.max_context_age={2 * k}"],
+            "admission": [f"{_S}.max_token_age=null", f"{_S}.max_context_age={2 * k}"]}[rule]
 
 
 STALENESS_RULES = ("drop", "mask", "admission")
@@ -132,9 +133,9 @@ def mode_configs(base_rule: str = "admission",
         out.append((f"one_step_{tag}",
                     ["rollout.mode=one_step", f"rollout.on_update={on_update}", *bounds(1)]))
         for k in (1, 2, 4):
-            out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"rollout.max_staleness={k}",
+            out.append((f"async_k{k}_{tag}", ["rollout.mode=async", f"{_S}.max_staleness={k}",
                                               f"rollout.on_update={on_update}", *bounds(k)]))
-    k2 = ["rollout.mode=async", "rollout.max_staleness=2", f"rollout.on_update={partial}"]
+    k2 = ["rollout.mode=async", f"{_S}.max_staleness=2", f"rollout.on_update={partial}"]
     for rule in STALENESS_RULES:  # the other two staleness semantics
         if rule != base_rule:
             out.append((f"{HEADLINE_ASYNC}_{rule}", [*k2, *rule_settings(rule, 2)]))
@@ -153,7 +154,7 @@ def row_config(config: Path, common: Sequence[str], row: Sequence[str]) -> RunCo
         apply_override(data, item)
     settings = dict(item.split("=", 1) for item in row)
     if settings.get("rollout.mode") in ("sync", "one_step"):
-        data.setdefault("rollout", {}).pop("max_staleness", None)
+        data.setdefault("rollout", {}).get("staleness", {}).pop("max_staleness", None)
     for item in row:
         apply_override(data, item)
     return validate(data)
@@ -215,7 +216,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         summary = run_training(cfg)
     run_dir = cfg.run_dir
     ledger = read_ledger(RunFiles(run_dir).ledger)
-    # the tokens the loss kept (with train.max_token_age a resumed sample's old prefix is not)
+    # the tokens the loss kept (with max_token_age a resumed sample's old prefix is not)
     trained_tokens = sum(r.num_trained_tokens or 0 for r in ledger
                          if r.status is SampleStatus.TRAINED)
     generated = sum(r.num_tokens for r in ledger if not _is_eval(r))
@@ -317,10 +318,12 @@ def cores() -> tuple[int, int]:
 
 def bench_overrides(folder: Path, run_root: Path) -> list[str]:
     """What every benchmarked rollstream run shares: the model folder, one pinned torch thread
-    for the engine and one for the trainer, no UI."""
+    for the engine and one for the trainer, no UI, and the held-out reward measured at the
+    start and the end only (``reward_se`` reads round 1 as the final one, and an evaluation
+    inside the training time would be timed as training)."""
     engine_core, train_core = cores()
     return [
-        f"model.path={folder}", f"run_root={run_root}", "max_wall_s=null",
+        f"model.path={folder}", f"run_root={run_root}", "max_wall_s=null", "eval.every=0",
         "engine.local.threads=1", f"engine.local.cpu_affinity=[{engine_core}]",
         "train.threads=1", f"train.cpu_affinity=[{train_core}]",
         "monitor.progress=false", "monitor.report=false", "monitor.dashboard=false",
@@ -353,19 +356,18 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
     print(f"bench modes: probing the engine's saturated rate ({sizes.saturate_s:.0f} s) ...",
           flush=True)
     probed = probe(cfg0, folder, saturate_s=sizes.saturate_s, probe_steps=sizes.probe_steps)
-    modes = dict(mode_configs(StalenessPolicy.from_config(base.rollout, base.train).rule,
-                              base.rollout.on_update))
+    modes = dict(mode_configs(base.rollout.staleness_policy().rule, base.rollout.on_update))
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, label in enumerate(run_order(quick, modes)):
         print(f"bench modes: {label} ...", flush=True)
         seed = base.seed + len(runs.get(label, []))  # a row's second run: the next seed
         cfg = row_config(config, common, [*modes[label], f"name={label}-{i}", f"seed={seed}"])
+        policy = cfg.rollout.staleness_policy()
         runs.setdefault(label, []).append(
-            {"seed": seed, "max_staleness": cfg.rollout.staleness_bound,
+            {"seed": seed, "max_staleness": policy.max_staleness,
              "on_update": cfg.rollout.on_update, "kv_on_load": cfg.engine.local.kv_on_load,
-             "max_token_age": cfg.train.max_token_age,
-             "staleness_rule": StalenessPolicy.from_config(cfg.rollout, cfg.train).rule,
-             "max_context_age": context_age(cfg.rollout, cfg.train), "loss": cfg.train.loss,
+             "max_token_age": policy.max_token_age, "staleness_rule": policy.rule,
+             "max_context_age": policy.context_bound, "loss": cfg.train.loss,
              **run_config(cfg)})
     rows = {label: merge_repeats(runs[label]) for label in modes}
     for row in rows.values():
@@ -376,8 +378,6 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
                         config_path=Path(config))
     if json_out is not None:  # first: the runs' measurements outlive a failing table
         Path(json_out).write_text(json.dumps(result, indent=2))
-    from rollstream.bench.modes_tables import print_tables  # it imports this module
-
     print_tables(result)
     return result
 
@@ -430,6 +430,7 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "probe": probed,
         "rows": rows,
         "async_config": HEADLINE_ASYNC,
+        "drain_config": DRAIN_PAIR,  # the headline row's pair without partial rollout
         "async_partial_vs_sync_throughput": ratio,
         "async_partial_vs_sync_samples_per_s": head["trained_samples_per_s"]
         / sync["trained_samples_per_s"],

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollstream.bench.modes import DRAIN_PAIR, HEADLINE_ASYNC
 from rollstream.bench.modes_bound import factors_line
 
 
@@ -88,17 +87,18 @@ def print_tables(result: dict[str, Any]) -> None:
                       str(r["dropped_stale"]), f"{r['masked_tokens']:,}",
                       f"{r['staleness_mean']:.2f}")
         console.print(t)
+    head, drain = result["async_config"], result["drain_config"]
     console.print(
         f"best async ({result['async_best_async_config']}) reaches "
         f"{result['async_best_share_of_bound']:.2f} of this machine's bound "
-        f"(x{result['async_bound_vs_sync']:.2f} vs sync); {HEADLINE_ASYNC} vs {DRAIN_PAIR}: "
+        f"(x{result['async_bound_vs_sync']:.2f} vs sync); {head} vs {drain}: "
         f"trained samples/s x{result['async_partial_vs_drain']:.2f}, reward "
         f"{result['reward_partial_minus_drain']:+.3f}")
     shares = result["share_of_bound"]
-    for label in dict.fromkeys((result["async_best_async_config"], HEADLINE_ASYNC, DRAIN_PAIR)):
+    for label in dict.fromkeys((result["async_best_async_config"], head, drain)):
         console.print(factors_line(label, shares[label]))
     if by_seed := result["async_partial_vs_drain_by_seed"]:
-        console.print(f"{HEADLINE_ASYNC} vs {DRAIN_PAIR} per seed: "
+        console.print(f"{head} vs {drain} per seed: "
                       + ", ".join(f"seed {seed} x{x:.2f}" for seed, x in by_seed.items()))
     if spread := result["samples_per_s_run_to_run"]:
         console.print("two runs of one row apart (samples/s, |1 - 2| / mean): "

@@ -58,7 +58,6 @@ from rollstream.bench.modes import (
     run_config,
 )
 from rollstream.config import load_config
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.run_files import RunFiles
 
 KS = (1, 2)  # the staleness bounds compared; k=2 is the examples' own and bench modes' pair
@@ -268,7 +267,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         *overrides, *bench_overrides(folder, run_root), f"train.steps={sizes.steps}",
         f"tasks.num_eval={sizes.num_eval}", f"eval.samples_per_task={sizes.samples_per_task}",
     ]
-    modes = dict(mode_configs(StalenessPolicy.from_config(base.rollout, base.train).rule,
+    modes = dict(mode_configs(base.rollout.staleness_policy().rule,
                               base.rollout.on_update))
     load_before, t0 = os.getloadavg(), time.perf_counter()
     runs: dict[tuple[int, int, str], dict[str, Any]] = {}

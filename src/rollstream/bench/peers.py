@@ -79,7 +79,7 @@ def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
                .read_text().splitlines() if x.strip()]
     rewards = [m["reward_mean"] for m in metrics if m.get("kind") == "train"]
     return {
-        "config": f"{cfg.rollout.mode} k={cfg.rollout.max_staleness} "
+        "config": f"{cfg.rollout.mode} k={cfg.rollout.staleness_bound} "
                   f"on_update={cfg.rollout.on_update}",
         "steps": row["steps"],
         "trained_samples": row["trained_samples"],
@@ -106,9 +106,12 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
     import warnings
 
     import torch
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
-
-    from rollstream.models.tokenizer import load_tokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PrinterCallback,
+        TrainerCallback,
+    )
 
     with warnings.catch_warnings():  # TRL warns about the vLLM version it does not use here
         warnings.simplefilter("ignore", UserWarning)
@@ -121,7 +124,7 @@ def run_trl(base: RunConfig, folder: Path, steps: int, out_dir: Path,
     from rollstream.reward import build_resolver, decode_response
 
     torch.set_num_threads(threads)
-    tokenizer = load_tokenizer(folder, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     mix = TaskMix(base.tasks, tokenizer)
     resolve = build_resolver(base.reward, source_rewards(base.tasks))
     g, n = base.rollout.group_size, base.train.groups_per_step

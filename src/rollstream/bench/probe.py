@@ -187,14 +187,15 @@ def _batch(groups: list[tuple[Any, list[Any]]], resolve: Any, tokenizer: Any, n:
 
 def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) -> dict[str, Any]:
     """Saturated engine tokens/s on its core, then trainer steps alone and next to it."""
+    from transformers import AutoTokenizer
+
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
     from rollstream.engine.local import LocalEngine
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.reward import build_resolver
     from rollstream.runtime.build import build_trainer, sampling_params
 
-    tokenizer = load_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     mix = TaskMix(cfg.tasks, tokenizer)
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks))
     params = sampling_params(cfg.sampling, (tokenizer.eos_token_id,))
@@ -208,7 +209,7 @@ def probe(cfg: RunConfig, folder: Path, *, saturate_s: float, probe_steps: int) 
             sat, groups = _saturate(engine, mix, params, saturate_s, group_size=g,
                                     settle_s=settle)
         batch = _batch(groups, resolve, tokenizer, cfg.train.groups_per_step)
-        trainer = build_trainer(cfg, folder)
+        trainer = build_trainer(cfg, folder, staleness=cfg.rollout.staleness_policy())
 
         def steps(n: int) -> list[float]:
             out = []

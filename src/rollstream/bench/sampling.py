@@ -119,10 +119,11 @@ def write_tick_dataset(path: Path, base: Any, folder: Path, *, num_train: int,
     """The demo's tick tasks as a JSONL dataset whose ``num_train`` training rows recur, once
     per pass (held-out rows: ``num_eval`` of tick's held-out tasks, which the dataset's own
     split by prompt hash holds out as well): where pass rates are kept per task."""
-    from rollstream.data.mix import TaskMix
-    from rollstream.models.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer
 
-    mix = TaskMix(base.tasks, load_tokenizer(folder))
+    from rollstream.data.mix import TaskMix
+
+    mix = TaskMix(base.tasks, AutoTokenizer.from_pretrained(folder))
     src = mix.source(mix.names[0])
     tasks = [src.task(i, split) for split, n in (("train", num_train), ("eval", num_eval))
              for i in range(n)]
@@ -210,11 +211,12 @@ def collect(cfg: Any) -> dict[str, Any]:
 def _bucket_of(cfg: Any) -> Any:
     """task uid -> its difficulty bucket, regenerated from the uid (a generated source's
     pass-rate key); a dataset's tasks all fall in one bucket, the source's name."""
+    from transformers import AutoTokenizer
+
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import Bucketed
-    from rollstream.models.tokenizer import load_tokenizer
 
-    mix = TaskMix(cfg.tasks, load_tokenizer(Path(cfg.model.path)))
+    mix = TaskMix(cfg.tasks, AutoTokenizer.from_pretrained(Path(cfg.model.path)))
 
     def bucket(task_uid: str) -> str:
         name, _, rest = task_uid.partition("/")

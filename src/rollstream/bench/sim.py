@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollstream.config.staleness import StalenessConfig
 from rollstream.sim.calibrate import (
     RunRecord,
     fit_profile,
@@ -203,7 +204,7 @@ def gpu_256(sizes: Sizes) -> dict[str, Any]:
         "steps": sizes.sim_steps or base.steps,
         "modes": [ModeConfig(name="sync", mode="sync").model_dump(),
                   ModeConfig(name="async_k2_partial", mode="async",
-                             max_staleness=2).model_dump()]})
+                             staleness=StalenessConfig(max_staleness=2)).model_dump()]})
     print(f"bench sim: {sc.name}, {sc.steps} steps ...", flush=True)
     res = run_scenario(sc, progress=True)
     rows = res["rows"]

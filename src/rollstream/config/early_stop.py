@@ -3,14 +3,9 @@ zero-variance outcome likely (docs/data.md, "Stopping likely zero-variance group
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import Field
 
 from rollstream.config.section import Section
-
-if TYPE_CHECKING:
-    from rollstream.config.schema import RolloutConfig
 
 
 class EarlyStopConfig(Section):
@@ -33,9 +28,8 @@ class EarlyStopConfig(Section):
     samples really finish (chosen by a hash of the group id)."""
 
 
-def check_early_stop(r: RolloutConfig) -> None:
+def check_early_stop(es: EarlyStopConfig, *, group_size: int, filter_zero_variance: bool) -> None:
     """Settings that contradict each other or the rollout's."""
-    es = r.early_stop
     if es.after == 0:
         changed = [k for k in ("stop_above", "min_groups", "witness_share")
                    if getattr(es, k) != EarlyStopConfig.model_fields[k].default]
@@ -43,10 +37,10 @@ def check_early_stop(r: RolloutConfig) -> None:
             raise ValueError(f"rollout.early_stop.{changed[0]} is read only with "
                              "rollout.early_stop.after > 0 (it is 0: off); drop it or set after")
         return
-    if not 2 <= es.after < r.group_size:
+    if not 2 <= es.after < group_size:
         raise ValueError(f"rollout.early_stop.after = {es.after} must be 0 (off) or from 2 to "
-                         f"rollout.group_size - 1 = {r.group_size - 1}")
-    if not r.filter_zero_variance:
+                         f"rollout.group_size - 1 = {group_size - 1}")
+    if not filter_zero_variance:
         raise ValueError("rollout.early_stop.after > 0 cancels groups likely to have zero "
                          "reward variance, which rollout.filter_zero_variance: false trains: "
                          "set one of them back")

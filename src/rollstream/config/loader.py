@@ -6,24 +6,19 @@ Errors name the field path, the offending value and what is allowed; unknown key
 
 from __future__ import annotations
 
-import difflib
-import reprlib
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from rollstream.config.problems import REPR as _REPR
+from rollstream.config.problems import validation_problems
 from rollstream.config.schema import RunConfig
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message says where and why."""
-
-
-_REPR = reprlib.Repr()  # values in messages: bounded (a YAML alias can nest exponentially)
-_REPR.maxstring = _REPR.maxother = 120
-_REPR.maxlevel = 3
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -137,55 +132,3 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], what: 
     n = len(lines)
     return "\n".join([f"invalid {what} ({n} problem{'s' if n > 1 else ''}):",
                       *("  - " + line for line in lines)])
-
-
-def validation_problems(err: ValidationError, model: type[BaseModel]) -> list[str]:
-    """One line per problem: the field path, the value and what is allowed; an unknown key
-    with the known ones (and a close match); a check across fields with its own message."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            msg = f"unknown key {loc!r}" + _did_you_mean(e["loc"], model)
-        elif e["type"] == "missing":
-            msg = f"{loc}: missing (required)"
-        elif isinstance(e.get("input"), dict) and e["msg"].startswith("Value error, "):
-            reason = e["msg"].removeprefix("Value error, ")  # a check across fields
-            msg = reason if loc == "<root>" else f"{loc}: {reason}"
-        else:
-            value = e.get("input")
-            shown = _REPR.repr(value) if not isinstance(value, dict) else "{...}"
-            msg = f"{loc} = {shown}: {e['msg'].removeprefix('Value error, ')}"
-            allowed = _allowed(e)
-            if allowed:
-                msg += f" (allowed: {allowed})"
-        lines.append(msg)
-    return lines
-
-
-def _allowed(e: dict[str, Any]) -> str:
-    ctx = e.get("ctx") or {}
-    for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-        if k in ctx:
-            return f"{sym} {ctx[k]}"
-    return ""
-
-
-def _did_you_mean(loc: tuple, root: type[BaseModel]) -> str:
-    model: Any = root
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
-        if field is None:
-            return ""
-        ann = field.annotation
-        inner = getattr(ann, "__args__", None)
-        model = inner[0] if inner and isinstance(inner[0], type) else ann
-    if not hasattr(model, "model_fields"):
-        return ""
-    known = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-    where = ".".join(str(x) for x in loc[:-1]) or "the top level"
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{hint} (known keys under {where}: {', '.join(known)})"

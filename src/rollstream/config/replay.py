@@ -3,14 +3,10 @@ staleness policy still accepts them (docs/data.md, "Bounded replay")."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import Field
 
 from rollstream.config.section import Section
-
-if TYPE_CHECKING:
-    from rollstream.config.schema import RolloutConfig, TrainConfig
+from rollstream.staleness import StalenessPolicy
 
 
 class ReplayConfig(Section):
@@ -23,11 +19,9 @@ class ReplayConfig(Section):
     """Times one group may be replayed (after its first training)."""
 
 
-def check_replay(r: RolloutConfig, t: TrainConfig) -> None:
-    """Replay settings that contradict each other or the staleness bounds."""
-    from rollstream.rollout.staleness import StalenessPolicy  # pure Python, the rule's owner
-
-    replay = r.replay
+def check_replay(replay: ReplayConfig, policy: StalenessPolicy, *, mode: str,
+                 groups_per_step: int) -> None:
+    """Replay settings that contradict each other or the run's staleness policy."""
     if replay.max_share == 0:
         if replay.max_uses != ReplayConfig.model_fields["max_uses"].default:
             raise ValueError(
@@ -35,17 +29,18 @@ def check_replay(r: RolloutConfig, t: TrainConfig) -> None:
                 "rollout.replay.max_share > 0 (it is 0: replay is off); drop it or set max_share"
             )
         return
-    bound = StalenessPolicy.from_config(r, t).kept_bound
+    bound = policy.kept_bound
     if bound < 1:  # a group trained at step s holds tokens of version <= s: age >= 1 at s+1
         raise ValueError(
             f"rollout.replay.max_share = {replay.max_share} cannot apply: a replayed token is "
             f"at least 1 step old, and the staleness bound of trained tokens is {bound} "
-            f"(rollout.mode = {r.mode}, train.max_token_age = {t.max_token_age}); use mode: "
-            "async (max_staleness >= 1, max_token_age >= 1 when set) or max_share: 0"
+            f"(rollout.mode = {mode}, rollout.staleness.max_token_age = "
+            f"{policy.max_token_age}); use mode: async (max_staleness >= 1, max_token_age >= 1 "
+            "when set) or max_share: 0"
         )
-    if int(replay.max_share * t.groups_per_step) == 0:
+    if int(replay.max_share * groups_per_step) == 0:
         raise ValueError(
             f"rollout.replay.max_share = {replay.max_share} allows no replayed group in a step "
-            f"of train.groups_per_step = {t.groups_per_step} groups (floor of their product is "
-            f"0); use max_share >= {1 / t.groups_per_step:g} or max_share: 0"
+            f"of train.groups_per_step = {groups_per_step} groups (floor of their product is "
+            f"0); use max_share >= {1 / groups_per_step:g} or max_share: 0"
         )

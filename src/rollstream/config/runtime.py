@@ -5,14 +5,13 @@ says where engines, workers and fsdp ranks run (scale units) and which Ray they 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rollstream.config.engine import EngineConfig
 from rollstream.config.section import Section
-
-if TYPE_CHECKING:
-    from rollstream.config.schema import RunConfig
+from rollstream.config.train import TrainConfig
 
 MIN_OBJECT_STORE_BYTES = 78643200  # Ray refuses less (75 MiB)
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -126,36 +125,37 @@ class RuntimeConfig(Section):
         return self
 
 
-def check_runtime(cfg: RunConfig) -> None:
-    """Runtime settings that contradict the engine section."""
-    rt = cfg.runtime
+def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig,
+                  num_workers: int) -> None:
+    """Runtime settings that contradict the engine and train sections (``num_workers``: the
+    reward and harness worker actors)."""
     if rt.kind != "ray":
         return
-    if cfg.engine.kind == "vllm":
-        _check_vllm(cfg)
+    if engine.kind == "vllm":
+        _check_vllm(rt.ray, engine)
     if rt.ray.placement == "disaggregated":
-        for name, value in (("engine.local.cpu_affinity", cfg.engine.local.cpu_affinity),
-                            ("train.cpu_affinity", cfg.train.cpu_affinity)):
+        for name, value in (("engine.local.cpu_affinity", engine.local.cpu_affinity),
+                            ("train.cpu_affinity", train.cpu_affinity)):
             if value:
                 raise ValueError(
                     f"{name} = {list(value)} contradicts runtime.ray.placement = "
                     "'disaggregated', which pins engines and trainer itself: drop one")
-    _check_units(cfg)
-    fsdp = cfg.train.backend == "fsdp"
-    ranks = cfg.train.fsdp.world_size if fsdp else 0
-    need = cfg.engine.num_engines * rt.ray.engine_num_cpus + ranks * rt.ray.rank_num_cpus
+    _check_units(rt.ray, engine, train)
+    fsdp = train.backend == "fsdp"
+    ranks = train.fsdp.world_size if fsdp else 0
+    need = engine.num_engines * rt.ray.engine_num_cpus + ranks * rt.ray.rank_num_cpus
     if rt.ray.num_cpus is not None and need > rt.ray.num_cpus:
         raise ValueError(
-            f"engine.num_engines = {cfg.engine.num_engines} actors of runtime.ray."
+            f"engine.num_engines = {engine.num_engines} actors of runtime.ray."
             f"engine_num_cpus = {rt.ray.engine_num_cpus}"
             + (f" and train.fsdp.world_size = {ranks} rank actors of runtime.ray.rank_num_cpus"
                f" = {rt.ray.rank_num_cpus}" if fsdp else "")
             + f" need {need:g} CPUs, more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray "
             "would never place them all")
-    workers = cfg.reward.num_workers + cfg.agent.harness_workers
-    if rt.ray.num_cpus is not None and need + workers * rt.ray.worker_num_cpus > rt.ray.num_cpus:
+    workers_cpus = num_workers * rt.ray.worker_num_cpus
+    if rt.ray.num_cpus is not None and need + workers_cpus > rt.ray.num_cpus:
         raise ValueError(
-            f"runtime.ray.worker_num_cpus = {rt.ray.worker_num_cpus} for {workers} worker "
+            f"runtime.ray.worker_num_cpus = {rt.ray.worker_num_cpus} for {num_workers} worker "
             f"actors (reward.num_workers + agent.harness_workers) and {need:g} CPUs of "
             f"{'engine and rank' if fsdp else 'engine'} actors need more than runtime.ray.num_cpus = {rt.ray.num_cpus}: Ray "
             "would never place them all")
@@ -166,12 +166,11 @@ def check_runtime(cfg: RunConfig) -> None:
 _LOCAL_ACTOR_FIELDS = ("weight_sync", "bucket_bytes", "episode_cache_tokens", "out_of_band_bytes")
 
 
-def _check_vllm(cfg: RunConfig) -> None:
+def _check_vllm(rt: RayConfig, engine: EngineConfig) -> None:
     """vLLM engines on Ray: servers their actors launch (runtime/ray/vllm.py)."""
-    rt = cfg.runtime.ray
-    if cfg.engine.vllm.urls:
+    if engine.vllm.urls:
         raise ValueError(
-            f"engine.vllm.urls = {list(cfg.engine.vllm.urls)} attaches to running servers, but "
+            f"engine.vllm.urls = {list(engine.vllm.urls)} attaches to running servers, but "
             "runtime.kind: ray launches each engine's server from an actor: drop one of them")
     for name in _LOCAL_ACTOR_FIELDS:
         if getattr(rt, name) != RayConfig.model_fields[name].default:
@@ -186,21 +185,21 @@ def _check_vllm(cfg: RunConfig) -> None:
             "placement colocated or null with engine.kind: vllm")
 
 
-def _check_units(cfg: RunConfig) -> None:
+def _check_units(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> None:
     """The scale units against the engines and fsdp ranks they hold."""
-    ray, fsdp = cfg.runtime.ray, cfg.train.backend == "fsdp"
+    fsdp = train.backend == "fsdp"
     if not fsdp and ray.rank_num_cpus != RayConfig.model_fields["rank_num_cpus"].default:
         raise ValueError(
             f"runtime.ray.rank_num_cpus = {ray.rank_num_cpus} is read only with train.backend "
-            f"= fsdp (it is {cfg.train.backend}): set backend: fsdp or drop rank_num_cpus")
-    if fsdp and cfg.train.fsdp.device != "cpu":
+            f"= fsdp (it is {train.backend}): set backend: fsdp or drop rank_num_cpus")
+    if fsdp and train.fsdp.device != "cpu":
         raise ValueError(
-            f"train.fsdp.device = {cfg.train.fsdp.device!r} with runtime.kind: ray is not built "
+            f"train.fsdp.device = {train.fsdp.device!r} with runtime.kind: ray is not built "
             "yet (rank actors compute on CPU): use train.fsdp.device: cpu, or runtime.kind: "
             "embedded")
-    counts = {"engine.num_engines": cfg.engine.num_engines}
+    counts = {"engine.num_engines": engine.num_engines}
     if fsdp:
-        counts["train.fsdp.world_size"] = cfg.train.fsdp.world_size
+        counts["train.fsdp.world_size"] = train.fsdp.world_size
     for field, count in counts.items():
         if count % ray.scale_units:
             raise ValueError(

@@ -9,10 +9,11 @@ back here.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, NonNegativeInt, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rollstream.config.engine import (  # the whole tree stays importable from here
     EngineConfig,
@@ -26,10 +27,17 @@ from rollstream.config.model import (
 )
 from rollstream.config.breaker import BreakerConfig
 from rollstream.config.early_stop import EarlyStopConfig, check_early_stop
-from rollstream.config.reconfigure import ReconfigureConfig, check_schedule
+from rollstream.config.problems import validation_problems
+from rollstream.config.reconfigure import (
+    PLAIN_KEYS,
+    RECONFIGURABLE,
+    SOURCE_FIELDS,
+    ReconfigureConfig,
+)
 from rollstream.config.replay import ReplayConfig, check_replay
 from rollstream.config.runtime import RuntimeConfig, check_runtime
 from rollstream.config.section import Section
+from rollstream.config.staleness import StalenessConfig, check_staleness, refuse_replaced_keys
 from rollstream.config.tasks import (  # the whole tree stays importable from here
     AgentConfig,
     ColumnsConfig,  # noqa: F401
@@ -37,6 +45,13 @@ from rollstream.config.tasks import (  # the whole tree stays importable from he
     SourceConfig,  # noqa: F401
     TasksConfig,
 )
+from rollstream.config.train import (  # the whole tree stays importable from here
+    FsdpConfig,  # noqa: F401
+    ISCorrectionConfig,  # noqa: F401
+    TrainConfig,
+    check_train,
+)
+from rollstream.staleness import StalenessPolicy
 
 
 class SamplingConfig(Section):
@@ -51,24 +66,16 @@ class SamplingConfig(Section):
 
 
 OnUpdate = Literal["interrupt", "continue", "drain"]  # rollout.on_update, WeightSync's policy
-_MODE_K = {"sync": 0, "one_step": 1}  # mode -> staleness bound; async: max_staleness
 
 
 class RolloutConfig(Section):
     mode: Literal["sync", "one_step", "async"] = "async"
     """``sync``: generate a batch, train, repeat (on-policy). ``one_step``: rollout of step k+1
-    overlaps training of step k. ``async``: continuous rollout bounded by max_staleness."""
-    max_staleness: int = Field(2, ge=0)
-    """``async`` only: the staleness bound k. Sizes admission (a group starts only while
-    admitted <= (served version + k + 1) x groups_per_step) and, unless max_context_age or
-    train.max_token_age says otherwise, is the largest (trainer step - policy version) of a
-    trained token (older: the group is dropped stale). ``sync`` means 0 and ``one_step`` 1:
-    setting another value with them is an error."""
-    max_context_age: int | None = Field(None, ge=0)
-    """Largest (trainer step - policy version) of *any* token a trained sample has seen,
-    masked or not (>= the staleness bound k; null = 2k with ``train.max_token_age``, else k).
-    Above k without max_token_age: k bounds admission only and long samples are trained
-    whole up to this age (AReaL's semantics; the README's staleness table)."""
+    overlaps training of step k. ``async``: continuous rollout bounded by
+    ``staleness.max_staleness``."""
+    staleness: StalenessConfig = StalenessConfig()
+    """The staleness bounds (k, token age, context age) and so the rule long samples follow
+    (drop, mask or admission; the README's staleness table)."""
     on_update: OnUpdate = "interrupt"
     """What in-flight samples do when new weights load. Partial rollout: ``interrupt`` (abort
     at a token boundary and resume prompt + partial on the new weights) or ``continue`` (the
@@ -79,6 +86,7 @@ class RolloutConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _replaced_keys(cls, data):
+        refuse_replaced_keys("rollout", data)
         if isinstance(data, dict) and "partial_rollout" in data:
             raise ValueError(
                 "partial_rollout was replaced by on_update (allowed: interrupt, continue, "
@@ -137,7 +145,15 @@ class RolloutConfig(Section):
     @property
     def staleness_bound(self) -> int:
         """The staleness bound k the mode means: sync 0, one_step 1, async max_staleness."""
-        return _MODE_K.get(self.mode, self.max_staleness)
+        return self.staleness.bound(self.mode)
+
+    def staleness_policy(self) -> StalenessPolicy:
+        """The policy these settings mean; a run builds it once and hands it to the rollout
+        and the trainer."""
+        s = self.staleness
+        return StalenessPolicy.from_bounds(max_staleness=self.staleness_bound,
+                                           max_token_age=s.max_token_age,
+                                           max_context_age=s.max_context_age)
 
 
 class RewardConfig(Section):
@@ -152,118 +168,6 @@ class RewardConfig(Section):
     num_workers: int = Field(4, ge=1)
     """Worker processes for sync rewards, and the bound on reward calls running at once (async
     rewards included)."""
-
-
-class ISCorrectionConfig(Section):
-    level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token or per sequence (geometric mean)."""
-    mode: Literal["none", "truncate", "mask"] = "truncate"
-    """Truncated IS (cap the weight) or masked IS (drop tokens whose weight leaves bounds)."""
-    cap: float = Field(2.0, gt=1)
-    """Upper bound (truncate) or upper mask threshold (mask)."""
-    lower: float = Field(0.5, gt=0, lt=1)
-    """Lower mask threshold (mask mode)."""
-
-
-class FsdpConfig(Section):
-    world_size: int = Field(2, ge=1)
-    """Trainer ranks: processes the controller starts (Ray actors in ``runtime.ray.scale_units``
-    units on ``runtime.kind: ray``), each holding a shard of the policy and
-    of AdamW's state and computing every ``world_size``-th micro-batch of a step (gloo on CPU,
-    NCCL with ``device: cuda``). docs/distributed.md."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where the ranks compute: ``cpu`` (gloo) or ``cuda`` (rank r on GPU r, NCCL)."""
-    max_restarts: int = Field(1, ge=0)
-    """Times a run resumes from its newest durable checkpoint (``train.checkpoint_every``)
-    after a rank process died (killed, crashed, out of memory): the step being computed is
-    lost, every rank is started again and the run continues as ``resume=true`` would, in the
-    same command. A rank that raised an error is not restarted (it would raise again)."""
-
-
-class TrainConfig(Section):
-    steps: int = Field(60, ge=1)
-    """Optimizer steps (each publishes a new weight version)."""
-    groups_per_step: int = Field(16, ge=1)
-    """Groups (prompts) per trainer step."""
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator: ``grpo`` ((r - group mean) / group std), ``dr_grpo`` (r - group
-    mean, no std; with Dr.GRPO's constant loss normaliser unless ``loss_agg`` says
-    otherwise), ``rloo`` (r - mean of the other samples)."""
-    advantage_std: Literal["sample", "population"] = "sample"
-    """The group standard deviation of ``grpo``: ``sample`` (Bessel-corrected, divide by
-    n - 1, as verl and TRL) or ``population`` (divide by n). Only ``grpo`` divides by a std:
-    setting ``population`` with another advantage is an error."""
-    failed_reward: Literal["exclude", "zero"] = "exclude"
-    """A FAILED sample (engine error, reward error or timeout) in its group's baseline:
-    ``exclude`` leaves it out (the baseline is the graded samples'), ``zero`` counts it as
-    reward 0 (a failure lowers the baseline, so the group's successes weigh more). Either way
-    the failed sample itself is never trained; the zero-variance filter uses the same
-    baseline."""
-    loss: Literal["auto", "ppo_clip", "decoupled_ppo"] = "auto"
-    """Policy loss. ``ppo_clip`` clips the ratio to the behaviour policy (the engine's
-    logprobs). ``decoupled_ppo`` (AReaL) clips against the proximal (pre-step) policy and
-    weights by the behaviour->proximal importance ratio, truncated per ``is_correction``:
-    with stale samples the behaviour policy is several versions old, and clipping against it
-    would clip most stale tokens. ``auto`` = ``decoupled_ppo`` when the staleness bound is
-    above 0 (``one_step``, ``async``), ``ppo_clip`` in ``sync`` mode."""
-    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                      "seq_mean_token_sum_norm"] = "auto"
-    """How token losses add up to the step's loss (verl's names): ``token_mean`` (mean over
-    every kept token), ``seq_mean_token_mean`` (mean over samples of each sample's token
-    mean), ``seq_mean_token_sum`` (mean over samples of each sample's token sum),
-    ``seq_mean_token_sum_norm`` (token sum / (samples x sampling.max_new_tokens): Dr.GRPO's
-    constant normaliser). ``auto`` = ``seq_mean_token_sum_norm`` for ``advantage: dr_grpo``,
-    else ``token_mean``; another value with ``dr_grpo`` is an error (Dr.GRPO is both)."""
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    """PPO clip range."""
-    is_correction: ISCorrectionConfig = ISCorrectionConfig()
-    """Engine–trainer mismatch correction."""
-    max_token_age: int | None = Field(None, ge=0)
-    """Mask out tokens whose version is older than trainer step - this (None = off). Staleness
-    then counts only the kept tokens: a sample resumed across many updates (partial rollout)
-    trains on its recent tokens instead of being dropped stale."""
-    kl_coef: float = Field(0.0, ge=0)
-    """KL penalty to the initial (reference) policy (0 = no reference model)."""
-    lr: float = Field(2e-4, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    updates_per_step: int = Field(2, ge=1)
-    """Passes over each step's batch (each pass is one optimizer update)."""
-    micro_batch_tokens: int = Field(8192, ge=16)
-    """Tokens computed per micro-batch (rows x row width; short samples share rows, so
-    padding stays small whatever the budget); micro-batches accumulate gradients."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Max global gradient norm."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training precision. ``bfloat16``: mixed precision, the matmuls in bf16 under autocast,
-    parameters, AdamW state and the logits (and on CPU attention) in float32
-    (train/precision.py)."""
-    compile: bool = False
-    """Compile the policy's forward (and so its backward) with ``torch.compile`` (dynamic
-    shapes; ``backend: local`` only). The first step pays the compile (tens of seconds on a
-    CPU, less with inductor's on-disk cache warm); later steps run faster (docs/benchmarks.md
-    has the measured step time and the break-even), so it pays on long runs only."""
-    threads: int = Field(0, ge=0)
-    """torch intra-op threads of the trainer (0 = leave as is)."""
-    cpu_affinity: tuple[NonNegativeInt, ...] = ()
-    """CPU cores the trainer's calling thread is pinned to (Linux ``sched_setaffinity`` of
-    that thread only; empty = leave as is). With ``backend: fsdp`` the cores the rank
-    processes share out: each rank's compute thread is pinned to its own slice (ranks share
-    cores round-robin when there are fewer cores than ranks), with as many torch threads as
-    its slice has cores unless ``threads`` is set."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Save a durable checkpoint (``checkpoints/step_NNNNNN``: weights, optimizer, data
-    cursor, buffer, in-flight partial samples; docs/run-dir.md) every N steps; one is also
-    saved when the run ends or stops (0 = only then)."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Durable checkpoints kept (the newest N; older ones are deleted once a newer is whole)."""
-    backend: Literal["local", "fsdp"] = "local"
-    """``local``: the trainer computes in the controller's process. ``fsdp``: PyTorch FSDP2
-    over ``fsdp.world_size`` rank processes, micro-batches shared among them; the same loss,
-    and the same update up to float rounding (docs/distributed.md)."""
-    fsdp: FsdpConfig = FsdpConfig()
-    """Settings of ``backend: fsdp`` (one set with ``backend: local`` is an error)."""
 
 
 class EvalConfig(Section):
@@ -333,8 +237,8 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
     agent: AgentConfig = AgentConfig()
-    """How agent episodes (sources of kind ``tally``) run: budgets, tool limits and where
-    OpenAI-SDK agents run."""
+    """How agent episodes (sources with a ``harness``, and ``tally``) run: budgets, tool
+    limits, the sandbox pool and where OpenAI-SDK agents run."""
     engine: EngineConfig = EngineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     """Where engines run: in this process, or as Ray actors (docs/distributed.md)."""
@@ -363,11 +267,15 @@ class RunConfig(Section):
                 f"max_position = {tiny.max_position} (the model's max_position_embeddings, "
                 "which vLLM refuses to exceed); lower max_model_len or raise max_position"
             )
-        _check_rollout(self.rollout, self.train)
-        check_replay(self.rollout, self.train)
-        check_early_stop(self.rollout)
-        _check_train(self.train)
-        check_runtime(self)
+        r = self.rollout
+        _check_rollout(r)
+        check_replay(r.replay, r.staleness_policy(), mode=r.mode,
+                     groups_per_step=self.train.groups_per_step)
+        check_early_stop(r.early_stop, group_size=r.group_size,
+                         filter_zero_variance=r.filter_zero_variance)
+        check_train(self.train)
+        check_runtime(self.runtime, engine=self.engine, train=self.train,
+                      num_workers=self.reward.num_workers + self.agent.harness_workers)
         if self.reward.name != "auto":
             for i, source in enumerate(self.tasks.sources):
                 if source.reward is not None:
@@ -394,41 +302,9 @@ class RunConfig(Section):
         return self
 
 
-def _check_train(t: TrainConfig) -> None:
-    """Training settings that contradict each other."""
-    if t.advantage == "dr_grpo" and t.loss_agg not in ("auto", "seq_mean_token_sum_norm"):
-        raise ValueError(
-            f"train.loss_agg = {t.loss_agg} contradicts train.advantage = dr_grpo (Dr.GRPO is "
-            "both its advantage and the constant normaliser samples x max_new_tokens, i.e. "
-            "loss_agg seq_mean_token_sum_norm or auto); for another aggregation use "
-            "advantage grpo or rloo"
-        )
-    if t.backend != "fsdp" and t.fsdp != FsdpConfig():
-        changed = next(k for k, v in t.fsdp if v != FsdpConfig.model_fields[k].default)
-        raise ValueError(
-            f"train.fsdp.{changed} = {getattr(t.fsdp, changed)} is read only with "
-            f"train.backend = fsdp (it is {t.backend}); set backend: fsdp or drop it"
-        )
-    if t.compile and t.backend != "local":
-        raise ValueError(
-            f"train.compile = true is implemented for train.backend = local only (it is "
-            f"{t.backend}); drop one"
-        )
-    if t.advantage_std != "sample" and t.advantage != "grpo":
-        raise ValueError(
-            f"train.advantage_std = {t.advantage_std} has no effect with train.advantage = "
-            f"{t.advantage} (only grpo divides by the group std); drop advantage_std"
-        )
-
-
-def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
+def _check_rollout(r: RolloutConfig) -> None:
     """Rollout settings that contradict each other, or that cannot train."""
-    set_ = r.model_fields_set
-    if r.mode in _MODE_K and "max_staleness" in set_ and r.max_staleness != _MODE_K[r.mode]:
-        raise ValueError(
-            f"rollout.max_staleness = {r.max_staleness} contradicts rollout.mode = {r.mode} "
-            f"(which means max_staleness {_MODE_K[r.mode]}); use mode: async to choose the bound"
-        )
+    check_staleness(r.staleness, mode=r.mode)
     if r.prefix_affinity and r.dispatch != "engine":
         raise ValueError(
             f"rollout.prefix_affinity = true contradicts rollout.dispatch = {r.dispatch} (the "
@@ -449,21 +325,71 @@ def _check_rollout(r: RolloutConfig, t: TrainConfig) -> None:
             f"rollout.{tuning[0]} = {getattr(r, tuning[0])} is read only with rollout.concurrency = adaptive "
             "(it is capacity); drop it or set concurrency: adaptive"
         )
-    k = r.staleness_bound
-    m = t.max_token_age
-    if m is not None and m > k:
-        raise ValueError(
-            f"train.max_token_age = {m} exceeds the staleness bound {k} (rollout.mode = "
-            f"{r.mode}, rollout.max_staleness = {r.max_staleness}): the loss would keep tokens "
-            "older than the bound; use max_token_age <= max_staleness"
-        )
-    if r.max_context_age is not None and r.max_context_age < k:
-        raise ValueError(
-            f"rollout.max_context_age = {r.max_context_age} is below the staleness bound "
-            f"{k} (rollout.max_staleness / rollout.mode); use max_context_age >= {k}"
-        )
     if r.group_size == 1 and r.filter_zero_variance:
         raise ValueError(
             "rollout.group_size = 1 with rollout.filter_zero_variance = true cannot train: a "
             "group of one has no reward variance, so every group is filtered"
         )
+
+
+def with_changes(cfg: RunConfig, changes: Mapping[str, Any]) -> RunConfig:
+    """``cfg`` with ``changes`` applied (its ``reconfigure`` section kept); ValueError naming
+    the key when one is not reconfigurable, and the schema's problems when the result is not
+    a valid config."""
+    names = [s.source_name for s in cfg.tasks.sources]
+    data = cfg.model_dump(mode="json", exclude_unset=True, exclude={"reconfigure"})
+    tasks = data.setdefault("tasks", {})
+    # every source whole, so that its fields can be set by index (unset fields stay unset)
+    tasks["sources"] = [s.model_dump(mode="json", exclude_unset=True) for s in cfg.tasks.sources]
+    for key, value in changes.items():
+        parts = str(key).split(".")
+        if key in PLAIN_KEYS:
+            node = data
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = value
+        elif (len(parts) == 4 and parts[:2] == ["tasks", "sources"] and parts[2] in names
+              and parts[3] in SOURCE_FIELDS):
+            tasks["sources"][names.index(parts[2])][parts[3]] = value
+        elif len(parts) == 4 and parts[:2] == ["tasks", "sources"] and parts[3] in SOURCE_FIELDS:
+            raise ValueError(f"{key}: no task source is named {parts[2]!r} (sources: "
+                             f"{', '.join(names)})")
+        else:
+            raise ValueError(f"{key} cannot change during a run; reconfigurable keys: "
+                             f"{', '.join(RECONFIGURABLE)}")
+    try:
+        new = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ValueError("; ".join(validation_problems(e, RunConfig))) from None
+    _check_run_can_follow(cfg, new)
+    return new.model_copy(update={"reconfigure": cfg.reconfigure})
+
+
+def _check_run_can_follow(old: RunConfig, new: RunConfig) -> None:
+    """Changes the schema allows that a running run cannot make."""
+    k_old, k_new = old.rollout.staleness_bound, new.rollout.staleness_bound
+    if (k_old == 0) != (k_new == 0):
+        raise ValueError(
+            f"rollout.staleness.max_staleness {k_old} -> {k_new}: a run does not switch "
+            "between on-policy (bound 0) and off-policy (bound >= 1) training: the loss "
+            "train.loss: auto means is chosen for one of them at the start")
+    agents = [s.source_name for s in new.tasks.sources if s.episodic]
+    if agents and old.sampling.max_new_tokens != new.sampling.max_new_tokens:
+        raise ValueError(
+            f"sampling.max_new_tokens cannot change during a run with agent sources "
+            f"({', '.join(agents)}): an episode's token budget is fixed when its harness is "
+            "built")
+
+
+def check_schedule(cfg: RunConfig) -> None:
+    """Every scheduled change applies before the run ends and leaves a valid config."""
+    current = cfg
+    for i, change in enumerate(cfg.reconfigure.schedule):
+        where = f"reconfigure.schedule.{i} (at_step {change.at_step})"
+        if change.at_step >= cfg.train.steps:
+            raise ValueError(f"{where}: at_step must be below train.steps = {cfg.train.steps} "
+                             "(a change at or after the last step is never applied)")
+        try:
+            current = with_changes(current, change.set)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None

@@ -5,7 +5,7 @@ tasks, with their columns and rewards) and how agent episodes run. Part of the c
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -15,6 +15,13 @@ _DATASET_KINDS = ("jsonl", "parquet", "hf_dataset")  # the kinds that read a dat
 _COLUMN_PATH = r"^[^.\s]+(\.[^.\s]+)*$"  # dotted path into nested fields: reward_model.ground_truth
 # keyword names a reward already receives from the response (rollstream.reward.registry)
 _RESPONSE_KWARGS = ("finish_reason", "token_ids")
+_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # module:attribute
+EPISODE_ROW = "row"  # task.extra key of an agentic dataset task's whole row
+# what the tally kind's episodes run with unless its source names others: written as a user
+# writes theirs (agent/tally.py)
+_TALLY = "rollstream.agent.tally"
+TALLY_EPISODES = {"environment": f"{_TALLY}:TallyEnvironment", "agent": f"{_TALLY}:openai_agent",
+                  "tools": (f"{_TALLY}:calc",), "tool_parser": f"{_TALLY}:command_parser"}
 
 
 class ColumnsConfig(Section):
@@ -76,10 +83,34 @@ class SourceConfig(Section):
     """Dataset kinds only: groups of one task (row) generating at once (null = no cap); a row
     at its cap is passed over until the cursor comes round again."""
     harness: Literal["agent", "openai"] | None = None
-    """What runs an agent source's episodes (kind ``tally``): ``agent`` (the built-in agent
-    loop, the default) or ``openai`` (the source's agent written with the ``openai`` SDK,
-    talking to rollstream's OpenAI-compatible proxy on 127.0.0.1). Not for single-turn
-    kinds."""
+    """How this source's tasks run (docs/agents.md): null = one engine request per sample;
+    ``agent`` = multi-turn episodes of the built-in agent loop with ``environment``;
+    ``openai`` = episodes driven by ``agent``, a function written with the ``openai`` SDK
+    against rollstream's OpenAI-compatible proxy on 127.0.0.1. For dataset kinds and
+    ``tally`` (whose default is ``agent``). A dataset row's ``prompt`` is the episode's
+    opening (a string is one user message); the whole row is ``task.extra["row"]``."""
+    environment: str | None = Field(None, pattern=_IMPORT_PATH)
+    """``harness: agent``: the environment, an import path ``module:name`` of a class or
+    function called for each episode as ``name(row=..., **environment_kwargs)`` (plus
+    ``tools=`` and ``parser=`` when it declares them) and returning an environment (async or
+    plain ``reset()`` / ``step(turn)``; docs/agents.md). Required for a dataset kind; tally's
+    is ``rollstream.agent.tally:TallyEnvironment``."""
+    environment_kwargs: dict[str, Any] = {}
+    """Keyword arguments of ``environment`` besides the row (JSON values)."""
+    agent: str | None = Field(None, pattern=_IMPORT_PATH)
+    """``harness: openai``: the agent, an import path ``module:function`` of an ``async def
+    (session, task, sampling)`` that runs one episode with the ``openai`` SDK. Required for a
+    dataset kind; tally's is ``rollstream.agent.tally:openai_agent``."""
+    tools: tuple[str, ...] = ()
+    """Tools its episodes may call: built-in names (``calculator``, ``python``: runs the
+    model's program in an ``agent.sandbox``) or import paths of a tool object or of a
+    function or class that makes one (given ``sandbox=``, the run's sandbox pool, when it
+    declares it). Tally's: ``rollstream.agent.tally:calc``."""
+    tool_parser: str | None = Field(None, pattern=r"^(hermes|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
+    """How its model writes tool calls: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5
+    and Hermes models; the default) or an import path of a parser object, or of a function or
+    class that makes one (``parse(text)`` and ``render(call)``, agent/tools.py). Tally's:
+    ``rollstream.agent.tally:command_parser`` (``#calc 1+2``)."""
     max_items: int = Field(32, ge=1)
     """Upper bound on answer items (caps the long tail)."""
     pareto_alpha: float = Field(1.1, gt=0)
@@ -95,15 +126,28 @@ class SourceConfig(Section):
         return self.kind in _DATASET_KINDS
 
     @property
+    def episodic(self) -> bool:
+        """Its tasks are multi-turn episodes (a harness runs them)."""
+        return self.harness is not None or self.kind == "tally"
+
+    def episode_setting(self, key: str) -> Any:
+        """``environment``, ``agent``, ``tools`` or ``tool_parser`` as the run uses it: the
+        source's own, else its kind's (tally's are import paths like a user's)."""
+        value = getattr(self, key)
+        if value not in (None, ()) or not self.episodic:
+            return value
+        if self.kind == "tally":
+            return TALLY_EPISODES[key]
+        return "hermes" if key == "tool_parser" else value
+
+    @property
     def reward_kwarg_columns(self) -> dict[str, str]:
         """Keyword name -> column path of ``reward_kwargs``."""
         return {c.rsplit(".", 1)[-1]: c for c in self.reward_kwargs}
 
     @model_validator(mode="after")
     def _fields_of_its_kind(self) -> SourceConfig:
-        if self.harness is not None and self.kind != "tally":
-            raise ValueError(f"`harness` is read only by agent sources (kind tally); kind "
-                             f"{self.kind} is one request per sample (drop harness)")
+        self._episode_fields()
         if self.reads_dataset and self.path is None:
             raise ValueError(f"kind {self.kind} needs `path` (its dataset)")
         if not self.reads_dataset:
@@ -122,11 +166,38 @@ class SourceConfig(Section):
         if clash:
             raise ValueError(f"reward_kwargs {list(self.reward_kwargs)} pass more than one "
                              f"column as keyword {clash}; a keyword is a column's last segment")
+        if self.reads_dataset and self.episodic and EPISODE_ROW in names:
+            raise ValueError(f"reward_kwargs: keyword {EPISODE_ROW!r} is the whole row of an "
+                             "agentic source's task (task.extra['row']); pass another column")
         taken = sorted(set(names) & set(_RESPONSE_KWARGS))
         if taken:
             raise ValueError(f"reward_kwargs: keyword {taken} is the response's, which a "
                              "reward receives by declaring it; drop it from reward_kwargs")
         return self
+
+    def _episode_fields(self) -> None:
+        """The episode settings fit the harness: each is read by one harness only."""
+        if self.harness is not None and not (self.reads_dataset or self.kind == "tally"):
+            raise ValueError(f"`harness` is read by dataset kinds and tally; kind {self.kind} "
+                             "generates single-turn tasks (drop harness)")
+        if not self.episodic:
+            for key in ("environment", "environment_kwargs", "agent", "tools", "tool_parser"):
+                if getattr(self, key) != SourceConfig.model_fields[key].default:
+                    raise ValueError(f"`{key}` is read only by a source whose tasks are "
+                                     "episodes: set harness (agent or openai) or drop it")
+            return
+        harness = self.harness or "agent"
+        own, other = ("environment", "agent") if harness == "agent" else ("agent", "environment")
+        if getattr(self, other) is not None:
+            reader = "openai" if other == "agent" else "agent"
+            raise ValueError(f"`{other}` is read by harness {reader}; this source's harness is "
+                             f"{harness} (drop {other})")
+        if self.environment_kwargs and harness != "agent":
+            raise ValueError("`environment_kwargs` is read only with harness: agent")
+        if self.environment_kwargs and self.environment is None and self.kind != "tally":
+            raise ValueError("`environment_kwargs` needs `environment`")
+        if self.reads_dataset and getattr(self, own) is None:
+            raise ValueError(f"harness {harness} needs `{own}` (an import path module:name)")
 
 
 class ProxyConfig(Section):
@@ -144,6 +215,49 @@ class ProxyConfig(Section):
     as UTF-8); a call that would pass it is refused (HTTP 400)."""
 
 
+class SandboxConfig(Section):
+    """The run's sandbox pool (``agent/sandbox.py``): where the built-in ``python`` tool, the
+    ``code`` reward and any tool that asks for ``sandbox`` run programs. Started at the first
+    program; each program runs in a fresh interpreter of a warm sandbox, reset after it."""
+
+    backend: Literal["auto", "bwrap", "unshare"] = "auto"
+    """What isolates a sandbox: ``bwrap`` (bubblewrap), ``unshare`` (util-linux; fewer
+    guarantees, docs/agents.md), ``auto`` = bwrap when it is on the PATH."""
+    size: int = Field(2, ge=1, le=1000)
+    """Warm sandboxes: programs running at once (more wait for a free one)."""
+    wall_s: float = Field(10.0, gt=0)
+    """Wall time of one program."""
+    cpu_s: float = Field(5.0, gt=0)
+    """CPU time of each of its processes."""
+    memory_mb: int = Field(512, gt=0)
+    """Memory of a sandbox's processes together (per process where no cgroup is available)."""
+    max_procs: int = Field(16, gt=0)
+    """Processes and threads of a program, together."""
+    file_size_mb: int = Field(16, gt=0)
+    """The largest file it may write."""
+    disk_mb: int = Field(32, gt=0)
+    """What its writable folders may hold together."""
+    max_output_bytes: int = Field(65536, gt=0)
+    """Bytes of its stdout, and of its stderr, kept; the rest is cut."""
+    pass_env: tuple[str, ...] = ()
+    """Names of the run's environment variables its programs get (nothing else of it)."""
+    allow_net: tuple[str, ...] = ()
+    """``IP:PORT`` endpoints its programs may connect to (each at ``127.0.0.1:PORT``
+    inside); empty = no network at all."""
+    artifacts: str | None = None
+    """A folder every sandbox sees read-only at ``/artifacts`` (a test suite, data)."""
+
+    @model_validator(mode="after")
+    def _limits_fit(self) -> SandboxConfig:
+        if self.file_size_mb > self.disk_mb:
+            raise ValueError(f"file_size_mb = {self.file_size_mb} must be <= disk_mb = "
+                             f"{self.disk_mb}: no file can be larger than the disk")
+        from rollstream.agent.sandbox_net import parse_allow_net  # stdlib only
+
+        parse_allow_net(list(self.allow_net), field="allow_net")
+        return self
+
+
 class AgentConfig(Section):
     max_turns: int = Field(32, ge=1)
     """Model turns of an agent episode (then it ends with ``max_turns``)."""
@@ -155,7 +269,8 @@ class AgentConfig(Section):
     """Wall time of an episode (None = no limit); a turn or tool still running then is
     stopped and the episode ends with ``max_wall``."""
     tool_timeout_s: float = Field(10.0, gt=0)
-    """Per tool call: a call still running then ends with an error message to the model."""
+    """Per tool call (the loop's, and those an SDK agent runs through its session): a call
+    still running then ends with an error message to the model."""
     max_tool_concurrency: int | None = Field(None, ge=1)
     """Tool calls running at once per agent source, across its episodes (None = no bound)."""
     max_tool_output_chars: int = Field(16384, ge=1)
@@ -168,6 +283,9 @@ class AgentConfig(Section):
     once). A worker that dies, or whose agent runs past ``max_wall_s``, is killed and
     replaced, failing only that episode's sample. Use them for agents that block or use CPU
     (they would stall the engine's process) or that must not share its interpreter."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The sandbox pool of the ``python`` tool, the ``code`` reward and tools that ask for
+    one."""
     proxy: ProxyConfig = ProxyConfig()
     """Limits of the proxy that ``harness: openai`` agents talk to (also ``rollstream
     proxy``'s)."""

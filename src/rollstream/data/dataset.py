@@ -18,7 +18,9 @@ conversion:
 
 ``SourceConfig.reward_kwargs`` columns go to ``task.extra`` (keyword = last path segment), and
 from there to the reward as keyword arguments; they must be JSON values (checkpoints keep
-them).
+them). A source with a ``harness`` runs each row as an episode: its prompt is the episode's
+opening messages (a string is one user message) and the whole row is ``task.extra["row"]``,
+from which the episode's environment (or the SDK agent) is built (``agent/episodes.py``).
 
 A row that cannot be used (not JSON, a missing or mistyped column, malformed chat messages, a
 prompt that encodes to no tokens or that the chat template cannot render) is never dropped
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.config.schema import SourceConfig
+from rollstream.config.tasks import EPISODE_ROW
 from rollstream.data.sources import (
     PromptTokenizer,
     Split,
@@ -56,7 +59,7 @@ from rollstream.data.sources import (
     reward_name,
     split_of,
 )
-from rollstream.trajectory import Task
+from rollstream.trajectory import SINGLE_TURN, Task
 
 ANSWER_COLUMNS = ("answer", "solution", "reward_model.ground_truth")  # columns.answer: null
 _MISSING = object()
@@ -123,7 +126,8 @@ class DatasetSource:
             uid = self._claim(path, position, f"{self.name}/{self._unit}{position}", None,
                               f"no id, so named by its {self._unit} number")
         self._rows[split_of(text)].append(Task(uid=uid, source=self.name, prompt_ids=ids,
-                                               prompt_text=text, reference=answer, extra=extra))
+                                               prompt_text=text, reference=answer, extra=extra,
+                                               harness=self.cfg.harness or SINGLE_TURN))
 
     def _row_id(self, where: str, row: dict[str, Any]) -> str | int | None:
         col = self.cfg.columns.id or "id"
@@ -143,6 +147,8 @@ class DatasetSource:
         value = lookup(row, col)
         if value is _MISSING:
             raise _Rejected(_missing(where, col, "columns.prompt", row))
+        if self.cfg.episodic and isinstance(value, str) and value:
+            value = [{"role": "user", "content": value}]  # an episode opens with messages
         if isinstance(value, list) and value and all(_is_message(m) for m in value):
             text = self._render(where, value)
         elif isinstance(value, str) and value:
@@ -197,12 +203,11 @@ class DatasetSource:
             value = lookup(row, col)
             if value is _MISSING:
                 raise _Rejected(_missing(where, col, "reward_kwargs", row))
-            try:
-                json.dumps(value, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise _Rejected(f"{where}: reward_kwargs column {col!r} is not a JSON value "
-                                f"({e})") from None
+            _json(value, f"{where}: reward_kwargs column {col!r} is not a JSON value")
             extra[name] = value
+        if self.cfg.episodic:  # its environment or agent is built from the whole row
+            _json(row, f"{where}: the row of an episode is kept in checkpoints and must be JSON")
+            extra[EPISODE_ROW] = row
         return extra
 
     def _reject(self, path: Path, position: int, reason: str) -> None:
@@ -242,6 +247,15 @@ class DatasetSource:
 
 class _Rejected(Exception):
     """A row this source cannot use; the message is the ledger's reason."""
+
+
+def _json(value: object, problem: str) -> None:
+    """``value`` is a JSON value (checkpoints keep it); else the row is rejected with
+    ``problem`` and why."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise _Rejected(f"{problem} ({e})") from None
 
 
 def lookup(row: Mapping[str, Any], path: str) -> Any:

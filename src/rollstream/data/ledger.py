@@ -182,9 +182,10 @@ def turn_entry(turn: Turn) -> TurnRow:
     run concurrently: the episode waited that long on its tools; 0 without a call)."""
     times = {"num_tokens": turn.num_tokens, "started_s": round(turn.started_s, 6),
              "duration_s": round(turn.duration_s, 6)}
-    if turn.kind is SegmentKind.POLICY:
+    if turn.kind is SegmentKind.POLICY:  # tool calls: an SDK agent's after this turn
         return PolicyTurn(**times, finish_reason=turn.finish_reason,
-                          num_interrupts=turn.num_interrupts)
+                          num_interrupts=turn.num_interrupts,
+                          num_tool_calls=len(turn.tool_calls))
     return EnvTurn(**times, num_tool_calls=len(turn.tool_calls),
                    tool_s=round(max((r.duration_s for r in turn.tool_results), default=0.0), 6))
 

@@ -31,6 +31,7 @@ class PolicyTurn(msgspec.Struct, kw_only=True, tag="policy", tag_field="kind"):
     duration_s: float = 0.0
     finish_reason: str | None = None
     num_interrupts: int = 0
+    num_tool_calls: int = 0  # an SDK agent's, after this turn (format 1 lines: 0)
 
 
 class EnvTurn(msgspec.Struct, kw_only=True, tag="env", tag_field="kind"):
@@ -84,6 +85,14 @@ class LedgerRow(msgspec.Struct, kw_only=True):
             if len(values) != self.num_tokens:
                 raise ValueError(f"ledger row {self.sample_uid}: token_extras[{name!r}] has "
                                  f"{len(values)} values for {self.num_tokens} tokens")
+
+    @property
+    def trained_version(self) -> int | None:
+        """The weight version of the oldest token the loss kept, which staleness is counted
+        from (a format 1 line may predate ``min_trained_version``: its ``min_version``)."""
+        if self.min_trained_version is None and self.format == 1:
+            return self.min_version
+        return self.min_trained_version
 
     @property
     def is_dataset_row(self) -> bool:

@@ -55,13 +55,13 @@ from typing import Any
 
 from rollstream.config.schema import SourceConfig, TasksConfig
 from rollstream.config.tasks import PassRateConfig
+from rollstream.data.kinds import build_source
 from rollstream.data.pass_rates import PassRates
 from rollstream.data.sources import (
     EVAL_BUCKETS,
     Bucketed,
     PromptTokenizer,
     TaskSource,
-    build_source,
     check_source_paths,
 )
 from rollstream.trajectory import Group, Task

@@ -8,11 +8,12 @@ eval are disjoint by construction: a prompt belongs to the eval split exactly wh
 its text falls in one bucket of ``EVAL_BUCKETS``; each split redraws until the prompt lands on
 its own side.
 
-Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) are built here and live in
-``rollstream.data.dataset``. :func:`check_source_paths` checks that the datasets a tasks
-config names exist and can be opened, reading nothing and needing no tokenizer, so a
-launcher can fail on a bad path before it touches the run directory (``TaskMix`` runs it
-too). How sources are mixed is ``rollstream.data.mix``.
+Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) live in
+``rollstream.data.dataset`` and the agent source in ``rollstream.agent.tally``; both build on
+this module, and ``rollstream.data.kinds`` builds every kind. :func:`check_source_paths`
+checks that the datasets a tasks config names exist and can be opened, reading nothing and
+needing no tokenizer, so a launcher can fail on a bad path before it touches the run
+directory (``TaskMix`` runs it too). How sources are mixed is ``rollstream.data.mix``.
 
 Families (the shapes follow LEARNABILITY.md: fixed-width items, the stop rule depends only on
 the previous item, the information the next token needs is close to it):
@@ -268,7 +269,7 @@ def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
     return sum(s * t for s, t in zip(signs, terms, strict=True))
 
 
-_KINDS: dict[str, type[_Synthetic]] = {
+SYNTHETIC_KINDS: dict[str, type[_Synthetic]] = {
     "tick": TickSource,
     "digits": DigitsSource,
     "math": MathSource,
@@ -289,19 +290,6 @@ def source_rewards(cfg: TasksConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     ``rollstream.reward.build_resolver``: a run resolves its rewards before any other work."""
     return {s.source_name: (reward_name(s), tuple(s.reward_kwarg_columns))
             for s in cfg.sources}
-
-
-def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> TaskSource:
-    """The source ``cfg.kind`` named ``cfg.name`` (default: the kind)."""
-    if cfg.reads_dataset:
-        from rollstream.data.dataset import DatasetSource
-
-        return DatasetSource(name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
-    if cfg.kind == "tally":  # an agent task: needs the chat template (agent/tally.py)
-        from rollstream.agent.tally import TallySource
-
-        return TallySource(name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
-    return _KINDS[cfg.kind](name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
 
 
 def path_problem(path: str) -> str | None:

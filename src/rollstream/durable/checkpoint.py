@@ -194,6 +194,21 @@ def latest(run_dir: Path, *,
     return None
 
 
+def steps(run_dir: Path) -> list[int]:
+    """The steps of a run directory's checkpoint folders, oldest first (whole or not: reading
+    one, :meth:`Checkpoint.read`, checks it)."""
+    return [_step_of(p) for p in _folders(folder(run_dir))]
+
+
+def at_step(run_dir: Path, step: int) -> Checkpoint:
+    """Checkpoint ``step`` of a run directory (ValueError naming the steps there are; a
+    damaged one is a :class:`DamagedCheckpoint` naming its file)."""
+    if step not in (found := steps(run_dir)):
+        raise ValueError(f"{run_dir} has no durable checkpoint of step {step}; it has: "
+                         f"{found or 'none'}")
+    return Checkpoint.read(folder(run_dir) / f"{_PREFIX}{step:06d}")
+
+
 def _step_of(path: Path) -> int:
     return int(path.name[len(_PREFIX):])
 

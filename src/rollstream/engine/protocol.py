@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -79,6 +79,9 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request failed; see GenerateOutput.error
 
 
+OnTokens = Callable[[list[int]], None]  # GenerateRequest.on_tokens
+
+
 @dataclass(slots=True, kw_only=True)
 class GenerateRequest:
     request_id: str
@@ -88,6 +91,10 @@ class GenerateRequest:
     # after an interrupt) share it, each prompt extending the last prompt and its output; an
     # engine may keep the history and move only what was added (KeepsEpisodes). None: alone
     episode_id: str | None = None
+    # hears the token ids sampled since it last heard, as they are sampled (a reply streamed
+    # to an agent), from the engine's own thread: it must be quick and thread-safe. Engines
+    # that stream (local, vllm) call it; others do not (the output has every token anyway)
+    on_tokens: OnTokens | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -68,6 +68,12 @@ def _tokenizer_problem(path: Path) -> str | None:
         Tokenizer.from_file(str(file))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
         return f"{file}: not a tokenizer the tokenizers library can load ({e})"
+    from rollstream.models.tokenizer import is_legacy_kit_tokenizer
+
+    if is_legacy_kit_tokenizer(path):
+        return (f"{file}: the character tokenizer of an earlier rollstream kit, which "
+                "AutoTokenizer (and so vLLM) reads without spaces and newlines; build the tiny "
+                "model again (leave model.path unset) and train it again")
     return None
 
 

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from rollstream.config.schema import TinyModelConfig
+from rollstream.models.folder_check import check_tokenizer, stop_token_ids
 
 _ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -63,7 +64,7 @@ def init_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) ->
         torch.manual_seed(cfg.seed)
         model = model_cls(config).to(torch.float32)
     gen = model.generation_config
-    gen.eos_token_id = tokenizer.eos_token_id
+    gen.eos_token_id = stop_token_ids(tokenizer)  # end-of-text and the chat's end-of-turn
     gen.pad_token_id = tokenizer.pad_token_id
     gen.bos_token_id = None
     return model
@@ -72,10 +73,12 @@ def init_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) ->
 def save_model_folder(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path
 ) -> Path:
-    """Write ``model`` (safetensors) and ``tokenizer`` into ``out_dir`` and return it."""
+    """Write ``model`` (safetensors) and ``tokenizer`` into ``out_dir``, check that
+    ``AutoTokenizer`` reads the tokenizer back as it is, and return ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
+    check_tokenizer(out_dir, tokenizer)
     return out_dir
 
 

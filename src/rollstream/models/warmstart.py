@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -47,13 +48,13 @@ from rollstream.data.mix import TaskMix, demonstration_config
 from rollstream.data.sources import source_rewards
 from rollstream.models.folder import validate_model_folder
 from rollstream.models.tiny import init_tiny_model, num_parameters, save_model_folder
-from rollstream.models.tokenizer import build_char_tokenizer, load_tokenizer
+from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.reward import Response, Reward, build_resolver, decode_response
 from rollstream.trajectory import SINGLE_TURN, Task
 
 log = logging.getLogger(__name__)
 
-WARMSTART_VERSION = "2"  # bump when a change here alters the model a config produces
+WARMSTART_VERSION = "3"  # bump when a change here alters the model a config produces
 _DEMO_SEED_OFFSET = 1_000_003
 _MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass
 _WARMUP_STEPS = 10
@@ -279,7 +280,7 @@ def evaluate_accuracy(
     """
     if not tasks:
         raise ValueError("evaluate_accuracy needs at least one task")
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     per_source = _accuracy_by_source(

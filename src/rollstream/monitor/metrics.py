@@ -27,8 +27,8 @@ import json
 import math
 import numbers
 import os
+import logging
 import threading
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +41,7 @@ from rollstream.monitor.runlog import RunDirReader, RunLog
 from rollstream.monitor.trackers import Tracker, build_trackers
 from rollstream.run_files import RunFiles
 
+log = logging.getLogger(__name__)
 OUTCOMES = ("done", "interrupted", "failed")
 LOG_STREAMS = ("metrics", "timeline")  # the run directory's <stream>.jsonl files
 # metric lines and spans a live run keeps in memory for the dashboard (runlog.RunLog: the
@@ -164,8 +165,8 @@ class Metrics:
                 try:
                     tracker.scalars(kind, int(step), finite_values)
                 except Exception as e:  # fault boundary: an external sink never stops a run
-                    warnings.warn(f"monitor: dropping tracker {type(tracker).__name__} after "
-                                  f"error: {e!r}", RuntimeWarning, stacklevel=2)
+                    log.warning(f"monitor: dropping tracker {type(tracker).__name__} after "
+                                f"error: {e!r}")
                     self._trackers.remove(tracker)
 
     def observe(self, name: str, value: float) -> None:

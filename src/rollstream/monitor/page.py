@@ -22,6 +22,7 @@ def payload(log: RunLog, run_dir: Path | None, *, name: str, metrics_since: int 
     """Everything the page draws; metric lines and spans from the given cursors on."""
     metrics, metrics_next = log.records(metrics_since)
     spans, spans_next = log.spans(spans_since)
+    summary = read_summary(run_dir)
     return {
         "name": name,
         "state": log.state(),
@@ -31,7 +32,8 @@ def payload(log: RunLog, run_dir: Path | None, *, name: str, metrics_since: int 
         "spans_next": spans_next,
         "ledger": log.ledger_summary(),
         "config": read_config_text(run_dir),
-        "summary": read_summary(run_dir),
+        "summary": summary,
+        "tiles": log.tiles(summary),
         "num_bad_lines": log.num_bad_lines,
     }
 

@@ -21,8 +21,9 @@ from typing import Any, Generic, TypeVar
 
 from rollstream.data.ledger_row import LedgerRow, decode_row
 from rollstream.monitor.histogram import Hist
+from rollstream.monitor.tiles import RunTotals
 from rollstream.run_files import RUN_MARKERS, RunFiles
-
+from rollstream.staleness import age
 
 T = TypeVar("T")
 
@@ -61,11 +62,9 @@ class LedgerSummary:
         if status not in ("trained", "evaluated"):
             reason = row.reason or "(none)"
             self.reasons.setdefault(status, Counter())[reason] += 1
-        step, version = row.trained_at_step, row.min_trained_version
-        if version is None and row.format == 1:  # lines may predate min_trained_version
-            version = row.min_version
+        step, version = row.trained_at_step, row.trained_version
         if status == "trained" and step is not None and version is not None:
-            self.staleness[step - version] += 1
+            self.staleness[age(step, version)] += 1
         if row.reward is not None and math.isfinite(row.reward):
             self.reward_sum[source] = self.reward_sum.get(source, 0.0) + row.reward
             self.reward_n[source] += 1
@@ -133,6 +132,7 @@ class RunLog:
         self._ledger = LedgerSummary()
         self._latest: dict[str, dict[str, Any]] = {}  # kind -> merged latest values
         self._hists: dict[str, Hist] = {}  # name -> total over the run
+        self._totals = RunTotals()  # what the tiles read (monitor/tiles.py)
         self.num_bad_lines = 0
 
     def add_record(self, record: Mapping[str, Any]) -> None:
@@ -144,6 +144,7 @@ class RunLog:
                 self._add_hist(rec)
             else:
                 self._latest.setdefault(kind, {}).update(rec)
+                self._totals.add_record(rec)
 
     def _add_hist(self, rec: dict[str, Any]) -> None:
         name, edges, counts = rec.get("name"), rec.get("edges"), rec.get("counts")
@@ -167,6 +168,7 @@ class RunLog:
     def add_ledger(self, row: LedgerRow) -> None:
         with self._lock:
             self._ledger.add(row)
+            self._totals.add_ledger(row)
 
     def state(self) -> dict[str, Any]:
         """Latest values per kind, the furthest step, run-wide histograms, ledger counts."""
@@ -195,6 +197,12 @@ class RunLog:
     def ledger_summary(self) -> dict[str, Any]:
         with self._lock:
             return self._ledger.to_json()
+
+    def tiles(self, summary: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """The page's tiles (monitor/tiles.py): the run's when ``summary`` (the run ended),
+        else the last steps'."""
+        with self._lock:
+            return self._totals.tiles(summary, trained_samples=self._ledger.by_status["trained"])
 
     def ledger_counts(self) -> dict[tuple[str, str], int]:
         """(status, source) -> number of ledger lines."""

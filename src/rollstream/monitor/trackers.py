@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
 from rollstream.config.schema import MonitorConfig
 
+log = logging.getLogger(__name__)
 
 class Tracker(Protocol):
     def scalars(self, kind: str, step: int, values: dict[str, float]) -> None: ...
@@ -67,8 +68,7 @@ def _import(module: str, feature: str) -> Any | None:
     try:
         return importlib.import_module(module)
     except ImportError:
-        warnings.warn(f"monitor: {feature} is on but {module!r} is not installed; skipping it",
-                      RuntimeWarning, stacklevel=3)
+        log.warning(f"monitor: {feature} is on but {module!r} is not installed; skipping it")
         return None
 
 
@@ -80,8 +80,8 @@ def _tensorboard(log_dir: Path) -> Tracker | None:
     elif importlib.util.find_spec("tensorboardX") is not None:
         mod = _import("tensorboardX", "tensorboard")
     else:
-        warnings.warn("monitor: tensorboard is on but neither 'tensorboard' nor 'tensorboardX' "
-                      "is installed; skipping it", RuntimeWarning, stacklevel=2)
+        log.warning("monitor: tensorboard is on but neither 'tensorboard' nor 'tensorboardX' "
+                    "is installed; skipping it")
         return None
     return TensorBoardTracker(mod.SummaryWriter(log_dir=str(log_dir))) if mod else None
 
@@ -92,8 +92,7 @@ def build_trackers(cfg: MonitorConfig, run_dir: Path | None) -> list[Tracker]:
     trackers: list[Tracker] = []
     if cfg.tensorboard:
         if run_dir is None:
-            warnings.warn("monitor: tensorboard needs a run directory; skipping it",
-                          RuntimeWarning, stacklevel=2)
+            log.warning("monitor: tensorboard needs a run directory; skipping it")
         elif (tb := _tensorboard(run_dir / "tensorboard")) is not None:
             trackers.append(tb)
     if "wandb" in cfg.trackers and (wandb := _import("wandb", "wandb")) is not None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import math
 import numbers
@@ -314,36 +313,11 @@ def get_reward(spec: str | RewardFn) -> Reward:
 
 
 def _import(path: str) -> Reward:
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"reward {path!r}: cannot import module {module_name!r} ({e}); is it on "
-            "PYTHONPATH (e.g. `PYTHONPATH=. rollstream train ...`)?"
-        ) from None
-    except SyntaxError as e:
-        raise ValueError(f"reward {path!r}: module {module_name!r} has a syntax error: "
-                         f"{e.filename} line {e.lineno}: {e.msg}") from None
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - fault boundary: a user module
-        where = _raised_in(e)
-        raise ValueError(f"reward {path!r}: importing module {module_name!r} raised "
-                         f"{type(e).__name__}: {e}{where}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
+    from rollstream.named import import_named
+
+    fn = import_named(path, "reward")
     registered = next((r for r in _REGISTRY.values() if r.fn is fn), None)
     return registered or Reward.of(fn, path)
-
-
-def _raised_in(e: BaseException) -> str:
-    """`` (file line N)``: where the innermost frame of ``e``'s traceback raised, or ''."""
-    tb = e.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return f" ({tb.tb_frame.f_code.co_filename} line {tb.tb_lineno})"
 
 
 def known_rewards() -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollstream.rollout.staleness import StalenessPolicy, Verdict
+from rollstream.staleness import StalenessPolicy, Verdict
 from rollstream.trajectory import Group
 
 

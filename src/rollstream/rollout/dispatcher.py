@@ -59,13 +59,8 @@ from typing import Literal
 
 from rollstream.clock import Clock
 from rollstream.config.breaker import BreakerConfig
-from rollstream.engine.protocol import (
-    Engine,
-    FinishReason,
-    GenerateOutput,
-    GenerateRequest,
-    SamplingParams,
-)
+from rollstream.engine.protocol import (Engine, FinishReason, GenerateOutput, GenerateRequest,
+                                        OnTokens, SamplingParams)
 from rollstream.engine.states import EngineHealth
 from rollstream.reward.pool import GraderPool
 from rollstream.rollout.grading import Grading
@@ -261,21 +256,24 @@ class Dispatcher:
         self.predictor.observe(sample, sample.num_response_tokens)  # and the source's lengths
 
     async def episode_turn(self, sample: Sample, params: SamplingParams, *,
-                           deadline: float | None = None) -> TurnOutput | None:
+                           deadline: float | None = None, on_tokens: OnTokens | None = None,
+                           ) -> TurnOutput | None:
         """One model turn of a multi-turn episode (harnesses call this): a trailing policy
         segment is the same turn, continued (one cut by a checkpoint); otherwise a new turn
         starts after the response so far. Afterwards the sample is INTERRUPTED: no request is
-        in flight while its environment or agent answers, so a checkpoint may be taken."""
+        in flight while its environment or agent answers, so a checkpoint may be taken.
+        ``on_tokens``: hears the turn's tokens as they are sampled (``GenerateRequest``)."""
         last = sample.segments[-1] if sample.segments else None
         ongoing = len(last) if last is not None and last.kind is SegmentKind.POLICY else 0
-        out = await self.generate_turn(sample, params, deadline=deadline,
+        out = await self.generate_turn(sample, params, deadline=deadline, on_tokens=on_tokens,
                                        turn_start=sample.num_response_tokens - ongoing)
         if out is not None and sample.status is SampleStatus.RUNNING:
             self.lifecycle.move(sample, SampleStatus.INTERRUPTED)
         return out
 
     async def generate_turn(self, sample: Sample, params: SamplingParams, *, turn_start: int = 0,
-                            deadline: float | None = None) -> TurnOutput | None:
+                            deadline: float | None = None, on_tokens: OnTokens | None = None,
+                            ) -> TurnOutput | None:
         """Generate one model turn of ``sample``, its tokens appended from response position
         ``turn_start`` on (a single-turn sample: 0, the whole response), until it stops or has
         ``params.max_new_tokens`` tokens. An interrupt (weight update, drain, dead engine)
@@ -301,7 +299,7 @@ class Dispatcher:
             try:
                 once = await self._generate_once(
                     sample, replace(params, max_new_tokens=remaining, seed=seed), failed_on,
-                    deadline)
+                    deadline, on_tokens)
             except NoEngineAlive as e:
                 self.fatal = self.fatal or str(e)
                 return None
@@ -334,7 +332,8 @@ class Dispatcher:
                 self.stats.num_resumes += 1
 
     async def _generate_once(self, sample: Sample, params: SamplingParams, avoid: set[str],
-                             deadline: float | None = None) -> tuple[GenerateOutput, bool] | None:
+                             deadline: float | None = None, on_tokens: OnTokens | None = None,
+                             ) -> tuple[GenerateOutput, bool] | None:
         """One request, on an engine not in ``avoid`` while another may take it; (its output,
         whether it was interrupted at ``deadline``); None when its group was cancelled while
         it waited for an engine."""
@@ -363,7 +362,8 @@ class Dispatcher:
         sample.engine_id = engine.engine_id
         self.stats.num_requests += 1
         request = GenerateRequest(request_id=request_id, params=params, episode_id=sample.uid,
-                                  prompt_ids=list(sample.task.prompt_ids) + sample.response_ids)
+                                  prompt_ids=list(sample.task.prompt_ids) + sample.response_ids,
+                                  on_tokens=on_tokens)
         out_of_time = False
         try:
             if deadline is None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from rollstream.config.replay import ReplayConfig
 from rollstream.durable.state import group_from_dict, group_to_dict
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Group, SampleStatus
 
 

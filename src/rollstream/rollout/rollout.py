@@ -53,8 +53,8 @@ from rollstream.rollout.early_stop import EarlyStop, Stop
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.liveness import Liveness
 from rollstream.rollout.replay import ReplayPool
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.step_tally import StepTally
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Group, Sample, SampleStatus, StepResult, Task
 
 S = SampleStatus

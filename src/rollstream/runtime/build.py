@@ -9,6 +9,7 @@ the config here and only here, for runs and benchmarks alike.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -28,7 +29,6 @@ from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.harness import Harness
 from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.run_files import RunFiles
 from rollstream.runtime.controller import (
@@ -39,13 +39,12 @@ from rollstream.runtime.controller import (
     TrainerLike,
     TrainerTurn,
 )
-from rollstream.runtime.placement import TimeShare, placed_engine, placed_train
+from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import Reconfigure
+from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
-from rollstream.trajectory import SINGLE_TURN
 
 if TYPE_CHECKING:
-    from rollstream.data.mix import TaskMix
     from rollstream.reward.pool import GraderPool
     from rollstream.reward.registry import RewardFn
     from rollstream.runtime.ray.cluster import RayCluster
@@ -53,11 +52,14 @@ if TYPE_CHECKING:
     from rollstream.train.fsdp import FsdpTrainer
     from rollstream.train.trainer import Trainer
 
+log = logging.getLogger(__name__)
+
 
 def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) -> None:
-    """Fail early, naming the setting, when a model folder, a dataset file or a reward (a name,
-    or a callable in ``rewards``) is unusable, or the runtime's library is missing (runs call
-    this before touching their run directory)."""
+    """Fail early, naming the setting, when a model folder, a dataset file, a reward (a name,
+    or a callable in ``rewards``), an episode's environment, agent, tool or tool-call parser
+    or the sandbox's artifact folder is unusable, or the runtime's library is missing (runs
+    call this before touching their run directory)."""
     from rollstream.data.sources import check_source_paths, source_rewards
     from rollstream.models.folder import validate_model_folder
     from rollstream.reward.registry import build_resolver
@@ -66,10 +68,27 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
         validate_model_folder(Path(cfg.model.path))
     check_source_paths(cfg.tasks)
     build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)
+    _check_sandbox(cfg.agent.sandbox)
+    if any(s.episodic for s in cfg.tasks.sources):
+        from rollstream.agent.episodes import episode_sources
+
+        episode_sources(cfg.tasks)  # resolves and checks what each source names
     if cfg.runtime.kind == "ray":
         from rollstream.runtime.ray.cluster import require_ray
 
         require_ray()
+
+
+def _check_sandbox(cfg: Any) -> None:
+    """What ``agent.sandbox`` names outside the config: its folder and its variables."""
+    if cfg.artifacts is not None and not Path(cfg.artifacts).expanduser().is_dir():
+        raise ValueError(f"agent.sandbox.artifacts: {cfg.artifacts!r} is not a folder")
+    from rollstream.agent.sandbox import sandbox_env
+
+    try:
+        sandbox_env(list(cfg.pass_env))
+    except ValueError as e:
+        raise ValueError(f"agent.sandbox.pass_env: {e}") from None
 
 
 def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
@@ -82,13 +101,14 @@ def sampling_params(cfg: SamplingConfig, stop_token_ids: tuple[int, ...], *,
     )
 
 
-def build_trainer(cfg: RunConfig, model_path: Path,
-                  units: ScaleUnits | None = None) -> Trainer | FsdpTrainer:
+def build_trainer(cfg: RunConfig, model_path: Path, units: ScaleUnits | None = None, *,
+                  staleness: StalenessPolicy) -> Trainer | FsdpTrainer:
     """The trainer of ``train.backend``: in this process (``local``) or FSDP ranks
     (``fsdp``): Ray actors in the run's scale ``units`` where given (``runtime.kind: ray``),
-    else processes this one spawns; either way :meth:`close` releases it."""
+    else processes this one spawns; either way :meth:`close` releases it. ``staleness``: the
+    run's policy (``cfg.rollout.staleness_policy()``, built once and given to the loop too)."""
     kwargs: dict[str, Any] = dict(
-        staleness=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        staleness=staleness,
         max_response_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
     if cfg.train.backend == "local":
@@ -104,6 +124,10 @@ def build_trainer(cfg: RunConfig, model_path: Path,
 
         kwargs["launch"] = partial(RayRanks, num_cpus=cfg.runtime.ray.rank_num_cpus,
                                    units=units)
+    else:
+        from rollstream.train.rank_processes import ProcessRanks
+
+        kwargs["launch"] = ProcessRanks
     return FsdpTrainer(placed_train(cfg), model_path, **kwargs)
 
 
@@ -136,19 +160,21 @@ def build_workers(cfg: RunConfig, size: int, role: str) -> Workers:
                       on_driver_node=role == "harness")
 
 
-def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, Harness]:
+def build_harnesses(cfg: RunConfig, tokenizer: Any, sandbox: Any = None) -> dict[str, Harness]:
     """The harnesses the run's task sources need: the agent loop, and the OpenAI-SDK agents
-    behind the proxy, for sources whose tasks are episodes (``cfg.agent`` sets their budgets;
-    ``sampling.max_new_tokens`` caps an episode's response tokens in all)."""
+    behind the proxy, for sources whose tasks are episodes (``agent/episodes.py`` resolves
+    what each names; ``cfg.agent`` sets their budgets; ``sampling.max_new_tokens`` caps an
+    episode's response tokens in all). ``sandbox``: the run's pool (``RunSandbox``), which
+    tools that ask for one get."""
     from rollstream.agent.chat import ChatRenderer
+    from rollstream.agent.episodes import episode_sources
     from rollstream.agent.harness import AGENT, AgentHarness
     from rollstream.agent.loop import Budgets
     from rollstream.agent.proxy_harness import OPENAI, ProxyHarness
 
     by_harness: dict[str, dict[str, Any]] = {}
-    for name in mix.names:
-        src = mix.source(name)
-        by_harness.setdefault(getattr(src, "harness", SINGLE_TURN), {})[name] = src
+    for name, src in episode_sources(cfg.tasks, sandbox).items():
+        by_harness.setdefault(src.harness, {})[name] = src
     a = cfg.agent
     budgets = Budgets(max_turns=a.max_turns, max_turn_tokens=a.max_turn_tokens,
                       max_total_tokens=cfg.sampling.max_new_tokens, max_wall_s=a.max_wall_s)
@@ -164,7 +190,8 @@ def build_harnesses(cfg: RunConfig, mix: TaskMix, tokenizer: Any) -> dict[str, H
         harnesses[OPENAI] = ProxyHarness(tokenizer=tokenizer, sources=by_harness[OPENAI],
                                          budgets=budgets, workers=pool,
                                          context_tokens=cfg.engine.context[1],
-                                         limits=a.proxy)
+                                         limits=a.proxy, tool_timeout_s=a.tool_timeout_s,
+                                         max_tool_concurrency=a.max_tool_concurrency)
     return harnesses
 
 
@@ -191,14 +218,15 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                graders: GraderPool, decode: Callable[[list[int]], str], ledger: Ledger,
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
                span: Callable[..., None] | None = None, start_step: int = 0,
-               harnesses: Mapping[str, Harness] | None = None,
+               staleness: StalenessPolicy, harnesses: Mapping[str, Harness] | None = None,
                reconfig_log: Path | None = None, supervise: bool = True) -> Loop:
     """Wire dispatcher, rollout and weight sync as ``cfg`` says (tests use this with their
-    own engines and trainers at the process edges). ``harnesses``: what runs tasks that are
-    not one engine request (:func:`build_harnesses`); ``reconfig_log``: where
-    reconfigurations are recorded (the run directory's ``reconfig.jsonl``); ``supervise``:
-    revive an engine whose loop died (the simulator's never die: its poll over hundreds of
-    engines would be most of a simulation's cost)."""
+    own engines and trainers at the process edges). ``staleness``: the run's policy, the one
+    its trainer was given. ``harnesses``: what runs tasks that are not one engine request
+    (:func:`build_harnesses`); ``reconfig_log``: where reconfigurations are recorded (the run
+    directory's ``reconfig.jsonl``); ``supervise``: revive an engine whose loop died (the
+    simulator's never die: its poll over hundreds of engines would be most of a simulation's
+    cost)."""
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
@@ -207,7 +235,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                             prefix_affinity=cfg.rollout.prefix_affinity,
                             breaker=cfg.rollout.breaker)
     rollout = Rollout(
-        cfg=cfg.rollout, policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+        cfg=cfg.rollout, policy=staleness,
         groups_per_step=cfg.train.groups_per_step,
         total_groups=cfg.train.steps * cfg.train.groups_per_step, tasks=tasks,
         dispatcher=dispatcher, lifecycle=lifecycle,
@@ -222,8 +250,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                       version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
-        print(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s",
-              flush=True)
+        log.info(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s")
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
     supervisor = (EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
@@ -261,32 +288,21 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     local engine's pass recorder reads) or one Ray actor each (``ray``, in the run's scale
     units, with the Ray they run on, which holds the units and which the run stops at the
     end)."""
-    from rollstream.engine.factory import build_engine
+    from rollstream.engine.factory import build_engine, engine_kind
 
     if cfg.runtime.kind == "embedded":
         return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
                              version=version, training=training)
                 for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import RayCluster
-    from rollstream.runtime.ray.engines import build_ray_engines, build_transport
-
     from rollstream.runtime.ray.units import ScaleUnits
 
+    build_on_ray = engine_kind(cfg.engine.kind).ray_builder()
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=RunFiles(run_dir).ray_logs)
     try:
         cluster.units = ScaleUnits.reserve(cfg)
-        if cfg.engine.kind == "vllm":
-            from rollstream.runtime.ray.vllm import build_ray_vllm_engines
-
-            return list(build_ray_vllm_engines(
-                cfg.engine, weights, version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                units=cluster.units, log_dir=RunFiles(run_dir).vllm_logs)), cluster
-        engines = build_ray_engines(weights, placed_engine(cfg), num_engines=cfg.engine.num_engines,
-                                    version=version, num_cpus=cfg.runtime.ray.engine_num_cpus,
-                                    weights=build_transport(cfg.runtime.ray),
-                                    units=cluster.units,
-                                    episode_cache_tokens=cfg.runtime.ray.episode_cache_tokens,
-                                    out_of_band_bytes=cfg.runtime.ray.out_of_band_bytes)
+        engines = build_on_ray(cfg, weights, version=version, units=cluster.units,
+                               run_dir=run_dir)
     except BaseException:
         cluster.stop()
         raise

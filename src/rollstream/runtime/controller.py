@@ -34,17 +34,15 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from rollstream.clock import Clock, WallClock
 from rollstream.monitor.rollout_meter import RolloutMeter
 from rollstream.rollout.rollout import Rollout, RolloutStopped
 from rollstream.rollout.supervisor import EngineSupervisor
+from rollstream.staleness import age
 from rollstream.sync.weights import WeightSync
 from rollstream.trajectory import Group, Sample, SegmentKind, StepResult
-
-if TYPE_CHECKING:
-    from rollstream.runtime.reconfigure import Reconfigure
 
 
 class TrainerLike(Protocol):
@@ -57,6 +55,13 @@ class MetricsLike(Protocol):
     def record(self, kind: str, step: int, values: dict[str, float]) -> None: ...
 
     def observe(self, name: str, value: float) -> None: ...
+
+
+class Boundary(Protocol):
+    """What runs when weight version ``version`` is published, before the next step begins
+    (the run's reconfiguration, runtime/reconfigure.py)."""
+
+    async def at_boundary(self, version: int) -> None: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -83,7 +88,7 @@ class Controller:
                  max_wall_s: float | None = None, after_step: AfterStep | None = None,
                  before_stop: BeforeStop | None = None, start_step: int = 0,
                  supervisor: EngineSupervisor | None = None, clock: Clock | None = None,
-                 reconfigure: Reconfigure | None = None, trainer_turn: TrainerTurn | None = None,
+                 reconfigure: Boundary | None = None, trainer_turn: TrainerTurn | None = None,
                  train_pool: Executor | None = None,
                  training: threading.Event | None = None) -> None:
         """``trainer_turn``: entered around each trainer step (colocated placement: the
@@ -181,7 +186,8 @@ class Controller:
                       "engine_busy_in_train": min(1.0, busy / (
                           step_s * len(self.rollout.dispatcher.engines))) if step_s > 0 else 0.0}
             for s in trained:
-                self.metrics.observe("staleness", float(step - (s.min_trained_version or step)))
+                if s.min_trained_version is not None:
+                    self.metrics.observe("staleness", float(age(step, s.min_trained_version)))
             rollout = self.meter.read()
             self.metrics.record("rollout", step, rollout)
             values["gen_tok_s"] = rollout["gen_tok_s"]
@@ -197,7 +203,8 @@ class Controller:
 
 def _batch_stats(trained: list[Sample], step: int) -> dict[str, float]:
     n = len(trained)
-    stale = [step - s.min_trained_version for s in trained if s.min_trained_version is not None]
+    stale = [age(step, s.min_trained_version) for s in trained
+             if s.min_trained_version is not None]
     return {
         "trained_samples": float(n),
         "reward_mean": sum(s.reward or 0.0 for s in trained) / n if n else 0.0,

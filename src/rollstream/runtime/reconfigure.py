@@ -5,12 +5,13 @@ The controller calls :meth:`Reconfigure.at_boundary` right after it publishes we
 ``v`` (before it awaits anything, so before any group is admitted under ``v``): the change
 scheduled at ``at_step == v`` applies, then the watched file's content if it changed. The new
 config is the old one with the changes, validated by the whole schema
-(``config.reconfigure.with_changes``); each component is handed its new values through its
+(``config.schema.with_changes``); each component is handed its new values through its
 own small method, and nobody re-reads the config:
 
     Dispatcher.set_params     sampling.temperature, sampling.max_new_tokens
     TaskMix.reweight          tasks.sources.<name>.weight / max_in_flight / max_in_flight_per_task
-    Rollout.set_policy        rollout.max_staleness (admission capacity, buffer, live groups)
+    Rollout.set_policy        rollout.staleness.max_staleness (admission capacity, buffer,
+                              live groups)
     Trainer.follow_rollout    the staleness policy, response budget and default temperature
 
 Each change is recorded as a ``reconfig`` metrics line (key -> new value, ``<key>.old`` -> the
@@ -24,14 +25,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rollstream.config import ConfigError, RunConfig
 from rollstream.config.loader import read_yaml_mapping
-from rollstream.config.reconfigure import with_changes
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.config.schema import with_changes
+from rollstream.staleness import StalenessPolicy
 
 if TYPE_CHECKING:
     from rollstream.config.schema import SourceConfig
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from rollstream.rollout.rollout import Rollout
     from rollstream.runtime.controller import MetricsLike
 
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -69,7 +72,10 @@ def value_at(cfg: RunConfig, key: str) -> Any:
     if parts[:2] == ["tasks", "sources"]:
         source = next(s for s in cfg.tasks.sources if s.source_name == parts[2])
         return getattr(source, parts[3])
-    return getattr(getattr(cfg, parts[0]), parts[1])
+    node: Any = cfg
+    for part in parts:
+        node = getattr(node, part)
+    return node
 
 
 def with_applied(cfg: RunConfig, applied: list[dict[str, Any]]) -> RunConfig:
@@ -131,12 +137,12 @@ class Reconfigure:
             self.dispatcher.set_params(replace(self.dispatcher.params, **sampling))
         if self.tasks is not None and new.tasks.sources != old.tasks.sources:
             self.tasks.reweight(new.tasks.sources)
-        policy = StalenessPolicy.from_config(new.rollout, new.train)
+        policy = new.rollout.staleness_policy()
         if self.trainer is not None:
             self.trainer.follow_rollout(staleness=policy,
                                         max_response_tokens=new.sampling.max_new_tokens,
                                         temperature=new.sampling.temperature)
-        if policy != StalenessPolicy.from_config(old.rollout, old.train):
+        if policy != old.rollout.staleness_policy():
             await self.rollout.set_policy(policy, version)
 
     def _read_watch(self, version: int) -> dict[str, Any] | None:
@@ -162,12 +168,12 @@ class Reconfigure:
             values[c.key], values[f"{c.key}.old"] = c.new, c.old
         self.metrics.record("reconfig", version, values)
         shown = ", ".join(f"{c.key} {c.old} -> {c.new}" for c in diffs)
-        print(f"reconfigure at step {version} ({source}): {shown}", flush=True)
+        log.info(f"reconfigure at step {version} ({source}): {shown}")
         self._log({"step": version, "source": source,
                    "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in diffs]})
 
     def _reject(self, version: int, source: str, changes: dict[str, Any], reason: str) -> None:
-        print(f"warning: reconfigure at step {version} ({source}) refused: {reason}", flush=True)
+        log.warning(f"reconfigure at step {version} ({source}) refused: {reason}")
         self.metrics.record("reconfig", version, {"rejected": 1})
         self._log({"step": version, "source": source, "rejected": reason, "set": changes})
 

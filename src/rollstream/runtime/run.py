@@ -71,6 +71,7 @@ class Run:
     cfg: RunConfig
     files: RunFiles
     model_path: Path
+    tokenizer: Any  # the model folder's (AutoTokenizer): each saved folder is checked against it
     mix: TaskMix
     metrics: Metrics
     ledger: Ledger
@@ -85,6 +86,7 @@ class Run:
     resumed: durable.Checkpoint | None = None  # the checkpoint this run continues
     superseded_lines: int = 0  # ledger lines a resume moved to ledger.superseded.jsonl
     cluster: RayCluster | None = None  # runtime.kind: ray (stopped after the trainer closes)
+    sandbox: Any = None  # the RunSandbox of agent.sandbox (closed with the harnesses)
 
     def stop(self) -> None:
         """Close the trainer, then stop the Ray the run uses (fsdp rank actors live in it):
@@ -96,11 +98,14 @@ class Run:
                 self.cluster.stop()
 
     async def close(self) -> None:
-        """Close harnesses, engines and graders (the trainer and Ray stay: :meth:`stop`)."""
+        """Close harnesses, the sandbox pool, engines and graders (the trainer and Ray stay:
+        :meth:`stop`)."""
         for harness in self.loop.dispatcher.harnesses.values():
             close = getattr(harness, "close", None)
             if close is not None:
                 await close()
+        if self.sandbox is not None:
+            await self.sandbox.close()
         for e in self.engines:
             close = getattr(e, "close", None)
             if close is not None:
@@ -117,11 +122,12 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     record of what the lost process did in ``ledger.superseded.jsonl``). ``rewards``: source
     name -> a reward callable given as an object (the Python API, ``rollstream.train``).
     On any failure, what was built is closed before the error propagates."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from rollstream.agent.sandbox_shared import install_sandbox
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
-    from rollstream.models.tokenizer import load_tokenizer
     from rollstream.models.warmstart import prepare_model
     from rollstream.monitor.metrics import Metrics
     from rollstream.monitor.progress import Progress
@@ -133,7 +139,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     cfg_now = with_applied(cfg, saved.get("applied", []))  # what reconfigurations left in force
     resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)  # fail first
     model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir
     mix.check_fits(*cfg.engine.context)
     skip: set[str] = set()
@@ -149,11 +155,11 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         ledger = Ledger(files.ledger)
         _close_on_failure(built, ledger.close)
         for task_uid, source, reason in mix.rejected():
-            print(f"warning: skipped task {task_uid}: {reason}", flush=True)
+            log.warning(f"skipped task {task_uid}: {reason}")
             if ledger.status_of(f"{task_uid}#row") is None:  # a resumed run recorded it before
                 ledger.record_rejected(task_uid, source, reason)
         for warning in mix.warnings():
-            print(f"warning: {warning}", flush=True)
+            log.warning(warning)
         version = resume.step if resume is not None else 0  # weight version = steps done
         weights = resume.model_dir if resume is not None else model_path
         training = threading.Event()  # a trainer step computes (set by the controller)
@@ -167,9 +173,13 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                              build_workers(cfg, cfg.reward.num_workers, "reward"))
         _close_on_failure(built, graders.close)
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None)
+        staleness = cfg_now.rollout.staleness_policy()  # one policy: trainer and rollout
+        trainer = build_trainer(cfg_now, model_path, cluster.units if cluster else None,
+                                staleness=staleness)
         _close_on_failure(built, trainer.close)
-        harnesses = build_harnesses(cfg, mix, tokenizer)
+        sandbox = install_sandbox(cfg.agent.sandbox)  # started by its first program
+        _close_on_failure(built, sandbox.close)
+        harnesses = build_harnesses(cfg, tokenizer, sandbox)
         for harness in harnesses.values():
             if (close := getattr(harness, "close", None)) is not None:
                 _close_on_failure(built, close)
@@ -177,7 +187,8 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           ledger=ledger, metrics=metrics, clock=WallClock(),
                           params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
-                          start_step=version, harnesses=harnesses, reconfig_log=files.reconfig)
+                          start_step=version, staleness=staleness, harnesses=harnesses,
+                          reconfig_log=files.reconfig)
         if resume is not None:
             _load_trainer_state(trainer, resume)
             loop.rollout.restore(resume.state["rollout"], version=version)
@@ -186,17 +197,20 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         progress = Progress(cfg.monitor, cfg.train.steps)
         _close_on_failure(built, progress.close)
         steps = _build_steps(cfg, files, loop, resume=resume, progress=progress,
-                             eval_tasks=mix.eval_tasks(), stop=stop, training=training)
+                             eval_tasks=mix.eval_tasks(), stop=stop, training=training,
+                             tokenizer=tokenizer)
         built.pop_all()  # built whole: the Run owns every component now
-    return Run(cfg=cfg, files=files, model_path=model_path, mix=mix, metrics=metrics,
+    return Run(cfg=cfg, files=files, model_path=model_path, tokenizer=tokenizer, mix=mix,
+               metrics=metrics,
                ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
                progress=progress, **steps, resumed=resume, superseded_lines=superseded,
-               cluster=cluster)
+               cluster=cluster, sandbox=sandbox)
 
 
 def _build_steps(cfg: RunConfig, files: RunFiles, loop: Loop, *,
                  resume: durable.Checkpoint | None, progress: Progress, eval_tasks: list[Task],
-                 stop: tuple[int, ...], training: threading.Event) -> dict[str, Any]:
+                 stop: tuple[int, ...], training: threading.Event,
+                 tokenizer: Any) -> dict[str, Any]:
     """The run's controller with what it does around its steps (runtime/steps.py): the
     evaluations, totals and checkpoints carried on from ``resume``."""
     saved = resume.state if resume is not None else {}
@@ -209,7 +223,7 @@ def _build_steps(cfg: RunConfig, files: RunFiles, loop: Loop, *,
                          saved=saved.get("totals"))
     pool = trainer_thread()
     checkpoints = Checkpoints(cfg=cfg, run_dir=files.root, loop=loop, trainer=loop.trainer,
-                              metrics=loop.metrics, train_pool=pool, evaluations=evaluations,
+                              tokenizer=tokenizer, metrics=loop.metrics, train_pool=pool, evaluations=evaluations,
                               totals=totals, last_step=resume.step if resume else -1)
     controller = build_controller(
         cfg, loop, train_pool=pool, training=training, before_stop=FinalCheckpoint(checkpoints),

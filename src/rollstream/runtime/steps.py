@@ -17,6 +17,7 @@ constructor.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from rollstream.monitor.progress import Progress
     from rollstream.runtime.build import Loop
     from rollstream.trajectory import Task
+
+log = logging.getLogger(__name__)
 
 Work = dict[str, dict[str, float]]  # engine id -> busy seconds and where they went
 
@@ -107,14 +110,27 @@ class TrainTotals:
                          for k, w in engine_work(self._engines).items()}
 
 
+def save_model(trainer: Any, tokenizer: Any, folder: Path) -> Path:
+    """The trainer's HF folder, its ``generation_config.json`` stopping at the chat's
+    end-of-turn token as well, and its tokenizer checked: ``AutoTokenizer`` reads it as the
+    run's (every save, durable and final; ``models/folder_check.py``)."""
+    from rollstream.models.folder_check import check_tokenizer, write_stop_tokens
+
+    trainer.save_checkpoint(folder)
+    write_stop_tokens(folder, tokenizer)
+    check_tokenizer(folder, tokenizer)
+    return folder
+
+
 class Checkpoints:
     """Writes the run's durable checkpoints; :attr:`last_step` is the newest one's step
     (-1: none yet)."""
 
     def __init__(self, *, cfg: RunConfig, run_dir: Path, loop: Loop, trainer: Any,
-                 metrics: Metrics, train_pool: Executor, evaluations: Evaluations,
-                 totals: TrainTotals, last_step: int = -1) -> None:
+                 tokenizer: Any, metrics: Metrics, train_pool: Executor,
+                 evaluations: Evaluations, totals: TrainTotals, last_step: int = -1) -> None:
         self.cfg, self.run_dir, self.loop, self.trainer = cfg, run_dir, loop, trainer
+        self.tokenizer = tokenizer
         self.metrics, self.train_pool = metrics, train_pool
         self.evaluations, self.totals = evaluations, totals
         self.last_step = last_step
@@ -134,14 +150,15 @@ class Checkpoints:
         state["config_hash"] = durable.config_hash(state["config"])
         path = await asyncio.get_running_loop().run_in_executor(
             self.train_pool, lambda: durable.write(
-                self.run_dir, done, state, save_model=self.trainer.save_checkpoint,
+                self.run_dir, done, state,
+                save_model=lambda d: save_model(self.trainer, self.tokenizer, d),
                 save_trainer=self.trainer.save_training_state,
                 keep=self.cfg.train.keep_checkpoints))
         self.last_step = done
         self.metrics.record("phase", done, {"checkpoint_step": float(done),
                                             "checkpoint_hold_s": held_s,
                                             "checkpoint_s": time.perf_counter() - t0})
-        print(f"checkpoint: {path} (generation held {held_s * 1e3:.0f} ms)", flush=True)
+        log.info(f"checkpoint: {path} (generation held {held_s * 1e3:.0f} ms)")
 
 
 class BetweenSteps:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import random
@@ -43,9 +44,15 @@ from rollstream.rollout.rollout import RolloutStopped
 from rollstream.runtime.build import check_inputs
 from rollstream.runtime.controller import ControllerResult
 from rollstream.runtime.run import Run, build_run
+from rollstream.runtime.steps import save_model
 
 if TYPE_CHECKING:
     from rollstream.reward.registry import RewardFn
+
+log = logging.getLogger(__name__)
+
+
+CHECK_PROMPTS = 4  # held-out prompts the final checkpoint's model round trip generates from
 
 
 SIGTERM_STOP = "SIGTERM received: stopped at a step boundary with a checkpoint"
@@ -83,8 +90,8 @@ def run_training(cfg: RunConfig, *,
                 raise RunStopped(f"{died} before the run's first durable checkpoint: nothing to "
                                  "resume from (train.checkpoint_every)") from e
             restarts += 1
-            print(f"trainer: {died}: resuming from the newest checkpoint (restart {restarts} "
-                  f"of {cfg.train.fsdp.max_restarts})", flush=True)
+            log.warning(f"trainer: {died}: resuming from the newest checkpoint (restart "
+                        f"{restarts} of {cfg.train.fsdp.max_restarts})")
             cfg = cfg.model_copy(update={"resume": True})
             ckpt = resume_point(cfg, run_dir)
     if summary["stalled"]:
@@ -119,7 +126,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
     means is refused, naming the fields, and so are checkpoint folders none of which is whole
     (a damaged newer one is skipped with a warning)."""
     def skipped(path: Path, why: str) -> None:
-        print(f"warning: resume: skipped the damaged checkpoint {path.name}: {why}", flush=True)
+        log.warning(f"resume: skipped the damaged checkpoint {path.name}: {why}")
 
     try:
         ckpt = durable.latest(run_dir, on_skip=skipped)
@@ -129,8 +136,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
             f"{durable.folder(run_dir)} away to resume from step 0 (the ledger's lines then "
             "move to ledger.superseded.jsonl), or start a run of another name") from None
     if ckpt is None:
-        print(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0",
-              flush=True)
+        log.info(f"resume: no checkpoint in {durable.folder(run_dir)}: starting at step 0")
         return None
     changed = config_changes(ckpt.state["config"], saved_config(cfg))
     if changed:
@@ -142,7 +148,7 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
     if ckpt.step > cfg.train.steps:
         raise ConfigError(f"resume=true: {ckpt.path} has trained {ckpt.step} steps, more than "
                           f"train.steps = {cfg.train.steps}")
-    print(f"resume: continuing from {ckpt.path} (step {ckpt.step})", flush=True)
+    log.info(f"resume: continuing from {ckpt.path} (step {ckpt.step})")
     return ckpt
 
 
@@ -155,27 +161,31 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
     with _on_sigterm(asyncio.get_running_loop(), on_sigterm), _closed_on_error(run):
         result, final = await _train(run)
     try:
-        final_dir = save_checkpoint(run.trainer, run.files.final_checkpoint)
+        t_save = time.perf_counter()
+        final_dir = save_checkpoint(run, run.files.final_checkpoint)
+        save_s = time.perf_counter() - t_save
     finally:
         run.stop()  # the trainer (the fsdp backend's ranks), then the run's Ray
+    checked = check_final(run, final_dir)
     summary = _summary(run, result, final, final_dir, time.perf_counter() - t_start)
     summary["trainer_restarts"] = trainer_restarts  # in this command (train.fsdp.max_restarts)
+    summary["checkpoint_save_s"] = save_s
+    summary["checkpoint_check"] = checked
     run.ledger.close()
     run.metrics.close()
     write_passes(run, run.files.engine_passes)
     run.files.summary.write_text(json.dumps(summary, indent=2))
-    print(
+    log.info(
         f"held-out reward {summary['reward_initial']:.3f} -> {summary['reward_final']:.3f} in "
         f"{summary['wall_s']:.0f} s ({summary['trained_samples']} trained samples); run dir: "
-        f"{run_dir}", flush=True,
-    )
+        f"{run_dir}")
     if summary["unfinished_samples"]:
         raise AssertionError(f"{len(summary['unfinished_samples'])} samples never reached a "
                              "terminal status")
     if cfg.monitor.report:
         from rollstream.monitor.report import write_report
 
-        print(f"report: {write_report(run_dir)}", flush=True)
+        log.info(f"report: {write_report(run_dir)}")
     return summary
 
 
@@ -190,7 +200,7 @@ async def _train(run: Run) -> tuple[ControllerResult, dict[str, float]]:
             result = await run.controller.run()
             run.totals.stop()
             if result.stop_reason is not None:
-                print(f"run stopped early: {result.stop_reason}", flush=True)
+                log.info(f"run stopped early: {result.stop_reason}")
             if not result.stalled and result.stop_reason != SIGTERM_STOP:
                 final = await run.evaluations(result.steps_done)
         except RolloutStopped as e:  # no engine alive during an evaluation
@@ -208,9 +218,9 @@ async def _initial_eval(run: Run) -> dict[str, float]:
         return run.totals.initial
     initial = await run.evaluations(0)
     if not run.evaluations.tasks:
-        print("warning: no held-out task: the held-out reward is not measured", flush=True)
+        log.warning("no held-out task: the held-out reward is not measured")
     else:
-        print(f"held-out reward at start: {initial['reward']:.3f}", flush=True)
+        log.info(f"held-out reward at start: {initial['reward']:.3f}")
     return initial
 
 
@@ -225,7 +235,7 @@ async def _dashboard(run: Run) -> AsyncIterator[None]:
 
     dashboard = Dashboard(run.metrics, run.files.root, run.cfg.monitor, control=EngineControl(
         run.loop.dispatcher, asyncio.get_running_loop()))
-    print(f"dashboard: {dashboard.start()}", flush=True)
+    log.info(f"dashboard: {dashboard.start()}")
     try:
         yield
     finally:
@@ -262,20 +272,39 @@ def _on_sigterm(loop: asyncio.AbstractEventLoop, handler: Any) -> Any:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def save_checkpoint(trainer: Any, final: Path) -> Path:
-    """The trainer's HF folder at ``final``, written atomically: into a temporary folder
-    beside it, then renamed into place (an older one is replaced only after the new one is
-    complete), so a crash never leaves half a checkpoint under the final name."""
+def save_checkpoint(run: Run, final: Path) -> Path:
+    """:func:`~rollstream.runtime.steps.save_model` at ``final``, written atomically: into a temporary folder beside it,
+    then renamed into place (an older one is replaced only after the new one is complete), so
+    a crash never leaves half a checkpoint under the final name. A folder that fails its
+    check stays in the temporary folder the error names."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_checkpoint(tmp)
+    save_model(run.trainer, run.tokenizer, tmp)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_final(run: Run, folder: Path) -> dict[str, Any]:
+    """The model round trip on the final checkpoint: ``AutoModelForCausalLM``'s greedy tokens
+    for a few held-out prompts equal the embedded engine's (``check_model``); logged, and
+    returned for the summary."""
+    from rollstream.models.folder_check import check_model, probe_prompts
+
+    t0 = time.perf_counter()
+    prompts = ([list(t.prompt_ids) for t in run.evaluations.tasks[:CHECK_PROMPTS]]
+               or probe_prompts(run.tokenizer))
+    ties = check_model(folder, prompts, threads=run.cfg.engine.local.threads)
+    for tie in ties:
+        log.info(f"checkpoint check: {tie}")
+    log.info(f"checkpoint check: AutoTokenizer and AutoModelForCausalLM read {folder} as "
+             f"trained ({len(prompts)} prompts, {len(ties)} near ties)")
+    return {"num_prompts": len(prompts), "ties": [str(t) for t in ties],
+            "check_s": time.perf_counter() - t0}
 
 
 def write_passes(run: Run, path: Path) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 import yaml
 
 from rollstream.config.loader import read_yaml_mapping
+from rollstream.config.staleness import StalenessConfig
 from rollstream.data.ledger import read_ledger
 from rollstream.data.ledger_row import PolicyTurn
 from rollstream.run_files import RunFiles
@@ -246,10 +247,12 @@ def replay_scenario(record: RunRecord, profile: str) -> Scenario:
     a built-in name), replaying its ledger."""
     cfg, ro = record.config, record.config["rollout"]
     on_update = ro["on_update"] if ro.get("partial_rollout", True) else "drain"  # older runs
+    st = ro.get("staleness") or {  # older runs: the bounds in rollout and train
+        "max_staleness": ro["max_staleness"], "max_context_age": ro.get("max_context_age"),
+        "max_token_age": cfg["train"].get("max_token_age")}
+    bounds = {k: v for k, v in st.items() if k != "max_staleness" or ro["mode"] == "async"}
     mode = ModeConfig(name=ro["mode"], mode=ro["mode"], on_update=on_update,
-                      max_context_age=ro.get("max_context_age"),
-                      max_staleness=ro["max_staleness"] if ro["mode"] == "async" else None,
-                      max_token_age=cfg["train"].get("max_token_age"))
+                      staleness=StalenessConfig(**bounds))
     return Scenario(name=f"replay-{cfg['name']}", seed=cfg["seed"], profile=profile,
                     engines=len({p["engine_id"] for p in record.passes}),
                     steps=record.summary["steps"], groups_per_step=cfg["train"]["groups_per_step"],

@@ -4,6 +4,7 @@ and with ``--out DIR`` plots and an HTML page (``sim/outputs.py``)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 from rollstream.sim.profile import load_profile
 from rollstream.sim.run import simulate_mode
 from rollstream.sim.scenario import Scenario, load_scenario
+
+log = logging.getLogger(__name__)
 
 
 def run_scenario(sc: Scenario, *, progress: bool = False) -> dict[str, Any]:
@@ -23,8 +26,7 @@ def run_scenario(sc: Scenario, *, progress: bool = False) -> dict[str, Any]:
     for mode in sc.modes:
         rows[mode.name] = simulate_mode(sc, mode, profile)
         if progress:
-            print(f"  {mode.name}: {rows[mode.name]['wall_s']:.1f} s", file=sys.stderr,
-                  flush=True)
+            log.info(f"  {mode.name}: {rows[mode.name]['wall_s']:.1f} s")
     base = next(iter(rows.values()))["trained_tok_s"]
     for r in rows.values():
         r["vs_first"] = r["trained_tok_s"] / base if base > 0 else None
@@ -86,10 +88,10 @@ def main(scenario: Path, *, json_out: Path | None = None,
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {json_out}")
+        log.info(f"wrote {json_out}")
     if out_dir is not None:
         from rollstream.sim.outputs import NO_PLOTS, have_matplotlib, write_scenario_outputs
 
-        print(f"wrote {write_scenario_outputs(result, out_dir)}"
-              + ("" if have_matplotlib() else f" ({NO_PLOTS})"))
+        log.info(f"wrote {write_scenario_outputs(result, out_dir)}"
+                 + ("" if have_matplotlib() else f" ({NO_PLOTS})"))
     return result

@@ -46,10 +46,9 @@ from rollstream.data.ledger_row import LedgerRow
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Reward
-from rollstream.rollout.staleness import StalenessPolicy
+from rollstream.run_files import RunFiles
 from rollstream.runtime.build import Loop, build_controller, build_loop
 from rollstream.runtime.controller import Controller
-from rollstream.run_files import RunFiles
 from rollstream.sim.agentic import END, AgentWorkload
 from rollstream.sim.engine import SimEngine
 from rollstream.sim.profile import Profile
@@ -59,6 +58,7 @@ from rollstream.sim.trainer import SimTrainer
 from rollstream.sim.vloop import LoopClock, VirtualExecutor, run_virtual
 from rollstream.sim.workload import CORRECT, WRONG, TaskStream, Workload, sim_reward
 from rollstream.trajectory import SampleStatus
+from rollstream.staleness import age
 
 SIM_REWARD = Reward.of(sim_reward, "sim")
 TAIL_QUANTILE = 0.9
@@ -108,8 +108,8 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     cfg = run_config(sc, mode)
     workload = make_workload(sc)
     engines = [SimEngine(f"sim-{i}", profile, workload) for i in range(sc.engines)]
-    trainer = SimTrainer(profile.trainer, devices=sc.trainer_devices,
-                         policy=StalenessPolicy.from_config(cfg.rollout, cfg.train),
+    staleness = cfg.rollout.staleness_policy()  # one policy: the trainer and the rollout
+    trainer = SimTrainer(profile.trainer, devices=sc.trainer_devices, policy=staleness,
                          token_block=sc.token_block)
     clock = LoopClock()
     metrics, spans, ledger = SimMetrics(clock), Spans(), Ledger(ledger_path)
@@ -120,7 +120,7 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
                             stop_token_ids=(END,) if agentic else (CORRECT, WRONG))
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
-                      clock=clock, params=params, span=spans,
+                      clock=clock, params=params, span=spans, staleness=staleness,
                       harnesses={AGENT: workload.harness()} if agentic else None,
                       supervise=False)
     controller = build_controller(cfg, loop, train_pool=_train_pool(trainer, engines, profile))
@@ -198,7 +198,7 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
     steps = [(step, t) for kind, step, t, _ in metrics.records if kind == "train"]
     sim_s = steps[-1][1] if steps else metrics.clock.now()
     block = sc.token_block
-    staleness = Counter(r.trained_at_step - r.min_trained_version for r in trained)
+    staleness = Counter(age(r.trained_at_step, r.min_trained_version) for r in trained)
     busy = sum(e.busy_s for e in engines)
     by_step: dict[int, list[int]] = {}
     for r in trained:

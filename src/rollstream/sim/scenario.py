@@ -15,13 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollstream.config import RolloutConfig, RunConfig, TrainConfig
 from rollstream.config.early_stop import EarlyStopConfig
-from rollstream.config.loader import (
-    ConfigError,
-    read_yaml_mapping,
-    validate_model,
-    validation_problems,
-)
+from rollstream.config.loader import ConfigError, read_yaml_mapping, validate_model
+from rollstream.config.problems import validation_problems
 from rollstream.config.schema import OnUpdate
+from rollstream.config.staleness import StalenessConfig
 
 
 class _Section(BaseModel):
@@ -121,23 +118,34 @@ class ModeConfig(_Section):
     """Row label in the comparison table."""
     mode: Literal["sync", "one_step", "async"] = "async"
     """rollout.mode of the run."""
-    max_staleness: int | None = Field(None, ge=0)
-    """rollout.max_staleness (async only; null: the library default)."""
+    staleness: StalenessConfig | None = None
+    """rollout.staleness: the bounds k (``max_staleness``, async only), ``max_token_age``
+    (set: the ``mask`` rule, older tokens left out of the loss and of the trained tokens) and
+    ``max_context_age`` (above k: the ``admission`` rule, samples trained whole up to this
+    age); null: the library defaults."""
     on_update: OnUpdate | None = None
     """rollout.on_update: ``interrupt`` or ``continue`` (partial rollout) or ``drain`` on a
     weight update (null: the library default, interrupt)."""
-    max_context_age: int | None = Field(None, ge=0)
-    """rollout.max_context_age (null: the library default; above the staleness bound: the
-    ``admission`` rule, samples trained whole up to this age)."""
-    max_token_age: int | None = Field(None, ge=0)
-    """train.max_token_age (null: off; set: the ``mask`` rule, older tokens left out of the
-    loss and of the trained tokens)."""
     dispatch: Literal["engine", "fifo", "longest_first"] | None = None
     """rollout.dispatch: where requests wait when the engines are full, and in what order
     (null: the library default, ``engine``; docs/dispatch.md)."""
     early_stop: EarlyStopConfig | None = None
     """rollout.early_stop: cancel the rest of a group once its first graded samples make
     zero variance likely (null: off; docs/data.md)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data):
+        if isinstance(data, dict):
+            for key in ("max_staleness", "max_token_age", "max_context_age"):
+                if key in data:
+                    raise ValueError(f"{key} was replaced by staleness.{key} (a mode's "
+                                     "staleness bounds live in one block, as in a run's "
+                                     "rollout.staleness); move the setting there")
+        return data
+
+
+_K2 = StalenessConfig(max_staleness=2)
 
 
 class Scenario(_Section):
@@ -176,8 +184,8 @@ class Scenario(_Section):
     modes: tuple[ModeConfig, ...] = (
         ModeConfig(name="sync", mode="sync"),
         ModeConfig(name="one_step", mode="one_step", on_update="drain"),
-        ModeConfig(name="async_k2_partial", mode="async", max_staleness=2),
-        ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, on_update="drain"),
+        ModeConfig(name="async_k2_partial", mode="async", staleness=_K2),
+        ModeConfig(name="async_k2_drain", mode="async", staleness=_K2, on_update="drain"),
     )
     """The modes to compare, in table order (the first is the baseline of the ratios)."""
 
@@ -203,12 +211,10 @@ def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunCon
                "filter_zero_variance": sc.filter_zero_variance,
                # a long simulated run must not stop for a streak of filtered groups
                "max_untrainable_streak": 1 << 30, "min_trainable_share": 0.0}
-    if mode.max_staleness is not None:
-        rollout["max_staleness"] = mode.max_staleness
+    if mode.staleness is not None:
+        rollout["staleness"] = mode.staleness
     if mode.on_update is not None:
         rollout["on_update"] = mode.on_update
-    if mode.max_context_age is not None:
-        rollout["max_context_age"] = mode.max_context_age
     if mode.dispatch is not None:
         rollout["dispatch"] = mode.dispatch
     if mode.early_stop is not None:
@@ -216,8 +222,7 @@ def run_config(sc: Scenario, mode: ModeConfig, *, where: str = "mode") -> RunCon
     try:
         return RunConfig(name=sc.name, seed=sc.seed, max_wall_s=sc.max_sim_s,
                          rollout=RolloutConfig(**rollout),
-                         train=TrainConfig(steps=sc.steps, groups_per_step=sc.groups_per_step,
-                                           max_token_age=mode.max_token_age))
+                         train=TrainConfig(steps=sc.steps, groups_per_step=sc.groups_per_step))
     except ValidationError as e:
         raise ConfigError(f"{where}: " + "; ".join(validation_problems(e, RunConfig))) from None
 

@@ -23,10 +23,12 @@ Writes ``study.json``, ``study.png`` (with matplotlib) and ``index.html`` to ``-
 from __future__ import annotations
 
 import html
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.config.staleness import StalenessConfig
 from rollstream.sim.outputs import (
     NO_PLOTS,
     have_matplotlib,
@@ -39,9 +41,12 @@ from rollstream.sim.profile import load_profile
 from rollstream.sim.run import simulate_mode
 from rollstream.sim.scenario import ModeConfig, Scenario, load_scenario
 
+log = logging.getLogger(__name__)
+
+_K2 = StalenessConfig(max_staleness=2)
 STUDY_MODES = (ModeConfig(name="sync", mode="sync"),
-               ModeConfig(name="async_k2_drain", mode="async", max_staleness=2, on_update="drain"),
-               ModeConfig(name="async_k2_partial", mode="async", max_staleness=2))
+               ModeConfig(name="async_k2_drain", mode="async", staleness=_K2, on_update="drain"),
+               ModeConfig(name="async_k2_partial", mode="async", staleness=_K2))
 
 # (system, what, figure, how) from WORKLOADS.md, as their authors report them
 PUBLISHED = (
@@ -62,7 +67,7 @@ def scaled(base: Scenario, engines: int, steps: int | None) -> Scenario:
     """``base`` at ``engines`` engines: groups per step and trainer devices scaled alike."""
     f = engines / base.engines
     return base.model_validate({
-        **base.model_dump(), "name": f"{base.name}@{engines}", "engines": engines,
+        **base.model_dump(), "name": f"{base.name}-x{engines}", "engines": engines,
         "groups_per_step": max(1, round(base.groups_per_step * f)),
         "trainer_devices": max(1, round(base.trainer_devices * f)),
         "steps": steps or base.steps, "modes": [m.model_dump() for m in STUDY_MODES]})
@@ -92,9 +97,9 @@ def run_study(base: Scenario, engine_counts: list[int], steps: int | None = None
                      for k, r in rows.items()}}
         points.append(point)
         if progress:
-            print(f"  {e} engines: tail share {point['tail_share']:.2f}, async "
-                  f"{point['async_speedup']:.2f}x, partial {point['partial_speedup']:.2f}x "
-                  f"({sum(r['wall_s'] for r in rows.values()):.0f} s)", flush=True)
+            log.info(f"  {e} engines: tail share {point['tail_share']:.2f}, async "
+                     f"{point['async_speedup']:.2f}x, partial {point['partial_speedup']:.2f}x "
+                     f"({sum(r['wall_s'] for r in rows.values()):.0f} s)")
     return {"scenario": base.model_dump(mode="json"), "profile": profile.model_dump(mode="json"),
             "points": points, "published": [dict(zip(("system", "what", "figure", "how"), p,
                                                       strict=True)) for p in PUBLISHED],
@@ -168,8 +173,8 @@ def main(scenario: Path, *, engines: str, steps: int | None = None,
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         write_json(json_out, study)
-        print(f"wrote {json_out}")
+        log.info(f"wrote {json_out}")
     if out_dir is not None:
-        print(f"wrote {write_study(study, out_dir)}" + ("" if have_matplotlib()
-                                                         else f" ({NO_PLOTS})"))
+        log.info(f"wrote {write_study(study, out_dir)}" + ("" if have_matplotlib()
+                                                            else f" ({NO_PLOTS})"))
     return study

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollstream.rollout.staleness import StalenessPolicy
 from rollstream.sim.profile import TrainerCost
+from rollstream.staleness import StalenessPolicy
 from rollstream.trajectory import Group, KeptTokens, SampleStatus, StepResult
 
 

@@ -54,7 +54,7 @@ from rollstream.train.trainer import Trainer
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
 if TYPE_CHECKING:
-    from rollstream.rollout.staleness import StalenessPolicy
+    from rollstream.staleness import StalenessPolicy
 
 DEATH_GRACE_S = 2.0  # after a rank's error: how long a peer's death may take to show
 REPLICATED = frozenset({"grad_norm", "num_updates"})  # sums every rank adds alike (global)
@@ -248,18 +248,13 @@ def rank_failed(rank: int, trace: str) -> RuntimeError:
 class FsdpTrainer:
     """The trainer interface of the controller, computed by ``cfg.fsdp.world_size`` FSDP
     ranks (module docstring). Arguments: as :class:`~rollstream.train.trainer.Trainer`, and
-    ``launch``, which starts the ranks (None: spawned processes of this one)."""
+    ``launch``, which starts the ranks: spawned processes of this one
+    (``train/rank_processes.py``) or Ray actors; the runtime chooses (runtime/build.py)."""
 
     def __init__(self, cfg: TrainConfig, model_path: Path, *, staleness: StalenessPolicy,
                  max_response_tokens: int | None = None, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, launch: LaunchRanks | None = None) -> None:
+                 top_p: float = 1.0, top_k: int = 0, launch: LaunchRanks) -> None:
         self.world_size = cfg.fsdp.world_size
-        if cfg.fsdp.device == "cuda" and launch is None and \
-                torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"train.fsdp.world_size = {self.world_size} with device cuda needs "
-                             f"as many GPUs; {torch.cuda.device_count()} found")
-        if launch is None:
-            from rollstream.train.rank_processes import ProcessRanks as launch
         self._lock = threading.Lock()  # one call at a time: the ranks pair collectives
         self._closed = False
         kwargs = dict(cfg=cfg, model_path=Path(model_path), staleness=staleness,

@@ -1,6 +1,5 @@
 """The fsdp trainer's ranks as spawned processes of the controller's, one pipe each: the
-:class:`~rollstream.train.fsdp.Ranks` transport of ``runtime.kind: embedded`` (and of any
-:class:`~rollstream.train.fsdp.FsdpTrainer` built without a launcher).
+:class:`~rollstream.train.fsdp.Ranks` transport of ``runtime.kind: embedded``.
 
 Rendezvous through a file store in a temporary folder (one host). A rank sends each reply
 (or its error's traceback) down its pipe; a rank whose process ends (its sentinel is ready)
@@ -20,6 +19,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -57,6 +57,9 @@ class ProcessRanks:
     rank's trainer built."""
 
     def __init__(self, world_size: int, device: str, kwargs: dict[str, Any]) -> None:
+        if device == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"train.fsdp.world_size = {world_size} with device cuda needs "
+                             f"as many GPUs; {torch.cuda.device_count()} found")
         self._folder = folder = tempfile.mkdtemp(prefix="rollstream-fsdp-")  # the store
         ctx = mp.get_context("spawn")
         self.procs, self._conns = [], []

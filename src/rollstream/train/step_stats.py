@@ -26,7 +26,7 @@ from rollstream.train.losses import LossTargets
 from rollstream.trajectory import KeptTokens, Sample
 
 if TYPE_CHECKING:
-    from rollstream.rollout.staleness import StalenessPolicy
+    from rollstream.staleness import StalenessPolicy
 
 
 @dataclass(slots=True, kw_only=True)

@@ -74,17 +74,17 @@ import contextlib
 import copy
 import os
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from rollstream.config.schema import TrainConfig
+from rollstream.models.tokenizer import copy_tokenizer_files
+from rollstream.staleness import StalenessPolicy, age
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.batching import (
     MicroBatch,
@@ -105,20 +105,6 @@ from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
-if TYPE_CHECKING:
-    from rollstream.rollout.staleness import StalenessPolicy
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 class Trainer:
@@ -232,10 +218,7 @@ class Trainer:
         return out_dir
 
     def _copy_tokenizer(self, out_dir: Path) -> None:
-        for name in TOKENIZER_FILES:
-            src = self.model_path / name
-            if src.is_file():
-                shutil.copy2(src, out_dir / name)
+        copy_tokenizer_files(self.model_path, out_dir)
 
     def close(self) -> None:
         """Nothing to release: the policy lives in this process."""
@@ -424,7 +407,7 @@ class Trainer:
             mismatch_abs=float(diff.abs().sum()),
             entropy=float(-logp_prox[kept].sum()),
         )
-        age_bucket = (step - mb.versions).clamp(0, self.staleness.max_staleness + 1)
+        age_bucket = age(step, mb.versions).clamp(0, self.staleness.max_staleness + 1)
         stages = torch.stack([mb.loss_mask, young, base, kept]).sum(dim=-1).T  # [B, 4]
         return Prepared(mb=mb, targets=targets, age_bucket=age_bucket,
                          stage_counts=stages.tolist())

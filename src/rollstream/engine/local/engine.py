@@ -384,6 +384,7 @@ class LocalEngine:
             self._count("prefill", seconds := time.perf_counter() - t1, tokens=new_tokens)
             self.passes.add("prefill", len(new), new_tokens, seconds)
             self._generated_tokens += len(new)  # counted before anyone hears of it
+            self._scheduler.stream(self._runner.read)
             self._finish(done, FinishReason.LENGTH)
         if runner.num_rows:
             t1 = time.perf_counter()
@@ -398,6 +399,7 @@ class LocalEngine:
             self._work["attention_positions"] += context
             self._work["attention_work"] += chunks_work(chunks)
             self._work["attention_chunks"] += len(chunks)
+            self._scheduler.stream(self._runner.read)
             self._finish(done, FinishReason.LENGTH)
             self._count("decode", seconds := time.perf_counter() - t1)
             if not fused:  # a fused pass is a decode and a prefill: not one shape to fit

@@ -12,8 +12,13 @@ preemption (a running sequence keeps its row until it finishes or is interrupted
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 from rollstream.engine.protocol import GenerateRequest
 
@@ -25,6 +30,7 @@ class Sequence:
     seed_key: int  # the sampler's 32-bit key for this request's random stream
     future: concurrent.futures.Future
     version_marks: list[tuple[int, int]] = field(default_factory=list)  # (first token idx, version)
+    streamed: int = 0  # tokens handed to ``request.on_tokens`` so far
 
     @property
     def request_id(self) -> str:
@@ -54,6 +60,7 @@ class Scheduler:
     prefill_budget_tokens: int
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # index = cache row
+    num_streaming: int = 0  # running sequences whose request streams (``on_tokens``)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -70,7 +77,26 @@ class Scheduler:
             budget -= cost
             new.append(self.waiting.popleft())
         self.running.extend(new)
+        self.num_streaming += sum(s.request.on_tokens is not None for s in new)
         return new
+
+    def stream(self, read: Callable[[list[int], list[int]], list[tuple[list[int], Any]]],
+               ) -> None:
+        """Hand each running request that streams the tokens sampled since it last heard;
+        ``read(rows, starts)``: the tokens of ``rows`` from those positions on (the
+        runner's)."""
+        if not self.num_streaming:
+            return
+        rows = [i for i, s in enumerate(self.running) if s.request.on_tokens is not None]
+        seqs = [self.running[i] for i in rows]
+        for seq, (tokens, _) in zip(seqs, read(rows, [s.prompt_len + s.streamed for s in seqs]),
+                                    strict=True):
+            if tokens:
+                seq.streamed += len(tokens)
+                try:
+                    seq.request.on_tokens(tokens)
+                except Exception:  # noqa: BLE001 - a listener's fault never stops the engine
+                    log.exception("on_tokens of request %s raised", seq.request_id)
 
     def release(self, rows: list[int]) -> tuple[list[Sequence], list[int], list[int]]:
         """Remove the sequences at ``rows``; returns them and the row moves (src, dst) that
@@ -83,6 +109,7 @@ class Scheduler:
         for src, dst in zip(movers, holes, strict=True):
             self.running[dst] = self.running[src]
         del self.running[n_after:]
+        self.num_streaming -= sum(s.request.on_tokens is not None for s in removed)
         return removed, movers, holes
 
     def take_waiting(self, ids: frozenset[str] | None) -> list[Sequence]:

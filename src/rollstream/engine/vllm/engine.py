@@ -319,6 +319,8 @@ class VllmEngine:
                         had = len(s.token_ids)
                         s.feed(line)
                         self._generated_tokens += len(s.token_ids) - had
+                        if st.request.on_tokens is not None and len(s.token_ids) > had:
+                            st.request.on_tokens(s.token_ids[had:])
         except asyncio.CancelledError:
             if st.cut is None:
                 raise  # the caller cancelled generate

@@ -10,6 +10,7 @@
   const VERSION_STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const S = {
     name: "", metrics: [], spans: [], ledger: null, state: null, config: null, summary: null,
+    tiles: [],
     metricsNext: 0, spansNext: 0, numBad: 0, metricKey: null, histKey: null,
   };
 
@@ -28,6 +29,16 @@
     if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(2);
     if (Number.isInteger(v)) return v.toLocaleString("en-US");
     return a >= 100 ? v.toFixed(0) : a >= 10 ? v.toFixed(1) : v.toFixed(3);
+  }
+  // the summary's and the tiles' numbers: whole ones in full, others to 4 significant digits
+  // (docs/monitoring.md; tests/monitor/page_check.py formats the same way)
+  function fmtFull(v) {
+    if (!isNum(v)) return "–";
+    if (Number.isInteger(v)) return v.toLocaleString("en-US");
+    const a = Math.abs(v);
+    if (a >= 1e4) return Math.round(v).toLocaleString("en-US");
+    if (a >= 1e-3) return String(Number(v.toPrecision(4)));
+    return v.toExponential(3);
   }
   function niceTicks(lo, hi, count) {
     if (!(hi > lo)) { hi = lo + 1; }
@@ -62,6 +73,7 @@
     S.state = p.state || S.state;
     S.config = p.config !== undefined ? p.config : S.config;
     S.summary = p.summary !== undefined ? p.summary : S.summary;
+    S.tiles = p.tiles || S.tiles;
     S.numBad = p.num_bad_lines || 0;
   }
   function series(kind, name) {
@@ -126,10 +138,12 @@
       if (!l.points.length) return;
       const c = l.color || COLORS[i % COLORS.length];
       const d = l.points.map((p, j) => `${j ? "L" : "M"}${xs(p[0]).toFixed(1)},${ys(p[1]).toFixed(1)}`).join("");
-      svg += `<path class="series" data-series="${esc(l.label)}" d="${d}" fill="none" stroke="${c}" stroke-width="1.8"/>`;
+      if (l.line !== false) {
+        svg += `<path class="series" data-series="${esc(l.label)}" d="${d}" fill="none" stroke="${c}" stroke-width="1.8"/>`;
+      }
       if (l.dots || l.points.length < 40) {
         for (const p of l.points) {
-          svg += `<circle class="pt" cx="${xs(p[0]).toFixed(1)}" cy="${ys(p[1]).toFixed(1)}" r="${l.dots ? 3.5 : 2}" fill="${c}">` +
+          svg += `<circle class="pt" data-series="${esc(l.label)}" cx="${xs(p[0]).toFixed(1)}" cy="${ys(p[1]).toFixed(1)}" r="${l.dots ? 3.5 : 2}" fill="${c}">` +
             `<title>${esc(l.label)} @ ${esc(fmt(p[0]))}: ${esc(fmt(p[1]))}</title></circle>`;
         }
       }
@@ -137,6 +151,9 @@
       svg += `<rect x="${lx}" y="6" width="12" height="4" fill="${c}"/>` +
         `<text x="${lx + 16}" y="12" font-size="11" fill="#444">${esc(l.label)}</text>`;
     });
+    if (opts.note) {
+      svg += `<text class="chart-note" x="${(m.l + w - m.r) / 2}" y="${m.t + 14}" text-anchor="middle">${esc(opts.note)}</text>`;
+    }
     el.innerHTML = svg + "</svg>";
   }
 
@@ -287,35 +304,46 @@
     html += `<p class="note">${esc(fmt(L.num_tokens))} tokens, ${esc(fmt(L.num_interrupts))} interruptions</p>`;
     el.innerHTML = html;
   }
+  // summary.json: a number in full in its own cell; a long JSON value folded (click to open,
+  // wrapped inside the card), so no value widens the table past its card
   function drawSummary() {
     const el = $("summary");
     if (!S.summary) { el.innerHTML = `<p class="note">summary.json not written yet</p>`; return; }
-    el.innerHTML = table(["key", "value"], Object.entries(S.summary).map(([k, v]) =>
-      [k, isNum(v) ? v : typeof v === "string" ? v : JSON.stringify(v)]));
+    el.innerHTML = `<table class="kv">` + Object.entries(S.summary).map(([k, v]) => {
+      let cell;
+      if (isNum(v)) cell = `<td class="n">${esc(fmtFull(v))}</td>`;
+      else if (v !== null && typeof v === "object") cell = `<td>${folded(v)}</td>`;
+      else cell = `<td>${esc(v === null ? "null" : String(v))}</td>`;
+      return `<tr data-key="${esc(k)}"><th scope="row">${esc(k)}</th>${cell}</tr>`;
+    }).join("") + "</table>";
   }
+  function folded(v) {
+    const line = JSON.stringify(v);
+    if (line.length <= 48) return `<code>${esc(line)}</code>`;
+    const n = Array.isArray(v) ? `[${v.length} items]` : `{${Object.keys(v).length} keys}`;
+    return `<details><summary>${esc(n)}</summary><pre class="json">${esc(JSON.stringify(v, null, 2))}</pre></details>`;
+  }
+  // the run's tiles come defined from the server (monitor/tiles.py: the run's totals once it
+  // ended, its last steps while it goes); the rest read the latest lines, and say which step
   function drawTiles() {
-    const led = (S.ledger && S.ledger.by_status) || {};
-    const stale = last("rollout", "staleness_mean");
+    const live = !S.summary;
+    const at = (kind) => {
+      const k = S.state && S.state.kinds && S.state.kinds[kind];
+      return k && isNum(k.step) ? `step ${k.step}` : "";
+    };
     const tiles = [
-      ["step", S.state ? S.state.step : undefined],
-      ["train reward", last("train", "reward_mean")],
-      ["eval reward", last("eval", "reward")],
-      ["tokens/s", last("rollout", "gen_tok_s")],
-      ["staleness", stale],
-      ["trained samples", led.trained || 0],
-      ["in flight", last("rollout", "in_flight")],
-      ["gen/trained tokens", last("train", "gen_tokens_per_trained_token")],
-      ["mixture error pp", last("train", "mixture_error_pp")],
-      ["length pred. error", last("rollout", "len_pred_err")],
-      ["replayed groups", replayedGroups()],
-      ["last reconfigure", lastReconfig()],
+      ["step", S.state ? S.state.step : undefined, live ? "now" : "run"],
+      ["train reward", last("train", "reward_mean"), at("train")],
+      ["eval reward", last("eval", "reward"), at("eval")],
+      ...S.tiles.map((t) => [t.key, t.value, t.scope]),
+      ...(live ? [["in flight", last("rollout", "in_flight"), "now"]] : []),
+      ["length pred. error", last("rollout", "len_pred_err"), at("rollout")],
+      ["last reconfigure", lastReconfig(), "run"],
     ];
-    $("tiles").innerHTML = tiles.map(([k, v]) =>
-      `<div class="tile" data-tile="${esc(k)}"><div class="k">${esc(k)}</div><div class="v">${esc(typeof v === "string" ? v : fmt(v))}</div></div>`).join("");
-  }
-  function replayedGroups() {  // rollout.replay: groups trained again, summed over steps
-    const pts = series("train", "replayed_groups");
-    return pts.length ? pts.reduce((a, [, v]) => a + v, 0) : undefined;
+    $("tiles").innerHTML = tiles.map(([k, v, scope]) =>
+      `<div class="tile" data-scope="${esc(scope)}" data-value="${esc(isNum(v) ? v : "")}" data-tile="${esc(k)}">` +
+      `<div class="k">${esc(k)}</div><div class="v">${esc(typeof v === "string" ? v : fmtFull(v))}</div>` +
+      `<div class="s">${esc(scope)}</div></div>`).join("");
   }
   function lastReconfig() {  // the latest `reconfig` line: what changed at which step
     const lines = S.metrics.filter((m) => m.kind === "reconfig" && isNum(m.step));
@@ -370,10 +398,13 @@
   function render() {
     $("run-name").textContent = S.name;
     drawTiles();
+    // one dot per evaluation; with only the start and the end there is no curve to draw
+    const evals = series("eval", "reward"), onlyEnds = !!S.summary && evals.length === 2;
     lineChart($("chart-reward"), [
       { label: "train reward_mean", points: series("train", "reward_mean") },
-      { label: "eval reward", points: series("eval", "reward"), dots: true, color: COLORS[1] },
-    ], { id: "reward" });
+      { label: "eval reward", points: evals, dots: true, line: !onlyEnds, color: COLORS[1] },
+    ], { id: "reward", note: onlyEnds ?
+      "held-out reward measured only at the start and the end: no curve (set eval.every)" : "" });
     lineChart($("chart-throughput"), [
       { label: "generated tokens/s", points: series("rollout", "gen_tok_s"), color: COLORS[2] },
     ], { id: "throughput" });

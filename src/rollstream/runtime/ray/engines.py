@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     import torch
 
     from rollstream.config.runtime import RayConfig
+    from rollstream.config.schema import RunConfig
     from rollstream.runtime.ray.units import ScaleUnits
     from rollstream.sync.protocol import Transport
 
@@ -463,3 +464,17 @@ def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str, num_cpus:
              strategy: Any, plane: dict[str, int]) -> Callable[[int], Any]:
     return lambda version: spawn_actor(model_path, cfg, engine_id=engine_id, version=version,
                                        num_cpus=num_cpus, strategy=strategy, **plane)
+
+
+def build_run_engines(cfg: RunConfig, model_path: Path, *, version: int, units: ScaleUnits,
+                      run_dir: Path) -> list[RayEngine]:
+    """``engine.kind: local`` on Ray (engine/factory.py): the run's engine actors under its
+    placement, with the weight transport and data plane ``runtime.ray`` sets."""
+    from rollstream.runtime.placement import placed_engine
+
+    ray = cfg.runtime.ray
+    return build_ray_engines(model_path, placed_engine(cfg), num_engines=cfg.engine.num_engines,
+                             version=version, num_cpus=ray.engine_num_cpus,
+                             weights=build_transport(ray), units=units,
+                             episode_cache_tokens=ray.episode_cache_tokens,
+                             out_of_band_bytes=ray.out_of_band_bytes)

@@ -39,9 +39,10 @@ from rollstream.engine.vllm.server import (
     remove_orphaned_segments,
     stop_group,
 )
+from rollstream.run_files import RunFiles
 
 if TYPE_CHECKING:
-    from rollstream.config.schema import EngineConfig
+    from rollstream.config.schema import EngineConfig, RunConfig
     from rollstream.engine.vllm import VllmEngine
     from rollstream.runtime.ray.units import ScaleUnits
 
@@ -211,3 +212,12 @@ def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,
             engine.shutdown()
         raise failed
     return built
+
+
+def build_run_engines(cfg: RunConfig, model_path: Path, *, version: int, units: ScaleUnits,
+                      run_dir: Path) -> list[VllmEngine]:
+    """``engine.kind: vllm`` on Ray (engine/factory.py): the run's servers, their logs under
+    the run directory's ``vllm-logs``."""
+    return build_ray_vllm_engines(cfg.engine, model_path, version=version,
+                                  num_cpus=cfg.runtime.ray.engine_num_cpus, units=units,
+                                  log_dir=RunFiles(run_dir).vllm_logs)

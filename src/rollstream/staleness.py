@@ -1,22 +1,27 @@
 """The staleness policy: which tokens a loss at step ``s`` may keep, and when a sample or a
-group is too old to train. One frozen object, built once from the config
-(:meth:`StalenessPolicy.from_config`) and asked by admission, the buffer, the rollout's
-group life and the trainer's token mask; nobody else writes these rules.
+group is too old to train. One frozen object, built once per run from the config's
+``rollout.staleness`` block (``RolloutConfig.staleness_policy``) and handed to admission, the
+buffer, the rollout's group life and the trainer's token mask; nobody else writes these
+rules. It lives beside the data model (:mod:`rollstream.trajectory`) because both the
+rollout and the trainer ask it, and it imports neither of them (nor the config, nor torch).
+
+Ages. A token of policy version ``v`` in a loss at trainer step ``s`` has age ``s - v``
+(:func:`age`); a trained sample's age is the age of its oldest kept token. The controller's
+metrics, the run log, the simulator and the trainer's age buckets all compute it here.
 
 Three bounds (``s`` = the trainer step that would consume the sample, ``v`` = the policy
-version that sampled a token):
+version that sampled a token), all in ``rollout.staleness``:
 
-* ``max_staleness`` ``k`` (``rollout.max_staleness``; 0 for ``mode: sync``, 1 for
-  ``one_step``): admission sizes its capacity by it (a group starts only while
+* ``max_staleness`` ``k`` (read with ``rollout.mode: async``; ``sync`` means 0, ``one_step``
+  1): admission sizes its capacity by it (a group starts only while
   ``admitted <= (served version + k + 1) * groups_per_step``).
-* ``max_token_age`` ``m`` (``train.max_token_age``, ``m <= k``; null = off): the loss masks
-  tokens with ``s - v > m``, and staleness counts only the tokens it keeps. A long sample
-  resumed across many updates (partial rollout) trains on its recent tokens instead of being
-  dropped. A sample whose every token is masked is DROPPED_STALE (its reward stays in its
-  group's baseline).
-* ``max_context_age`` ``H`` (``rollout.max_context_age``, ``H >= k``): no trained sample has
-  *seen* a token with ``s - v > H``, masked or not. Default ``2k`` with ``m``, ``k``
-  without.
+* ``max_token_age`` ``m`` (``m <= k``; null = off): the loss masks tokens with ``s - v > m``,
+  and staleness counts only the tokens it keeps. A long sample resumed across many updates
+  (partial rollout) trains on its recent tokens instead of being dropped. A sample whose
+  every token is masked is DROPPED_STALE (its reward stays in its group's baseline).
+* ``max_context_age`` ``H`` (``H >= k``): no trained sample has *seen* a token with
+  ``s - v > H``, masked or not. Default ``2k`` with ``m``, ``k`` without
+  (:meth:`StalenessPolicy.from_bounds`).
 
 Together they make three semantics for a long sample that spans several versions
 (:attr:`StalenessPolicy.rule`):
@@ -50,24 +55,20 @@ tensor of versions through :meth:`StalenessPolicy.keeps`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from rollstream.trajectory import Group, Sample, SegmentKind
 
-if TYPE_CHECKING:
-    from rollstream.config import RolloutConfig, TrainConfig
-
 A = TypeVar("A")  # an array type with elementwise >= (a torch tensor in the trainer)
+V = TypeVar("V")  # a version: an int, or an array of them (a torch tensor in the trainer)
 
 CONTEXT_AGE_PER_K = 2  # the default max_context_age, in multiples of the staleness bound
 
 
-def context_age(rollout: RolloutConfig, train: TrainConfig) -> int:
-    """The hard bound ``H`` a config means: the setting, else 2k with token age and k without."""
-    if rollout.max_context_age is not None:
-        return rollout.max_context_age
-    k = rollout.staleness_bound
-    return k if train.max_token_age is None else CONTEXT_AGE_PER_K * k
+def age(step: int, version: V) -> V:
+    """The age at trainer ``step`` of a token sampled by policy ``version`` (elementwise on an
+    array of versions); of a trained sample, with ``version`` its oldest kept token's."""
+    return step - version  # type: ignore[operator,return-value]
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -97,9 +98,14 @@ class StalenessPolicy:
             raise ValueError(f"max_context_age {self.max_context_age} < max_staleness {k}")
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig, train: TrainConfig) -> StalenessPolicy:
-        return cls(max_staleness=rollout.staleness_bound, max_token_age=train.max_token_age,
-                   max_context_age=context_age(rollout, train))
+    def from_bounds(cls, *, max_staleness: int, max_token_age: int | None,
+                    max_context_age: int | None) -> StalenessPolicy:
+        """The policy a config's bounds mean: an unset ``max_context_age`` is ``2k`` with a
+        token age and ``k`` without."""
+        if max_context_age is None and max_token_age is not None:
+            max_context_age = CONTEXT_AGE_PER_K * max_staleness
+        return cls(max_staleness=max_staleness, max_token_age=max_token_age,
+                   max_context_age=max_context_age)
 
     @property
     def context_bound(self) -> int:
@@ -152,7 +158,7 @@ class StalenessPolicy:
         oldest = sample.min_version()
         if oldest is None:
             return _OK
-        if step - oldest > self.context_bound:
+        if age(step, oldest) > self.context_bound:
             return Verdict(ok=False, reason=self._too_old(step, oldest), spoils_group=True)
         num_kept, oldest_kept = self.kept_tokens(sample, step)
         if num_kept == 0:
@@ -161,7 +167,7 @@ class StalenessPolicy:
             return Verdict(ok=False, reason=(
                 f"every token older than max_token_age {self.max_token_age} (trainer step "
                 f"{step})"))
-        assert oldest_kept is not None and step - oldest_kept <= self.kept_bound, (
+        assert oldest_kept is not None and age(step, oldest_kept) <= self.kept_bound, (
             "kept tokens are within max_token_age, or all tokens within H")
         return _OK
 
@@ -180,13 +186,13 @@ class StalenessPolicy:
         """Can a group still generating under weights ``version`` ever be trained? Not when a
         token is already older than the context bound: every later step is later still."""
         oldest = group.min_version()
-        if oldest is not None and version - oldest > self.context_bound:
+        if oldest is not None and age(version, oldest) > self.context_bound:
             return Verdict(ok=False, reason=self._too_old(version, oldest), spoils_group=True)
         return _OK
 
     def _too_old(self, step: int, oldest: int) -> str:
         if self.rule == "drop":
-            return (f"staleness {step - oldest} > max_staleness {self.max_staleness} (oldest "
+            return (f"staleness {age(step, oldest)} > max_staleness {self.max_staleness} (oldest "
                     f"token version {oldest}, trainer step {step})")
-        return (f"context age {step - oldest} > max_context_age {self.context_bound} (oldest "
+        return (f"context age {age(step, oldest)} > max_context_age {self.context_bound} (oldest "
                 f"token version {oldest}, trainer step {step})")

@@ -1,0 +1,152 @@
+"""``train``: the trainer's section (advantages, loss, optimizer, precision, checkpoints and
+the fsdp backend). The staleness bounds the loss applies are ``rollout.staleness``'s
+(config/staleness.py): the trainer is handed the run's policy, not these settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, model_validator
+
+from rollstream.config.section import Section
+from rollstream.config.staleness import refuse_replaced_keys
+
+
+class ISCorrectionConfig(Section):
+    level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token or per sequence (geometric mean)."""
+    mode: Literal["none", "truncate", "mask"] = "truncate"
+    """Truncated IS (cap the weight) or masked IS (drop tokens whose weight leaves bounds)."""
+    cap: float = Field(2.0, gt=1)
+    """Upper bound (truncate) or upper mask threshold (mask)."""
+    lower: float = Field(0.5, gt=0, lt=1)
+    """Lower mask threshold (mask mode)."""
+
+
+class FsdpConfig(Section):
+    world_size: int = Field(2, ge=1)
+    """Trainer ranks: processes the controller starts (Ray actors in ``runtime.ray.scale_units``
+    units on ``runtime.kind: ray``), each holding a shard of the policy and
+    of AdamW's state and computing every ``world_size``-th micro-batch of a step (gloo on CPU,
+    NCCL with ``device: cuda``). docs/distributed.md."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the ranks compute: ``cpu`` (gloo) or ``cuda`` (rank r on GPU r, NCCL)."""
+    max_restarts: int = Field(1, ge=0)
+    """Times a run resumes from its newest durable checkpoint (``train.checkpoint_every``)
+    after a rank process died (killed, crashed, out of memory): the step being computed is
+    lost, every rank is started again and the run continues as ``resume=true`` would, in the
+    same command. A rank that raised an error is not restarted (it would raise again)."""
+
+
+class TrainConfig(Section):
+    steps: int = Field(60, ge=1)
+    """Optimizer steps (each publishes a new weight version)."""
+    groups_per_step: int = Field(16, ge=1)
+    """Groups (prompts) per trainer step."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator: ``grpo`` ((r - group mean) / group std), ``dr_grpo`` (r - group
+    mean, no std; with Dr.GRPO's constant loss normaliser unless ``loss_agg`` says
+    otherwise), ``rloo`` (r - mean of the other samples)."""
+    advantage_std: Literal["sample", "population"] = "sample"
+    """The group standard deviation of ``grpo``: ``sample`` (Bessel-corrected, divide by
+    n - 1, as verl and TRL) or ``population`` (divide by n). Only ``grpo`` divides by a std:
+    setting ``population`` with another advantage is an error."""
+    failed_reward: Literal["exclude", "zero"] = "exclude"
+    """A FAILED sample (engine error, reward error or timeout) in its group's baseline:
+    ``exclude`` leaves it out (the baseline is the graded samples'), ``zero`` counts it as
+    reward 0 (a failure lowers the baseline, so the group's successes weigh more). Either way
+    the failed sample itself is never trained; the zero-variance filter uses the same
+    baseline."""
+    loss: Literal["auto", "ppo_clip", "decoupled_ppo"] = "auto"
+    """Policy loss. ``ppo_clip`` clips the ratio to the behaviour policy (the engine's
+    logprobs). ``decoupled_ppo`` (AReaL) clips against the proximal (pre-step) policy and
+    weights by the behaviour->proximal importance ratio, truncated per ``is_correction``:
+    with stale samples the behaviour policy is several versions old, and clipping against it
+    would clip most stale tokens. ``auto`` = ``decoupled_ppo`` when the staleness bound is
+    above 0 (``one_step``, ``async``), ``ppo_clip`` in ``sync`` mode."""
+    loss_agg: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                      "seq_mean_token_sum_norm"] = "auto"
+    """How token losses add up to the step's loss (verl's names): ``token_mean`` (mean over
+    every kept token), ``seq_mean_token_mean`` (mean over samples of each sample's token
+    mean), ``seq_mean_token_sum`` (mean over samples of each sample's token sum),
+    ``seq_mean_token_sum_norm`` (token sum / (samples x sampling.max_new_tokens): Dr.GRPO's
+    constant normaliser). ``auto`` = ``seq_mean_token_sum_norm`` for ``advantage: dr_grpo``,
+    else ``token_mean``; another value with ``dr_grpo`` is an error (Dr.GRPO is both)."""
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range."""
+    is_correction: ISCorrectionConfig = ISCorrectionConfig()
+    """Engine–trainer mismatch correction."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the initial (reference) policy (0 = no reference model)."""
+    lr: float = Field(2e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    updates_per_step: int = Field(2, ge=1)
+    """Passes over each step's batch (each pass is one optimizer update)."""
+    micro_batch_tokens: int = Field(8192, ge=16)
+    """Tokens computed per micro-batch (rows x row width; short samples share rows, so
+    padding stays small whatever the budget); micro-batches accumulate gradients."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training precision. ``bfloat16``: mixed precision, the matmuls in bf16 under autocast,
+    parameters, AdamW state and the logits (and on CPU attention) in float32
+    (train/precision.py)."""
+    compile: bool = False
+    """Compile the policy's forward (and so its backward) with ``torch.compile`` (dynamic
+    shapes; ``backend: local`` only). The first step pays the compile (tens of seconds on a
+    CPU, less with inductor's on-disk cache warm); later steps run faster (docs/benchmarks.md
+    has the measured step time and the break-even), so it pays on long runs only."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads of the trainer (0 = leave as is)."""
+    cpu_affinity: tuple[NonNegativeInt, ...] = ()
+    """CPU cores the trainer's calling thread is pinned to (Linux ``sched_setaffinity`` of
+    that thread only; empty = leave as is). With ``backend: fsdp`` the cores the rank
+    processes share out: each rank's compute thread is pinned to its own slice (ranks share
+    cores round-robin when there are fewer cores than ranks), with as many torch threads as
+    its slice has cores unless ``threads`` is set."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a durable checkpoint (``checkpoints/step_NNNNNN``: weights, optimizer, data
+    cursor, buffer, in-flight partial samples; docs/run-dir.md) every N steps; one is also
+    saved when the run ends or stops (0 = only then)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Durable checkpoints kept (the newest N; older ones are deleted once a newer is whole)."""
+    backend: Literal["local", "fsdp"] = "local"
+    """``local``: the trainer computes in the controller's process. ``fsdp``: PyTorch FSDP2
+    over ``fsdp.world_size`` rank processes, micro-batches shared among them; the same loss,
+    and the same update up to float rounding (docs/distributed.md)."""
+    fsdp: FsdpConfig = FsdpConfig()
+    """Settings of ``backend: fsdp`` (one set with ``backend: local`` is an error)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data):
+        return refuse_replaced_keys("train", data)
+
+
+def check_train(t: TrainConfig) -> None:
+    """Training settings that contradict each other."""
+    if t.advantage == "dr_grpo" and t.loss_agg not in ("auto", "seq_mean_token_sum_norm"):
+        raise ValueError(
+            f"train.loss_agg = {t.loss_agg} contradicts train.advantage = dr_grpo (Dr.GRPO is "
+            "both its advantage and the constant normaliser samples x max_new_tokens, i.e. "
+            "loss_agg seq_mean_token_sum_norm or auto); for another aggregation use "
+            "advantage grpo or rloo"
+        )
+    if t.backend != "fsdp" and t.fsdp != FsdpConfig():
+        changed = next(k for k, v in t.fsdp if v != FsdpConfig.model_fields[k].default)
+        raise ValueError(
+            f"train.fsdp.{changed} = {getattr(t.fsdp, changed)} is read only with "
+            f"train.backend = fsdp (it is {t.backend}); set backend: fsdp or drop it"
+        )
+    if t.compile and t.backend != "local":
+        raise ValueError(
+            f"train.compile = true is implemented for train.backend = local only (it is "
+            f"{t.backend}); drop one"
+        )
+    if t.advantage_std != "sample" and t.advantage != "grpo":
+        raise ValueError(
+            f"train.advantage_std = {t.advantage_std} has no effect with train.advantage = "
+            f"{t.advantage} (only grpo divides by the group std); drop advantage_std"
+        )
