@@ -201,8 +201,8 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                              tokenizer=tokenizer)
         built.pop_all()  # built whole: the Run owns every component now
     return Run(cfg=cfg, files=files, model_path=model_path, tokenizer=tokenizer, mix=mix,
-               metrics=metrics,
-               ledger=ledger, engines=engines, graders=graders, trainer=trainer, loop=loop,
+               metrics=metrics, ledger=ledger, engines=engines, graders=graders,
+               trainer=trainer, loop=loop,
                progress=progress, **steps, resumed=resume, superseded_lines=superseded,
                cluster=cluster, sandbox=sandbox)
 
@@ -223,8 +223,9 @@ def _build_steps(cfg: RunConfig, files: RunFiles, loop: Loop, *,
                          saved=saved.get("totals"))
     pool = trainer_thread()
     checkpoints = Checkpoints(cfg=cfg, run_dir=files.root, loop=loop, trainer=loop.trainer,
-                              tokenizer=tokenizer, metrics=loop.metrics, train_pool=pool, evaluations=evaluations,
-                              totals=totals, last_step=resume.step if resume else -1)
+                              tokenizer=tokenizer, metrics=loop.metrics, train_pool=pool,
+                              evaluations=evaluations, totals=totals,
+                              last_step=resume.step if resume else -1)
     controller = build_controller(
         cfg, loop, train_pool=pool, training=training, before_stop=FinalCheckpoint(checkpoints),
         after_step=BetweenSteps(cfg=cfg, progress=progress, evaluations=evaluations,

@@ -273,10 +273,10 @@ def _on_sigterm(loop: asyncio.AbstractEventLoop, handler: Any) -> Any:
 
 
 def save_checkpoint(run: Run, final: Path) -> Path:
-    """:func:`~rollstream.runtime.steps.save_model` at ``final``, written atomically: into a temporary folder beside it,
-    then renamed into place (an older one is replaced only after the new one is complete), so
-    a crash never leaves half a checkpoint under the final name. A folder that fails its
-    check stays in the temporary folder the error names."""
+    """:func:`~rollstream.runtime.steps.save_model` at ``final``, written atomically: into a
+    temporary folder beside it, then renamed into place (an older one is replaced only after
+    the new one is complete), so a crash never leaves half a checkpoint under the final name.
+    A folder that fails its check stays in the temporary folder the error names."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
