@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-from rollstream.trajectory import Group, Sample, SegmentKind
+from rollstream.trajectory import Group, KeptTokens, Sample, SegmentKind
 
 A = TypeVar("A")  # an array type with elementwise >= (a torch tensor in the trainer)
 V = TypeVar("V")  # a version: an int, or an array of them (a torch tensor in the trainer)
@@ -133,25 +133,25 @@ class StalenessPolicy:
         tokens and padding carry version -1 and are never kept.)"""
         return versions >= max(self.oldest_kept_version(step), 0)  # type: ignore[operator]
 
-    def kept_tokens(self, sample: Sample, step: int) -> tuple[int, int | None]:
-        """(number, oldest version) of the loss-masked policy tokens a loss at ``step`` keeps
-        by age (before any importance-sampling mask the trainer may add)."""
+    def kept_tokens(self, sample: Sample, step: int) -> KeptTokens:
+        """The loss-masked policy tokens a loss at ``step`` keeps by age (before any
+        importance-sampling mask the trainer may add)."""
         since = max(self.oldest_kept_version(step), 0)
-        num, oldest = 0, None
-        for seg in sample.segments:  # per segment: min/all in C for the common whole ones
+        num, oldest, total = 0, None, 0
+        for seg in sample.segments:  # per segment: min/all/sum in C for the common whole ones
             if seg.kind is not SegmentKind.POLICY or not seg.versions:
                 continue  # environment tokens are never in a loss
             low = min(seg.versions)
             if low >= since and all(seg.loss_mask):
-                n = len(seg.versions)
+                n, vsum = len(seg.versions), sum(seg.versions)
             else:
                 kept = [v for v, m in zip(seg.versions, seg.loss_mask, strict=True)
                         if m and v >= since]
-                n, low = len(kept), min(kept, default=None)
+                n, low, vsum = len(kept), min(kept, default=None), sum(kept)
             if n:
-                num += n
+                num, total = num + n, total + vsum
                 oldest = low if oldest is None else min(oldest, low)
-        return num, oldest
+        return KeptTokens(num_tokens=num, min_version=oldest, version_sum=total)
 
     # ---- verdicts --------------------------------------------------------------------------
     def sample_verdict(self, sample: Sample, step: int) -> Verdict:
@@ -160,7 +160,8 @@ class StalenessPolicy:
             return _OK
         if age(step, oldest) > self.context_bound:
             return Verdict(ok=False, reason=self._too_old(step, oldest), spoils_group=True)
-        num_kept, oldest_kept = self.kept_tokens(sample, step)
+        kept = self.kept_tokens(sample, step)
+        num_kept, oldest_kept = kept.num_tokens, kept.min_version
         if num_kept == 0:
             if self.max_token_age is None:  # nothing to train (no loss-masked token)
                 return _OK

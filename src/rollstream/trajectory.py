@@ -215,6 +215,7 @@ class Sample:
     trained_at_step: int | None = None
     min_trained_version: int | None = None  # oldest version among the tokens the loss kept
     num_trained_tokens: int | None = None  # tokens the loss kept (the trainer says: KeptTokens)
+    trained_version_sum: int | None = None  # Σ of their versions (KeptTokens.version_sum)
     taken_at_step: int | None = None  # the trainer step whose batch held it (any outcome)
     num_restored_tokens: int = 0  # partial tokens it continued from after a restart (resume)
     turns: list[Turn] = field(default_factory=list)  # multi-turn episodes: one per segment
@@ -363,6 +364,9 @@ class KeptTokens:
 
     num_tokens: int
     min_version: int | None  # oldest version among the kept tokens (None when none kept)
+    # Σ of the kept tokens' versions: their token-weighted mean age at step s is
+    # s − version_sum / num_tokens (exact where a sample's tokens span versions)
+    version_sum: int = 0
     reason: str | None = None  # why nothing was kept, when num_tokens == 0
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from rollstream.data.ledger_row import LedgerRow
+from rollstream.data.ledger_row import LedgerRow, decode_row
 from rollstream.monitor.runlog import RunLog
 from rollstream.monitor.tiles import WINDOW_STEPS
 from rollstream.trajectory import SampleStatus
@@ -64,3 +66,23 @@ def test_a_run_starting_shows_what_there_is() -> None:
     assert one["tokens/s"]["scope"] == "last step" and one["tokens/s"]["value"] == 10.0
     empty = by_key(RunLog().tiles(None))
     assert all(t["value"] in (None, 0) for t in empty.values())
+
+
+def test_staleness_weighs_each_kept_token_by_its_own_version() -> None:
+    """A sample interrupted by a weight update holds tokens of two versions: each counts at
+    its own age (Σ versions from the ledger), not at the sample's oldest; a ledger line
+    written before that field existed counts at the oldest kept version."""
+    log = RunLog()
+    log.add_record({"kind": "train", "step": 4, "t_s": 1.0, "gen_tokens": 20.0,
+                    "trained_tokens": 20.0})
+    # 4 tokens of version 2 and 6 of version 4 trained at step 4: ages 2 and 0
+    log.add_ledger(LedgerRow(sample_uid="a#g0/0", task_uid="a", source="s",
+                             status=SampleStatus.TRAINED, trained_at_step=4,
+                             min_trained_version=2, num_trained_tokens=10,
+                             trained_version_sum=4 * 2 + 6 * 4))
+    assert by_key(log.tiles({"gen_tok_s": 1.0}))["staleness"]["value"] == pytest.approx(0.8)
+    assert by_key(log.tiles(None))["staleness"]["value"] == pytest.approx(0.8)
+    log.add_ledger(decode_row(json.dumps(  # an older ledger's line: all at age 1
+        {"sample_uid": "b#g0/0", "task_uid": "b", "source": "s", "status": "trained",
+         "trained_at_step": 4, "min_trained_version": 3, "num_trained_tokens": 10})))
+    assert by_key(log.tiles({"gen_tok_s": 1.0}))["staleness"]["value"] == pytest.approx(0.9)

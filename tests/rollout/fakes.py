@@ -13,6 +13,7 @@ import asyncio
 import random
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Self
 
 from rollstream.engine.protocol import (
@@ -23,7 +24,7 @@ from rollstream.engine.protocol import (
     GenerateRequest,
 )
 from rollstream.staleness import StalenessPolicy
-from rollstream.trajectory import KeptTokens, StepResult
+from rollstream.trajectory import StepResult
 
 
 class RandomEngine:
@@ -123,9 +124,9 @@ class CountingTrainer:
         for g in groups:
             for s in g.samples:
                 if s.reward is not None:
-                    n, oldest = self.policy.kept_tokens(s, step)
-                    kept[s.uid] = KeptTokens(num_tokens=n, min_version=oldest,
-                                             reason=None if n else "masked by token age")
+                    by_age = self.policy.kept_tokens(s, step)
+                    kept[s.uid] = by_age if by_age.num_tokens else replace(
+                        by_age, reason="masked by token age")
         return StepResult(metrics={"loss": 0.0}, kept=kept)
 
     def state_dict(self) -> dict:

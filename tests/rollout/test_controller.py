@@ -100,6 +100,9 @@ def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None
         assert r.trained_at_step - r.min_trained_version <= min(kept, policy.kept_bound), r
         assert r.trained_at_step - r.min_version <= bound, r  # nor any token it saw
         assert r.num_trained_tokens > 0, r
+        # the ledger keeps the kept tokens' version sum (the staleness tile's exact age)
+        assert (r.min_trained_version * r.num_trained_tokens <= r.trained_version_sum
+                <= r.max_version * r.num_trained_tokens), r
         if max_token_age is None:
             assert r.min_trained_version == r.min_version, r
         else:

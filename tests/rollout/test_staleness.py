@@ -11,7 +11,7 @@ import pytest
 from rollstream.config import RolloutConfig
 from rollstream.rollout.buffer import TrajectoryBuffer
 from rollstream.staleness import StalenessPolicy
-from rollstream.trajectory import Group, SampleStatus, Segment, Task
+from rollstream.trajectory import Group, KeptTokens, SampleStatus, Segment, Task
 
 
 def _task(i: int = 0) -> Task:
@@ -45,16 +45,20 @@ def test_config_block_maps_modes_and_defaults_the_context_bound():
     assert policy(mode="async", max_staleness=3, max_context_age=3).rule == "drop"
 
 
+def _kept(num: int, oldest: int | None, version_sum: int) -> KeptTokens:
+    return KeptTokens(num_tokens=num, min_version=oldest, version_sum=version_sum)
+
+
 def test_token_mask_and_kept_tokens():
     p = StalenessPolicy(max_staleness=2, max_token_age=1, max_context_age=4)
     assert p.oldest_kept_version(5) == 4
     assert p.keeps(7, 5) and p.keeps(4, 5) and not p.keeps(3, 5)
     assert not p.keeps(-1, 0)  # env tokens and padding
     g = _group(0, [2, 3, 4, 4])
-    assert p.kept_tokens(g.samples[0], 5) == (2, 4)
+    assert p.kept_tokens(g.samples[0], 5) == _kept(2, 4, 8)
     g.samples[0].segments[0].loss_mask[3] = False
-    assert p.kept_tokens(g.samples[0], 5) == (1, 4)
-    assert StalenessPolicy(max_staleness=2).kept_tokens(g.samples[0], 5) == (3, 2)
+    assert p.kept_tokens(g.samples[0], 5) == _kept(1, 4, 4)
+    assert StalenessPolicy(max_staleness=2).kept_tokens(g.samples[0], 5) == _kept(3, 2, 9)
 
 
 def test_kept_tokens_and_version_range_match_their_per_token_definitions():
@@ -79,7 +83,8 @@ def test_kept_tokens_and_version_range_match_their_per_token_definitions():
             p = StalenessPolicy(max_staleness=2, max_token_age=age, max_context_age=6)
             since = max(p.oldest_kept_version(7), 0)
             kept = [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m and v >= since]
-            assert p.kept_tokens(s, 7) == (len(kept), min(kept, default=None))
+            assert p.kept_tokens(s, 7) == _kept(len(kept), min(kept, default=None),
+                                                sum(kept))
 
 
 def test_verdicts_and_reasons():
@@ -105,7 +110,7 @@ def test_verdicts_and_reasons():
     # admission: a sample older than k is trained whole while within H
     adm = StalenessPolicy(max_staleness=2, max_context_age=4)
     assert adm.sample_verdict(_group(0, [1, 2, 5]).samples[0], 5).ok
-    assert adm.kept_tokens(_group(0, [1, 2, 5]).samples[0], 5) == (3, 1)
+    assert adm.kept_tokens(_group(0, [1, 2, 5]).samples[0], 5) == _kept(3, 1, 8)
     v = adm.sample_verdict(_group(0, [0, 5]).samples[0], 5)
     assert not v.ok and v.spoils_group and v.reason.startswith("context age 5 > max_context_age 4")
 
@@ -133,7 +138,8 @@ def test_written_guarantees_hold_exhaustively(k, m, h):
         for step in range(max(versions), 8):  # a step never precedes the tokens it trains
             sample = _group(0, versions).samples[0]
             v = policy.sample_verdict(sample, step)
-            num, oldest_kept = policy.kept_tokens(sample, step)
+            kept = policy.kept_tokens(sample, step)
+            num, oldest_kept = kept.num_tokens, kept.min_version
             if v.ok:
                 assert num > 0 and step - oldest_kept <= bound_kept, (versions, step)
                 assert step - min(versions) <= policy.context_bound, (versions, step)

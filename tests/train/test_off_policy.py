@@ -129,7 +129,7 @@ def test_kept_reasons_for_samples_the_loss_keeps_nothing_of(tiny_model_path: Pat
     g.samples[2].segments.clear()  # an empty response
     on_policy(trainer, [g])
     kept = trainer.step([g], step=3).kept
-    assert kept[g.samples[0].uid] == KeptTokens(num_tokens=2, min_version=2)
+    assert kept[g.samples[0].uid] == KeptTokens(num_tokens=2, min_version=2, version_sum=5)
     assert kept[g.samples[1].uid] == KeptTokens(
         num_tokens=0, min_version=None,
         reason=policy.sample_verdict(g.samples[1], 3).reason)

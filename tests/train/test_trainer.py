@@ -128,8 +128,8 @@ def test_skips_unrewarded_and_masks_env_and_old_tokens(tiny_model_path: Path) ->
     assert metrics["num_tokens"] == 4
     assert metrics["age_masked_frac"] == pytest.approx(1 / 5)
     s0, s1, s2 = g.samples
-    assert result.kept[s0.uid] == KeptTokens(num_tokens=2, min_version=6)
-    assert result.kept[s1.uid] == KeptTokens(num_tokens=2, min_version=7)
+    assert result.kept[s0.uid] == KeptTokens(num_tokens=2, min_version=6, version_sum=13)
+    assert result.kept[s1.uid] == KeptTokens(num_tokens=2, min_version=7, version_sum=14)
     assert s2.uid not in result.kept  # not given with a reward
 
 

@@ -109,7 +109,8 @@ class Ledger:
                 turns=[turn_entry(t) for t in sample.turns],
                 trained_at_step=sample.trained_at_step,
                 min_trained_version=sample.min_trained_version,
-                num_trained_tokens=sample.num_trained_tokens, taken_at_step=sample.taken_at_step,
+                num_trained_tokens=sample.num_trained_tokens,
+                trained_version_sum=sample.trained_version_sum, taken_at_step=sample.taken_at_step,
                 restored_tokens=sample.num_restored_tokens, t_s=t_s)).decode())
             self.num_lines += 1
 

@@ -69,6 +69,7 @@ class LedgerRow(msgspec.Struct, kw_only=True):
     trained_at_step: int | None = None
     min_trained_version: int | None = None  # of the tokens the loss kept
     num_trained_tokens: int | None = None
+    trained_version_sum: int | None = None  # Σ of the kept tokens' versions (older lines: None)
     taken_at_step: int | None = None  # the step whose batch held it
     restored_tokens: int = 0  # partial tokens it continued from after a resume
     t_s: float | None = None

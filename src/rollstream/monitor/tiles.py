@@ -6,10 +6,13 @@ it is doing now, over its last :data:`WINDOW_STEPS` steps. Each tile says which 
     tokens/s            generated tokens ÷ wall time. Run: summary.json's ``gen_tok_s``
                         (``generated_tokens`` ÷ ``train_wall_s``). Last N steps: the rollout
                         lines' ``gen_tok_s`` weighted by the seconds each covers.
-    staleness           token-weighted mean age of the trained tokens, from the ledger: each
-                        trained sample's age (``trained_at_step`` − ``min_trained_version``,
-                        the staleness the bound applies to, that of its oldest kept token)
-                        counted once per token the loss kept (``num_trained_tokens``).
+    staleness           token-weighted mean age of the trained tokens, from the ledger: per
+                        trained sample, Σ over the tokens the loss kept of (``trained_at_step``
+                        − the token's version) = ``num_trained_tokens`` × ``trained_at_step``
+                        − ``trained_version_sum``. Ledgers written before that field existed
+                        count each kept token at its sample's oldest kept version
+                        (``min_trained_version``: an upper bound, exact unless a sample's
+                        tokens span versions).
     gen/trained tokens  Σ ``gen_tokens`` ÷ Σ ``trained_tokens`` of the train lines (the ratio
                         of the totals; per step it is ``gen_tokens_per_trained_token``).
     mixture error pp    mean of the train lines' ``mixture_error_pp`` over the steps.
@@ -29,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollstream.data.ledger_row import LedgerRow
-from rollstream.staleness import age
 from rollstream.trajectory import SampleStatus
 
 WINDOW_STEPS = 10  # a live run's tiles cover its last this many steps
@@ -63,7 +65,7 @@ class RunTotals:
     run: _Sums = field(default_factory=_Sums)
     replayed_groups: float = 0.0
     trained_tokens: int = 0  # ledger: Σ num_trained_tokens of trained samples
-    token_age: int = 0  # ledger: Σ num_trained_tokens × age
+    token_age: int = 0  # ledger: Σ over kept tokens of (trained_at_step − version)
     recent_train: deque[dict[str, Any]] = field(
         default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     # one more than the window: the first line only marks where the window's time begins
@@ -93,11 +95,14 @@ class RunTotals:
         tokens = row.num_trained_tokens if row.num_trained_tokens is not None else row.num_tokens
         if step is None or version is None:
             return
+        version_sum = row.trained_version_sum
+        if version_sum is None:  # older ledgers: all at the oldest kept version
+            version_sum = tokens * version
         self.trained_tokens += tokens
-        self.token_age += tokens * age(step, version)
+        self.token_age += tokens * step - version_sum
         at = self.age_by_step.setdefault(step, [0, 0])
         at[0] += tokens
-        at[1] += tokens * age(step, version)
+        at[1] += tokens * step - version_sum
         if len(self.age_by_step) > 2 * WINDOW_STEPS:  # keep the newest steps only
             for old in sorted(self.age_by_step)[:-WINDOW_STEPS]:
                 del self.age_by_step[old]

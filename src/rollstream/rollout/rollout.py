@@ -289,6 +289,7 @@ class Rollout:
                     s.trained_at_step = step
                     s.min_trained_version = kept.min_version
                     s.num_trained_tokens = kept.num_tokens
+                    s.trained_version_sum = kept.version_sum
                     self.lifecycle.move(s, S.TRAINED)
                     trained.append(s)
             self._resolved(group)

@@ -15,6 +15,7 @@ weight sync moves nothing and its time is the engines' ``weight_sync_s``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from rollstream.sim.profile import TrainerCost
@@ -37,10 +38,10 @@ class SimTrainer:
             for s in group.samples:
                 if s.status is not SampleStatus.GRADED:
                     continue
-                n, oldest = self.policy.kept_tokens(s, step)
-                kept[s.uid] = KeptTokens(num_tokens=n, min_version=oldest,
-                                         reason=None if n else "every token older than "
-                                         "max_token_age")
+                by_age = self.policy.kept_tokens(s, step)
+                n = by_age.num_tokens
+                kept[s.uid] = by_age if n else replace(
+                    by_age, reason="every token older than max_token_age")
                 if n:
                     tokens += (n + len(s.task.prompt_ids)) * self.block
         step_s = self.cost.step_s(tokens, self.devices)

@@ -70,11 +70,13 @@ def kept_tokens(samples: list[Sample], p: Prepared, step: int,
     staleness policy's own verdict)."""
     mask, versions = p.targets.mask, p.mb.versions
     oldest = torch.where(mask, versions, torch.iinfo(versions.dtype).max).min(dim=-1).values
+    version_sum = torch.where(mask, versions, 0).sum(dim=-1)
     out = {}
     for b, s in enumerate(samples):
         n_loss, n_young, n_base, n_kept = p.stage_counts[b]
         if n_kept:
-            out[s.uid] = KeptTokens(num_tokens=n_kept, min_version=int(oldest[b]))
+            out[s.uid] = KeptTokens(num_tokens=n_kept, min_version=int(oldest[b]),
+                                    version_sum=int(version_sum[b]))
             continue
         if not n_loss:
             why = "no loss-masked token"
