@@ -51,12 +51,12 @@ def test_the_example_trains_on_its_rows_with_its_reward(tmp_path: Path) -> None:
     saved = load_config(run / "config.yaml")
     assert saved.tasks.sources[0].path == str(data) and saved.tasks.sources[0].reward is None
     rows = read_ledger(run / "ledger.jsonl")
-    graded = [r for r in rows if r["reward"] is not None]
-    assert graded and all(r["task_uid"].startswith("count/") for r in graded)
+    graded = [r for r in rows if r.reward is not None]
+    assert graded and all(r.task_uid.startswith("count/") for r in graded)
     # item_credit's values are shares of 1..6 items; exact_match's would be only 0 and 1
     shares = {round(k / n, 6) for n in range(1, 7) for k in range(n + 1)}
-    assert {round(r["reward"], 6) for r in graded} <= shares
-    assert {round(r["reward"], 6) for r in graded} - {0.0, 1.0}
+    assert {round(r.reward, 6) for r in graded} <= shares
+    assert {round(r.reward, 6) for r in graded} - {0.0, 1.0}
 
 
 def test_the_exported_names_are_the_api_even_after_every_subpackage_is_imported() -> None:

@@ -54,11 +54,11 @@ def test_short_async_run_raises_heldout_reward(tmp_path, tiny_run_cache):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "eval"] == [0, 10, 20, 30, 40]
     rows = read_ledger(run / "ledger.jsonl")
-    trained = [r for r in rows if r["status"] == "trained"]
+    trained = [r for r in rows if r.status == "trained"]
     assert len(trained) == summary["trained_samples"] > 0
-    assert all(r["trained_at_step"] - r["min_version"] <= 2 for r in trained)
+    assert all(r.trained_at_step - r.min_version <= 2 for r in trained)
     assert not summary["unfinished_samples"]
-    assert all(r["prompt_tokens"] > 0 for r in rows)  # what a simulator replay needs
+    assert all(r.prompt_tokens > 0 for r in rows)  # what a simulator replay needs
     passes = [json.loads(line) for line in (run / "engine_passes.jsonl").read_text().splitlines()]
     assert {p["kind"] for p in passes} >= {"decode", "load"}  # prefills fused by default
     assert all(p["count"] > 0 and p["seconds"] > 0 for p in passes if p["kind"] == "decode")
@@ -98,14 +98,14 @@ def test_multi_turn_agent_run_raises_heldout_reward(tmp_path, tiny_run_cache):
     # gain was +0.14 once and +0.01 once, too noisy to assert
     assert summary["reward_final"] > summary["reward_initial"] + 0.08, summary
     rows = read_ledger(tmp_path / "agent" / "ledger.jsonl")
-    trained = [r for r in rows if r["status"] == "trained"]
+    trained = [r for r in rows if r.status == "trained"]
     assert len(trained) == summary["trained_samples"] > 0
-    assert {r["finish_reason"] for r in rows if r["status"] in ("trained", "evaluated")} <= {
+    assert {r.finish_reason for r in rows if r.status in ("trained", "evaluated")} <= {
         "done", "max_turns", "max_tokens"}
-    multi = [r for r in trained if r["num_turns"] >= 3]
+    multi = [r for r in trained if r.num_turns >= 3]
     assert multi, "episodes of several turns were trained"
     # env tokens are masked: what the loss kept is at most the model's tokens of the episode
-    assert all(r["num_trained_tokens"] < r["num_tokens"] for r in multi)
+    assert all(r.num_trained_tokens < r.num_tokens for r in multi)
     assert not summary["unfinished_samples"]
     steps = [json.loads(line) for line in (tmp_path / "agent" / "metrics.jsonl").open()]
     steps = [m for m in steps if m["kind"] == "train"]
@@ -144,16 +144,16 @@ def test_bad_rows_and_bad_rewards_are_reported_and_the_run_goes_on(tmp_path, tin
     summary = run_training(cfg)
     assert summary["steps"] == 2
     ledger = read_ledger(tmp_path / "bad" / "ledger.jsonl")
-    bad_rows = {r["task_uid"]: r["reason"] for r in ledger if r["sample_uid"].endswith("#row")}
+    bad_rows = {r.task_uid: r.reason for r in ledger if r.sample_uid.endswith("#row")}
     assert set(bad_rows) == {"ds/line6", "ds/line10", "ds/line21"}  # rejected rows: by line
     assert "not JSON" in bad_rows["ds/line6"]
     for line in (10, 21):
         assert f"{data} line {line} (id 'noprompt')" in bad_rows[f"ds/line{line}"]
         assert "'prompt'" in bad_rows[f"ds/line{line}"]
-    failed = [r for r in ledger if r["status"] == "failed" and not r["sample_uid"].endswith("#row")]
-    assert failed and all(r["task_uid"].endswith("3") for r in failed)
-    assert all("expected a finite number" in r["reason"] for r in failed)
-    assert any(r["status"] == "trained" for r in ledger)
+    failed = [r for r in ledger if r.status == "failed" and not r.sample_uid.endswith("#row")]
+    assert failed and all(r.task_uid.endswith("3") for r in failed)
+    assert all("expected a finite number" in r.reason for r in failed)
+    assert any(r.status == "trained" for r in ledger)
 
 
 def test_bad_inputs_fail_before_the_run_directory_is_touched(tmp_path):

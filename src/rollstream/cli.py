@@ -196,9 +196,9 @@ def _export(run_dir: Path, step: int | None, out: Path, dtype: str | None,
 def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
     import httpx
 
-    from rollstream.monitor.dashboard import TOKEN_FILE, URL_FILE
+    from rollstream.run_files import RunFiles
 
-    url_file, token_file = run_dir / URL_FILE, run_dir / TOKEN_FILE
+    url_file, token_file = RunFiles(run_dir).dashboard_url, RunFiles(run_dir).dashboard_token
     if not url_file.exists():
         raise ValueError(f"{url_file} does not exist: is the run live, with "
                          "monitor.dashboard=true?")

@@ -224,7 +224,7 @@ async def test_a_failing_environment_or_harness_fails_only_its_sample(engine, tm
     assert "no harness 'nope'" in unknown.samples[0].failure
     assert "has no agent environment" in orphan.samples[0].failure
     ledger.close()
-    assert {e["status"] for e in read_ledger(tmp_path / "ledger.jsonl")} == {"failed"}
+    assert {e.status.value for e in read_ledger(tmp_path / "ledger.jsonl")} == {"failed"}
 
 
 async def _until_tokens(engine, n: int) -> None:

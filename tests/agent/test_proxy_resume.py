@@ -154,7 +154,7 @@ async def test_an_agent_that_diverges_from_the_record_fails_with_the_first_diffe
     assert s.failure.startswith(
         "episode refused: replay diverged from the recorded episode: call 2: new message 1 "
         "(user: 'more 0 nonce zzzzzz') is not what the episode recorded"), s.failure
-    assert rows[-1]["status"] == "failed" and rows[-1]["reason"] == s.failure
+    assert rows[-1].status is SampleStatus.FAILED and rows[-1].reason == s.failure
 
     shorter = _checkpointed(recorded, 5)
     shorter.task = dataclasses.replace(shorter.task, prompt_text="2 tools nonce")

@@ -19,7 +19,10 @@ import yaml
 import rollstream
 from rollstream.config import ConfigError, load_config
 from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger_row import LedgerRow
+from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
+from rollstream.trajectory import SampleStatus
 from tests.agent.user_pkg import agents, envs, tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,20 +68,19 @@ def _check_mixed_run(run: Path) -> None:
     """Each source trained: the environment's episodes ended by its guess budget and graded
     by it, the agent's through the proxy (its tool calls recorded), single-turn rows as one
     request."""
-    rows = read_ledger(run / "ledger.jsonl")
-    by_source: dict[str, list[dict]] = {}
+    rows = read_ledger(RunFiles(run).ledger)
+    by_source: dict[str, list[LedgerRow]] = {}
     for r in rows:
-        by_source.setdefault(r["task_uid"].split("/")[0], []).append(r)
+        by_source.setdefault(r.task_uid.split("/")[0], []).append(r)
     assert set(by_source) == {"guess", "sdk", "plain"}, sorted(by_source)
     for name, got in by_source.items():
-        assert all(r["status"] not in ("failed",) for r in got), (name, got[:2])
-        assert any(r["status"] == "trained" for r in got), name
-    assert {r["finish_reason"] for r in by_source["guess"]} <= {"done", "max_tokens"}
+        assert all(r.status is not SampleStatus.FAILED for r in got), (name, got[:2])
+        assert any(r.status is SampleStatus.TRAINED for r in got), name
+    assert {r.finish_reason for r in by_source["guess"]} <= {"done", "max_tokens"}
     # its model turns: two guesses (max_guesses), or one right one
-    assert all(r["reward"] in (0.0, 1.0) and r["num_turns"] in (1, 2) for r in
-               by_source["guess"])
-    assert all(r["num_turns"] in (1, 2) for r in by_source["sdk"])
-    assert all(r["num_turns"] == 0 for r in by_source["plain"])  # one request, no turns
+    assert all(r.reward in (0.0, 1.0) and r.num_turns in (1, 2) for r in by_source["guess"])
+    assert all(r.num_turns in (1, 2) for r in by_source["sdk"])
+    assert all(r.num_turns == 0 for r in by_source["plain"])  # one request, no turns
 
 
 @pytest.mark.slow
@@ -91,7 +93,7 @@ def test_yaml_names_a_user_environment_agent_and_tool_and_rollstream_train_train
                           capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "runs" / "mine"
-    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert json.loads(RunFiles(run).summary.read_text())["steps"] == 2
     _check_mixed_run(run)
 
 

@@ -7,15 +7,18 @@ from __future__ import annotations
 import pytest
 
 from rollstream.bench.sampling import bucket_model, waste_breakdown
+from rollstream.data.ledger_row import LedgerRow
+from rollstream.trajectory import SampleStatus
 
 
 def _row(group: str, i: int, status: str, tokens: int, reward: float | None,
-         reason: str | None = None) -> dict:
-    return {"sample_uid": f"{group}/{i}", "task_uid": group.split("#")[0], "status": status,
-            "num_tokens": tokens, "reward": reward, "reason": reason}
+         reason: str | None = None) -> LedgerRow:
+    return LedgerRow(sample_uid=f"{group}/{i}", task_uid=group.split("#")[0], source="s",
+                     status=SampleStatus(status), num_tokens=tokens, reward=reward,
+                     reason=reason)
 
 
-def _ledger() -> list[dict]:
+def _ledger() -> list[LedgerRow]:
     zero = "zero reward variance in group (every reward 1)"
     return [
         # bucket a: one group trained (10 + 30 tokens), one all correct (2 x 5)

@@ -148,9 +148,9 @@ def test_malformed_rows_are_recorded_with_file_and_row(tmp_path, tok) -> None:
         ledger.record_rejected(uid, source, reason)
     ledger.close()
     lines = read_ledger(tmp_path / "ledger.jsonl")
-    assert [(r["task_uid"], r["status"]) for r in lines] == [
+    assert [(r.task_uid, r.status) for r in lines] == [
         ("ds/row1", "failed"), ("ds/row2", "failed"), ("ds/row3", "failed")]
-    assert all(f"{path} row" in r["reason"] for r in lines)
+    assert all(f"{path} row" in r.reason for r in lines)
 
 
 def test_a_mapping_no_row_matches_fails_at_load_naming_the_field(tmp_path, tok) -> None:

@@ -100,8 +100,8 @@ def test_rejected_rows_with_one_id_are_each_reported_and_recorded(tmp_path: Path
         ledger.record_rejected(uid, source, reason)
     ledger.close()
     lines = read_ledger(tmp_path / "ledger.jsonl")
-    assert [r["task_uid"] for r in lines] == ["ds/line2", "ds/line4", "ds/line5", "ds/line6"]
-    assert all(r["status"] == "failed" and str(path) in r["reason"] for r in lines)
+    assert [r.task_uid for r in lines] == ["ds/line2", "ds/line4", "ds/line5", "ds/line6"]
+    assert all(r.status == "failed" and str(path) in r.reason for r in lines)
 
 
 def test_lines_split_on_newlines_only(tmp_path: Path) -> None:

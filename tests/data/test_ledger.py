@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollstream.data import ledger as ledger_mod
-from rollstream.data.ledger import Ledger, read_ledger
+from rollstream.data.ledger import Ledger, read_jsonl, read_ledger
 from rollstream.trajectory import Group, SampleStatus, Task
 
 
@@ -63,7 +63,7 @@ def test_an_episodes_line_lists_its_turns_and_the_longest_tool_wait_of_each_answ
         ledger.open(s)
         ledger.write(s)
     ledger.close()
-    episode, single = read_ledger(tmp_path / "ledger.jsonl")
+    episode, single = read_jsonl(tmp_path / "ledger.jsonl")  # the lines as on disk
     assert episode["num_turns"] == 2 and single["turns"] == []
     assert episode["turns"] == [
         {"kind": "policy", "num_tokens": 9, "started_s": 0.0, "duration_s": 0.25,

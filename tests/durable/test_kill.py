@@ -21,11 +21,13 @@ from safetensors.torch import load_file
 from rollstream.agent.tools import CommandToolParser
 from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
-from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger import read_jsonl, read_ledger
+from rollstream.data.ledger_row import LedgerRow, PolicyTurn
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.audit import audit_run
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.models.warmstart import prepare_model
+from rollstream.trajectory import SampleStatus
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +78,15 @@ def check_run(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and not summary["unfinished_samples"], summary
     rows = read_ledger(run_dir / "ledger.jsonl")
-    uids = [r["sample_uid"] for r in rows]
+    uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
     lines = defaultdict(int)
     trained_groups: dict[int, set[str]] = defaultdict(set)
     for r in rows:
-        gid = r["sample_uid"].rsplit("/", 1)[0]
+        gid = r.sample_uid.rsplit("/", 1)[0]
         lines[gid] += 1
-        if r["status"] == "trained":
-            trained_groups[r["trained_at_step"]].add(gid)
+        if r.status == "trained":
+            trained_groups[r.trained_at_step].add(gid)
     for gid, n in lines.items():  # evaluation groups hold eval.samples_per_task samples
         assert n == (EVAL_SAMPLES if "#eval" in gid else GROUP), f"group {gid}: {n} recorded"
     assert sorted(trained_groups) == list(range(STEPS))
@@ -96,9 +98,9 @@ def check_run(run_dir: Path) -> dict:
     assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
     cursor = durable.latest(run_dir).state["rollout"]["tasks"]["next_index"]["tick"]
     drawn = {f"tick/train/{i}" for i in range(cursor)}
-    seen = {r["task_uid"] for r in rows if "#eval" not in r["sample_uid"]}
+    seen = {r.task_uid for r in rows if "#eval" not in r.sample_uid}
     assert drawn <= seen, f"tasks of the cursor's range missing: {sorted(drawn - seen)[:5]}"
-    metrics = read_ledger(run_dir / "metrics.jsonl")  # JSON lines, torn ones skipped
+    metrics = read_jsonl(run_dir / "metrics.jsonl")  # JSON lines, torn ones skipped
     assert sorted(r["step"] for r in metrics if r["kind"] == "train") == list(range(STEPS)), \
         "metrics.jsonl records each trained step once"
     final = load_file(run_dir / "checkpoint" / "model.safetensors")
@@ -150,8 +152,8 @@ def test_sigkill_at_random_moments_loses_nothing(config: Path) -> None:
     # samples judged on other weights than the resumed run's, which needed fewer tasks)
     superseded = run_dir / "ledger.superseded.jsonl"
     if superseded.exists():
-        final = {r["sample_uid"] for r in out["rows"]}
-        not_redone = {r["sample_uid"] for r in read_ledger(superseded)} - final
+        final = {r.sample_uid for r in out["rows"]}
+        not_redone = {r.sample_uid for r in read_ledger(superseded)} - final
         beyond = {uid for uid in not_redone
                   if (i := _train_task_index(uid)) is not None and i >= out["cursor"]}
         assert not_redone == beyond, sorted(not_redone - beyond)[:8]
@@ -223,7 +225,8 @@ def _kill_between_turns(config: Path, run_dir: Path) -> durable.Checkpoint:
     return saved
 
 
-def _resume_exactly_once(config: Path, run_dir: Path, saved: durable.Checkpoint) -> list[dict]:
+def _resume_exactly_once(config: Path, run_dir: Path,
+                         saved: durable.Checkpoint) -> list[LedgerRow]:
     """Resume the killed run from ``saved`` to AFTER_KILL steps past it: every sample recorded
     once, nothing lost; its rows."""
     steps = saved.step + AFTER_KILL
@@ -234,7 +237,7 @@ def _resume_exactly_once(config: Path, run_dir: Path, saved: durable.Checkpoint)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and not summary["unfinished_samples"], summary
     rows = read_ledger(run_dir / "ledger.jsonl")
-    uids = [r["sample_uid"] for r in rows]
+    uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
     audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES,
                       groups_per_step=GROUPS, steps=steps)
@@ -256,9 +259,9 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     run_dir = root / "runs" / "agent"
     saved = _kill_between_turns(config, run_dir)
     rows = _resume_exactly_once(config, run_dir, saved)
-    resumed = [r for r in rows if r["restored_tokens"] > 0 and r["num_turns"] >= 2]
+    resumed = [r for r in rows if r.restored_tokens > 0 and r.num_turns >= 2]
     assert resumed, "an episode saved between turns was continued, not started again"
-    assert not [r for r in rows if r["reason"] and "Replay" in r["reason"]], "replays agreed"
+    assert not [r for r in rows if r.reason and "Replay" in r.reason], "replays agreed"
 
 
 def test_sigkill_mid_episode_replays_sdk_agent_episodes(tmp_path_factory,
@@ -273,8 +276,8 @@ def test_sigkill_mid_episode_replays_sdk_agent_episodes(tmp_path_factory,
     config = _agent_run(root, tiny_run_cache, AGENT_STEPS, harness="openai")
     run_dir = root / "runs" / "agent"
     saved = _kill_between_turns(config, run_dir)
-    rows = {r["sample_uid"]: r for r in _resume_exactly_once(config, run_dir, saved)}
-    assert not [r for r in rows.values() if r["reason"] and "diverged" in r["reason"]]
+    rows = {r.sample_uid: r for r in _resume_exactly_once(config, run_dir, saved)}
+    assert not [r for r in rows.values() if r.reason and "diverged" in r.reason]
     after = (run_dir / "timeline.jsonl").read_bytes()[saved.state["logs"]["timeline"]:]
     requests = defaultdict(int)  # per sample: engine requests of the resumed run
     for line in after.decode().splitlines():
@@ -287,18 +290,18 @@ def test_sigkill_mid_episode_replays_sdk_agent_episodes(tmp_path_factory,
             row = rows[f"{group['group_id']}/{s['idx']}"]
             if s["status"] != "interrupted" or not any(
                     seg["kind"] == "env" for seg in s["segments"]) or (
-                    row["status"] not in ("trained", "filtered")):
+                    row.status not in (SampleStatus.TRAINED, SampleStatus.FILTERED)):
                 continue  # not saved mid-episode, or not finished by the resumed run
             checked += 1
-            assert row["restored_tokens"] > 0, row
-            model = [t for t in row["turns"] if t["kind"] == "policy"]
+            assert row.restored_tokens > 0, row
+            model = [t for t in row.turns if isinstance(t, PolicyTurn)]
             kept = sum(t["kind"] == "policy" for t in s["turns"])  # whole turns saved
-            assert requests[row["sample_uid"]] == sum(1 + t["num_interrupts"]
+            assert requests[row.sample_uid] == sum(1 + t.num_interrupts
                                                       for t in model[kept:]), row
             for i, turn in enumerate(s["turns"]):  # the whole model turns saved
                 if turn["kind"] != "policy":
                     continue
                 ids = s["segments"][i]["token_ids"]
                 text = tokenizer.decode(ids[:-1] if turn["finish_reason"] == "stop" else ids)
-                assert row["turns"][i]["num_tool_calls"] == len(parser.parse(text).calls), row
+                assert row.turns[i].num_tool_calls == len(parser.parse(text).calls), row
     assert checked, "a saved episode was resumed and finished"

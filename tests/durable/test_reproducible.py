@@ -41,7 +41,7 @@ def _train(config: Path, *extra: str) -> None:
 
 def _samples(run_dir: Path) -> dict[str, tuple]:
     lines = read_ledger(run_dir / "ledger.jsonl")
-    out = {r["sample_uid"]: (r["status"], r["num_tokens"], r["reward"], r["trained_at_step"])
+    out = {r.sample_uid: (r.status, r.num_tokens, r.reward, r.trained_at_step)
            for r in lines}
     assert len(out) == len(lines), "one line per sample"
     return out

@@ -563,8 +563,10 @@ async def test_a_pass_that_finishes_a_batch_is_not_binned_as_one_during_training
     finished: the step those samples complete may start at once (a loaded machine runs the
     event loop before the engine thread records the pass), and a synchronous run's passes
     would then be binned as sharing the CPU with the trainer (sim/calibrate.py fits on it)."""
-    e = _local(tiny_model_dir)
     started = []  # the trainer step starts the moment a sample is delivered: the worst case
+    e = LocalEngine(tiny_model_dir, LocalEngineConfig(max_slots=4, max_seq_len=MAX_SEQ_LEN,
+                                                      threads=1, device="cpu"),
+                    training=lambda: bool(started))
     deliver = e._deliver  # noqa: SLF001 - observe only
 
     def deliver_and_start_training(*args):
@@ -572,7 +574,6 @@ async def test_a_pass_that_finishes_a_batch_is_not_binned_as_one_during_training
         return deliver(*args)
 
     e._deliver = deliver_and_start_training  # noqa: SLF001
-    e.passes.training = lambda: bool(started)
     try:
         prompt = _prompts(1, seed=3)[0]
         out = await e.generate(_req("last", prompt, temperature=0.0, max_new_tokens=12))

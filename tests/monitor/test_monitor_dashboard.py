@@ -42,7 +42,8 @@ def test_live_dashboard_endpoints_and_increments(tmp_path: Path) -> None:
             metrics.span(sample_uid="late", engine_id=1, slot=7, t_start_s=40.0, t_end_s=41.0,
                          version_start=13, version_end=13, num_tokens=9, outcome="done")
             with (run_dir / "ledger.jsonl").open("a") as f:  # as the data ledger appends
-                f.write(json.dumps({"sample_uid": "late", "source": "tick", "status": "trained",
+                f.write(json.dumps({"sample_uid": "late", "task_uid": "t", "source": "tick",
+                                    "status": "trained",
                                     "min_version": 13, "trained_at_step": 13, "reward": 1.0,
                                     "t_s": 41.0}) + "\n")
             nxt = http.get("/api/poll", params={"metrics_since": first["metrics_next"],

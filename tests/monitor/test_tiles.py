@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from rollstream.data.ledger_row import LedgerRow, decode_row
 from rollstream.monitor.runlog import RunLog
 from rollstream.monitor.tiles import WINDOW_STEPS
+from rollstream.trajectory import SampleStatus
 
 
 def fed(num_steps: int) -> RunLog:
@@ -17,9 +21,11 @@ def fed(num_steps: int) -> RunLog:
         log.add_record({"kind": "train", "step": s, "t_s": 10.0 * (s + 1),
                         "gen_tokens": 100.0 * (s + 1), "trained_tokens": 50.0,
                         "mixture_error_pp": float(s), "replayed_groups": 1.0})
-        log.add_ledger({"status": "trained", "trained_at_step": s,
-                        "min_trained_version": s - s % 3, "num_trained_tokens": 50})
-        log.add_ledger({"status": "filtered", "num_tokens": 9})
+        log.add_ledger(LedgerRow(sample_uid=f"t{s}#0/0", task_uid=f"t{s}", source="s",
+                                 status=SampleStatus.TRAINED, trained_at_step=s,
+                                 min_trained_version=s - s % 3, num_trained_tokens=50))
+        log.add_ledger(LedgerRow(sample_uid=f"t{s}#0/1", task_uid=f"t{s}", source="s",
+                                 status=SampleStatus.FILTERED, num_tokens=9))
     return log
 
 
@@ -70,10 +76,13 @@ def test_staleness_weighs_each_kept_token_by_its_own_version() -> None:
     log.add_record({"kind": "train", "step": 4, "t_s": 1.0, "gen_tokens": 20.0,
                     "trained_tokens": 20.0})
     # 4 tokens of version 2 and 6 of version 4 trained at step 4: ages 2 and 0
-    log.add_ledger({"status": "trained", "trained_at_step": 4, "min_trained_version": 2,
-                    "num_trained_tokens": 10, "trained_version_sum": 4 * 2 + 6 * 4})
+    log.add_ledger(LedgerRow(sample_uid="a#g0/0", task_uid="a", source="s",
+                             status=SampleStatus.TRAINED, trained_at_step=4,
+                             min_trained_version=2, num_trained_tokens=10,
+                             trained_version_sum=4 * 2 + 6 * 4))
     assert by_key(log.tiles({"gen_tok_s": 1.0}))["staleness"]["value"] == pytest.approx(0.8)
     assert by_key(log.tiles(None))["staleness"]["value"] == pytest.approx(0.8)
-    log.add_ledger({"status": "trained", "trained_at_step": 4, "min_trained_version": 3,
-                    "num_trained_tokens": 10})  # an older ledger's line: all at age 1
+    log.add_ledger(decode_row(json.dumps(  # an older ledger's line: all at age 1
+        {"sample_uid": "b#g0/0", "task_uid": "b", "source": "s", "status": "trained",
+         "trained_at_step": 4, "min_trained_version": 3, "num_trained_tokens": 10})))
     assert by_key(log.tiles({"gen_tok_s": 1.0}))["staleness"]["value"] == pytest.approx(0.9)

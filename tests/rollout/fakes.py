@@ -141,11 +141,14 @@ class NullMetrics:
         pass
 
 
-async def run_then_close(loop, graders, ledger):
-    """Runs the built loop's controller to its end, then closes the graders and the ledger
-    (also when the run raises): what every rollout test that builds a loop does."""
+async def run_then_close(cfg, loop, graders, ledger, **hooks):
+    """Runs a controller built for ``loop`` (with ``hooks``: ``after_step``, ``before_stop``)
+    to its end, then closes the graders and the ledger (also when the run raises): what every
+    rollout test that builds a loop does."""
+    from rollstream.runtime.build import build_controller
+
     try:
-        return await loop.controller.run()
+        return await build_controller(cfg, loop, **hooks).run()
     finally:
         graders.close()
         ledger.close()

@@ -15,8 +15,10 @@ from rollstream.cli import main
 from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger, read_ledger
-from rollstream.monitor.dashboard import URL_FILE, Dashboard
+from rollstream.monitor.dashboard import Dashboard
 from rollstream.monitor.metrics import Metrics
+from rollstream.run_files import DASHBOARD_URL as URL_FILE
+from rollstream.runtime.build import build_controller
 from rollstream.runtime.control import EngineControl
 
 from .fakes import CountingTrainer
@@ -65,7 +67,7 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
 
         try:
             op = asyncio.create_task(operate())
-            seen["result"] = await loop.controller.run()
+            seen["result"] = await build_controller(cfg, loop).run()
             await op
         finally:
             dash.stop()
@@ -88,7 +90,7 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
     assert rc == 2 and "no engine 'nope'" in out, out
     assert seen["result"].steps_done == 30
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    assert len({r["sample_uid"] for r in rows}) == len(rows)
+    assert len({r.sample_uid for r in rows}) == len(rows)
     assert not seen["url_left"], "the dashboard removes its URL file when it stops"
 
 

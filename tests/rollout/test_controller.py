@@ -18,7 +18,7 @@ from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import get_reward
 from rollstream.runtime.build import build_loop
-from rollstream.trajectory import Task
+from rollstream.trajectory import SampleStatus, Task
 
 from .fakes import CountingTrainer, NullMetrics, RandomEngine, run_then_close
 
@@ -79,7 +79,7 @@ def run_controller(tmp_path, *, mode: str, k: int, on_update: str, seed: int,
                           decode=lambda ids: "x" * len(ids), ledger=ledger,
                           metrics=metrics or NullMetrics(), clock=WallClock(),
                           params=SamplingParams(max_new_tokens=24), staleness=policy)
-        res = await run_then_close(loop, graders, ledger)
+        res = await run_then_close(cfg, loop, graders, ledger)
         return loop, res, ledger, trainer
 
     return asyncio.run(main())
@@ -89,25 +89,28 @@ def check_invariants(tmp_path, loop, res, ledger, trainer, k, max_token_age=None
     assert res.steps_done == len(trainer.batches)
     assert not ledger.unfinished(), "every dispatched sample reaches a terminal status"
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    uids = [r["sample_uid"] for r in rows]
+    uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "no sample recorded twice"
-    trained = [r for r in rows if r["status"] == "trained"]
+    trained = [r for r in rows if r.status == "trained"]
     assert len(trained) == res.trained_samples > 0
     policy = loop.rollout.policy
     bound = policy.context_bound
     kept = k if policy.rule != "admission" else bound  # admission: k bounds admission only
     for r in trained:  # the tokens the loss keeps are at most k (and max_token_age) old
-        assert r["trained_at_step"] - r["min_trained_version"] <= min(kept, policy.kept_bound), r
-        assert r["trained_at_step"] - r["min_version"] <= bound, r  # nor any token it saw
-        assert r["num_trained_tokens"] > 0, r
+        assert r.trained_at_step - r.min_trained_version <= min(kept, policy.kept_bound), r
+        assert r.trained_at_step - r.min_version <= bound, r  # nor any token it saw
+        assert r.num_trained_tokens > 0, r
+        # the ledger keeps the kept tokens' version sum (the staleness tile's exact age)
+        assert (r.min_trained_version * r.num_trained_tokens <= r.trained_version_sum
+                <= r.max_version * r.num_trained_tokens), r
         if max_token_age is None:
-            assert r["min_trained_version"] == r["min_version"], r
+            assert r.min_trained_version == r.min_version, r
         else:
-            assert r["trained_at_step"] - r["min_trained_version"] <= max_token_age, r
-            assert r["min_trained_version"] <= r["max_version"], r
+            assert r.trained_at_step - r.min_trained_version <= max_token_age, r
+            assert r.min_trained_version <= r.max_version, r
     trained_in_batches = [u for b in trainer.batches for _, us in b for u in us]
     assert len(trained_in_batches) == len(set(trained_in_batches)), "nothing trained twice"
-    statuses = {r["status"] for r in rows}
+    statuses = {r.status.value for r in rows}
     assert statuses <= {"trained", "filtered", "dropped_stale", "failed", "aborted"}
 
 
@@ -146,9 +149,9 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
             rows += read_ledger(tmp / "ledger.jsonl")
         if rows_only:
             return rows
-        dropped = [r["reason"] for r in rows if r["status"] == "dropped_stale"]
-        masked = [r for r in rows if r["status"] == "trained"
-                  and r["min_trained_version"] > r["min_version"]]
+        dropped = [r.reason for r in rows if r.status == "dropped_stale"]
+        masked = [r for r in rows if r.status == "trained"
+                  and r.min_trained_version > r.min_version]
         return dropped, masked
 
     dropped, masked = run(None)
@@ -161,11 +164,11 @@ def test_token_age_trains_resumed_samples_instead_of_dropping_them(tmp_path_fact
                                   "context age")) for reason in dropped), dropped
     # admission (AReaL's): k=1 bounds admission only; samples up to 2 versions old train whole
     rows = run(None, max_context_age=2, rows_only=True)
-    old = [r for r in rows if r["status"] == "trained"
-           and r["trained_at_step"] - r["min_version"] == 2]
-    assert old and all(r["min_trained_version"] == r["min_version"] for r in old)
-    assert all(r["reason"].startswith("context age 3 > max_context_age 2")
-               for r in rows if r["status"] == "dropped_stale")
+    old = [r for r in rows if r.status == "trained"
+           and r.trained_at_step - r.min_version == 2]
+    assert old and all(r.min_trained_version == r.min_version for r in old)
+    assert all(r.reason.startswith("context age 3 > max_context_age 2")
+               for r in rows if r.status == "dropped_stale")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -173,9 +176,9 @@ def test_sync_mode_is_exactly_on_policy(tmp_path, seed):
     loop, res, ledger, trainer = run_controller(tmp_path, mode="sync", k=0,
                                                on_update="interrupt", seed=seed)
     check_invariants(tmp_path, loop, res, ledger, trainer, 0)
-    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
-    assert all(r["min_version"] == r["max_version"] == r["trained_at_step"] for r in rows)
-    assert not any(r["status"] == "aborted" for r in read_ledger(tmp_path / "ledger.jsonl"))
+    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r.status == "trained"]
+    assert all(r.min_version == r.max_version == r.trained_at_step for r in rows)
+    assert not any(r.status == "aborted" for r in read_ledger(tmp_path / "ledger.jsonl"))
     # sync admits a batch, then waits at its staleness limit while it generates and trains
     # (the per-step metrics read it since the previous step: here the run's total)
     assert loop.rollout.capacity.blocked_s > 0
@@ -187,8 +190,8 @@ def test_one_step_overlaps_by_one_version(tmp_path):
     loop, res, ledger, trainer = run_controller(tmp_path, mode="one_step", k=1,
                                                on_update="drain", seed=3, steps=8)
     check_invariants(tmp_path, loop, res, ledger, trainer, 1)
-    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
-    assert any(r["trained_at_step"] - r["min_version"] == 1 for r in rows)
+    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r.status == "trained"]
+    assert any(r.trained_at_step - r.min_version == 1 for r in rows)
 
 
 def test_partial_rollout_interrupts_and_keeps_versions(tmp_path):
@@ -203,15 +206,15 @@ def test_partial_rollout_interrupts_and_keeps_versions(tmp_path):
                                                 engines=make)
     check_invariants(tmp_path, loop, res, ledger, trainer, 3)
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    resumed = [r for r in rows if r["num_interrupts"] > 0 and r["status"] == "trained"]
+    resumed = [r for r in rows if r.num_interrupts > 0 and r.status == "trained"]
     assert resumed, "some trained samples were interrupted and resumed"
-    assert any(r["max_version"] > r["min_version"] for r in resumed)
+    assert any(r.max_version > r.min_version for r in resumed)
     # every sample holds exactly the tokens its engines generated for it, across interrupts
     made: dict[str, int] = {}
     for e in engines:
         for uid, n in e.tokens_by_sample.items():
             made[uid] = made.get(uid, 0) + n
-    assert {r["sample_uid"]: r["num_tokens"] for r in rows if r["num_tokens"]} == made
+    assert {r.sample_uid: r.num_tokens for r in rows if r.num_tokens} == made
 
 
 def test_a_dying_loop_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
@@ -259,7 +262,8 @@ def test_the_staleness_metric_is_each_trained_samples_age_in_the_ledger(tmp_path
     seen = _Observed()
     loop, res, ledger, trainer = run_controller(tmp_path, mode="async", k=2,
                                                 on_update="interrupt", seed=4, metrics=seen)
-    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
-    ages = sorted(float(r["trained_at_step"] - r["min_trained_version"]) for r in rows)
+    rows = [r for r in read_ledger(tmp_path / "ledger.jsonl")
+            if r.status is SampleStatus.TRAINED]
+    ages = sorted(float(r.trained_at_step - r.min_trained_version) for r in rows)
     assert sorted(seen.staleness) == ages
-    assert any(r["min_trained_version"] == 0 and r["trained_at_step"] > 0 for r in rows)
+    assert any(r.min_trained_version == 0 and r.trained_at_step > 0 for r in rows)

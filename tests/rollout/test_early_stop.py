@@ -143,24 +143,24 @@ def test_the_real_rollout_cancels_stopped_groups_and_files_them_as_zero_variance
     ledger_path = tmp_path / "ledger.jsonl"
 
     async def main():
-        loop, _, _, metrics, _, ledger = await build_sim(sc, mode, load_profile(sc.profile),
-                                                         ledger_path)
-        result = await loop.controller.run()
+        _, controller, _, _, metrics, _, ledger = await build_sim(
+            sc, mode, load_profile(sc.profile), ledger_path)
+        result = await controller.run()
         ledger.close()
         return result, metrics
 
     result, metrics = run_virtual(main())
     assert result.steps_done == sc.steps
-    rows = [r for r in read_ledger(ledger_path) if not r["sample_uid"].endswith("#row")]
+    rows = [r for r in read_ledger(ledger_path) if not r.sample_uid.endswith("#row")]
     by_group: dict[str, list[dict]] = {}
     for r in rows:
-        by_group.setdefault(r["sample_uid"].rsplit("/", 1)[0], []).append(r)
+        by_group.setdefault(r.sample_uid.rsplit("/", 1)[0], []).append(r)
     stopped = {g: rs for g, rs in by_group.items()
-               if any("stopped early" in (r.get("reason") or "") for r in rs)}
+               if any("stopped early" in (r.reason or "") for r in rs)}
     assert len(stopped) >= 5, len(stopped)
     for rs in stopped.values():
-        assert all(r["status"] == "filtered" for r in rs)
-        graded = [r["reward"] for r in rs if r.get("reward") is not None]
+        assert all(r.status == "filtered" for r in rs)
+        graded = [r.reward for r in rs if r.reward is not None]
         assert len(graded) >= 2 and len(set(graded)) == 1, graded
         assert len(graded) < sc.group_size  # some were cancelled before they were graded
     counted = sum(v.get("early_stopped_groups", 0) for kind, _, _, v in metrics.records

@@ -38,10 +38,10 @@ def test_a_dying_engine_loses_no_token_and_duplicates_no_sample(tmp_path):
     assert engines[0].dead and res.steps_done == 8 and not res.stop_reason
     assert loop.dispatcher.stats.num_engine_failures > 0
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    assert not any(r["status"] == "failed" for r in rows)  # retried elsewhere, not failed
+    assert not any(r.status == "failed" for r in rows)  # retried elsewhere, not failed
     # the partial tokens of interrupted requests were kept: each sample holds exactly what
     # the engines generated for it, including what rand-0 made before it died
-    assert {r["sample_uid"]: r["num_tokens"] for r in rows if r["num_tokens"]} == \
+    assert {r.sample_uid: r.num_tokens for r in rows if r.num_tokens} == \
         _tokens_made(engines)
     resumed = {uid for uid in engines[0].tokens_by_sample if uid in engines[1].tokens_by_sample}
     assert resumed, "some samples were started on rand-0 and finished on rand-1"
@@ -63,8 +63,8 @@ def test_all_engines_dead_stops_the_run_with_the_cause(tmp_path):
     assert "rand-0: engine rand-0 died (injected fault)" in res.stop_reason
     assert not ledger.unfinished()
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    aborted = [r for r in rows if r["status"] == "aborted"]
-    assert aborted and all(r["reason"] for r in aborted)
+    aborted = [r for r in rows if r.status == "aborted"]
+    assert aborted and all(r.reason for r in aborted)
 
 
 def _stalled(tmp_path, **kw):
@@ -121,7 +121,7 @@ def test_max_wall_s_ends_a_run_whose_engines_never_finish(tmp_path):
     assert res.stop_reason == "max_wall_s = 1 s reached" and not res.stalled
     assert res.steps_done == 0 and not ledger.unfinished()
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    assert rows and all(r["status"] == "aborted" for r in rows)
+    assert rows and all(r.status == "aborted" for r in rows)
 
 
 async def _one_reward(task, text: str) -> float:

@@ -34,8 +34,8 @@ def test_the_happy_path_and_its_ledger_line(tmp_path):
     life.move(b, S.FAILED, "reward: boom")
     ledger.close()
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    assert [r["status"] for r in rows] == ["trained", "failed"]
-    assert rows[1]["reason"] == "reward: boom" and rows[0]["max_version"] == 1
+    assert [r.status for r in rows] == ["trained", "failed"]
+    assert rows[1].reason == "reward: boom" and rows[0].max_version == 1
     assert not ledger.unfinished() and ledger.counts == {"trained": 1, "failed": 1}
 
 
@@ -76,5 +76,6 @@ def test_the_ledger_refuses_a_second_line_for_one_uid(tmp_path):
 
 def test_ledger_reads_a_torn_last_line(tmp_path):
     p = tmp_path / "ledger.jsonl"
-    p.write_text('{"sample_uid": "a", "status": "trained"}\n{"sample_uid": "b", "sta')
-    assert [r["sample_uid"] for r in read_ledger(p)] == ["a"]
+    p.write_text('{"sample_uid": "a", "task_uid": "t", "source": "s", "status": "trained"}\n'
+                 '{"sample_uid": "b", "sta')
+    assert [r.sample_uid for r in read_ledger(p)] == ["a"]

@@ -80,7 +80,7 @@ def _run(tmp_path: Path, tasks: TasksConfig, *, steps: int, seed: int = 0, watch
         if watch is not None:
             for e in engines:
                 e.watch = lambda: watch(loop.rollout)
-        res = await run_then_close(loop, graders, ledger)
+        res = await run_then_close(cfg, loop, graders, ledger)
         return mix, res, metrics
 
     mix, res, metrics = asyncio.run(main())
@@ -100,7 +100,7 @@ def test_the_rollouts_feedback_keeps_the_trained_mixture_at_the_weights(tmp_path
         run_dir.mkdir()
         mix, res, metrics, rows = _run(run_dir, _two(rule), steps=40)
         assert res.steps_done == 40
-        trained = Counter(r["source"] for r in rows if r["status"] == "trained")
+        trained = Counter(r.source for r in rows if r.status == "trained")
         counts = mix.state()["counts"]
         assert {n: counts[n]["trained"] for n in ("a", "b")} == {"a": trained["a"],
                                                                    "b": trained["b"]}
@@ -116,11 +116,11 @@ def test_step_metrics_agree_with_the_ledger(tmp_path: Path):
     _, _, metrics, rows = _run(tmp_path, _two("quota"), steps=12)
     train = [v for _, v in metrics.lines["train"]]
     assert len(train) == 12
-    trained_rows = [r for r in rows if r["status"] == "trained"]
-    assert sum(v["trained_tokens"] for v in train) == sum(r["num_tokens"] for r in trained_rows)
+    trained_rows = [r for r in rows if r.status == "trained"]
+    assert sum(v["trained_tokens"] for v in train) == sum(r.num_tokens for r in trained_rows)
     generated = sum(v["gen_tokens"] for v in train)
-    assert sum(r["num_tokens"] for r in trained_rows) < generated
-    assert generated <= sum(r["num_tokens"] for r in rows)  # the rest: groups live at the end
+    assert sum(r.num_tokens for r in trained_rows) < generated
+    assert generated <= sum(r.num_tokens for r in rows)  # the rest: groups live at the end
     for v in train:
         assert v["gen_tokens_per_trained_token"] == pytest.approx(
             v["gen_tokens"] / v["trained_tokens"])

@@ -92,7 +92,7 @@ def _run(tmp_path: Path, cfg: RunConfig, *, on_step=None, trainer_delay_s: float
                           staleness=trainer.policy, reconfig_log=tmp_path / "reconfig.jsonl")
         if built is not None:
             built["loop"] = loop
-        res = await run_then_close(loop, graders, ledger)
+        res = await run_then_close(cfg, loop, graders, ledger)
         return loop, engines, res, metrics
 
     loop, engines, res, metrics = asyncio.run(main())
@@ -114,11 +114,11 @@ def test_sampling_changes_at_exactly_one_step_boundary(tmp_path: Path):
     for version, temp, budget, uid in engine.requests:
         first.setdefault(uid, (version, temp, budget))
     assert {(v >= 3, t, b) for v, t, b in first.values()} == {(False, 1.0, 24), (True, 0.5, 8)}
-    trained_at = {r["sample_uid"]: r["trained_at_step"] for r in rows if r["status"] == "trained"}
+    trained_at = {r.sample_uid: r.trained_at_step for r in rows if r.status == "trained"}
     assert {(s >= 3, first[uid][1]) for uid, s in trained_at.items()} == {(False, 1.0),
                                                                           (True, 0.5)}
-    assert max(r["num_tokens"] for r in rows if first[r["sample_uid"]][0] >= 3) <= 8
-    assert max(r["num_tokens"] for r in rows if first[r["sample_uid"]][0] < 3) > 8
+    assert max(r.num_tokens for r in rows if first[r.sample_uid][0] >= 3) <= 8
+    assert max(r.num_tokens for r in rows if first[r.sample_uid][0] < 3) > 8
     assert metrics.lines["reconfig"] == [(3, {
         "sampling.temperature": 0.5, "sampling.temperature.old": 1.0,
         "sampling.max_new_tokens": 8, "sampling.max_new_tokens.old": 240})]
@@ -147,8 +147,8 @@ def test_a_shrunk_staleness_bound_holds_from_its_step_and_admission_follows(tmp_
 
     loop, _, res, _, rows = _run(tmp_path, cfg, on_step=run_ahead, num_engines=2, built=built)
     assert res.steps_done == 12
-    staleness = [(r["trained_at_step"], r["trained_at_step"] - r["min_trained_version"])
-                 for r in rows if r["status"] == "trained"]
+    staleness = [(r.trained_at_step, r.trained_at_step - r.min_trained_version)
+                 for r in rows if r.status == "trained"]
     assert 2 <= max(a for s, a in staleness if s < 6) <= 3  # the old bound was used ...
     assert max(a for s, a in staleness if s >= 6) <= 1  # ... and the new one from step 6
     assert loop.rollout.capacity.max_staleness == 1 and loop.rollout.policy.max_staleness == 1
@@ -178,8 +178,8 @@ def test_new_weights_hold_for_what_trains_from_their_step(tmp_path: Path):
     share = {s: v.get("mix_share/a") for s, v in metrics.lines["train"]}
     assert share[11] == pytest.approx(0.5, abs=0.03)
     assert share[23] == pytest.approx(0.75, abs=0.03)  # counted since the change
-    late = Counter(r["source"] for r in rows if r["status"] == "trained"
-                   and r["trained_at_step"] >= 12)
+    late = Counter(r.source for r in rows if r.status == "trained"
+                   and r.trained_at_step >= 12)
     assert late["a"] / (late["a"] + late["b"]) == pytest.approx(0.75, abs=0.05)
 
 

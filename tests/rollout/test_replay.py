@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.replay import ReplayConfig
-from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger import read_jsonl, read_ledger
 from rollstream.durable.audit import audit_run
 from rollstream.rollout.replay import ReplayPool
 from rollstream.staleness import StalenessPolicy
@@ -110,7 +110,7 @@ def test_take_replays_only_into_a_short_batch_and_never_past_the_share(tmp_path)
 
 def _events(tmp_path):
     path = tmp_path / "replays.jsonl"
-    return read_ledger(path) if path.exists() else []
+    return read_jsonl(path) if path.exists() else []
 
 
 def test_a_run_records_each_sample_once_plus_its_replays(tmp_path):
@@ -119,7 +119,7 @@ def test_a_run_records_each_sample_once_plus_its_replays(tmp_path):
         engines=lambda: [RandomEngine(i, engine_id=f"rand-{i}", max_delay_s=0.004)
                          for i in range(2)], replay=REPLAY)
     assert res.steps_done == 8 and not ledger.unfinished()
-    trained = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r["status"] == "trained"]
+    trained = [r for r in read_ledger(tmp_path / "ledger.jsonl") if r.status == "trained"]
     assert len(trained) == res.trained_samples > 0, "replays are not terminal lines"
     audit = audit_run(tmp_path, group_size=3, eval_group_size=1, groups_per_step=2, steps=8)
     assert audit["duplicated_samples"] == 0 and audit["steps_repeated"] == 0
@@ -152,7 +152,7 @@ def test_resume_keeps_the_replay_pool_and_its_uses(tmp_path, lost):
     assert all(e["replayed_at_step"] < 3 for e in _events(tmp_path)[:head])
     superseded = tmp_path / "replays.superseded.jsonl"
     if superseded.exists():  # the lost process's replays: moved, never dropped
-        assert all(r["replayed_at_step"] >= 3 for r in read_ledger(superseded))
+        assert all(r["replayed_at_step"] >= 3 for r in read_jsonl(superseded))
 
 
 @pytest.mark.parametrize("rollout, train, field", [

@@ -82,9 +82,9 @@ def run_with_resume(tmp: Path, *, k: int, on_update: str, seed: int,
                 await loop.sync.wait_applied()
                 snap.update(await loop.rollout.snapshot())
 
-        loop.controller.after_step = after_step
-        loop.controller.steps = min(steps, resume_at + lost)  # then the process "dies"
-        await run_then_close(loop, graders, ledger)
+        dies = cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"steps": min(steps, resume_at + lost)})})  # then the process "dies"
+        await run_then_close(dies, loop, graders, ledger, after_step=after_step)
 
     async def second():
         ckpt = Checkpoint(path=tmp, state={"step": resume_at, "rollout": snap})
@@ -96,7 +96,7 @@ def run_with_resume(tmp: Path, *, k: int, on_update: str, seed: int,
                               start_step=resume_at)
         loop.rollout.restore(snap, version=resume_at)
         loop.rollout.skip(skip)
-        res = await run_then_close(loop, graders, ledger)
+        res = await run_then_close(cfg, loop, graders, ledger)
         return res, ledger, trainer, tasks
 
     asyncio.run(first())
@@ -124,27 +124,27 @@ def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, on_u
     assert res.steps_done == steps
     assert not ledger.unfinished(), "every dispatched sample reaches a terminal status"
     rows = read_ledger(tmp / "ledger.jsonl")
-    uids = [r["sample_uid"] for r in rows]
+    uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "no sample recorded twice"
-    trained = [r for r in rows if r["status"] == "trained"]
+    trained = [r for r in rows if r.status == "trained"]
     by_step: dict[int, set[str]] = {}
     for r in trained:
-        by_step.setdefault(r["trained_at_step"], set()).add(r["sample_uid"].rsplit("/", 1)[0])
-        assert r["trained_at_step"] - r["min_trained_version"] <= policy.kept_bound, r
-        assert r["trained_at_step"] - r["min_version"] <= policy.context_bound, r
+        by_step.setdefault(r.trained_at_step, set()).add(r.sample_uid.rsplit("/", 1)[0])
+        assert r.trained_at_step - r.min_trained_version <= policy.kept_bound, r
+        assert r.trained_at_step - r.min_version <= policy.context_bound, r
         if policy.rule != "admission":
-            assert r["trained_at_step"] - r["min_trained_version"] <= k, r
+            assert r.trained_at_step - r.min_trained_version <= k, r
         if max_token_age is not None:
-            assert r["trained_at_step"] - r["min_trained_version"] <= max_token_age, r
+            assert r.trained_at_step - r.min_trained_version <= max_token_age, r
     assert set(by_step) <= set(range(steps))
     assert all(len(groups) <= cfg.train.groups_per_step for groups in by_step.values()), \
         "a step's trained groups come from one batch: no step trained twice"
     drawn = {f"t/{i}" for i in range(tasks.state()["next"])}
-    assert {r["task_uid"] for r in rows} == drawn, "every drawn task is in the ledger"
+    assert {r.task_uid for r in rows} == drawn, "every drawn task is in the ledger"
     superseded = tmp / "ledger.superseded.jsonl"
     if superseded.exists():  # nothing dropped silently: a superseded line's sample is redone
         for r in read_ledger(superseded):
-            assert r["sample_uid"] in set(uids) or r["status"] != "trained", r
+            assert r.sample_uid in set(uids) or r.status != "trained", r
     # a partial sample the snapshot saved continued from its tokens, versions kept
     saved = {f"{g['group_id']}/{s['idx']}": [t for seg in s["segments"]
                                             for t in zip(seg["token_ids"], seg["versions"])]
@@ -153,8 +153,8 @@ def test_resume_keeps_staleness_and_exactly_once(tmp_path_factory, seed, k, on_u
         if uid in trainer.tokens:
             ids, versions = trainer.tokens[uid]
             assert list(zip(ids, versions))[:len(pairs)] == pairs, uid
-    restored = [r for r in rows if r["restored_tokens"] > 0]
-    assert all(r["sample_uid"] in saved for r in restored)
+    restored = [r for r in rows if r.restored_tokens > 0]
+    assert all(r.sample_uid in saved for r in restored)
 
 
 def test_a_partial_sample_continues_across_a_resume(tmp_path):
@@ -167,7 +167,7 @@ def test_a_partial_sample_continues_across_a_resume(tmp_path):
                if s["status"] == "interrupted" and s["segments"]]
     assert partial, "the snapshot caught samples mid-generation"
     rows = read_ledger(tmp_path / "ledger.jsonl")
-    assert any(r["restored_tokens"] > 0 for r in rows)
+    assert any(r.restored_tokens > 0 for r in rows)
 
 
 def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_path):
@@ -193,8 +193,7 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
             snap["step"] = res.steps_done
             snap.update(await loop.rollout.snapshot())
 
-        loop.controller.before_stop = before_stop
-        res = await run_then_close(loop, graders, ledger)
+        res = await run_then_close(cfg, loop, graders, ledger, before_stop=before_stop)
         return res
 
     res = asyncio.run(first())
@@ -204,7 +203,7 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
              for g in snap["live"] for s in g["samples"]
              if s["status"] == "interrupted" and s["segments"]}
     assert saved, "the stranded samples kept their tokens"
-    aborted = {r["sample_uid"] for r in read_ledger(path) if r["status"] == "aborted"}
+    aborted = {r.sample_uid for r in read_ledger(path) if r.status == "aborted"}
     assert held <= aborted, "after the snapshot the stop records them ABORTED"
 
     async def second():
@@ -218,13 +217,13 @@ def test_a_run_with_no_engine_alive_keeps_its_partial_samples_for_a_resume(tmp_p
                               start_step=step)
         loop.rollout.restore(snap, version=step)
         loop.rollout.skip(skip)
-        return await run_then_close(loop, graders, ledger), ledger
+        return await run_then_close(cfg, loop, graders, ledger), ledger
 
     res, ledger = asyncio.run(second())
     assert res.steps_done == 4 and not res.stalled
     assert not ledger.unfinished()
-    rows = {r["sample_uid"]: r for r in read_ledger(path)}
+    rows = {r.sample_uid: r for r in read_ledger(path)}
     assert len(rows) == len(read_ledger(path)), "one line per sample"
-    assert all(rows[uid]["status"] != "aborted" for uid in held)
+    assert all(rows[uid].status != "aborted" for uid in held)
     for uid, n in saved.items():
-        assert rows[uid]["restored_tokens"] == n, (uid, rows[uid])
+        assert rows[uid].restored_tokens == n, (uid, rows[uid])

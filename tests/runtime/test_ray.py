@@ -18,7 +18,7 @@ import pytest
 
 from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
-from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger import read_jsonl, read_ledger
 from rollstream.durable.audit import audit_run
 from rollstream.runtime.train import run_training
 
@@ -73,9 +73,9 @@ def _check_ledger(run_dir: Path, steps: int = STEPS) -> list[dict]:
     rows = read_ledger(run_dir / "ledger.jsonl")
     # each sample holds exactly the tokens the engines delivered for it (timeline spans)
     delivered: dict[str, int] = defaultdict(int)
-    for span in read_ledger(run_dir / "timeline.jsonl"):
+    for span in read_jsonl(run_dir / "timeline.jsonl"):
         delivered[span["sample_uid"]] += span["num_tokens"]
-    assert {r["sample_uid"]: r["num_tokens"] for r in rows if r.get("num_tokens")} == \
+    assert {r.sample_uid: r.num_tokens for r in rows if r.num_tokens} == \
         {uid: n for uid, n in delivered.items() if n}
     return rows
 
@@ -93,7 +93,7 @@ def test_a_run_on_ray_records_every_sample_once_and_stops_its_ray(tmp_path, tiny
     run_dir = tmp_path / "ray"
     assert summary["steps"] == STEPS and not summary["unfinished_samples"]
     rows = _check_ledger(run_dir)
-    assert sum(r["status"] == "trained" for r in rows) == summary["trained_samples"] > 0
+    assert sum(r.status == "trained" for r in rows) == summary["trained_samples"] > 0
     assert set(summary["engines"]) == {"ray-0", "ray-1"}
     assert all(w["busy_s"] > 0 for w in summary["engines"].values()), summary["engines"]
     assert (run_dir / "ray-logs").is_dir()
@@ -155,8 +155,8 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     # the requests the kill cut returned the tokens the driver had peeked (exact versions)
     assert any(o.token_ids for o in cut), cut
     rows = _check_ledger(run_dir, steps=5)  # ...and the samples kept exactly those
-    assert not any(r["status"] == "failed" for r in rows)
-    metrics = read_ledger(run_dir / "metrics.jsonl")
+    assert not any(r.status == "failed" for r in rows)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     restarts = [m for m in metrics if "engine_restart_s" in m]
     assert len(restarts) == 1, restarts
     # revived at the version the other engine serves (weights of step 1 or later)

@@ -17,7 +17,7 @@ import pytest
 
 from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
-from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger import read_jsonl, read_ledger
 from rollstream.durable.audit import audit_run
 from rollstream.engine.vllm.server import SHM_PATTERN
 from rollstream.sync.vllm import VllmReload
@@ -116,10 +116,10 @@ def test_a_vllm_server_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_missing"] == audit["steps_repeated"] == 0, audit
     rows = read_ledger(run_dir / "ledger.jsonl")
-    assert not any(r["status"] == "failed" for r in rows)
-    metrics = read_ledger(run_dir / "metrics.jsonl")
+    assert not any(r.status == "failed" for r in rows)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert max(m.get("engine_failures", 0) for m in metrics) > 0, "no request was cut"
-    assert max(r["max_version"] or 0 for r in rows if r["status"] == "trained") >= 1
+    assert max(r.max_version or 0 for r in rows if r.status == "trained") >= 1
     assert _descendants() - before == set(), "a process outlived the run"
     assert set(glob.glob(SHM_PATTERN)) - shm_before == set(), "shared memory left behind"
 

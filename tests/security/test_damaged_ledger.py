@@ -83,7 +83,7 @@ def test_a_crash_between_superseding_and_replacing_the_ledger_repeats_nothing(
         assert (run_copy / name).read_bytes() == (clean_run / name).read_bytes(), name
     assert len((run_copy / "replays.jsonl").read_text().splitlines()) == 2
     assert not [p.name for p in run_copy.iterdir() if ".reconcile" in p.name]
-    uids = [r["sample_uid"] for r in read_ledger(run_copy / "ledger.superseded.jsonl")]
+    uids = [r.sample_uid for r in read_ledger(run_copy / "ledger.superseded.jsonl")]
     assert len(uids) == len(set(uids)) == moved - 1  # and one replay event
 
 

@@ -12,7 +12,9 @@ import httpx
 from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger
-from rollstream.monitor.dashboard import TOKEN_FILE, URL_FILE, Dashboard
+from rollstream.monitor.dashboard import Dashboard
+from rollstream.run_files import DASHBOARD_TOKEN as TOKEN_FILE
+from rollstream.run_files import DASHBOARD_URL as URL_FILE
 from rollstream.monitor.metrics import Metrics
 from rollstream.runtime.control import EngineControl
 from tests.rollout.fakes import CountingTrainer

@@ -26,7 +26,7 @@ from rollstream.engine.vllm import VllmEngine, VllmServer, build_vllm_engine
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.sync.shm import WeightStore
 from rollstream.models.warmstart import prepare_model
-from rollstream.runtime import build
+from rollstream.runtime import run as run_module
 from rollstream.runtime.train import run_training
 from tests.engine.helpers import make_tiny_model
 from tests.vllm.fake_server import FakeVllm
@@ -69,25 +69,26 @@ def test_a_failing_engine_beside_a_healthy_one_trains_to_the_end_with_no_sample_
     run_dir = Path(run_cfg.run_root) / run_cfg.name
     built: list = []
 
-    def engines(cfg, weights, *, version, run_dir):  # the run's engines: failing, healthy
+    def engines(cfg, weights, *, version, run_dir, training):  # failing, healthy
         from rollstream.engine.local import LocalEngine
 
         failing = build_vllm_engine(EngineConfig(kind="vllm", vllm=VllmEngineConfig(
             urls=(failing_server.url,), startup_timeout_s=30)), weights, engine_id="vllm-0",
             version=version)
-        healthy = LocalEngine(weights, cfg.engine.local, engine_id="local-1", version=version)
+        healthy = LocalEngine(weights, cfg.engine.local, engine_id="local-1", version=version,
+                              training=training)
         built.extend([failing, healthy])
         return built, None
 
-    monkeypatch.setattr(build, "build_engines", engines)
+    monkeypatch.setattr(run_module, "build_engines", engines)
     with caplog.at_level(logging.WARNING, logger="rollstream.rollout.routing"):
         summary = run_training(run_cfg)
 
     assert summary["steps"] == STEPS
     rows = read_ledger(run_dir / "ledger.jsonl")
-    failed = [r for r in rows if r["status"] == "failed"]
+    failed = [r for r in rows if r.status == "failed"]
     assert not failed, failed[:3]
-    assert sum(r["status"] == "trained" for r in rows) >= STEPS * GROUPS * GROUP // 2
+    assert sum(r.status == "trained" for r in rows) >= STEPS * GROUPS * GROUP // 2
     quarantines = [m for m in caplog.messages if m.startswith("engine vllm-0 quarantined")]
     assert quarantines and "HTTP 500" in quarantines[0], caplog.messages
     assert len(quarantines) >= 2, "probed back after quarantine_s, and quarantined again"

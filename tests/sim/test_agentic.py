@@ -42,9 +42,9 @@ def _run_with_ledger(sc: Scenario, mode_index: int, tmp_path):
     path = tmp_path / "ledger.jsonl"
 
     async def main():
-        loop, engines, *_, ledger = await build_sim(sc, sc.modes[mode_index],
-                                                    load_profile(sc.profile), path)
-        result = await loop.controller.run()
+        loop, controller, engines, *_, ledger = await build_sim(
+            sc, sc.modes[mode_index], load_profile(sc.profile), path)
+        result = await controller.run()
         ledger.close()
         return loop, engines, result
 
@@ -58,16 +58,16 @@ def test_episodes_run_through_the_real_harness_loop_and_tool_manager(agentic, tm
     assert type(harness) is AgentHarness and type(harness.renderer) is ChatRenderer
     assert all(type(m) is ToolManager for m in harness.tools.values())
     assert isinstance(workload, AgentWorkload) and result.steps_done == agentic.steps
-    trained = [r for r in rows if r["status"] == "trained"]
+    trained = [r for r in rows if r.status == "trained"]
     assert len(trained) == agentic.steps * agentic.groups_per_step * agentic.group_size
     for r in trained:  # every turn the workload drew was a turn of the real agent loop
-        assert r["finish_reason"] == "done" and r["reward"] in (0.0, 1.0), r
-        index = int(r["task_uid"].removeprefix("sim-"))
-        assert r["num_turns"] == _expected_turns(workload, index,
-                                                 sample_seed(agentic.seed, r["sample_uid"])), r
-    assert max(r["num_turns"] for r in trained) > 2
+        assert r.finish_reason == "done" and r.reward in (0.0, 1.0), r
+        index = int(r.task_uid.removeprefix("sim-"))
+        assert r.num_turns == _expected_turns(workload, index,
+                                              sample_seed(agentic.seed, r.sample_uid)), r
+    assert max(r.num_turns for r in trained) > 2
     # a tool call after each model turn but an episode's last, in episodes of every status
-    assert workload.tool.num_calls == sum(r["num_turns"] - 1 for r in rows) > len(rows)
+    assert workload.tool.num_calls == sum(r.num_turns - 1 for r in rows) > len(rows)
 
 
 def _expected_turns(workload: AgentWorkload, index: int, seed: int) -> int:

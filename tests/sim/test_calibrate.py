@@ -68,8 +68,8 @@ def test_calibration_recovers_known_contention_from_a_synthetic_trace():
     overlap) and an async-like part recovers both factors and the base costs."""
     truth = DecodeCost(overhead_s=4e-3, weights_s=0, per_seq_s=9e-5, per_context_token_s=6e-7,
                        combine="sum")
-    rng, passes, training = random.Random(3), PassTimes(), [False]
-    passes.training = lambda: training[0]
+    training = [False]
+    rng, passes = random.Random(3), PassTimes(training=lambda: training[0])
     for i in range(20_000):
         training[0] = i >= 10_000 and rng.random() < 0.6  # the async half overlaps 60%
         rows = rng.randint(1, 64)
@@ -106,11 +106,12 @@ def _recorded_run(tmp_path, groups):
     with (tmp_path / "ledger.jsonl").open("w") as fh:
         for k, (prompt, samples) in enumerate(groups):
             for i, (n, reward) in enumerate(samples):
-                fh.write(json.dumps({"sample_uid": f"t{k % 3}#g{k}/{i}", "status": "trained",
-                                     "num_tokens": n, "prompt_tokens": prompt,
-                                     "reward": reward}) + "\n")
-        fh.write(json.dumps({"sample_uid": "t0#eval0/0", "status": "evaluated",
-                             "num_tokens": 5, "prompt_tokens": 9, "reward": 1.0}) + "\n")
+                fh.write(json.dumps({"sample_uid": f"t{k % 3}#g{k}/{i}", "task_uid": f"t{k % 3}",
+                                     "source": "t", "status": "trained", "num_tokens": n,
+                                     "prompt_tokens": prompt, "reward": reward}) + "\n")
+        fh.write(json.dumps({"sample_uid": "t0#eval0/0", "task_uid": "t0", "source": "t",
+                             "status": "evaluated", "num_tokens": 5, "prompt_tokens": 9,
+                             "reward": 1.0}) + "\n")
     return tmp_path
 
 
@@ -127,19 +128,20 @@ def test_a_replay_simulates_the_recorded_samples_group_by_group(tmp_path):
     ledger_path = tmp_path / "sim-ledger.jsonl"
 
     async def main():
-        loop, *_, ledger = await build_sim(sc, sc.modes[0], load_profile(sc.profile), ledger_path)
-        result = await loop.controller.run()
+        loop, controller, *_, ledger = await build_sim(sc, sc.modes[0], load_profile(sc.profile),
+                                                       ledger_path)
+        result = await controller.run()
         ledger.close()
         return result
 
     assert run_virtual(main()).steps_done == 3
-    rows = [r for r in read_ledger(ledger_path) if r["status"] == "trained"]
+    rows = [r for r in read_ledger(ledger_path) if r.status == "trained"]
     assert len(rows) == 3 * 2 * 4
     for r in rows:
-        k, i = (int(x) for x in r["sample_uid"].split("#g")[1].split("/"))
+        k, i = (int(x) for x in r.sample_uid.split("#g")[1].split("/"))
         prompt, samples = groups[k]
-        assert r["num_tokens"] == samples[i][0] and r["reward"] == samples[i][1]
-        assert r["prompt_tokens"] == prompt
+        assert r.num_tokens == samples[i][0] and r.reward == samples[i][1]
+        assert r.prompt_tokens == prompt
 
 
 def test_replay_and_workload_together_are_refused(tmp_path):

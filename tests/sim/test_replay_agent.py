@@ -13,12 +13,14 @@ import pytest
 from rollstream.agent.harness import AGENT, AgentHarness
 from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger_row import EnvTurn, LedgerRow, PolicyTurn
 from rollstream.sim.calibrate import RunRecord, replay_scenario
 from rollstream.sim.profile import load_profile
 from rollstream.sim.replay import AgentReplayWorkload
 from rollstream.sim.run import build_sim, simulate_mode
 from rollstream.sim.scenario import ModeConfig
 from rollstream.sim.vloop import run_virtual
+from rollstream.trajectory import SampleStatus
 
 DONE = ("done", "max_turns", "max_tokens")  # how a recorded episode may have ended
 
@@ -56,9 +58,9 @@ def _simulate(run_dir: Path, tmp_path: Path, mode: ModeConfig | None = None):
     path = tmp_path / "sim-ledger.jsonl"
 
     async def main():
-        loop, engines, *_, ledger = await build_sim(sc, sc.modes[0], load_profile(sc.profile),
-                                                    path)
-        result = await loop.controller.run()
+        loop, controller, engines, *_, ledger = await build_sim(
+            sc, sc.modes[0], load_profile(sc.profile), path)
+        result = await controller.run()
         ledger.close()
         return loop, engines[0].workload, result
 
@@ -67,18 +69,18 @@ def _simulate(run_dir: Path, tmp_path: Path, mode: ModeConfig | None = None):
     return loop, workload, list(read_ledger(path))
 
 
-def _recorded(run_dir: Path) -> dict[tuple[int, int], dict]:
+def _recorded(run_dir: Path) -> dict[tuple[int, int], LedgerRow]:
     """The run's training samples by (admission index, sample index)."""
     out = {}
     for r in read_ledger(run_dir / "ledger.jsonl"):
-        if "#g" in r["sample_uid"]:
-            k, i = r["sample_uid"].split("#g")[1].split("/")
+        if "#g" in r.sample_uid:
+            k, i = r.sample_uid.split("#g")[1].split("/")
             out[(int(k), int(i))] = r
     return out
 
 
-def _shape(turns: list[dict]) -> list[tuple[str, int]]:
-    return [(t["kind"], t["num_tokens"]) for t in turns]
+def _shape(turns: list[PolicyTurn | EnvTurn]) -> list[tuple[str, int]]:
+    return [(type(t).__name__, t.num_tokens) for t in turns]
 
 
 @pytest.mark.parametrize("mode", [None, ModeConfig(name="sync", mode="sync")])
@@ -87,28 +89,28 @@ def test_each_episode_replays_its_recorded_turns_and_tool_waits(agent_run, tmp_p
     assert isinstance(workload, AgentReplayWorkload)
     assert type(loop.dispatcher.harnesses[AGENT]) is AgentHarness  # the real harness
     recorded = _recorded(agent_run)
-    assert max(r["num_turns"] for r in recorded.values()) >= 4  # several tool calls
-    trained = [r for r in rows if r["status"] == "trained"]
+    assert max(r.num_turns for r in recorded.values()) >= 4  # several tool calls
+    trained = [r for r in rows if r.status == "trained"]
     assert len(trained) >= 2 * 3 * 8
     # the simulation's task n replays the run's n-th recorded group in admission order (the
     # run trained the groups that finished first, and held the rest in its last checkpoint)
     order = sorted({k for k, _ in recorded})
     compared = 0
     for r in trained:
-        n, i = (int(x) for x in r["sample_uid"].split("#g")[1].split("/"))
+        n, i = (int(x) for x in r.sample_uid.split("#g")[1].split("/"))
         real = recorded[(order[n % len(order)], i)]
-        if real["finish_reason"] not in DONE:
+        if real.finish_reason not in DONE:
             continue  # the run stopped it mid-way (aborted): the replay ends it
-        assert _shape(r["turns"]) == _shape(real["turns"]), r["sample_uid"]
-        assert r["num_turns"] == real["num_turns"] and r["num_tokens"] == real["num_tokens"]
-        assert r["prompt_tokens"] == real["prompt_tokens"]
-        assert (r["reward"] > 0.5) == ((real["reward"] or 0.0) > 0.5)
-        waits = [t["tool_s"] for t in r["turns"] if t["kind"] == "env"]
-        assert waits == pytest.approx([t["tool_s"] for t in real["turns"]
-                                       if t["kind"] == "env"], abs=2e-6)
+        assert _shape(r.turns) == _shape(real.turns), r.sample_uid
+        assert r.num_turns == real.num_turns and r.num_tokens == real.num_tokens
+        assert r.prompt_tokens == real.prompt_tokens
+        assert (r.reward > 0.5) == ((real.reward or 0.0) > 0.5)
+        waits = [t.tool_s for t in r.turns if isinstance(t, EnvTurn)]
+        assert waits == pytest.approx([t.tool_s for t in real.turns
+                                       if isinstance(t, EnvTurn)], abs=2e-6)
         compared += 1
     assert compared >= 0.75 * len(trained)  # the run's aborted samples (none seen) are not
-    calls = sum(t["num_tool_calls"] for r in rows for t in r["turns"] if t["kind"] == "env")
+    calls = sum(t.num_tool_calls for r in rows for t in r.turns if isinstance(t, EnvTurn))
     assert workload.tool.num_calls == calls > len(trained)
 
 
@@ -148,14 +150,14 @@ def _drop_tool_s(row):
 @pytest.mark.parametrize(("edit", "expected"), [
     (lambda row: row.pop("turns"), "has no 'turns'"),
     (lambda row: row.update(num_turns=row["num_turns"] + 1), "'num_turns' says"),
-    (_drop_tool_s, "has no ['tool_s']"),
+    (_drop_tool_s, "missing required field `tool_s`"),
     (lambda row: row["turns"].pop(1), "two model turns in a row"),
 ])
 def test_a_bad_agent_recording_fails_naming_the_field(agent_run, tmp_path, edit, expected):
     broken = _broken_copy(agent_run, tmp_path, edit)
     with pytest.raises(ValueError) as e:
         _simulate(broken, tmp_path)
-    assert expected in str(e.value) and "ledger line of" in str(e.value)
+    assert expected in str(e.value) and "ledger" in str(e.value)
 
 
 def test_an_agent_run_without_its_agent_budgets_fails_naming_them(agent_run, tmp_path):
@@ -167,22 +169,26 @@ def test_an_agent_run_without_its_agent_budgets_fails_naming_them(agent_run, tmp
         _simulate(broken, tmp_path)
 
 
+def _row(uid: str, **kw) -> LedgerRow:
+    return LedgerRow(sample_uid=uid, task_uid="t", source="s", status=SampleStatus.TRAINED,
+                     **kw)
+
+
 def test_turn_costs_split_an_episodes_time_into_model_tool_and_harness():
     from rollstream.sim.calibrate import turn_costs
 
     class Recorded:  # what turn_costs reads of a RunRecord
         ledger = [
-            {"sample_uid": "t#g0/0", "turns": [
-                {"kind": "policy", "num_tokens": 9, "started_s": 0.5, "duration_s": 2.0},
-                {"kind": "env", "num_tokens": 30, "started_s": 3.0, "duration_s": 1.5,
-                 "tool_s": 1.0},
-                {"kind": "policy", "num_tokens": 4, "started_s": 5.0, "duration_s": 1.0}]},
-            {"sample_uid": "t#g0/1", "turns": []},  # a single-turn sample of another source
+            _row("t#g0/0", turns=[
+                PolicyTurn(num_tokens=9, started_s=0.5, duration_s=2.0),
+                EnvTurn(num_tokens=30, started_s=3.0, duration_s=1.5, tool_s=1.0),
+                PolicyTurn(num_tokens=4, started_s=5.0, duration_s=1.0)]),
+            _row("t#g0/1"),  # a single-turn sample of another source
         ]
 
     # harness: 0.5 before the first turn, 0.5 gap, 0.5 of the answer beyond its tool, 0.5 gap
     assert turn_costs(Recorded()) == {"model_turns": 2, "model_s_per_turn": 1.5,
                                       "tool_s_per_turn": 0.5, "harness_s_per_turn": 1.0,
                                       "harness_share": 2.0 / 6.0}
-    Recorded.ledger = [{"sample_uid": "t#g0/0", "turns": []}]
+    Recorded.ledger = [_row("t#g0/0")]
     assert turn_costs(Recorded()) is None

@@ -12,6 +12,7 @@ import pytest
 
 import rollstream.sim.run as sim_run
 from rollstream.cli import main as cli_main
+from rollstream.data.ledger_row import LedgerRow
 from rollstream.engine.protocol import Engine
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.rollout.lifecycle import Lifecycle
@@ -25,21 +26,22 @@ from rollstream.sim.vloop import run_virtual
 from rollstream.sim.workload import Workload, capped_lognormal_mean
 from rollstream.staleness import StalenessPolicy
 from rollstream.sync.weights import WeightSync
+from rollstream.trajectory import SampleStatus
 
 
 def test_the_simulation_is_built_from_the_real_components(small):
     assert sim_run.build_loop is build_loop  # the run's own wiring, not a copy
 
     async def main():
-        loop, engines, *_ = await build_sim(small, small.modes[1], load_profile(small.profile),
-                                            None)
-        return loop, engines
+        loop, controller, engines, *_ = await build_sim(
+            small, small.modes[1], load_profile(small.profile), None)
+        return loop, controller, engines
 
-    loop, engines = run_virtual(main())
+    loop, controller, engines = run_virtual(main())
     assert type(loop.dispatcher) is Dispatcher and type(loop.rollout) is Rollout
-    assert type(loop.sync) is WeightSync and type(loop.controller) is Controller
+    assert type(loop.sync) is WeightSync and type(controller) is Controller
     assert type(loop.lifecycle) is Lifecycle and type(loop.rollout.policy) is StalenessPolicy
-    assert loop.rollout.dispatcher is loop.dispatcher and loop.controller.rollout is loop.rollout
+    assert loop.rollout.dispatcher is loop.dispatcher and controller.rollout is loop.rollout
     assert loop.dispatcher.engines == engines and all(isinstance(e, Engine) for e in engines)
 
 
@@ -169,16 +171,21 @@ def test_an_error_in_a_loop_callback_stops_the_simulation():
         raise AssertionError("a failing callback must end the simulation")
 
 
+def _row(uid: str, taken_at_step: int) -> LedgerRow:
+    return LedgerRow(sample_uid=uid, task_uid="t", source="s", status=SampleStatus.TRAINED,
+                     taken_at_step=taken_at_step)
+
+
 def test_tail_share_is_the_last_tenth_of_a_batch_over_its_rollout():
     spans = sim_run.Spans()
     rows = []
     for i in range(20):  # step 0: finishes at 1..19, one straggler at 40, all start at 0
         spans(sample_uid=f"a{i}", t_start_s=0.0, t_end_s=40.0 if i == 19 else float(i + 1))
-        rows.append({"sample_uid": f"a{i}", "taken_at_step": 0})
+        rows.append(_row(f"a{i}", 0))
     for i in range(10):  # step 1: start at 100, finish at 101..110, evenly
         spans(sample_uid=f"b{i}", t_start_s=100.0, t_end_s=101.0 + i)
-        rows.append({"sample_uid": f"b{i}", "taken_at_step": 1})
-    rows.append({"sample_uid": "never-dispatched", "taken_at_step": 1})
+        rows.append(_row(f"b{i}", 1))
+    rows.append(_row("never-dispatched", 1))
     # step 0: the 90th percentile finish is the 18th (18.0): (40 - 18) / 40; step 1: the 9th
     # (109): (110 - 109) / 10
     assert sim_run._tail_share(rows, spans) == (22 / 40 + 1 / 10) / 2

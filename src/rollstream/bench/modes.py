@@ -81,7 +81,9 @@ from rollstream.bench.modes_bound import end_tail_s, machine_bound, share_of_bou
 from rollstream.bench.modes_tables import print_tables
 from rollstream.bench.probe import ThreadMeter, probe
 from rollstream.config import RunConfig, apply_override, load_config, validate
-from rollstream.trajectory import eval_group_id, is_eval_uid
+from rollstream.data.ledger_row import LedgerRow
+from rollstream.run_files import RunFiles
+from rollstream.trajectory import SampleStatus, eval_group_id, is_eval_uid
 
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
@@ -213,17 +215,18 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
     with ThreadMeter() as meter:
         summary = run_training(cfg)
     run_dir = cfg.run_dir
-    ledger = read_ledger(run_dir / "ledger.jsonl")
+    ledger = read_ledger(RunFiles(run_dir).ledger)
     # the tokens the loss kept (with max_token_age a resumed sample's old prefix is not)
-    trained_tokens = sum(r["num_trained_tokens"] for r in ledger if r["status"] == "trained")
-    generated = sum(r["num_tokens"] for r in ledger if not _is_eval(r))
+    trained_tokens = sum(r.num_trained_tokens or 0 for r in ledger
+                         if r.status is SampleStatus.TRAINED)
+    generated = sum(r.num_tokens for r in ledger if not _is_eval(r))
     metrics = read_metrics(run_dir)
     steps = [r for r in metrics if r.get("kind") == "train"]
     rollout = [r for r in metrics if r.get("kind") == "rollout"]
     blocked = sum(r.get("staleness_blocked_s", 0.0) for r in rollout)
     gate = sum(r.get("gate_blocked_s", 0.0) for r in rollout)
     wall = summary["train_wall_s"]
-    counts = Counter(r["status"] for r in ledger)
+    counts = Counter(r.status.value for r in ledger)
     work: Counter[str] = Counter()
     for per_engine in summary["engines"].values():
         work.update(per_engine)
@@ -264,7 +267,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def token_breakdown(ledger: list[dict[str, Any]]) -> dict[str, int]:
+def token_breakdown(ledger: list[LedgerRow]) -> dict[str, int]:
     """Where a run's generated response tokens (evaluations excluded) went: ``kept`` by the
     loss, ``masked`` (tokens of trained samples the loss left out: too old, truncated
     support), and the tokens of samples ``dropped_stale``, ``filtered``, ``aborted`` or
@@ -274,34 +277,34 @@ def token_breakdown(ledger: list[dict[str, Any]]) -> dict[str, int]:
     for r in ledger:
         if _is_eval(r):
             continue
-        n = r["num_tokens"]
+        n = r.num_tokens
         out["generated"] += n
-        if r["status"] == "trained":
-            kept = r["num_trained_tokens"]
+        if r.status is SampleStatus.TRAINED:
+            kept = r.num_trained_tokens or 0
             out["kept"] += kept
             out["masked"] += n - kept
-        elif r["status"] in out:
-            out[r["status"]] += n
+        elif r.status.value in out:
+            out[r.status.value] += n
     return out
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines = RunFiles(run_dir).metrics.read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _is_eval(row: dict[str, Any]) -> bool:
-    return is_eval_uid(row["sample_uid"])
+def _is_eval(row: LedgerRow) -> bool:
+    return is_eval_uid(row.sample_uid)
 
 
-def reward_se(ledger: list[dict[str, Any]], *, round_index: int) -> float:
+def reward_se(ledger: list[LedgerRow], *, round_index: int) -> float:
     """Standard error of the eval reward over prompts (samples of one prompt are correlated,
     so the prompt is the unit)."""
     tag = eval_group_id("", round_index) + "/"
     by_task: dict[str, list[float]] = {}
     for r in ledger:
-        if _is_eval(r) and tag in r["sample_uid"]:
-            by_task.setdefault(r["task_uid"], []).append(float(r["reward"] or 0.0))
+        if _is_eval(r) and tag in r.sample_uid:
+            by_task.setdefault(r.task_uid, []).append(float(r.reward or 0.0))
     means = [statistics.fmean(v) for v in by_task.values()]
     return statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else math.nan
 

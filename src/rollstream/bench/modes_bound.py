@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollstream.run_files import RunFiles
 from rollstream.trajectory import is_eval_uid
 
 
@@ -83,7 +84,7 @@ def end_tail_s(run_dir: Path) -> float:
     complete near the end together; the trainer then works them off with nothing left to
     generate, so the engine idles for about k trainer steps however good the schedule (at
     least the last step's). A longer run dilutes it."""
-    path = Path(run_dir) / "timeline.jsonl"
+    path = RunFiles(run_dir).timeline
     if not path.exists():
         return float("nan")
     spans = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

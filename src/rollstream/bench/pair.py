@@ -58,6 +58,7 @@ from rollstream.bench.modes import (
     run_config,
 )
 from rollstream.config import load_config
+from rollstream.run_files import RunFiles
 
 KS = (1, 2)  # the staleness bounds compared; k=2 is the examples' own and bench modes' pair
 SEEDS_FULL, SEEDS_QUICK = 6, 2
@@ -139,7 +140,7 @@ def decode_by_rows(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
     per token with fewer rows and with longer contexts: this says which a row paid."""
     acc = [[0.0, 0, 0] for _ in ROW_BUCKETS]  # seconds, row-tokens, positions
     for run_dir in run_dirs:
-        for line in (Path(run_dir) / "engine_passes.jsonl").read_text().splitlines():
+        for line in RunFiles(run_dir).engine_passes.read_text().splitlines():
             r = json.loads(line)
             if r["kind"] != "decode":
                 continue
@@ -162,9 +163,10 @@ def rate_factors(run: dict[str, Any]) -> dict[str, float]:
     ``generated_per_trained_token`` (generated tokens per response token of a trained sample,
     masked ones included: the waste of filtered, dropped and aborted samples, ≥ 1)."""
     from rollstream.data.ledger import read_ledger
+    from rollstream.trajectory import SampleStatus
 
-    ledger = read_ledger(Path(run["run_dir"]) / "ledger.jsonl")
-    trained = sum(r["num_tokens"] for r in ledger if r["status"] == "trained")
+    ledger = read_ledger(RunFiles(run["run_dir"]).ledger)
+    trained = sum(r.num_tokens for r in ledger if r.status is SampleStatus.TRAINED)
     return {"gen_tok_s": run["gen_tok_s"],
             "trained_len": trained / max(run["trained_samples"], 1),
             "generated_per_trained_token": run["generated_tokens"] / max(trained, 1)}

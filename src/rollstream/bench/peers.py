@@ -56,6 +56,7 @@ from typing import Any
 
 from rollstream.bench.modes import bench_overrides, run_config
 from rollstream.config import RunConfig, load_config
+from rollstream.run_files import RunFiles
 
 TICK_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick.yaml"
 
@@ -74,7 +75,7 @@ def run_rollstream(base: RunConfig, folder: Path, steps: int, run_root: Path,
                 f"train.steps={steps}", "tasks.num_eval=16", "eval.samples_per_task=1"]
     cfg = load_config(TICK_YAML, [*overrides, *settings])
     row = run_config(cfg)
-    metrics = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl")
+    metrics = [json.loads(x) for x in RunFiles(cfg.run_dir).metrics
                .read_text().splitlines() if x.strip()]
     rewards = [m["reward_mean"] for m in metrics if m.get("kind") == "train"]
     return {

@@ -39,6 +39,7 @@ from rollstream.config import load_config
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.audit import audit_run
 from rollstream.models.warmstart import prepare_model
+from rollstream.run_files import RunFiles
 
 
 def _lines(path: Path) -> int:
@@ -70,7 +71,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
         root = Path(tmp)
-        cfg_path = root / "config.yaml"
+        cfg_path = root / "resume.yaml"  # the bench's input, beside the run folders
         cfg_path.write_text(json.dumps(tiny_run_config(
             "resume", root / "runs", steps=steps, checkpoint_every=2, cache_dir=cache_dir)))
         cfg = load_config(cfg_path, [])
@@ -78,7 +79,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         run_dir = cfg.run_dir
         kills, resume_s, seen, t_bench = [], [], -1, time.perf_counter()
         while len(kills) < num_kills:
-            first_span = _FirstSpan(run_dir / "timeline.jsonl")
+            first_span = _FirstSpan(RunFiles(run_dir).timeline)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "rollstream", "train", str(cfg_path),
                  *(["--resume"] if seen >= 0 else [])],
@@ -100,7 +101,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
             proc.wait()
             kills.append({"after_checkpoint": seen, "delay_s": round(delay, 3)})
             print(f"bench resume: killed {delay:.2f} s after checkpoint {seen}", flush=True)
-        first_span = _FirstSpan(run_dir / "timeline.jsonl")
+        first_span = _FirstSpan(RunFiles(run_dir).timeline)
         proc = subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(cfg_path),
                                  "--resume"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
@@ -112,9 +113,9 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         tail = proc.stdout.read()[-2000:] if proc.stdout else ""
         audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES, groups_per_step=GROUPS,
                           steps=steps)
-        phases = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        phases = [json.loads(line) for line in RunFiles(run_dir).metrics.read_text().splitlines()
                   if "checkpoint_hold_s" in line]
-        summary_path = run_dir / "summary.json"
+        summary_path = RunFiles(run_dir).summary
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     result = {
         "benchmark": "resume", "quick": quick,

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollstream.data.ledger_row import LedgerRow
+
 ROOT = Path(__file__).resolve().parents[3]
 DEMO_YAML = ROOT / "examples" / "tick.yaml"
 ZERO_VARIANCE = "zero reward variance"  # the filter's reason (rollout/rollout.py)
@@ -176,15 +178,16 @@ def collect(cfg: Any) -> dict[str, Any]:
     """One finished run's numbers, from its summary, metrics and ledger."""
     from rollstream.bench.modes import read_metrics, reward_se
     from rollstream.data.ledger import read_ledger
+    from rollstream.run_files import RunFiles
 
     run_dir = cfg.run_dir
-    summary = json.loads((run_dir / "summary.json").read_text())
-    ledger = read_ledger(run_dir / "ledger.jsonl")
+    summary = json.loads(RunFiles(run_dir).summary.read_text())
+    ledger = read_ledger(RunFiles(run_dir).ledger)
     steps = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
     gen = sum(s.get("gen_tokens", 0.0) for s in steps)
     trained = sum(s.get("trained_tokens", 0.0) for s in steps)
     last = steps[-1] if steps else {}
-    counts = Counter(r["status"] for r in ledger)
+    counts = Counter(r.status.value for r in ledger)
     final = summary["reward_final"]
     return {
         "mix": cfg.tasks.mix, "pass_rate": cfg.tasks.pass_rate.enabled,
@@ -226,30 +229,30 @@ def _bucket_of(cfg: Any) -> Any:
     return bucket
 
 
-def waste_breakdown(ledger: list[dict[str, Any]], bucket_of: Any) -> dict[str, Any]:
+def waste_breakdown(ledger: list[LedgerRow], bucket_of: Any) -> dict[str, Any]:
     """Where generated response tokens went (evaluation excluded): ``trained``, zero-variance
     groups ``all_correct`` / ``all_wrong``, ``other`` (dropped stale, aborted, failed); per
     bucket: ``groups``, ``zero_variance`` (share of its groups), ``gen_per_group`` and
     ``trained_per_group`` (tokens)."""
-    from rollstream.trajectory import is_eval_uid
+    from rollstream.trajectory import SampleStatus, is_eval_uid
 
     tokens = dict.fromkeys(("generated", "trained", "all_correct", "all_wrong", "other"), 0)
     groups: dict[str, dict[str, Any]] = {}
     for r in ledger:
-        if is_eval_uid(r["sample_uid"]) or r["sample_uid"].endswith("#row"):
+        if is_eval_uid(r.sample_uid) or r.is_dataset_row:
             continue
-        n = r["num_tokens"]
+        n = r.num_tokens
         tokens["generated"] += n
-        zero = r["status"] == "filtered" and ZERO_VARIANCE in (r["reason"] or "")
-        if r["status"] == "trained":
+        zero = r.status is SampleStatus.FILTERED and ZERO_VARIANCE in (r.reason or "")
+        if r.status is SampleStatus.TRAINED:
             part = "trained"
         elif zero:
-            part = "all_correct" if (r["reward"] or 0.0) > 0.5 else "all_wrong"
+            part = "all_correct" if (r.reward or 0.0) > 0.5 else "all_wrong"
         else:
             part = "other"
         tokens[part] += n
-        g = groups.setdefault(r["sample_uid"].rsplit("/", 1)[0],
-                              {"task": r["task_uid"], "gen": 0, "trained": 0, "zero": False})
+        g = groups.setdefault(r.sample_uid.rsplit("/", 1)[0],
+                              {"task": r.task_uid, "gen": 0, "trained": 0, "zero": False})
         g["gen"] += n
         g["trained"] += n if part == "trained" else 0
         g["zero"] = g["zero"] or zero

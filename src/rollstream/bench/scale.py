@@ -153,15 +153,16 @@ def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
     and the control plane's calls and bytes (Ray rows)."""
     from rollstream.bench.modes import read_metrics
     from rollstream.data.ledger import read_ledger
+    from rollstream.run_files import RunFiles
     from rollstream.runtime.ray.wire import METER_KEYS
     from rollstream.trajectory import is_eval_uid
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunFiles(run_dir).summary.read_text())
     steps = [m for m in read_metrics(run_dir) if m.get("kind") == "train"]
     wait_s, train_s = (sum(m[k] for m in steps) for k in ("wait_s", "train_s"))
     trained = summary["trained_samples"]
-    generated = sum(1 for r in read_ledger(run_dir / "ledger.jsonl")
-                    if not is_eval_uid(r["sample_uid"]))
+    generated = sum(1 for r in read_ledger(RunFiles(run_dir).ledger)
+                    if not is_eval_uid(r.sample_uid))
     engines = summary["engines"].values()
     busy_s = sum(e["busy_s"] for e in engines)
     wire = {k: sum(e.get(k, 0.0) for e in engines) for k in METER_KEYS}

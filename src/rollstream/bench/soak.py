@@ -29,6 +29,7 @@ from typing import Any
 from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.config import load_config
 from rollstream.models.warmstart import prepare_model
+from rollstream.run_files import RunFiles
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -71,7 +72,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, minutes: float | 
                               cache_dir=cache_dir, max_wall_s=minutes * 60,
                               rollout={"min_trainable_share": 0.0,
                                        "max_untrainable_streak": 1_000_000})
-        path = root / "config.yaml"
+        path = root / "soak.yaml"  # the bench's input, beside the run folders
         path.write_text(json.dumps(cfg))
         loaded = load_config(path, [])
         prepare_model(loaded.model, loaded.tasks)
@@ -86,9 +87,9 @@ def main(json_out: Path | None = None, quick: bool = False, *, minutes: float | 
                 workers_max = max(workers_max, sum(workers))
             time.sleep(every_s)
         run_dir = Path(loaded.run_root) / loaded.name
-        summary = json.loads((run_dir / "summary.json").read_text()) \
-            if (run_dir / "summary.json").exists() else {}
-        ledger = run_dir / "ledger.jsonl"
+        files = RunFiles(run_dir)
+        summary = json.loads(files.summary.read_text()) if files.summary.exists() else {}
+        ledger = files.ledger
         ledger_lines = len(ledger.read_text().splitlines()) if ledger.exists() else 0
     after = [(t, v) for t, v in samples if t >= warmup_s]
     result = {

@@ -8,7 +8,8 @@ flat over a long run; older uids cannot come back, because sample ids carry the 
 index of their group (or the evaluation round), which only grows (``durable.audit`` checks
 the whole file).
 
-A ledger opened on an existing file (a resumed run, after ``durable.resume`` reconciled it)
+Each line is a :class:`~rollstream.data.ledger_row.LedgerRow` (versioned; older lines still
+read). A ledger opened on an existing file (a resumed run, after ``durable.resume`` reconciled it)
 knows every sample that file records. :meth:`sync` flushes and fsyncs it and returns its line
 count, which a checkpoint stores: the lines after it are what a resume reconciles.
 
@@ -18,8 +19,7 @@ The ledger stores; it does not decide: statuses change in ``rollout.lifecycle``.
 
 A replay (``rollout.replay``: a group trained again at a later step) is not a status: the
 sample keeps its one terminal line, and :meth:`replayed` appends an event to
-``replays.jsonl`` beside the ledger (:data:`REPLAYS`), one line per replayed sample the loss
-kept tokens of. Its line count is checkpointed with the ledger's, so a resume supersedes the
+``replays.jsonl`` beside the ledger, one line per replayed sample the loss kept tokens of. Its line count is checkpointed with the ledger's, so a resume supersedes the
 lost process's replays as it does its trained lines.
 """
 
@@ -28,14 +28,25 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
+from rollstream.data.ledger_row import (
+    FORMAT,
+    EnvTurn,
+    LedgerRow,
+    PolicyTurn,
+    TurnRow,
+    decode_row,
+    encode_row,
+)
+from rollstream.run_files import REPLAYS
 from rollstream.trajectory import Sample, SampleStatus, SegmentKind, Turn
 
+T = TypeVar("T")
+
 RECENT = 1 << 14  # terminal sample uids kept in memory for the exactly-once check
-REPLAYS = "replays.jsonl"  # replay events, beside the ledger file
 
 
 class Ledger:
@@ -48,19 +59,18 @@ class Ledger:
         self.num_recorded = 0
         if path is not None and path.exists():
             for row in iter_ledger(path):
-                uid = row["sample_uid"]
-                if uid.endswith("#row"):
-                    self._rows[uid] = SampleStatus.FAILED
+                if row.is_dataset_row:
+                    self._rows[row.sample_uid] = SampleStatus.FAILED
                     self.counts["rejected_rows"] += 1
                 else:
-                    self._remember(uid, SampleStatus(row["status"]))
-                    self.counts[row["status"]] += 1
+                    self._remember(row.sample_uid, row.status)
+                    self.counts[row.status.value] += 1
                 self.num_lines += 1
                 self.num_recorded += 1
         self._fh: IO[str] | None = path.open("a", buffering=1) if path is not None else None
         self._replay_path = path.with_name(REPLAYS) if path is not None else None
         self._replay_fh: IO[str] | None = None  # opened at the first replay
-        self.num_replay_lines = (sum(1 for _ in iter_ledger(self._replay_path))
+        self.num_replay_lines = (sum(1 for _ in iter_jsonl(self._replay_path, parse_line))
                                  if self._replay_path is not None and self._replay_path.exists()
                                  else 0)
         if self.num_replay_lines:
@@ -88,30 +98,20 @@ class Ledger:
         self._open.pop(sample.uid, None)
         self.counts[status.value] += 1
         if self._fh is not None:
-            entry = {
-                "sample_uid": sample.uid,
-                "task_uid": sample.task.uid,
-                "source": sample.task.source,
-                "status": status.value,
-                "reason": sample.failure,
-                "reward": sample.reward,
-                "num_tokens": sample.num_response_tokens,
-                "prompt_tokens": len(sample.task.prompt_ids),
-                "min_version": sample.min_version(),
-                "max_version": sample.max_version(),
-                "num_interrupts": sample.num_interrupts,
-                "finish_reason": sample.finish_reason,
-                "num_turns": (sum(t.kind is SegmentKind.POLICY for t in sample.turns)
-                              if sample.turns else 0),
-                "turns": [turn_entry(t) for t in sample.turns],
-                "trained_at_step": sample.trained_at_step,
-                "min_trained_version": sample.min_trained_version,
-                "num_trained_tokens": sample.num_trained_tokens,
-                "taken_at_step": sample.taken_at_step,
-                "restored_tokens": sample.num_restored_tokens,
-                "t_s": t_s,
-            }
-            self._fh.write(json.dumps(entry) + "\n")
+            self._fh.write(encode_row(LedgerRow(
+                format=FORMAT, sample_uid=sample.uid, task_uid=sample.task.uid,
+                source=sample.task.source, status=status, reason=sample.failure,
+                reward=sample.reward, num_tokens=sample.num_response_tokens,
+                prompt_tokens=len(sample.task.prompt_ids), min_version=sample.min_version(),
+                max_version=sample.max_version(), num_interrupts=sample.num_interrupts,
+                finish_reason=sample.finish_reason,
+                num_turns=sum(t.kind is SegmentKind.POLICY for t in sample.turns),
+                turns=[turn_entry(t) for t in sample.turns],
+                trained_at_step=sample.trained_at_step,
+                min_trained_version=sample.min_trained_version,
+                num_trained_tokens=sample.num_trained_tokens,
+                trained_version_sum=sample.trained_version_sum, taken_at_step=sample.taken_at_step,
+                restored_tokens=sample.num_restored_tokens, t_s=t_s)).decode())
             self.num_lines += 1
 
     def replayed(self, sample: Sample, step: int, *, num_tokens: int, min_version: int | None,
@@ -141,13 +141,10 @@ class Ledger:
         self.num_recorded += 1
         self.counts["rejected_rows"] += 1
         if self._fh is not None:
-            self._fh.write(json.dumps({
-                "sample_uid": uid, "task_uid": task_uid, "source": source, "status": "failed",
-                "reason": f"bad dataset row: {reason}", "reward": None, "num_tokens": 0,
-                "min_version": None, "max_version": None, "num_interrupts": 0,
-                "trained_at_step": None, "min_trained_version": None,
-                "num_trained_tokens": None, "t_s": 0.0,
-            }) + "\n")
+            self._fh.write(encode_row(LedgerRow(
+                format=FORMAT, sample_uid=uid, task_uid=task_uid, source=source,
+                status=SampleStatus.FAILED, reason=f"bad dataset row: {reason}",
+                t_s=0.0)).decode())
             self.num_lines += 1
 
     def sync(self) -> int:
@@ -178,47 +175,66 @@ class Ledger:
         self._fh = self._replay_fh = None
 
 
-def turn_entry(turn: Turn) -> dict[str, Any]:
+def turn_entry(turn: Turn) -> TurnRow:
     """A turn of an agent episode as its ledger line lists it: what a replay of the episode in
     the simulator needs (tokens; a model turn's seconds, an environment turn's tool wait) and
     what the harness spent beside (an environment turn's seconds beyond ``tool_s``; the gap
     to the next turn's ``started_s``). ``tool_s``: the longest call's seconds (a turn's calls
     run concurrently: the episode waited that long on its tools; 0 without a call)."""
-    entry: dict[str, Any] = {"kind": turn.kind.value, "num_tokens": turn.num_tokens,
-                             "started_s": round(turn.started_s, 6),
-                             "duration_s": round(turn.duration_s, 6)}
+    times = {"num_tokens": turn.num_tokens, "started_s": round(turn.started_s, 6),
+             "duration_s": round(turn.duration_s, 6)}
     if turn.kind is SegmentKind.POLICY:  # tool calls: an SDK agent's after this turn
-        entry.update(finish_reason=turn.finish_reason, num_interrupts=turn.num_interrupts,
-                     num_tool_calls=len(turn.tool_calls))
-    else:
-        entry.update(num_tool_calls=len(turn.tool_calls),
-                     tool_s=round(max((r.duration_s for r in turn.tool_results), default=0.0), 6))
-    return entry
+        return PolicyTurn(**times, finish_reason=turn.finish_reason,
+                          num_interrupts=turn.num_interrupts,
+                          num_tool_calls=len(turn.tool_calls))
+    return EnvTurn(**times, num_tool_calls=len(turn.tool_calls),
+                   tool_s=round(max((r.duration_s for r in turn.tool_results), default=0.0), 6))
 
 
-def read_ledger(path: Path) -> list[dict]:
+def read_ledger(path: Path) -> list[LedgerRow]:
     """A ledger file's rows (:func:`iter_ledger`)."""
     return list(iter_ledger(path))
 
 
-def iter_ledger(path: Path) -> Iterator[dict[str, Any]]:
-    """A ledger file's rows, streamed. The last line may be torn (a crash mid-write) and is
-    skipped; any other line that is not a JSON object is a ValueError naming it: a lost line
-    is a lost sample."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A file of JSON-object lines (``replays.jsonl``, ``metrics.jsonl``), read as the ledger
+    is (:func:`iter_jsonl`)."""
+    return list(iter_jsonl(path, parse_line))
+
+
+def iter_ledger(path: Path) -> Iterator[LedgerRow]:
+    """A ledger file's rows, streamed (:func:`iter_jsonl`, each line a
+    :class:`~rollstream.data.ledger_row.LedgerRow`)."""
+    return iter_jsonl(path, parse_row)
+
+
+def iter_jsonl(path: Path, parse: Callable[[bytes], tuple[T | None, str]]) -> Iterator[T]:
+    """A ledger-like file's lines parsed by ``parse`` (:func:`parse_row`; :func:`parse_line`,
+    a JSON object, for ``replays.jsonl``), streamed. The last line may be torn (a crash
+    mid-write) and is skipped; any other line ``parse`` refuses is a ValueError naming it: a
+    lost line is a lost sample."""
     with path.open("rb") as f:
         bad: tuple[int, str] | None = None
         for lineno, raw in enumerate(f, start=1):
             if bad is not None:
                 raise ValueError(f"{path} line {bad[0]}: {bad[1]}")
-            row, why = parse_line(raw)
+            row, why = parse(raw)
             if row is None:
                 bad = (lineno, why)
                 continue
             yield row
 
 
+def parse_row(raw: bytes) -> tuple[LedgerRow | None, str]:
+    """A ledger line's row, or (None, why it is not one)."""
+    try:
+        return decode_row(raw), ""
+    except ValueError as e:
+        return None, str(e)
+
+
 def parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str]:
-    """A ledger line's row, or (None, why it is not a JSON object)."""
+    """A line's JSON object, or (None, why it is not one)."""
     try:
         row = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError

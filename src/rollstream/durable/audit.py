@@ -24,24 +24,25 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rollstream.data.ledger import REPLAYS, read_ledger
+from rollstream.data.ledger import read_jsonl, read_ledger
 from rollstream.durable import checkpoint as durable
-from rollstream.trajectory import is_eval_uid
+from rollstream.run_files import RunFiles
+from rollstream.trajectory import SampleStatus, is_eval_uid
 
 
 def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
               groups_per_step: int, steps: int) -> dict[str, Any]:
-    rows = [r for r in read_ledger(run_dir / "ledger.jsonl")
-            if not r["sample_uid"].endswith("#row")]
+    files = RunFiles(run_dir)
+    rows = [r for r in read_ledger(files.ledger) if not r.is_dataset_row]
     by_uid: dict[str, int] = defaultdict(int)
     by_group: dict[str, set[int]] = defaultdict(set)
     trained: dict[int, set[str]] = defaultdict(set)
     for r in rows:
-        by_uid[r["sample_uid"]] += 1
-        gid, _, idx = r["sample_uid"].rpartition("/")
+        by_uid[r.sample_uid] += 1
+        gid, _, idx = r.sample_uid.rpartition("/")
         by_group[gid].add(int(idx))
-        if r["status"] == "trained":
-            trained[r["trained_at_step"]].add(gid)
+        if r.status is SampleStatus.TRAINED:
+            trained[r.trained_at_step].add(gid)
     lost = sum((eval_group_size if is_eval_uid(g) else group_size) - len(seen)
                for g, seen in by_group.items())
     ckpt = durable.latest(run_dir)
@@ -49,9 +50,9 @@ def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
         cursor = ckpt.state["rollout"]["num_admitted"]
         admitted = {g.rsplit("#g", 1)[1] for g in by_group if not is_eval_uid(g)}
         lost += group_size * sum(1 for k in range(cursor) if str(k) not in admitted)
-    replays = run_dir / REPLAYS
-    events = read_ledger(replays) if replays.exists() else []
-    taken = {r["sample_uid"]: r.get("taken_at_step") for r in rows}
+    replays = files.replays
+    events = read_jsonl(replays) if replays.exists() else []
+    taken = {r.sample_uid: r.taken_at_step for r in rows}
     seen: set[tuple[str, int]] = set()
     unbacked = 0
     per_sample: dict[str, int] = defaultdict(int)
@@ -62,20 +63,21 @@ def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
         seen.add((uid, at))
         per_sample[uid] += 1
         trained[at].add(uid.rpartition("/")[0])
-    superseded = run_dir / "ledger.superseded.jsonl"
+    superseded = files.superseded("ledger")
     old = read_ledger(superseded) if superseded.exists() else []
-    resumed = [r for r in rows if r.get("restored_tokens")]
+    resumed = [r for r in rows if r.restored_tokens]
     return {
         "samples": len(by_uid),
         "duplicated_samples": sum(1 for n in by_uid.values() if n > 1),
         "lost_samples": lost,
         "steps_repeated": sum(1 for g in trained.values() if len(g) > groups_per_step),
         "steps_missing": sum(1 for s in range(steps) if s not in trained),
-        "steps_redone": len({r["trained_at_step"] for r in old if r["status"] == "trained"}),
+        "steps_redone": len({r.trained_at_step for r in old
+                             if r.status is SampleStatus.TRAINED}),
         "superseded_lines": len(old),
         "replays": len(events),
         "replays_unbacked": unbacked,
         "max_replays_per_sample": max(per_sample.values(), default=0),
         "resumed_partial_samples": len(resumed),
-        "resumed_partial_tokens": sum(r["restored_tokens"] for r in resumed),
+        "resumed_partial_tokens": sum(r.restored_tokens for r in resumed),
     }

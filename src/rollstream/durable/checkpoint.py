@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollstream.run_files import RunFiles
+
 FORMAT = 1
 STATE = "state.json"
 MODEL = "model"
@@ -39,7 +41,8 @@ _PREFIX = "step_"
 
 
 def folder(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    """The run folder's durable checkpoints folder."""
+    return RunFiles(run_dir).checkpoints
 
 
 def config_hash(config: dict[str, Any]) -> str:

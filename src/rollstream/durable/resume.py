@@ -30,18 +30,25 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
-from rollstream.data.ledger import REPLAYS, parse_line
+import msgspec
+
+from rollstream.data.ledger import parse_line, parse_row
+from rollstream.data.ledger_row import LedgerRow, encode_row
 from rollstream.durable.checkpoint import Checkpoint
 from rollstream.durable.supersede import Supersede, recover
+from rollstream.run_files import RunFiles
+from rollstream.trajectory import SampleStatus
 
 # what may differ between a checkpoint's config and the resuming one (dotted prefixes)
 SAFE_CHANGES = ("resume", "run_root", "max_wall_s", "train.steps", "train.checkpoint_every",
                 "train.keep_checkpoints", "train.fsdp.max_restarts", "eval", "monitor", "engine",
                 "rollout.breaker", "runtime")
-_STANDING = frozenset({"filtered", "failed", "dropped_stale"})
+_STANDING = frozenset({SampleStatus.FILTERED, SampleStatus.FAILED, SampleStatus.DROPPED_STALE})
+T = TypeVar("T")
 
 
 def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -95,44 +102,43 @@ def reconcile_ledger(run_dir: Path, ckpt: Checkpoint | None, *,
     a ledger entry, or a head shorter than the checkpoint counted, is a ValueError naming the
     line (skipping it would lose its sample); so is a bad tail line other than the last (the
     line a kill tore)."""
-    path = run_dir / "ledger.jsonl"
-    superseded_path = run_dir / "ledger.superseded.jsonl"
+    files = RunFiles(run_dir)
+    path, superseded_path = files.ledger, files.superseded("ledger")
     if not path.exists():
         recover(path, superseded_path)
         return set(), 0
     n_head = int(ckpt.state["rollout"]["ledger_lines"]) if ckpt is not None else 0
     with Supersede(path, superseded_path) as move:
-        tail = _copy_head(path, n_head, ckpt, move.new)
+        tail = _copy_head(path, n_head, ckpt, move.new, parse_row)
         held = set(ckpt.state["rollout"]["held_groups"]) if ckpt is not None else set()
-        by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        by_group: dict[str, list[LedgerRow]] = defaultdict(list)
         for _, row in tail:
-            by_group[_key(row["sample_uid"])].append(row)
+            by_group[_key(row.sample_uid)].append(row)
         standing: set[str] = set()
         for gid, rows in by_group.items():
             retired_untrained = (gid not in held and len(rows) == group_size
-                                 and all(r["status"] in _STANDING
-                                         and r.get("taken_at_step") is None for r in rows))
+                                 and all(r.status in _STANDING and r.taken_at_step is None
+                                         for r in rows))
             if gid.endswith(_ROW) or retired_untrained:
                 standing.add(gid)
         step = ckpt.step if ckpt is not None else 0
         moved = []
         for raw, row in tail:
-            if _key(row["sample_uid"]) in standing:
+            if _key(row.sample_uid) in standing:
                 move.new.write(raw)
             else:
-                moved.append(_superseded_line(row, step))
+                moved.append(encode_row(msgspec.structs.replace(
+                    row, superseded_at_resume_step=step)))
         move.commit(moved)
     n_replays = _reconcile_replays(run_dir, ckpt, step)
     return {g for g in standing if not g.endswith(_ROW)}, len(moved) + n_replays
 
 
-def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None, out: IO[bytes], *,
-               keys: tuple[str, ...] = ("sample_uid", "status"),
-               ) -> list[tuple[bytes, dict[str, Any]]]:
-    """Copy ``path``'s first ``n_head`` lines (each checked to be an entry: a JSON object
-    with string ``keys``) to ``out``; return the lines after them (raw, parsed), a torn last
-    line left out."""
-    tail: list[tuple[bytes, dict[str, Any]]] = []
+def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None, out: IO[bytes],
+               parse: Callable[[bytes], tuple[T | None, str]]) -> list[tuple[bytes, T]]:
+    """Copy ``path``'s first ``n_head`` lines (each checked to be an entry: ``parse`` takes
+    it) to ``out``; return the lines after them (raw, parsed), a torn last line left out."""
+    tail: list[tuple[bytes, T]] = []
     bad: tuple[int, str] | None = None
     lineno = 0
     with path.open("rb") as f:
@@ -140,9 +146,7 @@ def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None, out: IO[bytes],
             if bad is not None:
                 raise ValueError(f"{path} line {bad[0]}: {bad[1]}; only the last line may be "
                                  "torn (by a kill). Repair or remove that line to resume")
-            row, why = parse_line(raw)
-            if row is not None and not all(isinstance(row.get(k), str) for k in keys):
-                row, why = None, f"not an entry (its {' and '.join(keys)} are not strings)"
+            row, why = parse(raw)
             raw = raw if raw.endswith(b"\n") else raw + b"\n"
             if lineno <= n_head:
                 if row is None:
@@ -163,21 +167,28 @@ def _copy_head(path: Path, n_head: int, ckpt: Checkpoint | None, out: IO[bytes],
     return tail
 
 
+def _parse_replay(raw: bytes) -> tuple[dict[str, Any] | None, str]:
+    """A replay event: a JSON object with a string ``sample_uid``."""
+    row, why = parse_line(raw)
+    if row is not None and not isinstance(row.get("sample_uid"), str):
+        return None, "not an entry (its sample_uid is not a string)"
+    return row, why
+
+
 def _superseded_line(row: dict[str, Any], step: int) -> bytes:
     return (json.dumps({**row, "superseded_at_resume_step": step}) + "\n").encode()
 
 
 def _reconcile_replays(run_dir: Path, ckpt: Checkpoint | None, step: int) -> int:
     """Move the replay events past ``ckpt``'s count to ``replays.superseded.jsonl``."""
-    path = run_dir / REPLAYS
-    superseded_path = run_dir / "replays.superseded.jsonl"
+    files = RunFiles(run_dir)
+    path, superseded_path = files.replays, files.superseded("replays")
     if not path.exists():
         recover(path, superseded_path)
         return 0
     n_head = int(ckpt.state["rollout"].get("replay_lines", 0)) if ckpt is not None else 0
     with Supersede(path, superseded_path) as move:
-        tail = [row for _, row in _copy_head(path, n_head, ckpt, move.new,
-                                             keys=("sample_uid",))]
+        tail = [row for _, row in _copy_head(path, n_head, ckpt, move.new, _parse_replay)]
         move.commit(_superseded_line(r, step) for r in tail)
     return len(tail)
 
@@ -195,9 +206,9 @@ def reconcile_logs(run_dir: Path, ckpt: Checkpoint | None) -> int:
         return 0
     step = ckpt.step if ckpt is not None else 0
     moved = 0
+    files = RunFiles(run_dir)
     for stream in ("metrics", "timeline"):
-        path = run_dir / f"{stream}.jsonl"
-        superseded_path = run_dir / f"{stream}.superseded.jsonl"
+        path, superseded_path = files.stream(stream), files.superseded(stream)
         size = int(sizes.get(stream, 0))
         if not path.exists() or path.stat().st_size <= size:
             recover(path, superseded_path)

@@ -18,13 +18,20 @@ from rollstream.config.schema import EngineConfig
 from rollstream.engine.protocol import Engine
 
 
-def _local(cfg: EngineConfig, model_path: Path, *, engine_id: str, version: int) -> Engine:
+Training = Callable[[], bool]  # whether a trainer step computes now
+
+
+def _local(cfg: EngineConfig, model_path: Path, *, engine_id: str, version: int,
+           training: Training | None = None) -> Engine:
     from rollstream.engine.local import LocalEngine
 
-    return LocalEngine(model_path, cfg.local, engine_id=engine_id, version=version)
+    return LocalEngine(model_path, cfg.local, engine_id=engine_id, version=version,
+                       training=training)
 
 
-def _vllm(cfg: EngineConfig, model_path: Path, *, engine_id: str, version: int) -> Engine:
+def _vllm(cfg: EngineConfig, model_path: Path, *, engine_id: str, version: int,
+          training: Training | None = None) -> Engine:
+    # the vLLM server records no forward passes, so it has no use for ``training``
     from rollstream.engine.vllm import build_vllm_engine
 
     return build_vllm_engine(cfg, model_path, engine_id=engine_id, version=version)
@@ -33,8 +40,8 @@ def _vllm(cfg: EngineConfig, model_path: Path, *, engine_id: str, version: int) 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class EngineKind:
     build: Callable[..., Engine]
-    """``(EngineConfig, model_path, *, engine_id, version) -> Engine``: one started engine in
-    this process."""
+    """``(EngineConfig, model_path, *, engine_id, version, training) -> Engine``: one started
+    engine in this process (``training``: whether a trainer step computes now)."""
     ray: str
     """``module:function`` of ``(RunConfig, model_path, *, version, units, run_dir) ->
     list[Engine]``: the run's engines as Ray actors in its scale units (imported only then)."""
@@ -59,7 +66,11 @@ def engine_kind(kind: str) -> EngineKind:
 
 
 def build_engine(
-    cfg: EngineConfig, model_path: Path, *, engine_id: str = "local-0", version: int = 0
+    cfg: EngineConfig, model_path: Path, *, engine_id: str = "local-0", version: int = 0,
+    training: Training | None = None,
 ) -> Engine:
-    """A started engine serving ``model_path`` with weights tagged ``version``."""
-    return engine_kind(cfg.kind).build(cfg, model_path, engine_id=engine_id, version=version)
+    """A started engine serving ``model_path`` with weights tagged ``version``.
+    ``training``: whether a trainer step computes now (the local engine bins the passes that
+    share the CPU with one apart: sim/calibrate.py)."""
+    return engine_kind(cfg.kind).build(cfg, model_path, engine_id=engine_id, version=version,
+                                       training=training)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rollstream.durable import checkpoint as durable
 from rollstream.models.folder_check import Tie
+from rollstream.run_files import RunFiles
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,7 +40,7 @@ def source_folder(run_dir: Path, step: int | None) -> Path:
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     if step is None:
-        final = run_dir / "checkpoint"
+        final = RunFiles(run_dir).final_checkpoint
         if not (final / "config.json").is_file():
             raise ValueError(f"{run_dir} has no final checkpoint ({final}); steps with a "
                              f"durable checkpoint: {durable.steps(run_dir) or 'none'} "

@@ -52,6 +52,7 @@ from rollstream.config.schema import MonitorConfig
 from rollstream.monitor.metrics import Metrics
 from rollstream.monitor.page import payload, render_page
 from rollstream.monitor.runlog import RunDirReader, RunLog, read_config_text, read_summary
+from rollstream.run_files import DASHBOARD_TOKEN, RunFiles
 
 
 class Control(Protocol):
@@ -64,8 +65,6 @@ class Control(Protocol):
     def undrain(self, engine_id: str) -> None: ...
 
 
-URL_FILE = "dashboard.url"
-TOKEN_FILE = "dashboard.token"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # what a Host header may name
 
 
@@ -169,7 +168,7 @@ class Dashboard:
             if not (auth.startswith("Bearer ") and secrets.compare_digest(
                     auth[7:].strip().encode(), self.token.encode())):
                 raise HTTPException(401, f"operating the run needs its token (in RUN_DIR/"
-                                         f"{TOKEN_FILE}) as `Authorization: Bearer TOKEN`")
+                                         f"{DASHBOARD_TOKEN}) as `Authorization: Bearer TOKEN`")
             return self.control
 
         @app.get("/api/engines")
@@ -221,12 +220,12 @@ class Dashboard:
         self._server, self._thread, self._sock = server, thread, sock
         self.url = f"http://127.0.0.1:{port}/"
         if self.metrics is not None and self.run_dir is not None:
-            (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)  # a killed run's, maybe wider
-            token = os.open(self.run_dir / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                            0o600)
+            files = RunFiles(self.run_dir)
+            files.dashboard_token.unlink(missing_ok=True)  # a killed run's, maybe wider
+            token = os.open(files.dashboard_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(token, "w") as f:
                 f.write(self.token + "\n")
-            (self.run_dir / URL_FILE).write_text(self.url + "\n")
+            files.dashboard_url.write_text(self.url + "\n")
         return self.url
 
     def stop(self) -> None:
@@ -238,8 +237,8 @@ class Dashboard:
         self._thread.join(timeout=10)
         self._sock.close()
         if self.metrics is not None and self.run_dir is not None:
-            (self.run_dir / URL_FILE).unlink(missing_ok=True)
-            (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)
+            RunFiles(self.run_dir).dashboard_url.unlink(missing_ok=True)
+            RunFiles(self.run_dir).dashboard_token.unlink(missing_ok=True)
         self._server = self._thread = None
         self.url = None
 

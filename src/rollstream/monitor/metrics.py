@@ -39,6 +39,7 @@ from rollstream.monitor.histogram import Hist, edges_for
 from rollstream.monitor.prom import PromExporter
 from rollstream.monitor.runlog import RunDirReader, RunLog
 from rollstream.monitor.trackers import Tracker, build_trackers
+from rollstream.run_files import RunFiles
 
 log = logging.getLogger(__name__)
 OUTCOMES = ("done", "interrupted", "failed")
@@ -121,7 +122,7 @@ class Metrics:
             return
         f = self._files.get(stream)
         if f is None:
-            f = self._files[stream] = _open_append(self.run_dir / f"{stream}.jsonl")
+            f = self._files[stream] = _open_append(RunFiles(self.run_dir).stream(stream))
         f.write(json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n")
         f.flush()
 
@@ -136,8 +137,9 @@ class Metrics:
                     f.flush()
                     os.fsync(f.fileno())
                     sizes[stream] = f.tell()
-                elif self.run_dir is not None and (self.run_dir / f"{stream}.jsonl").exists():
-                    sizes[stream] = (self.run_dir / f"{stream}.jsonl").stat().st_size
+                elif self.run_dir is not None and (
+                        path := RunFiles(self.run_dir).stream(stream)).exists():
+                    sizes[stream] = path.stat().st_size
                 else:
                     sizes[stream] = 0
         return sizes

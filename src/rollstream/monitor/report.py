@@ -12,8 +12,7 @@ from pathlib import Path
 
 from rollstream.monitor.page import payload, render_page
 from rollstream.monitor.runlog import RunDirReader
-
-REPORT_NAME = "report.html"
+from rollstream.run_files import RunFiles
 
 
 def build_report(run_dir: Path) -> str:
@@ -30,7 +29,7 @@ def build_report(run_dir: Path) -> str:
 def write_report(run_dir: Path) -> Path:
     """Write ``run_dir/report.html`` and return its path."""
     html = build_report(run_dir)
-    out = Path(run_dir) / REPORT_NAME
+    out = RunFiles(run_dir).report
     tmp = out.with_suffix(".html.tmp")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(out)  # a reader never sees half a report

@@ -14,16 +14,18 @@ import json
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from rollstream.data.ledger_row import LedgerRow, decode_row
 from rollstream.monitor.histogram import Hist
 from rollstream.monitor.tiles import RunTotals
+from rollstream.run_files import RUN_MARKERS, RunFiles
 from rollstream.staleness import age
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "ledger.jsonl", "timeline.jsonl", "summary.json")
+T = TypeVar("T")
 
 
 def finite(value: Any) -> Any:
@@ -51,27 +53,23 @@ class LedgerSummary:
     num_tokens: int = 0
     num_interrupts: int = 0
 
-    def add(self, entry: Mapping[str, Any]) -> None:
-        status = str(entry.get("status"))
-        source = str(entry.get("source") or "-")
+    def add(self, row: LedgerRow) -> None:
+        status = row.status.value
+        source = row.source or "-"
         self.num_samples += 1
         self.by_status[status] += 1
         self.by_source.setdefault(source, Counter())[status] += 1
         if status not in ("trained", "evaluated"):
-            reason = str(entry.get("reason") or "(none)")
+            reason = row.reason or "(none)"
             self.reasons.setdefault(status, Counter())[reason] += 1
-        step = entry.get("trained_at_step")
-        version = entry.get("min_trained_version", entry.get("min_version"))  # older ledgers
-        if status == "trained" and isinstance(step, int) and isinstance(version, int):
+        step, version = row.trained_at_step, row.trained_version
+        if status == "trained" and step is not None and version is not None:
             self.staleness[age(step, version)] += 1
-        reward = entry.get("reward")
-        if isinstance(reward, (int, float)) and math.isfinite(reward):
-            self.reward_sum[source] = self.reward_sum.get(source, 0.0) + float(reward)
+        if row.reward is not None and math.isfinite(row.reward):
+            self.reward_sum[source] = self.reward_sum.get(source, 0.0) + row.reward
             self.reward_n[source] += 1
-        if isinstance(n := entry.get("num_tokens"), int):
-            self.num_tokens += n
-        if isinstance(n := entry.get("num_interrupts"), int):
-            self.num_interrupts += n
+        self.num_tokens += row.num_tokens
+        self.num_interrupts += row.num_interrupts
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -167,10 +165,10 @@ class RunLog:
         with self._lock:
             self._spans.append(clean)
 
-    def add_ledger(self, entry: Mapping[str, Any]) -> None:
+    def add_ledger(self, row: LedgerRow) -> None:
         with self._lock:
-            self._ledger.add(entry)
-            self._totals.add_ledger(entry)
+            self._ledger.add(row)
+            self._totals.add_ledger(row)
 
     def state(self) -> dict[str, Any]:
         """Latest values per kind, the furthest step, run-wide histograms, ledger counts."""
@@ -213,19 +211,28 @@ class RunLog:
                     for status, n in c.items()}
 
 
-class JsonlTail:
-    """Reads a JSONL file incrementally: each call yields the newly completed lines, read
-    ``CHUNK_BYTES`` at a time (a resumed run reads its whole history at start: memory stays
-    that of a chunk, not of the file)."""
+def _json_object(line: bytes) -> dict[str, Any]:
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a JSON object ({type(obj).__name__})")
+    return obj
+
+
+class JsonlTail(Generic[T]):
+    """Reads a JSONL file incrementally: each call yields the newly completed lines, each
+    parsed by ``parse`` (a JSON object by default; a line it refuses is counted in
+    ``num_bad``), read ``CHUNK_BYTES`` at a time (a resumed run reads its whole history at
+    start: memory stays that of a chunk, not of the file)."""
 
     CHUNK_BYTES = 1 << 20
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, parse: Callable[[bytes], T] = _json_object) -> None:
         self.path = path
+        self.parse = parse
         self._offset = 0
         self.num_bad = 0
 
-    def read_new(self) -> Iterator[dict[str, Any]]:
+    def read_new(self) -> Iterator[T]:
         try:
             f = self.path.open("rb")
         except FileNotFoundError:
@@ -241,18 +248,13 @@ class JsonlTail:
                     yield from self._parse(buf[:end])
                     buf = buf[end:]
 
-    def _parse(self, lines: bytes) -> Iterator[dict[str, Any]]:
+    def _parse(self, lines: bytes) -> Iterator[T]:
         for line in lines.splitlines():
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield self.parse(line)
             except (ValueError, RecursionError):
-                self.num_bad += 1
-                continue
-            if isinstance(obj, dict):
-                yield obj
-            else:
                 self.num_bad += 1
 
 
@@ -263,9 +265,9 @@ def check_run_dir(run_dir: Path) -> Path:
         raise ValueError(f"{run_dir} is not a run directory (no such directory)")
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir} is not a run directory (it is a file)")
-    if not any((run_dir / name).is_file() for name in RUN_FILES):
+    if not any((run_dir / name).is_file() for name in RUN_MARKERS):
         raise ValueError(f"{run_dir} is not a run directory: it holds none of "
-                         f"{', '.join(RUN_FILES)}")
+                         f"{', '.join(RUN_MARKERS)}")
     return run_dir
 
 
@@ -283,22 +285,26 @@ class RunDirReader:
                  span_window: int | None = None) -> None:
         self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
         self.log = RunLog(window, span_window)
-        self._tails = {name: JsonlTail(self.run_dir / f"{name}.jsonl") for name in STREAMS}
+        files = RunFiles(self.run_dir)
+        self._metrics = JsonlTail(files.metrics)
+        self._timeline = JsonlTail(files.timeline)
+        self._ledger = JsonlTail(files.ledger, decode_row)
         self._lock = threading.Lock()  # one reader at a time per tail
 
     def refresh(self, streams: tuple[str, ...] = STREAMS) -> RunLog:
         """Read the new complete lines of `streams` into the log; returns the log."""
         with self._lock:
             if "metrics" in streams:
-                for rec in self._tails["metrics"].read_new():
+                for rec in self._metrics.read_new():
                     self.log.add_record(rec)
             if "timeline" in streams:
-                for span in self._tails["timeline"].read_new():
+                for span in self._timeline.read_new():
                     self.log.add_span(span)
             if "ledger" in streams:
-                for entry in self._tails["ledger"].read_new():
-                    self.log.add_ledger(entry)
-            self.log.num_bad_lines = sum(t.num_bad for t in self._tails.values())
+                for row in self._ledger.read_new():
+                    self.log.add_ledger(row)
+            self.log.num_bad_lines = (self._metrics.num_bad + self._timeline.num_bad
+                                      + self._ledger.num_bad)
         return self.log
 
 
@@ -306,7 +312,7 @@ def read_config_text(run_dir: Path | None) -> str | None:
     """config.yaml as text to show (its secrets redacted, whoever wrote it), or None."""
     from rollstream.config.redact import redacted_text
 
-    path = run_dir / "config.yaml" if run_dir is not None else None
+    path = RunFiles(run_dir).config if run_dir is not None else None
     if path is None or not path.is_file():
         return None
     return redacted_text(path.read_text(encoding="utf-8"))
@@ -314,7 +320,7 @@ def read_config_text(run_dir: Path | None) -> str | None:
 
 def read_summary(run_dir: Path | None) -> dict[str, Any] | None:
     """summary.json (non-finite floats as None), or None when absent or not yet complete."""
-    path = run_dir / "summary.json" if run_dir is not None else None
+    path = RunFiles(run_dir).summary if run_dir is not None else None
     if path is None or not path.is_file():
         return None
     try:

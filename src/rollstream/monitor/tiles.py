@@ -31,6 +31,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollstream.data.ledger_row import LedgerRow
+from rollstream.trajectory import SampleStatus
+
 WINDOW_STEPS = 10  # a live run's tiles cover its last this many steps
 
 
@@ -84,18 +87,16 @@ class RunTotals:
             if t_s is not None and rate is not None:
                 self.recent_rollout.append((t_s, rate))
 
-    def add_ledger(self, entry: Mapping[str, Any]) -> None:
-        if entry.get("status") != "trained":
+    def add_ledger(self, row: LedgerRow) -> None:
+        if row.status is not SampleStatus.TRAINED:
             return
-        step = entry.get("trained_at_step")
-        version = entry.get("min_trained_version", entry.get("min_version"))  # older ledgers
-        tokens = entry.get("num_trained_tokens")
-        if not isinstance(tokens, int):  # older ledgers: the response tokens
-            tokens = entry.get("num_tokens")
-        if not (isinstance(step, int) and isinstance(version, int) and isinstance(tokens, int)):
+        step, version = row.trained_at_step, row.trained_version
+        # older ledgers lack num_trained_tokens: the response tokens
+        tokens = row.num_trained_tokens if row.num_trained_tokens is not None else row.num_tokens
+        if step is None or version is None:
             return
-        version_sum = entry.get("trained_version_sum")
-        if not isinstance(version_sum, int):  # older ledgers: all at the oldest kept version
+        version_sum = row.trained_version_sum
+        if version_sum is None:  # older ledgers: all at the oldest kept version
             version_sum = tokens * version
         self.trained_tokens += tokens
         self.token_age += tokens * step - version_sum

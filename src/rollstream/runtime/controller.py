@@ -17,9 +17,11 @@ rollout reports it cannot feed the trainer (``RolloutStopped``: no engine alive,
 untrainable groups), with that diagnostic as the result's ``stop_reason``, or on
 :meth:`Controller.request_stop` (SIGTERM: while waiting for a batch it stops at once, during a
 trainer step after it). A loop that dies cancels the others and the run stops with its
-traceback (asyncio.TaskGroup). A resumed run starts at ``start_step``; ``before_stop`` runs
-after the last step, while the rollout still holds its in-flight samples (the final durable
-checkpoint). Right after it publishes version ``v`` the controller hands the boundary to
+traceback (asyncio.TaskGroup). A resumed run starts at ``start_step``; ``after_step`` runs
+after each step (a run's evaluations and checkpoints: runtime/steps.py), ``before_stop`` after
+the last one, while the rollout still holds its in-flight samples (the final durable
+checkpoint). The controller is built whole: everything it runs, these included, is given to
+its constructor. Right after it publishes version ``v`` the controller hands the boundary to
 ``reconfigure`` (runtime/reconfigure.py), which applies the changes due at step ``v`` before
 any group is admitted under ``v``.
 """
@@ -28,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -74,31 +77,40 @@ BeforeStop = Callable[["ControllerResult"], Awaitable[None]]
 TrainerTurn = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
 
 
+def trainer_thread() -> ThreadPoolExecutor:
+    """The one thread trainer steps (and, between them, checkpoints) run on."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+
+
 class Controller:
     def __init__(self, *, rollout: Rollout, trainer: TrainerLike, sync: WeightSync,
                  meter: RolloutMeter, metrics: MetricsLike, steps: int, groups_per_step: int,
                  max_wall_s: float | None = None, after_step: AfterStep | None = None,
-                 start_step: int = 0, supervisor: EngineSupervisor | None = None,
-                 clock: Clock | None = None, reconfigure: Boundary | None = None,
-                 trainer_turn: TrainerTurn | None = None) -> None:
+                 before_stop: BeforeStop | None = None, start_step: int = 0,
+                 supervisor: EngineSupervisor | None = None, clock: Clock | None = None,
+                 reconfigure: Boundary | None = None, trainer_turn: TrainerTurn | None = None,
+                 train_pool: Executor | None = None,
+                 training: threading.Event | None = None) -> None:
         """``trainer_turn``: entered around each trainer step (colocated placement: the
-        engines stop for it; runtime/placement.py); None: they run on."""
+        engines stop for it; runtime/placement.py); None: they run on. ``train_pool``: where
+        trainer steps run (:func:`trainer_thread` if None; the simulator's costs virtual
+        time), shut down when :meth:`run` ends. ``training``: set while a trainer step
+        computes (the local engine's pass recorder reads it from its thread: passes that
+        overlap training are binned apart, sim/calibrate.py). ``supervisor``: revives dead
+        engines; None: nothing does (simulated engines never die)."""
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
         self.start_step = start_step
         self.supervisor = supervisor
         self.clock = clock or WallClock()  # times wait_s / train_s (virtual in `sim`)
-        self.after_step = after_step
+        self.after_step, self.before_stop = after_step, before_stop
         self.reconfigure = reconfigure
         self.trainer_turn = trainer_turn or contextlib.nullcontext
-        self.before_stop: BeforeStop | None = None
-        self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self.train_pool = train_pool if train_pool is not None else trainer_thread()
+        self.training = training if training is not None else threading.Event()
         self._stop_reason: str | None = None
         self._waiting: asyncio.Timeout | None = None
-        # a trainer step is computing (the local engine's pass recorder reads it from its
-        # thread: passes that overlap training are binned apart, sim/calibrate.py)
-        self.training = False
 
     def request_stop(self, reason: str) -> None:
         """End the run at the next step boundary (now, if it is waiting for a batch)."""
@@ -158,11 +170,11 @@ class Controller:
             wait_s = self.clock.now() - t0
             async with self.trainer_turn():
                 busy0 = self._engines_busy_s()
-                self.training = True
+                self.training.set()
                 try:
                     out = await self.in_trainer(self.trainer.step, batch, step)
                 finally:
-                    self.training = False
+                    self.training.clear()
             step_s, busy = self.clock.now() - t0 - wait_s, self._engines_busy_s() - busy0
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())

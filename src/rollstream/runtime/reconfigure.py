@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOG_FILE = "reconfig.jsonl"
-
 
 @runtime_checkable
 class Reweighable(Protocol):

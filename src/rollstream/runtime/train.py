@@ -1,4 +1,4 @@
-"""``rollstream train``: run the components ``runtime/build.py`` builds from a config.
+"""``rollstream train``: run the components ``runtime/run.py`` builds from a config.
 
 The embedded runtime: one process, one asyncio loop; engines run their step loops in their own
 threads, the trainer in a dedicated thread, synchronous rewards in worker processes. A run:
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +41,10 @@ from rollstream.config.redact import saved_config
 from rollstream.durable import checkpoint as durable
 from rollstream.durable.resume import SAFE_CHANGES, config_changes
 from rollstream.rollout.rollout import RolloutStopped
-from rollstream.runtime.build import Run, build_run, check_inputs
+from rollstream.runtime.build import check_inputs
 from rollstream.runtime.controller import ControllerResult
-from rollstream.runtime.evaluate import evaluate
+from rollstream.runtime.run import Run, build_run
+from rollstream.runtime.steps import save_model
 
 if TYPE_CHECKING:
     from rollstream.reward.registry import RewardFn
@@ -51,6 +53,9 @@ log = logging.getLogger(__name__)
 
 
 CHECK_PROMPTS = 4  # held-out prompts the final checkpoint's model round trip generates from
+
+
+SIGTERM_STOP = "SIGTERM received: stopped at a step boundary with a checkpoint"
 
 
 class RunStopped(RuntimeError):
@@ -150,130 +155,26 @@ def resume_point(cfg: RunConfig, run_dir: Path) -> durable.Checkpoint | None:
 async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
                rewards: Mapping[str, RewardFn] | None = None, *,
                trainer_restarts: int = 0) -> dict[str, Any]:
-    from rollstream.monitor.progress import Progress
-
     t_start = time.perf_counter()
     run = await build_run(cfg, run_dir, resume=ckpt, rewards=rewards)
-    progress = Progress(cfg.monitor, cfg.train.steps)
-    dashboard = None
-    if cfg.monitor.dashboard:
-        from rollstream.monitor.dashboard import Dashboard
-        from rollstream.runtime.control import EngineControl
-
-        dashboard = Dashboard(run.metrics, run_dir, cfg.monitor, control=EngineControl(
-            run.loop.dispatcher, asyncio.get_running_loop()))
-        log.info(f"dashboard: {dashboard.start()}")
-    saved = ckpt.state if ckpt is not None else {}
-    next_round = saved.get("eval_rounds", 0)  # evaluation rounds (their group ids)
-
-    def new_round() -> int:
-        nonlocal next_round
-        next_round += 1
-        return next_round - 1
-    controller, dispatcher = run.loop.controller, run.loop.dispatcher
-    for e in run.engines:  # the local engine's pass recorder bins passes during training apart
-        if (passes := getattr(e, "passes", None)) is not None:
-            passes.training = lambda: controller.training
-    totals = dict(saved.get("totals", {"train_wall_s": 0.0, "generated_tokens": 0}))
-    result, initial, final = ControllerResult(), {"reward": math.nan}, {"reward": math.nan}
-    last_ckpt = ckpt.step if ckpt is not None else -1
-    t_train, tokens_before = time.perf_counter(), 0
-    work_before: dict[str, dict[str, float]] = {}
-    done_totals: dict[str, Any] | None = None
-    work_done: dict[str, dict[str, float]] = {}
-
-    def so_far() -> dict[str, Any]:
-        return {"train_wall_s": totals["train_wall_s"] + time.perf_counter() - t_train,
-                "generated_tokens": totals["generated_tokens"]
-                + dispatcher.stats.generated_tokens - tokens_before, "initial": initial}
-
-    async def checkpoint(done: int) -> None:
-        nonlocal last_ckpt
-        t0 = time.perf_counter()
-        await run.loop.sync.wait_applied()  # the engines serve version `done`
-        t_hold = time.perf_counter()
-        state = {"config": saved_config(cfg), "version": done,
-                 "eval_rounds": next_round, "totals": so_far(),
-                 "rollout": await run.loop.rollout.snapshot(),
-                 "reconfig": run.loop.reconfigure.state()}
-        held_s = time.perf_counter() - t_hold
-        state["logs"] = run.metrics.sync()  # what a resume finds past these was lost
-        state["config_hash"] = durable.config_hash(state["config"])
-        path = await controller.in_trainer(
-            lambda: durable.write(run_dir, done, state, save_model=lambda d: save_model(run, d),
-                                  save_trainer=run.trainer.save_training_state,
-                                  keep=cfg.train.keep_checkpoints))
-        last_ckpt = done
-        run.metrics.record("phase", done, {"checkpoint_step": float(done),
-                                           "checkpoint_hold_s": held_s,
-                                           "checkpoint_s": time.perf_counter() - t0})
-        log.info(f"checkpoint: {path} (generation held {held_s * 1e3:.0f} ms)")
-
-    async def after_step(step: int, values: dict[str, float]) -> None:
-        progress.update(step, values)
-        done = step + 1
-        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
-            await _eval(run, new_round(), done)
-        if cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0:
-            await checkpoint(done)
-
-    async def before_stop(res: ControllerResult) -> None:
-        # a stalled run (no engine alive) checkpoints its stranded partial samples too
-        if res.stalled or res.steps_done != last_ckpt:
-            await checkpoint(res.steps_done)
-
-    controller.after_step = after_step
-    controller.before_stop = before_stop
-    loop = asyncio.get_running_loop()
-    stop_msg = "SIGTERM received: stopped at a step boundary with a checkpoint"
-    with _on_sigterm(loop, lambda: controller.request_stop(stop_msg)), \
-            _closed_on_error(run):
-        try:
-            if ckpt is not None:
-                initial = saved["totals"]["initial"]
-            else:
-                initial = await _eval(run, new_round(), 0)
-                if not run.eval_tasks:
-                    log.warning("no held-out task: the held-out reward is not measured")
-                else:
-                    log.info(f"held-out reward at start: {initial['reward']:.3f}")
-            t_train = time.perf_counter()
-            tokens_before = dispatcher.stats.generated_tokens  # the initial evaluation's
-            work_before = engine_work(run)
-            result = await controller.run()
-            done_totals, work_done = so_far(), engine_work(run)
-            if result.stop_reason is not None:
-                log.info(f"run stopped early: {result.stop_reason}")
-            if not result.stalled and result.stop_reason != stop_msg:
-                final = await _eval(run, new_round(), result.steps_done)
-        except RolloutStopped as e:  # no engine alive during an evaluation
-            result.stop_reason, result.stalled = str(e), True
-        finally:
-            if done_totals is None:
-                done_totals, work_done = so_far(), engine_work(run)
-            progress.close()
-            await run.close()
-            if dashboard is not None:
-                dashboard.stop()
+    on_sigterm = functools.partial(run.controller.request_stop, SIGTERM_STOP)
+    with _on_sigterm(asyncio.get_running_loop(), on_sigterm), _closed_on_error(run):
+        result, final = await _train(run)
     try:
         t_save = time.perf_counter()
-        final_dir = save_checkpoint(run, run_dir / "checkpoint")
+        final_dir = save_checkpoint(run, run.files.final_checkpoint)
         save_s = time.perf_counter() - t_save
     finally:
         run.stop()  # the trainer (the fsdp backend's ranks), then the run's Ray
     checked = check_final(run, final_dir)
-    summary = _summary(run, result, initial, final, final_dir, time.perf_counter() - t_start,
-                       done_totals["train_wall_s"], done_totals["generated_tokens"],
-                       engines={k: {n: v - work_before.get(k, {}).get(n, 0.0)
-                                    for n, v in w.items()}
-                                for k, w in work_done.items()})
+    summary = _summary(run, result, final, final_dir, time.perf_counter() - t_start)
     summary["trainer_restarts"] = trainer_restarts  # in this command (train.fsdp.max_restarts)
     summary["checkpoint_save_s"] = save_s
     summary["checkpoint_check"] = checked
     run.ledger.close()
     run.metrics.close()
-    write_passes(run, run_dir / "engine_passes.jsonl")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_passes(run, run.files.engine_passes)
+    run.files.summary.write_text(json.dumps(summary, indent=2))
     log.info(
         f"held-out reward {summary['reward_initial']:.3f} -> {summary['reward_final']:.3f} in "
         f"{summary['wall_s']:.0f} s ({summary['trained_samples']} trained samples); run dir: "
@@ -288,14 +189,57 @@ async def _run(cfg: RunConfig, run_dir: Path, ckpt: durable.Checkpoint | None,
     return summary
 
 
-async def _eval(run: Run, round_index: int, step: int) -> dict[str, float]:
-    t0 = time.perf_counter()
-    res = await evaluate(run.loop.dispatcher, run.eval_tasks, params=run.eval_params,
-                         samples_per_task=run.cfg.eval.samples_per_task, round_index=round_index)
-    if run.eval_tasks:
-        run.metrics.record("eval", step, res)
-        run.metrics.record("phase", step, {"eval_s": time.perf_counter() - t0})
-    return res
+async def _train(run: Run) -> tuple[ControllerResult, dict[str, float]]:
+    """Evaluate, train, evaluate again: the controller's result and the final held-out
+    reward (NaN where the run stalled or was stopped by SIGTERM, which skip that evaluation).
+    The engines, graders and harnesses are closed whatever happens."""
+    result, final = ControllerResult(), {"reward": math.nan}
+    async with _dashboard(run):
+        try:
+            run.totals.start(await _initial_eval(run))
+            result = await run.controller.run()
+            run.totals.stop()
+            if result.stop_reason is not None:
+                log.info(f"run stopped early: {result.stop_reason}")
+            if not result.stalled and result.stop_reason != SIGTERM_STOP:
+                final = await run.evaluations(result.steps_done)
+        except RolloutStopped as e:  # no engine alive during an evaluation
+            result.stop_reason, result.stalled = str(e), True
+        finally:
+            run.totals.stop()
+            run.progress.close()
+            await run.close()
+    return result, final
+
+
+async def _initial_eval(run: Run) -> dict[str, float]:
+    """The held-out reward before training (a resumed run's checkpoint holds it)."""
+    if run.resumed is not None:
+        return run.totals.initial
+    initial = await run.evaluations(0)
+    if not run.evaluations.tasks:
+        log.warning("no held-out task: the held-out reward is not measured")
+    else:
+        log.info(f"held-out reward at start: {initial['reward']:.3f}")
+    return initial
+
+
+@contextlib.asynccontextmanager
+async def _dashboard(run: Run) -> AsyncIterator[None]:
+    """The live dashboard (``monitor.dashboard``) serves while the block runs."""
+    if not run.cfg.monitor.dashboard:
+        yield
+        return
+    from rollstream.monitor.dashboard import Dashboard
+    from rollstream.runtime.control import EngineControl
+
+    dashboard = Dashboard(run.metrics, run.files.root, run.cfg.monitor, control=EngineControl(
+        run.loop.dispatcher, asyncio.get_running_loop()))
+    log.info(f"dashboard: {dashboard.start()}")
+    try:
+        yield
+    finally:
+        dashboard.stop()
 
 
 @contextlib.contextmanager
@@ -328,28 +272,16 @@ def _on_sigterm(loop: asyncio.AbstractEventLoop, handler: Any) -> Any:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def save_model(run: Run, folder: Path) -> Path:
-    """The trainer's HF folder, its ``generation_config.json`` stopping at the chat's
-    end-of-turn token as well, and its tokenizer checked: ``AutoTokenizer`` reads it as the
-    run's (every save; ``models/folder_check.py``)."""
-    from rollstream.models.folder_check import check_tokenizer, write_stop_tokens
-
-    run.trainer.save_checkpoint(folder)
-    write_stop_tokens(folder, run.tokenizer)
-    check_tokenizer(folder, run.tokenizer)
-    return folder
-
-
 def save_checkpoint(run: Run, final: Path) -> Path:
-    """:func:`save_model` at ``final``, written atomically: into a temporary folder beside it,
-    then renamed into place (an older one is replaced only after the new one is complete), so
-    a crash never leaves half a checkpoint under the final name. A folder that fails its
-    check stays in the temporary folder the error names."""
+    """:func:`~rollstream.runtime.steps.save_model` at ``final``, written atomically: into a
+    temporary folder beside it, then renamed into place (an older one is replaced only after
+    the new one is complete), so a crash never leaves half a checkpoint under the final name.
+    A folder that fails its check stays in the temporary folder the error names."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(run, tmp)
+    save_model(run.trainer, run.tokenizer, tmp)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
@@ -364,7 +296,7 @@ def check_final(run: Run, folder: Path) -> dict[str, Any]:
     from rollstream.models.folder_check import check_model, probe_prompts
 
     t0 = time.perf_counter()
-    prompts = ([list(t.prompt_ids) for t in run.eval_tasks[:CHECK_PROMPTS]]
+    prompts = ([list(t.prompt_ids) for t in run.evaluations.tasks[:CHECK_PROMPTS]]
                or probe_prompts(run.tokenizer))
     ties = check_model(folder, prompts, threads=run.cfg.engine.local.threads)
     for tie in ties:
@@ -373,11 +305,6 @@ def check_final(run: Run, folder: Path) -> dict[str, Any]:
              f"trained ({len(prompts)} prompts, {len(ties)} near ties)")
     return {"num_prompts": len(prompts), "ties": [str(t) for t in ties],
             "check_s": time.perf_counter() - t0}
-
-
-def engine_work(run: Run) -> dict[str, dict[str, float]]:
-    """Each engine's busy seconds and where they went (``EngineStats.work``), totals so far."""
-    return {e.engine_id: {"busy_s": (st := e.stats()).busy_s, **st.work} for e in run.engines}
 
 
 def write_passes(run: Run, path: Path) -> None:
@@ -393,10 +320,12 @@ def write_passes(run: Run, path: Path) -> None:
             fh.writelines(json.dumps(line) + "\n" for line in lines)
 
 
-def _summary(run: Run, result: ControllerResult, initial: dict[str, float],
-             final: dict[str, float], ckpt: Path, wall_s: float, train_wall_s: float,
-             train_tokens: int, engines: dict[str, dict[str, float]]) -> dict[str, Any]:
+def _summary(run: Run, result: ControllerResult, final: dict[str, float], ckpt: Path,
+             wall_s: float) -> dict[str, Any]:
     unfinished = run.ledger.unfinished()
+    initial, done = run.totals.initial, run.totals.done
+    assert done is not None  # _train stopped the totals
+    train_wall_s, train_tokens = done["train_wall_s"], done["generated_tokens"]
     return {
         "name": run.cfg.name,
         "mode": run.cfg.rollout.mode,
@@ -413,7 +342,7 @@ def _summary(run: Run, result: ControllerResult, initial: dict[str, float],
         "generated_tokens": train_tokens,
         "gen_tok_s": train_tokens / max(train_wall_s, 1e-9),
         "interrupts": run.loop.dispatcher.stats.num_interrupts,
-        "engines": engines,
+        "engines": run.totals.work,
         "ledger": dict(run.ledger.counts),
         "unfinished_samples": [s.uid for s in unfinished],
         "stop_reason": result.stop_reason,

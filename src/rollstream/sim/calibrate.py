@@ -40,8 +40,11 @@ import yaml
 from rollstream.config.loader import read_yaml_mapping
 from rollstream.config.staleness import StalenessConfig
 from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger_row import PolicyTurn
+from rollstream.run_files import RunFiles
 from rollstream.sim.profile import Contention, DecodeCost, PrefillCost, Profile, TrainerCost
 from rollstream.sim.scenario import ModeConfig, Scenario
+from rollstream.trajectory import SampleStatus
 
 
 def fit_nonneg(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
@@ -140,16 +143,17 @@ class RunRecord:
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
-        self.config = read_yaml_mapping(self.run_dir / "config.yaml", "run config")
-        path = self.run_dir / "engine_passes.jsonl"
+        files = RunFiles(self.run_dir)
+        self.config = read_yaml_mapping(files.config, "run config")
+        path = files.engine_passes
         if not path.exists():
             raise ValueError(f"calibration: {path} is missing (a run of the local engine "
                              "writes it when it ends)")
         self.passes = [json.loads(line) for line in path.read_text().splitlines() if line]
         self.metrics = [json.loads(line) for line in
-                        (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-        self.ledger = list(read_ledger(self.run_dir / "ledger.jsonl"))
-        self.summary = json.loads((self.run_dir / "summary.json").read_text())
+                        files.metrics.read_text().splitlines() if line]
+        self.ledger = list(read_ledger(files.ledger))
+        self.summary = json.loads(files.summary.read_text())
 
     def train_steps(self) -> list[dict[str, Any]]:
         return sorted((m for m in self.metrics if m["kind"] == "train"), key=lambda m: m["step"])
@@ -158,8 +162,8 @@ class RunRecord:
         """Prompt + kept response tokens of the samples each step trained (SimTrainer's)."""
         out: dict[int, int] = defaultdict(int)
         for r in self.ledger:
-            if r["status"] == "trained" and r.get("num_trained_tokens"):
-                out[r["trained_at_step"]] += r["prompt_tokens"] + r["num_trained_tokens"]
+            if r.status is SampleStatus.TRAINED and r.num_trained_tokens:
+                out[r.trained_at_step] += (r.prompt_tokens or 0) + r.num_trained_tokens
         return out
 
 
@@ -217,20 +221,20 @@ def turn_costs(record: RunRecord) -> dict[str, float] | None:
     model_s = tool_s = harness_s = episode_s = 0.0
     turns = 0
     for r in record.ledger:
-        ts = r.get("turns") or []
+        ts = r.turns
         if not ts:
             continue
         for t, nxt in zip(ts, [*ts[1:], None], strict=True):
-            if t["kind"] == "policy":
+            if isinstance(t, PolicyTurn):
                 turns += 1
-                model_s += t["duration_s"]
+                model_s += t.duration_s
             else:
-                tool_s += t["tool_s"]
-                harness_s += t["duration_s"] - t["tool_s"]
+                tool_s += t.tool_s
+                harness_s += t.duration_s - t.tool_s
             if nxt is not None:
-                harness_s += nxt["started_s"] - t["started_s"] - t["duration_s"]
-        harness_s += ts[0]["started_s"]  # the environment's reset, rendering the prompt
-        episode_s += ts[-1]["started_s"] + ts[-1]["duration_s"]
+                harness_s += nxt.started_s - t.started_s - t.duration_s
+        harness_s += ts[0].started_s  # the environment's reset, rendering the prompt
+        episode_s += ts[-1].started_s + ts[-1].duration_s
     if not turns:
         return None
     return {"model_turns": turns, "model_s_per_turn": model_s / turns,

@@ -37,6 +37,8 @@ from rollstream.agent.chat import ChatRenderer
 from rollstream.agent.harness import AGENT, AgentHarness
 from rollstream.agent.loop import Budgets
 from rollstream.data.ledger import read_ledger
+from rollstream.data.ledger_row import LedgerRow, PolicyTurn
+from rollstream.run_files import RunFiles
 from rollstream.rollout.dispatcher import sample_seed
 from rollstream.sim.agentic import (
     ARG_BASE,
@@ -80,25 +82,25 @@ def read_groups(run_dir: Path, group_size: int) -> list[ReplayGroup]:
     """The training groups of ``run_dir/ledger.jsonl`` in admission order (ValueError when it
     has none, or a group's size is not ``group_size``). In an agent run (a sample with model
     turns) every sample holds its episode's turns."""
-    by_k: dict[int, dict[int, dict]] = {}
-    for row in read_ledger(Path(run_dir) / "ledger.jsonl"):
-        m = _TRAIN_UID.match(row["sample_uid"])
+    by_k: dict[int, dict[int, LedgerRow]] = {}
+    for row in read_ledger(RunFiles(run_dir).ledger):
+        m = _TRAIN_UID.match(row.sample_uid)
         if m is not None:
             by_k.setdefault(int(m["k"]), {})[int(m["i"])] = row
-    agent = any(r.get("num_turns") for rows in by_k.values() for r in rows.values())
+    agent = any(r.num_turns for rows in by_k.values() for r in rows.values())
     groups = []
     for k in sorted(by_k):
         rows = by_k[k]
         if sorted(rows) != list(range(group_size)):
             raise ValueError(f"replay {run_dir}: group #g{k} has samples {sorted(rows)}, "
                              f"not 0..{group_size - 1} (group_size must be the run's)")
-        if rows[0].get("prompt_tokens") is None:
+        if rows[0].prompt_tokens is None:
             raise ValueError(f"replay {run_dir}: the ledger has no prompt_tokens (recorded "
                              "since the simulator's calibration; rerun the training run)")
         groups.append(ReplayGroup(
-            prompt_tokens=rows[0]["prompt_tokens"],
-            samples=tuple(ReplaySample(response_tokens=max(1, r["num_tokens"]),
-                                       correct=(r["reward"] or 0.0) > 0.5,
+            prompt_tokens=rows[0].prompt_tokens,
+            samples=tuple(ReplaySample(response_tokens=max(1, r.num_tokens),
+                                       correct=(r.reward or 0.0) > 0.5,
                                        turns=episode_turns(r, run_dir) if agent else ())
                           for _, r in sorted(rows.items()))))
     if not groups:
@@ -106,41 +108,34 @@ def read_groups(run_dir: Path, group_size: int) -> list[ReplayGroup]:
     return groups
 
 
-def episode_turns(row: dict, run_dir: Path) -> tuple[ReplayTurn, ...]:
+def episode_turns(row: LedgerRow, run_dir: Path) -> tuple[ReplayTurn, ...]:
     """An agent episode's model turns from its ledger line (ValueError naming the field when
-    the line lacks them or they contradict ``num_turns``). A sample that never had a turn (it
-    failed first, or a single-turn sample of another source) replays as one model turn of its
-    tokens."""
-    uid = row["sample_uid"]
-    turns = row.get("turns")
-    if turns is None:
+    the line lacks them or they contradict ``num_turns``; the row's types were checked when it
+    was read). A sample that never had a turn (it failed first, or a single-turn sample of
+    another source) replays as one model turn of its tokens."""
+    uid = row.sample_uid
+    if row.num_turns and not row.turns:
         raise ValueError(f"replay {run_dir}: ledger line of {uid} has no 'turns' (an agent "
                          "run's lines list each episode's turns since the simulator replays "
                          "them; rerun the training run)")
     out: list[ReplayTurn] = []
-    for j, t in enumerate(turns):
+    for j, t in enumerate(row.turns):
         where = f"replay {run_dir}: ledger line of {uid}, turns[{j}]"
-        missing = [k for k in ("kind", "num_tokens", *(("tool_s",) if t.get("kind") == "env"
-                                                      else ())) if k not in t]
-        if missing:
-            raise ValueError(f"{where} has no {missing}")
-        if t["kind"] == "policy":
+        if isinstance(t, PolicyTurn):
             if out and out[-1].env_tokens is None:
                 raise ValueError(f"{where}: two model turns in a row (the 'turns' must "
                                  "alternate model and environment)")
-            out.append(ReplayTurn(model_tokens=t["num_tokens"], env_tokens=None, tool_s=0.0))
-        elif t["kind"] == "env":
+            out.append(ReplayTurn(model_tokens=t.num_tokens, env_tokens=None, tool_s=0.0))
+        else:
             if not out or out[-1].env_tokens is not None:
                 raise ValueError(f"{where}: an environment turn that follows no model turn")
-            out[-1] = ReplayTurn(model_tokens=out[-1].model_tokens, env_tokens=t["num_tokens"],
-                                 tool_s=float(t["tool_s"]))
-        else:
-            raise ValueError(f"{where}: kind {t['kind']!r} is neither 'policy' nor 'env'")
-    if len(out) != (row.get("num_turns") or 0):
+            out[-1] = ReplayTurn(model_tokens=out[-1].model_tokens, env_tokens=t.num_tokens,
+                                 tool_s=t.tool_s)
+    if len(out) != row.num_turns:
         raise ValueError(f"replay {run_dir}: ledger line of {uid}: 'turns' holds {len(out)} "
-                         f"model turns, 'num_turns' says {row.get('num_turns')}")
+                         f"model turns, 'num_turns' says {row.num_turns}")
     if not out:
-        out.append(ReplayTurn(model_tokens=max(1, row["num_tokens"]), env_tokens=None,
+        out.append(ReplayTurn(model_tokens=max(1, row.num_tokens), env_tokens=None,
                               tool_s=0.0))
     return tuple(out)
 

@@ -4,13 +4,14 @@ engines, a simulated trainer and virtual time, and what it measured.
 The components are the run's own: ``build_loop`` wires the real Dispatcher, Rollout (its
 admission, StalenessPolicy, buffer, Lifecycle, Ledger), WeightSync and Controller around the
 simulated engines and trainer, a GraderPool with an async reward that reads the simulated
-answer, and a :class:`~rollstream.sim.vloop.LoopClock`. Two seams are set on the built
-controller, both at a process edge:
+answer, and a :class:`~rollstream.sim.vloop.LoopClock`. Two seams differ from a run, both
+at a process edge and both given when the loop and its controller are built:
 
-* ``controller.train_pool`` is a :class:`VirtualExecutor`: trainer steps cost virtual time
-  (a thread would let wall time leak into the virtual clock);
-* ``controller.supervisor`` is None: simulated engines never die, so it has nothing to do,
-  and its 0.2 s poll over every engine would be most of the simulation's cost at 512 engines.
+* the controller's ``train_pool`` is a :class:`VirtualExecutor`: trainer steps cost virtual
+  time (a thread would let wall time leak into the virtual clock);
+* no engine supervisor (``supervise=False``): simulated engines never die, so it has nothing
+  to do, and its 0.2 s poll over every engine would be most of the simulation's cost at 512
+  engines.
 
 Measured (per mode): mean step time (simulated seconds to the last step ÷ steps), engine
 utilization (busy prefill + decode time ÷ engines × that time), the tail share (per step, over
@@ -41,10 +42,13 @@ from rollstream.agent.harness import AGENT
 from rollstream.config import RewardConfig
 from rollstream.config.loader import read_yaml_mapping
 from rollstream.data.ledger import Ledger, read_ledger
+from rollstream.data.ledger_row import LedgerRow
 from rollstream.engine.protocol import SamplingParams
 from rollstream.reward.pool import GraderPool
 from rollstream.reward.registry import Reward
-from rollstream.runtime.build import Loop, build_loop
+from rollstream.run_files import RunFiles
+from rollstream.runtime.build import Loop, build_controller, build_loop
+from rollstream.runtime.controller import Controller
 from rollstream.sim.agentic import END, AgentWorkload
 from rollstream.sim.engine import SimEngine
 from rollstream.sim.profile import Profile
@@ -53,6 +57,7 @@ from rollstream.sim.scenario import ModeConfig, Scenario, run_config
 from rollstream.sim.trainer import SimTrainer
 from rollstream.sim.vloop import LoopClock, VirtualExecutor, run_virtual
 from rollstream.sim.workload import CORRECT, WRONG, TaskStream, Workload, sim_reward
+from rollstream.trajectory import SampleStatus
 from rollstream.staleness import age
 
 SIM_REWARD = Reward.of(sim_reward, "sim")
@@ -90,15 +95,15 @@ def simulate_mode(sc: Scenario, mode: ModeConfig, profile: Profile) -> dict[str,
     """Run one mode on a fresh virtual-time loop; its measurements (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-sim-") as tmp:
         t0, c0 = time.perf_counter(), time.process_time()
-        out = run_virtual(_simulate(sc, mode, profile, Path(tmp) / "ledger.jsonl"))
+        out = run_virtual(_simulate(sc, mode, profile, RunFiles(tmp).ledger))
         out["wall_s"] = time.perf_counter() - t0
         out["cpu_s"] = time.process_time() - c0  # this process's CPU: less noisy when shared
         return out
 
 
 async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
-                    ledger_path: Path | None) -> tuple[Loop, list[SimEngine], SimTrainer,
-                                                       SimMetrics, Spans, Ledger]:
+                    ledger_path: Path | None) -> tuple[Loop, Controller, list[SimEngine],
+                                                       SimTrainer, SimMetrics, Spans, Ledger]:
     """The real loop around simulated engines and trainer (call inside the virtual loop)."""
     cfg = run_config(sc, mode)
     workload = make_workload(sc)
@@ -116,10 +121,10 @@ async def build_sim(sc: Scenario, mode: ModeConfig, profile: Profile,
     loop = build_loop(cfg, engines=list(engines), trainer=trainer, tasks=TaskStream(workload),
                       graders=graders, decode=lambda ids: "", ledger=ledger, metrics=metrics,
                       clock=clock, params=params, span=spans, staleness=staleness,
-                      harnesses={AGENT: workload.harness()} if agentic else None)
-    loop.controller.train_pool = _train_pool(trainer, engines, profile)
-    loop.controller.supervisor = None
-    return loop, engines, trainer, metrics, spans, ledger
+                      harnesses={AGENT: workload.harness()} if agentic else None,
+                      supervise=False)
+    controller = build_controller(cfg, loop, train_pool=_train_pool(trainer, engines, profile))
+    return loop, controller, engines, trainer, metrics, spans, ledger
 
 
 def _train_pool(trainer: SimTrainer, engines: list[SimEngine],
@@ -162,7 +167,7 @@ def make_workload(sc: Scenario) -> Workload | ReplayWorkload:
         kind = Workload if sc.workload.agent is None else AgentWorkload
         return kind(sc.workload, seed=sc.seed, token_block=sc.token_block)
     run_dir = Path(sc.replay)
-    recorded = read_yaml_mapping(run_dir / "config.yaml", "run config")
+    recorded = read_yaml_mapping(RunFiles(run_dir).config, "run config")
 
     def setting(path: str) -> Any:
         value: Any = recorded
@@ -184,21 +189,20 @@ def make_workload(sc: Scenario) -> Workload | ReplayWorkload:
 
 async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
                     ledger_path: Path) -> dict[str, Any]:
-    loop, engines, trainer, metrics, spans, ledger = await build_sim(sc, mode, profile,
-                                                                     ledger_path)
-    result = await loop.controller.run()
+    loop, controller, engines, trainer, metrics, spans, ledger = await build_sim(
+        sc, mode, profile, ledger_path)
+    result = await controller.run()
     ledger.close()
-    rows = [r for r in read_ledger(ledger_path) if not r["sample_uid"].endswith("#row")]
+    rows = [r for r in read_ledger(ledger_path) if not r.is_dataset_row]
+    trained = [r for r in rows if r.status is SampleStatus.TRAINED]
     steps = [(step, t) for kind, step, t, _ in metrics.records if kind == "train"]
     sim_s = steps[-1][1] if steps else metrics.clock.now()
     block = sc.token_block
-    staleness = Counter(age(r["trained_at_step"], r["min_trained_version"])
-                        for r in rows if r["status"] == "trained")
+    staleness = Counter(age(r.trained_at_step, r.min_trained_version) for r in trained)
     busy = sum(e.busy_s for e in engines)
     by_step: dict[int, list[int]] = {}
-    for r in rows:
-        if r["status"] == "trained":
-            by_step.setdefault(r["trained_at_step"], []).append(r["num_tokens"] * block)
+    for r in trained:
+        by_step.setdefault(r.trained_at_step, []).append(r.num_tokens * block)
     out: dict[str, Any] = {
         "mode": mode.model_dump(),
         "steps_done": result.steps_done,
@@ -215,7 +219,7 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
         "gen_tokens_per_trained_token": (loop.dispatcher.stats.generated_tokens * block
                                          / trainer.trained_tokens if trainer.trained_tokens
                                          else None),
-        "statuses": dict(Counter(r["status"] for r in rows)),
+        "statuses": dict(Counter(r.status.value for r in rows)),
         "interrupts": loop.dispatcher.stats.num_interrupts,
         "preemptions": sum(e.num_preemptions for e in engines),
         "response_tokens_by_step": {str(k): sum(v) / len(v) for k, v in sorted(by_step.items())},
@@ -223,13 +227,12 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
     workload = engines[0].workload
     if isinstance(workload, AgentWorkload | AgentReplayWorkload):
         tool = workload.tool
-        trained = [r for r in rows if r["status"] == "trained"]
-        turns = [r["num_turns"] for r in trained]
+        turns = [r.num_turns for r in trained]
         per_turn: dict[int, list[int]] = {}  # step -> [model tokens, model turns]
         for r in trained:
-            acc = per_turn.setdefault(r["trained_at_step"], [0, 0])
-            acc[0] += r["num_trained_tokens"] * block  # the policy's tokens: no tool output
-            acc[1] += r["num_turns"]
+            acc = per_turn.setdefault(r.trained_at_step, [0, 0])
+            acc[0] += r.num_trained_tokens * block  # the policy's tokens: no tool output
+            acc[1] += r.num_turns
         episode_s = sum(spans.last[u] - spans.first[u] for u in spans.last)
         out.update(turns_mean=sum(turns) / len(turns) if turns else None,
                    turn_tokens_by_step={str(k): t / n for k, (t, n) in sorted(per_turn.items())
@@ -240,13 +243,13 @@ async def _simulate(sc: Scenario, mode: ModeConfig, profile: Profile,
     return out
 
 
-def _tail_share(rows: list[dict[str, Any]], spans: Spans) -> float | None:
+def _tail_share(rows: list[LedgerRow], spans: Spans) -> float | None:
     """Mean over steps of (last finish − 90th-percentile finish) ÷ (last finish − first
     dispatch), over the samples each step's batch held."""
     by_step: dict[int, list[str]] = {}
     for r in rows:
-        if r["taken_at_step"] is not None and r["sample_uid"] in spans.last:
-            by_step.setdefault(r["taken_at_step"], []).append(r["sample_uid"])
+        if r.taken_at_step is not None and r.sample_uid in spans.last:
+            by_step.setdefault(r.taken_at_step, []).append(r.sample_uid)
     shares = []
     for uids in by_step.values():
         ends = sorted(spans.last[u] for u in uids)

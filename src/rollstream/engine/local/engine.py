@@ -48,7 +48,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -93,7 +93,10 @@ class LocalEngine:
         engine_id: str = "local-0",
         version: int = 0,
         seed: int = 0,
+        training: Callable[[], bool] | None = None,
     ) -> None:
+        """``training``: whether a trainer step computes now, read once per pass
+        (:class:`PassTimes`); None: never."""
         self.engine_id = engine_id
         self.model_path = Path(model_path)
         if not self.model_path.is_dir():
@@ -116,7 +119,8 @@ class LocalEngine:
         self._generated_tokens = 0
         self._busy_s = 0.0
         self._work = dict.fromkeys(WORK_KEYS, 0.0)  # where _busy_s went (EngineStats.work)
-        self.passes = PassTimes()  # pass times by shape, for fitting the simulator's profile
+        # pass times by shape, for fitting the simulator's profile
+        self.passes = PassTimes(training=training)
         self._death: str | None = None  # why it stopped serving (closed, or died)
         self._applying: Command | None = None  # answered by _die if applying it raises
         self._rows_moving = False  # scheduler and runner rows disagree meanwhile

@@ -2,7 +2,7 @@
 from (``rollstream.sim.calibrate``, docs/simulator.md "Calibration").
 
 Each pass adds to the bin of its (kind, rows, tokens // TOKEN_BIN, whether a trainer step was
-computing meanwhile: ``training``, a callable the run sets, read once per pass): a count, the
+computing meanwhile: ``training``, a callable the run gives, read once per pass): a count, the
 seconds and
 the tokens summed. A bin's sums are all a linear least-squares fit needs (its mean tokens are
 exact, whatever the bin's width), and the number of bins stays bounded however long the run
@@ -28,11 +28,12 @@ def _never() -> bool:
 
 
 class PassTimes:
-    def __init__(self) -> None:
+    def __init__(self, *, training: Callable[[], bool] | None = None) -> None:
+        """``training``: whether the trainer computes now (the controller's ``training``
+        flag); a pass that ends while it does is binned as one that shared the CPU with it.
+        None: never."""
         self.bins: dict[tuple[str, int, int, bool], list[float]] = {}
-        # whether the trainer computes now (the run sets it: Controller.training); a pass
-        # that ends while it does is binned as one that shared the CPU with it
-        self.training: Callable[[], bool] = _never
+        self.training: Callable[[], bool] = training if training is not None else _never
 
     def add(self, kind: str, rows: int, tokens: int, seconds: float,
             training: bool | None = None) -> None:

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from rollstream.runtime.ray.units import ScaleUnits
 
 log = logging.getLogger(__name__)
-LOG_DIR = "ray-logs"
 
 
 def require_ray() -> None:

@@ -39,6 +39,7 @@ from rollstream.engine.vllm.server import (
     remove_orphaned_segments,
     stop_group,
 )
+from rollstream.run_files import RunFiles
 
 if TYPE_CHECKING:
     from rollstream.config.schema import EngineConfig, RunConfig
@@ -219,4 +220,4 @@ def build_run_engines(cfg: RunConfig, model_path: Path, *, version: int, units: 
     the run directory's ``vllm-logs``."""
     return build_ray_vllm_engines(cfg.engine, model_path, version=version,
                                   num_cpus=cfg.runtime.ray.engine_num_cpus, units=units,
-                                  log_dir=run_dir / "vllm-logs")
+                                  log_dir=RunFiles(run_dir).vllm_logs)
