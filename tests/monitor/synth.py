@@ -118,6 +118,7 @@ def synth_run(run_dir: Path, *, num_steps: int = 40, engines: int = 2, slots: in
         progress = step / num_steps
         reward = float(rng.random() < 0.25 + 0.5 * progress)
         trained = status == "trained"
+        kept = s["length"] - (s["length"] // 7)  # tokens the loss kept, when trained
         entry = {"sample_uid": s["uid"], "task_uid": f"t{int(s['uid'][1:]) // 8:04d}",
                  "source": s["source"], "status": status, "reason": reason,
                  "reward": None if status == "failed" else reward, "num_tokens": s["length"],
@@ -125,7 +126,12 @@ def synth_run(run_dir: Path, *, num_steps: int = 40, engines: int = 2, slots: in
                  "num_interrupts": s["interrupts"],
                  "trained_at_step": step if trained else None,
                  "min_trained_version": s["v_min"] if trained else None,
-                 "num_trained_tokens": s["length"] - (s["length"] // 7) if trained else None}
+                 "num_trained_tokens": kept if trained else None,
+                 # an interrupted sample's later half was sampled by the newest weights
+                 "trained_version_sum": (kept * s["v_min"]
+                                         + kept // 2 * max(step - 1 - s["v_min"], 0)
+                                         if s["interrupts"] else kept * s["v_min"])
+                 if trained else None}
         events.append(Event(t=s["t_end"] + 0.01, order=1, call="ledger", args=entry))
         per_step.setdefault(step, []).append(entry)
     for step in range(1, num_steps + 1):

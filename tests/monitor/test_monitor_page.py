@@ -54,6 +54,11 @@ def assert_summary_shown(seen: dict[str, Any], summary: dict[str, Any]) -> None:
             f"its card: {row}"
 
 
+def token_ages(entry: dict[str, Any]) -> int:
+    """Σ over a trained sample's kept tokens of their age (each at its own version)."""
+    return entry["num_trained_tokens"] * entry["trained_at_step"] - entry["trained_version_sum"]
+
+
 def expected_run_tiles(run_dir: Path) -> dict[str, float | None]:
     """A finished run's tiles, from its files."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -63,9 +68,7 @@ def expected_run_tiles(run_dir: Path) -> dict[str, float | None]:
     tokens = sum(e["num_trained_tokens"] for e in trained)
     return {
         "tokens/s": summary["generated_tokens"] / summary["train_wall_s"],
-        "staleness": sum(e["num_trained_tokens"] * (e["trained_at_step"]
-                                                    - e["min_trained_version"])
-                         for e in trained) / tokens,
+        "staleness": sum(map(token_ages, trained)) / tokens,
         "gen/trained tokens": (sum(m["gen_tokens"] for m in train)
                                / sum(m["trained_tokens"] for m in train)),
         "mixture error pp": sum(mix) / len(mix) if mix else None,
@@ -84,9 +87,8 @@ def expected_live_tiles(run_dir: Path) -> dict[str, float | None]:
     made = sum(b["gen_tok_s"] * (b["t_s"] - a["t_s"]) for a, b in zip(roll, roll[1:]))
     return {
         "tokens/s": made / (roll[-1]["t_s"] - roll[0]["t_s"]),
-        "staleness": sum(e["num_trained_tokens"] * (e["trained_at_step"]
-                                                    - e["min_trained_version"])
-                         for e in trained) / sum(e["num_trained_tokens"] for e in trained),
+        "staleness": (sum(map(token_ages, trained))
+                      / sum(e["num_trained_tokens"] for e in trained)),
         "gen/trained tokens": (sum(m["gen_tokens"] for m in train)
                                / sum(m["trained_tokens"] for m in train)),
         "mixture error pp": sum(m["mixture_error_pp"] for m in train) / len(train),
