@@ -185,8 +185,11 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
 def _agent_run(root: Path, cache: Path, steps: int, harness: str | None = None) -> Path:
     """A tally run (the built-in loop, or ``harness``) whose warm start every agent test here
     shares (a source's harness is not part of the warm start's key)."""
+    # one engine slot: generation, not training, sets the pace, so the staleness buffer never
+    # fills and a step's checkpoint finds episodes between turns (with 8 slots the engine ran
+    # ahead, and the checkpoints saw only groups admitted at the step boundary, not started)
     cfg = tiny_run_config("agent", root / "runs", steps=steps, checkpoint_every=1,
-                          cache_dir=cache, max_slots=8)
+                          cache_dir=cache, max_slots=1)
     cfg["model"]["tiny"]["max_position"] = 256
     cfg["tasks"]["sources"] = [{"kind": "tally", "max_items": 4}
                                | ({"harness": harness} if harness else {})]
@@ -251,9 +254,10 @@ def test_sigkill_mid_episode_resumes_agent_episodes(tmp_path_factory, tiny_run_c
     run continues the saved episodes from their turns (their environments rebuilt by replay)
     and records every sample exactly once. The cheap warm start writes the tool-call format
     but adds badly, so every reward is 0: zero-variance groups are trained anyway here.
-    Whether a step's checkpoint catches an episode between turns depends on timing (one CI
-    run on a loaded machine went 8 checkpoints without one): AGENT_STEPS steps give it more
-    chances, and a run that still has none says what each checkpoint held."""
+    Whether a step's checkpoint catches an episode between turns depends on timing: the
+    engine's one slot keeps generation behind training (with 8, CI runs on a loaded machine
+    went 8 and 9 checkpoints without one); a run that still has none says what each
+    checkpoint held."""
     root = tmp_path_factory.mktemp("agent-kill")
     config = _agent_run(root, tiny_run_cache, AGENT_STEPS)
     run_dir = root / "runs" / "agent"
