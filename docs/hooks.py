@@ -42,7 +42,7 @@ def _cli_page() -> str:
     return "\n".join(parts)
 
 
-def on_files(files, config):  # noqa: ANN001, ANN201 - mkdocs' hook signature
+def on_files(files, config):  # mkdocs' hook signature
     if str(_SRC) not in sys.path:
         sys.path.insert(0, str(_SRC))
     for uri, content in (("reference/config.md", _config_page()),

@@ -32,7 +32,7 @@ def test_the_docs_show_the_example_that_this_file_runs(tmp_path: Path) -> None:
         assert '--8<-- "examples/train_api.py"' in (ROOT / "docs" / page).read_text()
     text = (ROOT / "README.md").read_text()
     body = text.split("## Train your own data with your own reward\n", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    (block,) = re.findall(r"```python\n(.*?)```", body, flags=re.DOTALL)
     readme: dict = {"__name__": "readme"}  # defines the reward; the run stays behind __main__
     exec(compile(block, "README example", "exec"), readme)  # noqa: S102 - our own README
     task = rollstream.Task(uid="mine/1", source="mine", prompt_ids=(1,), prompt_text="T517#03=",
