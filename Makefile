@@ -7,7 +7,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 # torch 2.13.0+cpu lies on disk on these machines; elsewhere pip resolves the range in pyproject.
 TORCH_WHEELS := $(wildcard /opt/wheels)
 
-.PHONY: setup setup-vllm system-deps demo test test-fast bench clean
+.PHONY: setup setup-vllm system-deps demo test test-fast docs bench clean
 
 setup: $(STAMP)
 
@@ -50,5 +50,9 @@ test: setup-vllm system-deps
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not ray and not browser"
 
+# The docs site (mkdocs-material, mkdocs.yml) into site/; --strict: a broken link fails it.
+docs: setup
+	$(BIN)/python -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) .cache runs site

@@ -1,4 +1,4 @@
-"""Train from Python: a dataset and a reward passed as objects (README, "Python API").
+"""Train from Python: a dataset and a reward passed as objects (docs/your-data.md).
 
     python examples/train_api.py [key=value ...]   # settings as for `rollstream train`
 """

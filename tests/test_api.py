@@ -1,11 +1,14 @@
-"""The Python API: datasets and rewards passed as objects, and the README's example run.
+"""The Python API: datasets and rewards passed as objects, and the docs' example run.
 
-The README's "Python API" block is ``examples/train_api.py`` verbatim; the test runs that
-file as a user would (a script, so its reward is sent to the reward workers from
+docs/your-data.md and docs/datasets.md include ``examples/train_api.py`` from its file; the
+README's shorter example is checked to run its reward and to call the API as it is. The test
+runs the example file as a user would (a script, so its reward is sent to the reward workers from
 ``__main__``), small enough for CI, and reads what the run wrote."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import re
 import subprocess
@@ -24,11 +27,27 @@ ROWS = [{"prompt": "T100#02=", "answer": "100/02 101/01", "items": 2},
         {"prompt": "T205#01=", "answer": "205/01", "items": 1}]
 
 
-def test_the_readme_shows_the_example_that_this_file_runs() -> None:
+def test_the_docs_show_the_example_that_this_file_runs(tmp_path: Path) -> None:
+    for page in ("your-data.md", "datasets.md"):
+        assert '--8<-- "examples/train_api.py"' in (ROOT / "docs" / page).read_text()
     text = (ROOT / "README.md").read_text()
-    body = text.split("## Python API\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", body, flags=re.S)
-    assert blocks and blocks[0] == EXAMPLE.read_text()
+    body = text.split("## Train your own data with your own reward\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", body, flags=re.DOTALL)
+    readme: dict = {"__name__": "readme"}  # defines the reward; the run stays behind __main__
+    exec(compile(block, "README example", "exec"), readme)  # noqa: S102 - our own README
+    task = rollstream.Task(uid="mine/1", source="mine", prompt_ids=(1,), prompt_text="T517#03=",
+                           reference="517/03 518/02 519/01")
+    assert readme["item_credit"](task, "517/03 518/02 x", items=3) == 2 / 3
+    # its call binds to rollstream.run, and its config and rows build a valid run config
+    (call,) = [n for n in ast.walk(ast.parse(block))
+               if isinstance(n, ast.Call) and ast.unparse(n.func) == "rollstream.run"]
+    args = [ast.literal_eval(a) for a in call.args]
+    keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+    inspect.signature(rollstream.run).bind(*args, **keywords)
+    assert keywords == {"datasets": "{'mine': rows}", "rewards": "{'mine': item_credit}"}
+    cfg = rollstream.build_config(ROOT / args[0], [*args[1], f"run_root={tmp_path}"],
+                                  datasets={"mine": ROWS})
+    assert cfg.tasks.sources[0].reward_kwargs == ("items",)
 
 
 @pytest.mark.slow

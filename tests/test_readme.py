@@ -1,4 +1,5 @@
-"""The README's Rewards example runs as written, and a new user's reward sees what they expect.
+"""The docs' Rewards example (docs/datasets.md) runs as written, and a new user's reward sees
+what they expect.
 
 The ``my_rewards.py`` block is written to a folder on ``sys.path`` (as a user's module would
 be), imported, and graded through the real grader pool (its worker processes import it too)
@@ -19,11 +20,11 @@ from rollstream.data.sources import source_rewards
 from rollstream.models.folder_check import save_char_tokenizer
 from rollstream.reward import GraderPool, build_resolver, decode_response
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DATASETS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "datasets.md"
 
 
 def _python_blocks(section: str) -> list[str]:
-    text = README.read_text()
+    text = DATASETS_PAGE.read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", body, flags=re.S)
 
@@ -36,7 +37,7 @@ async def test_the_readme_reward_example_runs_and_sees_an_exact_match(
     (tmp_path / "my_rewards.py").write_text(module_block)
     monkeypatch.syspath_prepend(str(tmp_path))
     my_rewards = importlib.import_module("my_rewards")
-    compile(script_block, "README script", "exec")  # the run script is valid Python
+    compile(script_block, "docs script", "exec")  # the run script is valid Python
 
     save_char_tokenizer(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))

@@ -1,4 +1,4 @@
-"""Truncated sampling gives IS weights of 1 on-policy (issue 9, item 6).
+"""Truncated sampling gives IS weights of 1 on-policy.
 
 A real local engine samples with top-p < 1 and top-k > 0 at a temperature != 1 and reports
 each token's logprob under the truncated, renormalised distribution it drew from; a real

@@ -1,6 +1,6 @@
 """rollstream: asynchronous RL post-training for LLMs, built around rollout infrastructure.
 
-The Python API (``rollstream.api``; the README's "Python API"): :func:`run`,
+The Python API (``rollstream.api``; docs/your-data.md): :func:`run`,
 :func:`build_config`, :func:`load_config`, :class:`RunConfig`, :class:`RunStopped`,
 :func:`register_reward`, :func:`group_reward`, :class:`Task`. They are imported on first use,
 so that ``import rollstream`` stays light (reward worker processes import the package).

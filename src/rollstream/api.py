@@ -2,7 +2,7 @@
 
     import rollstream
 
-    def score(task, text, *, bonus) -> float: ...   # a reward, as in the README
+    def score(task, text, *, bonus) -> float: ...   # a reward, as in docs/datasets.md
 
     if __name__ == "__main__":  # reward workers are spawned processes that import this file
         summary = rollstream.run("my.yaml", ["train.steps=20"],

@@ -35,12 +35,12 @@ Together they make three semantics for a long sample that spans several versions
   tokens weighted by the loss's importance ratio against their behaviour logprobs (clipped
   by PPO-clip; decoupled PPO's behaviour weight).
 
-``bench modes`` on the long-tail shape with PPO-clip (docs/benchmarks.md, session 7): reward
-within noise for the three, admission and drop ~10% more samples/s than mask, admission
-dropping the fewest samples; both examples use admission (with PPO-clip). It is not the
-library default because the default async loss (``decoupled_ppo``) was unstable with it and
-with mask on that shape (one collapse in each pair of runs), and ``drop`` is what the
-default loss was validated with.
+``bench modes`` on the long-tail shape with PPO-clip (docs/benchmarks.md, 2026-12-02 at
+b93fa5c): reward within noise for the three, admission and drop ~10% more samples/s than
+mask, admission dropping the fewest samples; both examples use admission (with PPO-clip). It
+is not the library default because the default async loss (``decoupled_ppo``) was unstable
+with it and with mask on that shape (one collapse in each pair of runs), and ``drop`` is what
+the default loss was validated with.
 
 Verdicts. A group is trained only when every graded sample is within its bounds (kept
 tokens within ``m``, all tokens within ``H``) and at least one keeps a token; otherwise the

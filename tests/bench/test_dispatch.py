@@ -1,7 +1,7 @@
 """Smoke test of ``rollstream bench dispatch --quick`` on a tiny model: every dispatch setting
 generates the same samples (seeded requests: the order changes when tokens are made, not
 which), and the keys are the ratios of the makespans they summarise; then the four short
-training runs of bench/sampling.py (--quick) write issue 12's mixture, waste and
+training runs of bench/sampling.py (--quick) write the mixture, waste and
 length-bias keys, in range (a smoke run: its numbers mean nothing)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_bench_dispatch_quick_runs_every_setting_on_the_same_samples(tmp_path):
         1 - mean["longest_first"] / mean["engine"])
     assert result["predictive_vs_oracle"] == pytest.approx(mean["oracle"] / mean["longest_first"])
     assert written["len_pred_err"] >= 0
-    # issue 12's sampling keys, from the short training runs (bench/sampling.py)
+    # the sampling keys, from the short training runs (bench/sampling.py)
     errors = written["mixture_error_pp"]
     assert set(errors) == {"naive", "corrected"}
     assert all(0 <= errors[k] <= 100 for k in errors), errors

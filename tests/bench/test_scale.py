@@ -1,5 +1,5 @@
 """Smoke test of ``rollstream bench scale --quick`` on a tiny model: the embedded row and the
-disaggregated Ray rows (token payloads on the calls, and all out of band) train, and the JSON has issue 13's keys with positive, finite values
+disaggregated Ray rows (token payloads on the calls, and all out of band) train, and the JSON has the scale-out keys with positive, finite values
 (a smoke run: its numbers mean nothing, so no target is checked). Its Ray is stopped after."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Smoke test of ``rollstream bench sim --quick`` on a tiny model: two real runs, a profile
-fitted from their recordings, each run replayed on it, and the keys the issue asks for."""
+fitted from their recordings, each run replayed on it, and the keys its JSON must hold."""
 
 from __future__ import annotations
 

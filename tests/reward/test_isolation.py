@@ -1,5 +1,5 @@
 """A reward stuck in C code holding the GIL must not freeze the run: it times out on schedule
-while a real engine keeps generating and the event loop keeps running (issue 9, item 4).
+while a real engine keeps generating and the event loop keeps running.
 
 Before rewards ran in worker processes, such a reward ran on a thread of this process: the
 regex below held the GIL for seconds, the loop, the engine and the timeout all waited."""

@@ -28,7 +28,7 @@ longest_first / fifo), ``predictive_vs_oracle`` (oracle / longest_first, target 
 setting the mean makespan and its per-batch values; ``same_tokens`` checks that every setting
 generated the same lengths.
 
-Then issue 12's other keys, which need training runs (bench/sampling.py: the mixture
+Then the other keys, which need training runs (bench/sampling.py: the mixture
 error naive vs deficit-corrected, generated tokens per trained token with and without
 pass-rate-aware sampling at equal wall time, the length bias of async training), in the same
 JSON and a second table.

@@ -319,8 +319,8 @@ def cores() -> tuple[int, int]:
 def bench_overrides(folder: Path, run_root: Path) -> list[str]:
     """What every benchmarked rollstream run shares: the model folder, one pinned torch thread
     for the engine and one for the trainer, no UI, and the held-out reward measured at the
-    start and the end only (``reward_se`` reads round 1 as the final one, and an evaluation
-    inside the training time would be timed as training)."""
+    start and the end only (``reward_se`` reads the second evaluation round as the final one,
+    and an evaluation inside the training time would be timed as training)."""
     engine_core, train_core = cores()
     return [
         f"model.path={folder}", f"run_root={run_root}", "max_wall_s=null", "eval.every=0",
@@ -450,7 +450,7 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         # (|run 1 - run 2| / mean) of the rows run twice: the noise a single ratio carries
         "samples_per_s_run_to_run": spread,
         # trained samples/s with the trainer in its own process over the same row's with the
-        # trainer on a thread of the engine's process (issue 15: the GIL the two share)
+        # trainer on a thread of the engine's process (the GIL the two share)
         "trainer_process_vs_thread": {
             label: rows[f"{TRAINER_PROCESS}{label}"]["trained_samples_per_s"]
             / rows[label]["trained_samples_per_s"] for label in (HEADLINE_ASYNC, DRAIN_PAIR)},
@@ -470,8 +470,8 @@ def _summarise(rows: dict[str, dict[str, Any]], probed: dict[str, Any], *, quick
         "config": str(config_path),
         "engine_utilization_async": util,
         "engine_utilization_async_contended": util_contended,
-        # the share of the training time the headline row's engine was computing (the title
-        # of issue 15: "the engine >= 85% busy"); utilization = busy x its rate while busy
+        # the share of the training time the headline row's engine was computing (the target
+        # "the engine >= 85% busy"); utilization = busy x its rate while busy
         "engine_busy_async": 1.0 - head["engine_idle_share"],
         "engine_utilization_sync": sync["engine_utilization"],
         "reward_sync": sync["reward_final"],

@@ -3,8 +3,9 @@
     rollstream bench pair [--config YAML] [--seeds N] [--json OUT] [--quick]
 
 ``bench modes`` runs its pair (``async_k2_partial``, ``async_k2_drain``) on two seeds, and two
-runs of one row there differ by 8-18% (docs/benchmarks.md, sessions 18-20): as much as the
-effect it judges. This bench runs only the pairs, ``async_k{k}_partial`` and
+runs of one row there differ by 8-18% (docs/benchmarks.md, 2026-12-04 at 7b90e3b to
+7c9031c): as much as the effect it judges. This bench runs only the pairs,
+``async_k{k}_partial`` and
 ``async_k{k}_drain`` for k in ``KS`` (the rows exactly as ``bench modes`` builds them: same
 overrides, sizes, placement and model), on ``--seeds`` seeds. A seed fixes the task order and
 the sampling, so the two rows of one seed train on the same prompts; they run back to back, in

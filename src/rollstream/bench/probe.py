@@ -120,7 +120,7 @@ def _saturate(engine: Any, mix: Any, params: Any, seconds: float, *, group_size:
     Settling matters: an engine filled at once holds only short contexts, and decodes faster
     than in a run (whose rows are of every age) until its first requests finish. Unsettled,
     the ~2 s window beside the trainer's steps measured 1.24-1.30x the 20 s window's rate
-    alone (docs/benchmarks.md, session 21)."""
+    alone (docs/benchmarks.md, 2026-12-04 at 466b169)."""
     from rollstream.engine.protocol import GenerateRequest
 
     ids = itertools.count()

@@ -1,7 +1,7 @@
 """Benchmark: what the task sampler makes of generation, from short real training runs.
 
 Part of ``rollstream bench dispatch`` (bench/dispatch.py runs :func:`measure` after its
-makespans): issue 12's mixture, waste and length-bias keys. Every run is
+makespans): the mixture, waste and length-bias keys. Every run is
 ``examples/tick.yaml`` (the demo: its warm-started model, async k=2 with partial rollout, 16
 groups x 8 samples per step) on the embedded engine, from the same weights, as a ``rollstream
 train`` process; the two runs of a comparison run at the same time (:func:`run_pair`), so

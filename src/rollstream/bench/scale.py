@@ -1,4 +1,4 @@
-"""Benchmark: the embedded runtime vs ``runtime.kind: ray`` on this host (issue 13).
+"""Benchmark: the embedded runtime vs ``runtime.kind: ray`` on this host.
 
     rollstream bench scale [--json OUT] [--quick]
 

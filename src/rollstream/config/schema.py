@@ -75,7 +75,7 @@ class RolloutConfig(Section):
     ``staleness.max_staleness``."""
     staleness: StalenessConfig = StalenessConfig()
     """The staleness bounds (k, token age, context age) and so the rule long samples follow
-    (drop, mask or admission; the README's staleness table)."""
+    (drop, mask or admission; docs/staleness.md's table)."""
     on_update: OnUpdate = "interrupt"
     """What in-flight samples do when new weights load. Partial rollout: ``interrupt`` (abort
     at a token boundary and resume prompt + partial on the new weights) or ``continue`` (the

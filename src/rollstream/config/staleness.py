@@ -1,5 +1,5 @@
 """``rollout.staleness``: the bounds on how old a trained token may be, and so the rule a long
-sample that spans several weight versions follows (README, "Staleness"). The policy these
+sample that spans several weight versions follows (docs/staleness.md). The policy these
 settings mean is :class:`rollstream.staleness.StalenessPolicy`, built once per run by
 :meth:`RolloutConfig.staleness_policy`; this module only validates the numbers.
 """

@@ -30,8 +30,7 @@ Two halves:
 
 Simplified: the reference model (``kl_coef > 0``) is a full copy on every rank, not
 sharded; ``state_dict`` gathers the full weights to rank 0 and ships them to the controller
-through shared memory (one copy per sync), not by a bucketed broadcast to the engines
-(issue 13, item 4).
+through shared memory (one copy per sync), not by a bucketed broadcast to the engines.
 """
 
 from __future__ import annotations

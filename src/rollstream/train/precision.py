@@ -2,8 +2,8 @@
 
 The trainer runs forward and backward under ``torch.autocast(bfloat16)``: the parameters and
 AdamW's state stay float32 and every matmul runs in bf16 (on CPUs with AMX 5-7x an fp32
-matmul at the tiny model's sizes, measured in docs/benchmarks.md, session 20). Two parts stay
-float32 (:func:`keep_float32`):
+matmul at the tiny model's sizes, measured in docs/benchmarks.md, 2026-12-04 at 7c9031c). Two
+parts stay float32 (:func:`keep_float32`):
 
 * **the logits.** The output embedding runs outside autocast on float32 hidden states, so
   the logprobs the loss compares with the engines' are not rounded to bf16's 8-bit mantissa

@@ -6,7 +6,7 @@ after, about 250 times per decode step of a tiny model; each time, it waits whil
 thread of the process (the trainer, the event loop) runs Python. A scripted function runs
 the same ops in TorchScript's interpreter and takes the GIL back once, at its end, so the
 numbers are those of the eager ops (the engine tests compare them with transformers') and a
-busy interpreter no longer slows the engine down (docs/benchmarks.md, session 19).
+busy interpreter no longer slows the engine down (docs/benchmarks.md, 2026-12-04 at 4ae72fe).
 """
 
 from __future__ import annotations
