@@ -148,22 +148,23 @@ def test_the_example_generates_prompts_in_the_kit_alphabet_that_fit_its_context(
     assert longest + cfg.sampling.max_new_tokens <= cfg.engine.local.max_seq_len
 
 
-def test_a_tiny_run_trains_two_steps_on_generators_and_records_rejected_entries(
+def test_a_tiny_run_trains_on_generators_records_rejected_entries_and_resumes(
         tmp_path: Path) -> None:
     import rollstream
+    from rollstream.durable.audit import audit_run
 
     ca = "{dataset: complex_arithmetic, size: 40, seed: 3}"  # 4 entries the kit cannot encode
     sources = (f"[{{kind: reasoning_gym, name: cs, reasoning_gym: {CHAIN}}}, "
                f"{{kind: reasoning_gym, name: ca, reasoning_gym: {ca}}}]")
-    summary = rollstream.run(None, [
+    run = [
         "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
         "model.tiny.max_position=192", "model.warm_start.steps=0",
         f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=rg",
-        f"tasks.sources={sources}",
-        "tasks.num_eval=0", "engine.local.max_seq_len=192", "sampling.max_new_tokens=4",
-        "rollout.group_size=4", "rollout.filter_zero_variance=false", "train.steps=2",
+        f"tasks.sources={sources}", "tasks.num_eval=0", "engine.local.max_seq_len=192",
+        "sampling.max_new_tokens=4", "rollout.group_size=4", "rollout.filter_zero_variance=false",
         "train.groups_per_step=2", "train.micro_batch_tokens=256", "reward.num_workers=1",
-        "monitor.progress=false", "monitor.report=false"])
+        "monitor.progress=false", "monitor.report=false"]
+    summary = rollstream.run(None, [*run, "train.steps=2"])
     assert summary["steps"] == 2 and summary["trained_samples"] > 0
     rows = read_ledger(tmp_path / "rg" / "ledger.jsonl")
     graded = [r for r in rows if r.reward is not None]
@@ -171,3 +172,11 @@ def test_a_tiny_run_trains_two_steps_on_generators_and_records_rejected_entries(
     rejected = [r for r in rows if r.sample_uid.endswith("#row")]
     assert len(rejected) == 4 and all(r.source == "ca" and r.status == "failed" for r in rejected)
     assert all("tokenizer cannot encode" in r.reason for r in rejected)
+    # the cursor goes on from the checkpoint: nothing lost, repeated or rejected twice
+    assert rollstream.run(None, [*run, "train.steps=3", "resume=true"])["steps"] == 3
+    audit = audit_run(tmp_path / "rg", group_size=4, eval_group_size=4, groups_per_step=2,
+                      steps=3)
+    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
+    assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
+    rows = read_ledger(tmp_path / "rg" / "ledger.jsonl")
+    assert sum(r.sample_uid.endswith("#row") for r in rows) == 4
