@@ -3,11 +3,14 @@
 Every field is printed as YAML with its default, under its docstring (the schema keeps them:
 ``use_attribute_docstrings``) and what values are allowed, so a user finds a setting without
 reading the source. The output for the whole tree is itself a valid config equal to the
-defaults; a list of sections (``tasks.sources``) shows one item with its own defaults.
+defaults; a list of sections (``tasks.sources``) shows one item with its own defaults, and an
+optional section that is null by default (``tasks.sources.reasoning_gym``) its fields,
+commented out.
 """
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Any
 
@@ -43,7 +46,9 @@ def describe(section: str | None = None) -> str:
         if inner is None:
             raise ValueError(f"config field {'.'.join(parts[:i + 1])!r} has no keys under it")
         value = getattr(default, part)
-        model, default = inner, (value[0] if isinstance(value, tuple) and value else inner())
+        model = inner
+        default = (value[0] if isinstance(value, tuple) and value else
+                   value if isinstance(value, BaseModel) else inner.model_construct())
     raise AssertionError("unreachable")
 
 
@@ -59,6 +64,10 @@ def _field_lines(name: str, info: FieldInfo, value: Any, indent: str) -> list[st
     inner = _section_type(info.annotation)
     if inner is not None and isinstance(value, BaseModel):
         return [*lines, f"{indent}{name}:", *_model_lines(inner, value, indent + "  ")]
+    if inner is not None and value is None:  # an optional section, unset: its fields, commented
+        body = _model_lines(inner, inner.model_construct(), indent + "  ")
+        return [*lines, f"{indent}{name}: null  # or:",
+                *(f"{indent}#{line[len(indent):]}" for line in body)]
     if inner is not None:  # a list of sections: one item with the defaults of its own fields
         body = _model_lines(inner, value[0] if value else inner.model_construct(), indent + "    ")
         first = next(i for i, line in enumerate(body) if not line.lstrip().startswith("#"))
@@ -76,9 +85,14 @@ def _field_lines(name: str, info: FieldInfo, value: Any, indent: str) -> list[st
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
-    """The model of a section field, or of the items of a tuple-of-sections field."""
+    """The model of a section field (an optional one too), or of the items of a
+    tuple-of-sections field."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(models) == 1 and isinstance(models[0], type) and issubclass(models[0], BaseModel):
+            return models[0]
     if typing.get_origin(annotation) is tuple:
         args = typing.get_args(annotation)
         if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):

@@ -41,15 +41,40 @@ class ColumnsConfig(Section):
     number."""
 
 
+class ReasoningGymConfig(Section):
+    """One of reasoning-gym's task generators (the ``reasoning-gym`` package, the
+    ``reasoning_gym`` extra): ``reasoning_gym.create_dataset(dataset, size=, seed=,
+    **options)``, generated locally (docs/data.md)."""
+
+    dataset: str = Field(pattern=r"^[a-z0-9_]+$")
+    """The generator's name as reasoning-gym registers it (``chain_sum``,
+    ``basic_arithmetic``, ...); checked when the run is built."""
+    size: int = Field(1000, ge=1, le=1_000_000)
+    """Entries generated (indices ``0..size-1``), all when the run is built; training cycles
+    through those that fall in the training split."""
+    seed: int | None = Field(None, ge=0)
+    """The generator's seed (entry ``i`` is a pure function of seed and ``i``); null =
+    ``tasks.seed``."""
+    options: dict[str, Any] = {}
+    """The generator's own options (its config class's fields, e.g. chain_sum's
+    ``min_terms``, ``max_digits``), JSON values; checked by the generator when the run is
+    built."""
+
+
 class SourceConfig(Section):
-    kind: Literal["tick", "digits", "math", "jsonl", "parquet", "hf_dataset", "tally"] = "tick"
+    kind: Literal["tick", "digits", "math", "jsonl", "parquet", "hf_dataset", "tally",
+                  "reasoning_gym"] = "tick"
     """Task family: ``tick`` (count up/down, long-tailed length), ``digits`` (count a
     fixed-width number down by 3, long-tailed), ``math`` (small arithmetic, graded by
     math-verify), ``tally`` (a multi-turn agent episode: sum a list with a calculator tool, one
-    call per item; run by the agent loop with the ``agent`` settings; docs/agents.md); or a
-    dataset at ``path``: ``jsonl`` (one JSON object per line), ``parquet`` (a Parquet file,
-    e.g. verl's), ``hf_dataset`` (a folder written by Hugging Face ``datasets``'
+    call per item; run by the agent loop with the ``agent`` settings; docs/agents.md),
+    ``reasoning_gym`` (a reasoning-gym generator named in ``reasoning_gym``, graded by its own
+    scorer); or a dataset at ``path``: ``jsonl`` (one JSON object per line), ``parquet`` (a
+    Parquet file, e.g. verl's), ``hf_dataset`` (a folder written by Hugging Face ``datasets``'
     ``Dataset.save_to_disk``, one split)."""
+    reasoning_gym: ReasoningGymConfig | None = None
+    """``kind: reasoning_gym`` only (and required there): the generator, its size, seed and
+    options."""
     path: str | None = None
     """The dataset of a ``jsonl``, ``parquet`` (a file) or ``hf_dataset`` (a folder) source
     (``~`` is expanded)."""
@@ -63,8 +88,9 @@ class SourceConfig(Section):
     reward: str | None = Field(None, min_length=1)
     """The reward that grades this source's tasks: a registered reward name (``exact_match``,
     ``math``, ``math_answer``, or one registered with ``@register_reward``) or an import path
-    ``module:function``. Null = the kind's own (math: ``math_answer``; the others:
-    ``exact_match``). Only with ``reward.name: auto``; checked when the run is built."""
+    ``module:function``. Null = the kind's own (math: ``math_answer``; reasoning_gym:
+    ``reasoning_gym``, the generator's own scorer; the others: ``exact_match``). Only with
+    ``reward.name: auto``; checked when the run is built."""
     name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     """Source name used in task uids and metrics (null = the kind); unique within a mix."""
     weight: float = Field(1.0, gt=0)
@@ -148,6 +174,11 @@ class SourceConfig(Section):
     @model_validator(mode="after")
     def _fields_of_its_kind(self) -> SourceConfig:
         self._episode_fields()
+        if (self.kind == "reasoning_gym") != (self.reasoning_gym is not None):
+            raise ValueError("kind reasoning_gym needs `reasoning_gym` (the generator: dataset, "
+                             "size, seed, options)" if self.reasoning_gym is None else
+                             f"`reasoning_gym` is read only by kind reasoning_gym; kind "
+                             f"{self.kind} does not read it (drop it)")
         if self.reads_dataset and self.path is None:
             raise ValueError(f"kind {self.kind} needs `path` (its dataset)")
         if not self.reads_dataset:

@@ -43,17 +43,14 @@ Simplifications: the whole dataset is read into memory at start.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollstream.config.schema import SourceConfig
 from rollstream.config.tasks import EPISODE_ROW
 from rollstream.data.sources import (
-    PromptTokenizer,
-    Split,
+    FiniteSource,
     dataset_path,
     dataset_problem,
     reward_name,
@@ -66,25 +63,17 @@ _MISSING = object()
 
 
 @dataclass(slots=True, kw_only=True)
-class DatasetSource:
-    name: str
-    cfg: SourceConfig
-    tokenizer: PromptTokenizer
-    seed: int
-    rejected: list[tuple[str, str, str]] = field(default_factory=list)
-    reward: str = field(init=False)  # SourceConfig.reward, else exact match against the answer
-    _rows: dict[str, list[Task]] = field(default_factory=dict)
+class DatasetSource(FiniteSource):
     # task uid -> (position, row id or None, how the uid was made) of the row that took it
     _named_by: dict[str, tuple[int, str | int | None, str]] = field(default_factory=dict)
     _unit: str = "line"  # what a position counts: JSONL lines, or table rows
 
     def __post_init__(self) -> None:
-        self.reward = reward_name(self.cfg)
+        self.reward = reward_name(self.cfg)  # its own, else exact match against the answer
         problem = dataset_problem(self.cfg)
         if problem is not None:
             raise ValueError(f"tasks source {self.name!r}: {problem}")
         path = dataset_path(self.cfg)
-        self._rows = {"train": [], "eval": []}
         try:
             for position, row in self._read(path):
                 self._add(path, position, row)
@@ -229,20 +218,6 @@ class DatasetSource:
             raise ValueError(f"{path}: {what}; give each row a distinct id")
         self._named_by[uid] = (position, row_id, how)
         return uid
-
-    def task(self, index: int, split: Split) -> Task:
-        if split not in self._rows:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        rows = self._rows[split]
-        if not rows:  # only eval can be empty; held-out tasks never come from train rows
-            raise ValueError(f"tasks source {self.name!r}: {self.cfg.path} has no held-out rows")
-        return rows[index % len(rows)]
-
-    def num_tasks(self, split: Split) -> int:
-        return len(self._rows[split])
-
-    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
-        return task.reference
 
 
 class _Rejected(Exception):

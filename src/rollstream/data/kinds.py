@@ -1,8 +1,9 @@
 """Every task-source kind and what builds it, in one place: the synthetic ones
-(``data/sources.py``), the datasets (``data/dataset.py``) and the agent episodes
-(``agent/tally.py``). The last two build on ``data/sources.py``; this module sits above all
-three, so none imports another in a circle. The dataset and agent modules are imported only
-when a run has such a source (the agent's pulls in the chat template and the proxy)."""
+(``data/sources.py``), the datasets (``data/dataset.py``), reasoning-gym's generators
+(``data/reasoning_gym.py``) and the agent episodes (``agent/tally.py``). The last three build
+on ``data/sources.py``; this module sits above them all, so none imports another in a circle.
+The dataset, generator and agent modules are imported only when a run has such a source (the
+agent's pulls in the chat template and the proxy, the generators' the reasoning-gym package)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ def build_source(cfg: SourceConfig, tokenizer: PromptTokenizer, seed: int) -> Ta
         from rollstream.data.dataset import DatasetSource
 
         return DatasetSource(name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
+    if cfg.kind == "reasoning_gym":
+        from rollstream.data.reasoning_gym import ReasoningGymSource
+
+        return ReasoningGymSource(name=cfg.source_name, cfg=cfg, tokenizer=tokenizer, seed=seed)
     if cfg.kind == "tally":  # an agent task: needs the chat template (agent/tally.py)
         from rollstream.agent.tally import TallySource
 

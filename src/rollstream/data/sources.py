@@ -9,8 +9,8 @@ its text falls in one bucket of ``EVAL_BUCKETS``; each split redraws until the p
 its own side.
 
 Dataset sources (kinds ``jsonl``, ``parquet``, ``hf_dataset``) live in
-``rollstream.data.dataset`` and the agent source in ``rollstream.agent.tally``; both build on
-this module, and ``rollstream.data.kinds`` builds every kind. :func:`check_source_paths`
+``rollstream.data.dataset``, reasoning-gym's generators in ``rollstream.data.reasoning_gym``
+and the agent source in ``rollstream.agent.tally``; all build on this module, and ``rollstream.data.kinds`` builds every kind. :func:`check_source_paths`
 checks that the datasets a tasks config names exist and can be opened, reading nothing and
 needing no tokenizer, so a launcher can fail on a bad path before it touches the run
 directory (``TaskMix`` runs it too). How sources are mixed is ``rollstream.data.mix``.
@@ -269,6 +269,36 @@ def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
     return sum(s * t for s, t in zip(signs, terms, strict=True))
 
 
+@dataclass(slots=True, kw_only=True)
+class FiniteSource:
+    """A source of tasks all made at start, split by the hash of their prompts (datasets,
+    reasoning-gym's generators): training cycles through the train tasks in order, held-out
+    tasks come only from the eval ones. Rows that could not be tasks are in ``rejected`` as
+    (task uid, source, reason), for the ledger."""
+
+    name: str
+    cfg: SourceConfig
+    tokenizer: PromptTokenizer
+    seed: int
+    rejected: list[tuple[str, str, str]] = field(default_factory=list)
+    reward: str = field(init=False)
+    _rows: dict[str, list[Task]] = field(default_factory=lambda: {"train": [], "eval": []})
+
+    def task(self, index: int, split: Split) -> Task:
+        if split not in self._rows:
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        rows = self._rows[split]
+        if not rows:  # only eval can be empty; held-out tasks never come from train rows
+            raise ValueError(f"tasks source {self.name!r} has no held-out rows")
+        return rows[index % len(rows)]
+
+    def num_tasks(self, split: Split) -> int:
+        return len(self._rows[split])
+
+    def demonstration(self, task: Task, rng: random.Random, noise: float) -> str:
+        return task.reference
+
+
 SYNTHETIC_KINDS: dict[str, type[_Synthetic]] = {
     "tick": TickSource,
     "digits": DigitsSource,
@@ -276,7 +306,8 @@ SYNTHETIC_KINDS: dict[str, type[_Synthetic]] = {
 }
 
 
-_KIND_REWARDS = {"math": "math_answer"}  # the other kinds: exact_match
+# the other kinds: exact_match; reasoning_gym: the generator's own scorer
+_KIND_REWARDS = {"math": "math_answer", "reasoning_gym": "reasoning_gym"}
 
 
 def reward_name(cfg: SourceConfig) -> str:
@@ -328,8 +359,17 @@ def dataset_path(cfg: SourceConfig) -> Path:
 
 def check_source_paths(cfg: TasksConfig) -> None:
     """Raise ValueError naming ``tasks.sources.N.path`` for a dataset that is missing or
-    unreadable. Cheap and tokenizer-free: call it before touching the run directory."""
+    unreadable, or ``tasks.sources.N.reasoning_gym.dataset`` / ``.options`` for a generator
+    reasoning-gym does not have or that refuses its options. Cheap and tokenizer-free (opens
+    files, generates nothing): call it before touching the run directory."""
     for i, src in enumerate(cfg.sources):
         problem = dataset_problem(src) if src.reads_dataset else None
         if problem is not None:
             raise ValueError(f"tasks.sources.{i}.path: {problem}")
+        if src.kind == "reasoning_gym":
+            from rollstream.data.generators import source_problem
+
+            found = source_problem(src, cfg.seed)
+            if found is not None:
+                raise ValueError(f"tasks.sources.{i}.reasoning_gym.{found[0]} "
+                                 f"({src.source_name!r}): {found[1]}")

@@ -3,6 +3,7 @@ never stalls the loop)."""
 
 from rollstream.reward import builtins as _builtins  # noqa: F401  (registers the built-ins)
 from rollstream.reward import code as _code  # noqa: F401  (registers ``code``)
+from rollstream.reward import reasoning_gym as _rg  # noqa: F401  (registers ``reasoning_gym``)
 from rollstream.reward.pool import GradeResult, GraderPool
 from rollstream.reward.registry import (
     Response,

@@ -1,0 +1,34 @@
+"""The ``reasoning_gym`` reward: a ``kind: reasoning_gym`` task graded by its generator's own
+scorer, ``score_answer(answer, entry)`` (1.0 right; reasoning-gym's default gives partial
+credit ``len(answer) / len(response)`` to a response that contains the answer, some
+generators have their own rules).
+
+The answer is the response's text stripped of surrounding whitespace: reasoning-gym's own
+harness extracts it from ``<answer>`` tags first, which the kit's alphabet cannot write, so a
+prompt that asks for tags should be graded by a reward that extracts them. A response that
+did not stop properly (``finish_reason == "length"``) scores 0, as the built-in rewards do.
+The entry is made again in the grading process from the task's spec
+(:mod:`rollstream.data.generators`): the reward is a module-level function that a reward
+worker imports by reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rollstream.data.generators import SPEC_KEY, entry_of
+from rollstream.reward.registry import register_reward
+from rollstream.trajectory import Task
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_score(task: Task, text: str, *, finish_reason: str) -> float:
+    """The task's generator's ``score_answer`` of the stripped response (0 when capped)."""
+    spec = task.extra.get(SPEC_KEY)
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"task {task.uid} is not of a reasoning_gym source (no "
+                        f"task.extra[{SPEC_KEY!r}]): the reasoning_gym reward grades only those")
+    if finish_reason != "stop":
+        return 0.0
+    gen, entry = entry_of(spec)
+    return float(gen.score_answer(text.strip(), entry))
