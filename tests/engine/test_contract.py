@@ -117,9 +117,12 @@ def _mid_stream_tries(engine) -> int:
     for ~4 s until the end; docs/vllm.md), so an interrupt or a load sent mid-stream can reach
     it only after the stream is done: measured here, 0 to 5 of 6 tries landed. The tests try
     that many times; when none lands, they check what a late command must leave instead
-    (whole streams, every token labelled with the version that sampled it). The embedded
-    engine, in this process or in a Ray actor, has no such excuse: its first try must land."""
-    return 8 if engine.kind == "vllm" else 1
+    (whole streams, every token labelled with the version that sampled it). A Ray actor's
+    weights travel through the object store before the actor can apply them: on a loaded
+    machine (CI beside other work) a 100-token stream once ended first, so it has three tries,
+    and at least one must land. The embedded engine in this process has no such excuse: its
+    first try must land."""
+    return {"vllm": 8, "ray": 3}.get(engine.kind, 1)
 
 
 async def test_interrupt_then_resume_continues_greedy_stream(engine):

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,5 +81,17 @@ class RayCluster:
         if self.log_dir is not None and logs.is_dir():
             shutil.rmtree(self.log_dir, ignore_errors=True)
             shutil.copytree(logs, self.log_dir, ignore_dangling_symlinks=True)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        _remove(self.temp_dir)
         self.owned = False
+
+
+def _remove(folder: Path, timeout_s: float = 10.0) -> None:
+    """Remove Ray's session folder. Its processes may still write logs there for a moment
+    after ``ray.shutdown()`` returns (seen on a loaded machine: the folder was left with a
+    file written after the removal), so remove again until it stays gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists() or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
