@@ -344,6 +344,8 @@ def test_a_delta_crosses_each_path_into_the_full_versions_bits(actors, path):
     assert [(r.version, r.kind) for r in sync.records] == \
         [(101, "full")] * 2 + [(102, "delta")] * 2 + [(103, "delta")] * 2
     assert all(r.num_bytes < 100 * 8 + v1[last].numel() * 4 for r in list(sync.records)[2:])
+    work = engines[0].stats().work  # the proxy reports its loads
+    assert (work["weight_loads_full"], work["weight_loads_delta"]) == (1.0, 2.0)
     for state in served:
         for name, t in v3.items():
             assert torch.equal(state[name].view(torch.int32), t.view(torch.int32)), name

@@ -125,6 +125,9 @@ def test_delta_sync_installs_the_full_sync_weights_bit_for_bit(model, dtype, tra
     records = list(sync.records)
     delta = [r for r in records if r.kind == "delta"]
     assert all(r.dtype == dtype and r.num_bytes < r.full_bytes for r in delta), records
+    assert sync.totals("delta") == {  # an engine's EngineStats.work on Ray
+        "weight_loads_full": 2.0, "weight_loads_delta": 4.0,
+        "weight_bytes": float(sum(r.num_bytes for r in records if r.engine_id == "delta"))}
 
 
 def test_a_delta_applies_only_to_its_base_and_vllm_reads_only_full(tmp_path) -> None:

@@ -1,16 +1,17 @@
 """``bench weightsync``'s delta rows: bytes and seconds per sync, full versus delta
 (``runtime.ray.delta``), on each path, for engines in bfloat16 and in float32.
 
-The kit's tiny model is trained ``NUM_STEPS`` steps with AdamW (next-token loss on random
-tokens, fp32 master weights, as the trainer holds them) at each learning rate of
-:data:`LRS`; each step's state dict is one version. How many bfloat16 elements change per
-step depends on the step size against the weights' magnitude: at ``train.lr``'s default
-(2e-4, large for LLM post-training) most do; at 1e-6 few do. Per engine dtype, two engine
-actors of that dtype; per path, the versions go once with ``delta: off`` (each version
-whole, as the trainer holds it: float32) and once with ``delta: auto`` (the first version
-full in the engine's dtype, then deltas where at most half of the elements changed). Timed as ``weightsync.py`` times a sync (both
-engines' ``load_weights``, gathered, engines idle), the first version left out. Bytes are
-the tensor bytes each engine received per sync. A benchmark measures; it does not assert.
+The model (the kit's tiny one, or the bigger one) is trained ``NUM_STEPS`` steps with
+AdamW (next-token loss on random tokens, fp32 master weights, as the trainer holds them) at
+each learning rate of :data:`LRS`; each step's state dict is one version. How many bfloat16
+elements change per step depends on the step size against the weights' magnitude: at
+``train.lr``'s default (2e-4, large for LLM post-training) most do; at 1e-6 few do. Per
+engine dtype, two engine actors of that dtype; per path, the versions go once with
+``delta: false`` (each version whole, as the trainer holds it: float32) and once with
+``delta: true`` (the first version full in the engine's dtype, then deltas where at most
+half of the elements changed). Timed as ``weightsync.py`` times a sync (both engines'
+``load_weights``, gathered, engines idle), the first version left out. Bytes are the tensor
+bytes each engine received per sync. A benchmark measures; it does not assert.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ async def bench_dtype(folder: Path, dtype: str, versions: list[dict]) -> dict[st
     try:
         for path in PATHS:
             row: dict[str, Any] = {}
-            for mode in ("off", "auto"):
-                transport, engines = proxies(owners, path, mode, dtype)
+            for mode in ("full", "delta"):
+                transport, engines = proxies(owners, path, mode == "delta", dtype)
                 times = await _syncs(engines, versions, version)
                 if isinstance(transport, DeltaSync):
                     sent = [r for r in transport.records if r.version > version]
@@ -85,8 +86,9 @@ async def bench_dtype(folder: Path, dtype: str, versions: list[dict]) -> dict[st
                 row[mode] = {"median_s": statistics.median(times), "times_s": times,
                              "bytes": per_sync, "median_bytes": statistics.median(per_sync),
                              "kinds": kinds}
-            row["delta_bytes_vs_full"] = row["auto"]["median_bytes"] / row["off"]["median_bytes"]
-            row["delta_s_vs_full"] = row["auto"]["median_s"] / row["off"]["median_s"]
+            full, delta = row["full"], row["delta"]
+            row["delta_bytes_vs_full"] = delta["median_bytes"] / full["median_bytes"]
+            row["delta_s_vs_full"] = delta["median_s"] / full["median_s"]
             out[path] = row
     finally:
         for o in owners:
@@ -104,18 +106,18 @@ def bench_delta(folder: Path, quick: bool = False) -> dict[str, Any]:
     return {"steps": NUM_STEPS, "rows": rows}
 
 
-def print_delta(result: dict) -> None:
+def print_delta(model: str, result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"delta sync, tiny model, {result['steps'] - 1} AdamW versions to 2 "
-                        "engine actors (median per sync; off: whole float32 state dict)")
-    for col in ("engine dtype, AdamW lr", "path", "off MB", "off s", "auto MB", "auto s",
-                "auto kinds", "bytes auto/off", "s auto/off"):
+    table = Table(title=f"delta sync, {model} model, {result['steps'] - 1} AdamW versions to "
+                        "2 engine actors (median per sync; full: whole float32 state dict)")
+    for col in ("engine dtype, AdamW lr", "path", "full MB", "full s", "delta MB", "delta s",
+                "delta kinds", "bytes delta/full", "s delta/full"):
         table.add_column(col)
     for dtype, paths in result["rows"].items():
         for path, row in paths.items():
-            off, auto = row["off"], row["auto"]
+            off, auto = row["full"], row["delta"]
             table.add_row(dtype, path, f"{off['median_bytes'] / 1e6:.3f}",
                           f"{off['median_s']:.4f}", f"{auto['median_bytes'] / 1e6:.3f}",
                           f"{auto['median_s']:.4f}", ",".join(k[0] for k in auto["kinds"]),

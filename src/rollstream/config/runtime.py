@@ -57,14 +57,14 @@ class RayConfig(Section):
     the weights in buckets of ``bucket_bytes``), ``shared_memory`` (written once under
     /dev/shm in buckets, read by each actor; actors on this host only, so not with
     ``address``). A revived actor gets the current version through the object store."""
-    delta: Literal["auto", "off"] = "auto"
-    """``auto``: an engine actor that holds the previous version gets only what changed, in
+    delta: bool = True
+    """True: an engine actor that holds the previous version gets only what changed, in
     its dtype (``engine.local.dtype``): the changed elements' indices and values, or whole
     tensors where that is smaller; a version where more than half of all elements changed,
     an actor's first load, one that missed a version and a replaced actor get the full
     version in that dtype. Exact: the weights after a delta equal a full sync's bit for bit.
     Gains come with ``bfloat16`` engines (small AdamW moves round to the same value); with
-    ``float32`` nearly every element moves each step. ``off``: every version goes whole, as
+    ``float32`` nearly every element moves each step. False: every version goes whole, as
     the trainer holds it. Bytes per sync, kind and dtype are logged per send (sync/delta.py,
     docs/distributed.md)."""
     placement: Literal["colocated", "disaggregated"] | None = None

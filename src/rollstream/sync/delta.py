@@ -1,7 +1,7 @@
 """Versioned delta sync: an engine that holds version ``v`` receives only what changed from
 ``v`` to the next version, taken in the engine's dtype, over any engine-actor transport.
 
-:class:`DeltaSync` wraps the run's transport (``runtime.ray.delta: auto``). Per version it
+:class:`DeltaSync` wraps the run's transport (``runtime.ray.delta: true``, the default). Per version it
 casts the trainer's tensors once to the engine's dtype (what the engine stores: a
 ``bfloat16`` engine rounds each value exactly as its own ``copy_`` would) and compares them,
 bit for bit, with the previous version's. Per tensor the changed elements go as their flat
@@ -19,7 +19,9 @@ result is the full state dict the engine's ``load_weights`` checks and installs:
 after a delta equal a full sync's, bit for bit (``tests/sync/test_delta.py``).
 
 Every send is logged with the transport, the payload's kind, its bytes and their dtype, and
-kept in :attr:`DeltaSync.records` (``bench weightsync``'s delta rows read them). vLLM's
+kept in :attr:`DeltaSync.records` (``bench weightsync``'s delta rows read them); each
+engine's totals (loads by kind, bytes) are in its ``EngineStats.work``, so in a run's
+``summary.json``. vLLM's
 reload takes whole weights (``vllm.py``): its engines always load ``full``.
 """
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 IDX, VAL = ".@idx", ".@val"  # suffixes of a sparse tensor's indices and values
 MAX_CHANGED = 0.5  # above this share of changed elements a version goes full
+TOTAL_KEYS = ("weight_loads_full", "weight_loads_delta", "weight_bytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +88,7 @@ def encode(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
         if b.shape != t.shape or b.dtype != t.dtype:
             return None
         mask = _bits(t) != _bits(b)
-        k, n, size = int(mask.sum()), t.numel(), t.element_size()
+        k, n, size = int(torch.count_nonzero(mask)), t.numel(), t.element_size()
         changed += k
         if changed > limit:  # full: stop comparing
             return None
@@ -158,6 +161,7 @@ class DeltaSync:
         self.inner, self.dtype, self.name = inner, dtype, name
         self.held: dict[str, int] = {}  # engine id -> the version it installed from here
         self.records: deque[SyncRecord] = deque(maxlen=1024)  # the latest sends (bounded)
+        self._totals: dict[str, dict[str, float]] = {}  # engine id -> totals() of it
         self._current: _Version | None = None
 
     def _version(self, payload: Payload) -> _Version:
@@ -199,10 +203,18 @@ class DeltaSync:
                             full_bytes=payload_bytes(full.tensors),
                             seconds=time.perf_counter() - t0)
         self.records.append(record)
+        totals = self._totals.setdefault(to.engine_id, dict.fromkeys(TOTAL_KEYS, 0.0))
+        totals[f"weight_loads_{record.kind}"] += 1
+        totals["weight_bytes"] += record.num_bytes
         since = f" from v{payload.header.base}" if payload.header.base is not None else ""
         log.info("weights v%d to %s over %s: %s%s, %d bytes of %s (full: %d), %.3f s",
                  record.version, record.engine_id, record.transport, record.kind, since,
                  record.num_bytes, record.dtype, record.full_bytes, record.seconds)
+
+    def totals(self, engine_id: str) -> dict[str, float]:
+        """What was sent to ``engine_id`` so far: loads by kind and tensor bytes (in the
+        engines' dtype), reported in its ``EngineStats.work``."""
+        return dict(self._totals.get(engine_id) or dict.fromkeys(TOTAL_KEYS, 0.0))
 
     def close(self) -> None:
         self.inner.close()

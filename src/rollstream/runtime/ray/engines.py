@@ -196,13 +196,20 @@ class RayEngine:
             generated_tokens=before.tokens + max(last.generated_tokens, self._delivered_tokens),
             busy_s=before.busy_s + last.busy_s,
             work={**{k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
-                  **self.wire.totals()},
+                  **self.wire.totals(), **self._sync_totals()},
             health=health, health_reason=self._death)
 
     def live_actor(self) -> Any:
         """The actor while it serves (None once it died or was closed)."""
         self._poll()
         return None if self._death is not None or self._closed else self.actor
+
+    def _sync_totals(self) -> dict[str, float]:
+        """Weight loads by kind and their bytes, when the transport sends deltas."""
+        from rollstream.sync.delta import DeltaSync
+
+        return self._weights.totals(self.engine_id) if isinstance(self._weights,
+                                                                  DeltaSync) else {}
 
     # ---- restarts and close --------------------------------------------------------------
     def needs_restart(self) -> bool:
@@ -448,7 +455,7 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
 
 def build_transport(cfg: RayConfig, dtype: str) -> Transport:
     """The engine actors' weight transport, by ``runtime.ray.weight_sync``, sending deltas
-    in the engines' ``dtype`` unless ``runtime.ray.delta`` is off."""
+    in the engines' ``dtype`` unless ``runtime.ray.delta`` is false."""
     from rollstream.sync.broadcast import Broadcast
     from rollstream.sync.delta import DeltaSync
     from rollstream.sync.object_store import ObjectStore
@@ -464,7 +471,7 @@ def build_transport(cfg: RayConfig, dtype: str) -> Transport:
             inner = SharedMemory(cfg.bucket_bytes)
         case _:
             raise AssertionError(cfg.weight_sync)  # the config allows nothing else
-    return inner if cfg.delta == "off" else DeltaSync(inner, dtype=dtype, name=cfg.weight_sync)
+    return DeltaSync(inner, dtype=dtype, name=cfg.weight_sync) if cfg.delta else inner
 
 
 def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str, num_cpus: float,
