@@ -13,7 +13,8 @@ median per path, seconds per MB, and the ratio to the object store are reported 
 travel better than seconds on this shared machine; its load average is reported too). Then,
 per model, full versus delta sync per path and engine dtype (``delta.py``: bytes and
 seconds per sync of AdamW-trained versions, ``delta_bytes_vs_full``; on the bigger model
-and with --quick, bfloat16 engines at one learning rate only). A benchmark measures; it does not assert.
+and with --quick, bfloat16 engines at one learning rate only). A benchmark measures; it
+does not assert.
 """
 
 from __future__ import annotations

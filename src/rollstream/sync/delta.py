@@ -1,10 +1,10 @@
 """Versioned delta sync: an engine that holds version ``v`` receives only what changed from
 ``v`` to the next version, taken in the engine's dtype, over any engine-actor transport.
 
-:class:`DeltaSync` wraps the run's transport (``runtime.ray.delta: true``, the default). Per version it
-casts the trainer's tensors once to the engine's dtype (what the engine stores: a
-``bfloat16`` engine rounds each value exactly as its own ``copy_`` would) and compares them,
-bit for bit, with the previous version's. Per tensor the changed elements go as their flat
+:class:`DeltaSync` wraps the run's transport (``runtime.ray.delta: true``, the default). Per
+version it casts the trainer's tensors once to the engine's dtype (what the engine stores:
+a ``bfloat16`` engine rounds each value exactly as its own ``copy_`` would) and compares
+them, bit for bit, with the previous version's. Per tensor the changed elements go as their flat
 indices (``NAME.@idx``, int32) and new values (``NAME.@val``), or the whole tensor when that
 is smaller; unchanged tensors do not go at all. The payload is a ``delta`` from ``base`` (the
 previous version) when at most half of all elements changed; otherwise the version goes
