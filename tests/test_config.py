@@ -235,6 +235,8 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
      "runtime.ray.weight_sync is read only by local engine actors, but engine.kind = 'vllm'"),
     (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.episode_cache_tokens=0"],
      "runtime.ray.episode_cache_tokens is read only by local engine actors"),
+    (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.delta=false"],
+     "runtime.ray.delta is read only by local engine actors"),
     (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.placement=disaggregated"],
      "runtime.ray.placement = 'disaggregated' pins the local engine's threads to cores; a "
      "vLLM server places its own processes"),

@@ -1,4 +1,5 @@
-"""``bench weightsync --quick``: every path timed on the tiny model, its Ray stopped after."""
+"""``bench weightsync --quick``: every path timed on the tiny model, full and delta sync to
+bfloat16 engines, its Ray stopped after."""
 
 from __future__ import annotations
 
@@ -22,4 +23,7 @@ def test_quick_weightsync_bench_times_every_path(tmp_path):
     for row in tiny["paths"].values():
         assert len(row["times_s"]) == weightsync.NUM_SYNCS and row["median_s"] > 0
     assert tiny["paths"]["object_store"]["vs_object_store"] == 1.0
+    delta = result["delta"]["tiny"]["rows"]["bfloat16 lr 1e-06"]  # full vs delta sync, every path
+    assert set(delta) == set(weightsync.PATHS)
+    assert all(row["delta"]["median_bytes"] < row["full"]["median_bytes"] for row in delta.values())
     assert not ray.is_initialized()

@@ -8,7 +8,8 @@ boundary carry it, samples started after it see only it; then the actors hold bi
 copies of the published tensors, at the published version, and again for a second version.
 A short run with ``broadcast``, then ``shared_memory``, trains and its trainer–engine logprob
 mismatch stays ~0. Then
-a short async run in each placement (runtime/placement.py), on the module's Ray too."""
+a short async run in each placement (runtime/placement.py), on the module's Ray too. Last,
+per path, deltas (``runtime.ray.delta``) install the published versions bit for bit."""
 
 from __future__ import annotations
 
@@ -306,3 +307,45 @@ def test_broadcast_goes_on_when_a_member_dies(actors, caplog):
 
     asyncio.run(asyncio.wait_for(main(), 120))
     transport.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_delta_crosses_each_path_into_the_full_versions_bits(actors, path):
+    """Delta sync (``sync/delta.py``, ``runtime.ray.delta: auto``) over each path to both
+    actors: the first version goes full, the next two as deltas (a few elements moved, one
+    tensor wholly), and the actors then hold the published tensors bit for bit."""
+    from rollstream.runtime.ray.engines import RayEngine
+    from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.delta import DeltaSync
+
+    model, owners = actors
+    inner = _transport(path)
+    sync = DeltaSync(inner, dtype="float32", name=path)
+    engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=sync, version=0,
+                         max_restarts=0, actor=o.actor) for o in owners]
+    if isinstance(inner, Broadcast):
+        inner.members = lambda: {e.engine_id: e.actor for e in engines}
+    v1 = _perturbed(model, 7)
+    first, last = next(iter(v1)), list(v1)[-1]
+    v2 = {**v1, first: v1[first].clone(), last: v1[last] + 1}  # `last` moves wholly
+    v2[first].view(-1)[:5] += 1
+    v3 = {**v2, first: v2[first].clone()}
+    v3[first].view(-1)[-3:] -= 1
+
+    async def main() -> list[dict[str, torch.Tensor]]:
+        for version, tensors in ((101, v1), (102, v2), (103, v3)):
+            await asyncio.gather(*(e.load_weights(version, tensors) for e in engines))
+        return [await e.actor.state_dict.remote() for e in engines]
+
+    try:
+        served = asyncio.run(main())
+    finally:
+        sync.close()
+    assert [(r.version, r.kind) for r in sync.records] == \
+        [(101, "full")] * 2 + [(102, "delta")] * 2 + [(103, "delta")] * 2
+    assert all(r.num_bytes < 100 * 8 + v1[last].numel() * 4 for r in list(sync.records)[2:])
+    work = engines[0].stats().work  # the proxy reports its loads
+    assert (work["weight_loads_full"], work["weight_loads_delta"]) == (1.0, 2.0)
+    for state in served:
+        for name, t in v3.items():
+            assert torch.equal(state[name].view(torch.int32), t.view(torch.int32)), name

@@ -39,7 +39,8 @@ def test_a_folder_reads_back_as_the_payload_written(tmp_path) -> None:
     ({"rollstream.protocol": str(PROTOCOL + 1), "rollstream.version": "3",
       "rollstream.kind": "full"}, f"transport protocol {PROTOCOL + 1}; this rollstream reads"),
     ({"rollstream.protocol": str(PROTOCOL), "rollstream.version": "3",
-      "rollstream.kind": "delta"}, r"kind 'delta' cannot be applied here \(accepted: full\)"),
+      "rollstream.kind": "adapter"},
+     r"kind 'adapter' cannot be applied here \(accepted: full"),
     (None, "not a rollstream weight payload"),
 ])
 def test_a_folder_of_another_protocol_or_kind_is_refused(tmp_path, meta, error) -> None:

@@ -10,8 +10,11 @@ warm-up sync (the broadcast group forms there), then ``NUM_SYNCS`` syncs of a fu
 dict, each timed as weight sync does its loads (``load_weights`` on both engines, gathered)
 while the engines are idle: the transport's cost, not the interrupt or drain around it. The
 median per path, seconds per MB, and the ratio to the object store are reported (ratios
-travel better than seconds on this shared machine; its load average is reported too). A
-benchmark measures; it does not assert.
+travel better than seconds on this shared machine; its load average is reported too). Then,
+per model, full versus delta sync per path and engine dtype (``delta.py``: bytes and
+seconds per sync of AdamW-trained versions, ``delta_bytes_vs_full``; on the bigger model
+and with --quick, bfloat16 engines at one learning rate only). A benchmark measures; it
+does not assert.
 """
 
 from __future__ import annotations
@@ -49,13 +52,29 @@ async def _sync_seconds(engines: list, state: dict, first_version: int) -> list[
     return times[1:]  # the first is the warm-up
 
 
+def proxies(owners: list, path: str, delta: bool, dtype: str) -> tuple[Any, list]:
+    """A transport of ``path`` (``runtime.ray.delta`` = ``delta``, engines in ``dtype``)
+    and new proxies over ``owners``' actors that share it."""
+    from rollstream.config.runtime import RayConfig
+    from rollstream.runtime.ray.engines import RayEngine, build_transport
+    from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.delta import DeltaSync
+
+    transport = build_transport(RayConfig.model_validate({"weight_sync": path,
+                                                          "delta": delta}), dtype)
+    engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=transport,
+                         version=0, max_restarts=0, actor=o.actor) for o in owners]
+    inner = transport.inner if isinstance(transport, DeltaSync) else transport
+    if isinstance(inner, Broadcast):
+        inner.members = lambda: {e.engine_id: e.actor for e in engines}
+    return transport, engines
+
+
 async def bench_model(folder: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from rollstream.config.runtime import RayConfig
     from rollstream.config.schema import LocalEngineConfig
-    from rollstream.runtime.ray.engines import RayEngine, build_ray_engines, build_transport
-    from rollstream.sync.broadcast import Broadcast
+    from rollstream.runtime.ray.engines import build_ray_engines
 
     state = load_file(folder / "model.safetensors")
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -66,12 +85,7 @@ async def bench_model(folder: Path) -> dict[str, Any]:
     version = 1
     try:
         for path in PATHS:
-            transport = build_transport(RayConfig(weight_sync=path))  # type: ignore[arg-type]
-            engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=transport,
-                                 version=0, max_restarts=0, actor=o.actor) for o in owners]
-            if isinstance(transport, Broadcast):
-                transport.members = lambda engines=engines: {e.engine_id: e.actor
-                                                             for e in engines}
+            transport, engines = proxies(owners, path, False, "float32")  # whole versions
             times = await _sync_seconds(engines, state, version)
             version += NUM_SYNCS + 1
             transport.close()
@@ -88,13 +102,14 @@ async def bench_model(folder: Path) -> dict[str, Any]:
 
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
+    from rollstream.bench.delta import bench_delta, print_delta
     from rollstream.config.runtime import RayConfig
     from rollstream.runtime.ray.cluster import RayCluster
 
     load_start = os.getloadavg()[0]
     models = {"tiny": {}} if quick else {"tiny": {}, "bigger": BIGGER}
     result: dict[str, Any] = {"quick": quick, "num_syncs": NUM_SYNCS, "num_actors": 2,
-                              "models": {}}
+                              "models": {}, "delta": {}}
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=1 << 30))
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -102,10 +117,13 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
                 folder = build_model(Path(tmp) / name, **overrides)
                 result["models"][name] = {"config": overrides or "TinyModelConfig defaults",
                                           **asyncio.run(bench_model(folder))}
+                result["delta"][name] = bench_delta(folder, quick or name != "tiny")
     finally:
         cluster.stop()
     result["loadavg_1m"] = {"start": load_start, "end": os.getloadavg()[0]}
     _print_table(result)
+    for name, delta in result["delta"].items():
+        print_delta(name, delta)
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result

@@ -57,6 +57,16 @@ class RayConfig(Section):
     the weights in buckets of ``bucket_bytes``), ``shared_memory`` (written once under
     /dev/shm in buckets, read by each actor; actors on this host only, so not with
     ``address``). A revived actor gets the current version through the object store."""
+    delta: bool = True
+    """True: an engine actor that holds the previous version gets only what changed, in
+    its dtype (``engine.local.dtype``): the changed elements' indices and values, or whole
+    tensors where that is smaller; a version where more than half of all elements changed,
+    an actor's first load, one that missed a version and a replaced actor get the full
+    version in that dtype. Exact: the weights after a delta equal a full sync's bit for bit.
+    Gains come with ``bfloat16`` engines (small AdamW moves round to the same value); with
+    ``float32`` nearly every element moves each step. False: every version goes whole, as
+    the trainer holds it. Bytes per sync, kind and dtype are logged per send (sync/delta.py,
+    docs/distributed.md)."""
     placement: Literal["colocated", "disaggregated"] | None = None
     """Where engines and the trainer run on this host's CPUs: ``disaggregated`` pins the
     engine actors and the trainer to separate cores (the lower and upper half); ``colocated``
@@ -163,7 +173,8 @@ def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig
 
 # read only by the local engine's actors: vLLM engines on Ray stream over HTTP and reload
 # weights from this host's shared memory (runtime/ray/vllm.py)
-_LOCAL_ACTOR_FIELDS = ("weight_sync", "bucket_bytes", "episode_cache_tokens", "out_of_band_bytes")
+_LOCAL_ACTOR_FIELDS = ("weight_sync", "delta", "bucket_bytes", "episode_cache_tokens",
+                       "out_of_band_bytes")
 
 
 def _check_vllm(rt: RayConfig, engine: EngineConfig) -> None:

@@ -4,6 +4,8 @@
                      apply to every engine, on_applied), calling Engine.load_weights
     protocol.py      the transport protocol: Payload (tensors + a versioned Header: protocol,
                      version, kind, names, dtypes, shapes), Destination, Delivery, Transport
+    delta.py         versioned delta sync: wraps a transport to engine actors; an engine
+                     that holds the previous version gets only what changed, in its dtype
     object_store.py  to engine actors through Ray's object store (and every path's fallback)
     broadcast.py     to engine actors over one gloo group, in byte buckets
     shm.py           safetensors buckets in /dev/shm: the store, its reader, and the

@@ -9,10 +9,10 @@ each tensor's name, dtype and shape. A receiver checks it before it installs any
 refused with the reason, never half-applied.
 
 Kinds: ``full`` (a whole Hugging Face-named state dict, what ``Engine.load_weights`` takes)
-is the one built. A delta (tensors to add to the served ones) or an adapter-only payload (a
-LoRA's tensors) is an addition: a new :data:`PayloadKind` value, made by the trainer, and the
-receivers that can apply it accept it; the transports move any kind unchanged, since they
-move tensors and this header.
+and ``delta`` (what changed from the version ``base`` to ``version``, in the engine's dtype:
+``delta.py``, which makes and applies it; only an engine that holds ``base`` applies it). An
+adapter-only payload (a LoRA's tensors) would be another :data:`PayloadKind` value; the
+transports move any kind unchanged, since they move tensors and this header.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; engines derive them
 PROTOCOL = 1  # the layout of a header and of the transports' deliveries
-PayloadKind = Literal["full"]
+PayloadKind = Literal["full", "delta"]
 KINDS: tuple[str, ...] = get_args(PayloadKind)
 
 
@@ -43,11 +43,15 @@ class Header:
     kind: PayloadKind
     tensors: tuple[TensorMeta, ...]
     protocol: int = PROTOCOL
+    base: int | None = None  # a delta's: the version it applies to (None for full)
 
     @classmethod
     def describe(cls, version: int, kind: PayloadKind,
-                 tensors: Mapping[str, torch.Tensor]) -> Header:
-        return cls(version=version, kind=kind, tensors=tuple(
+                 tensors: Mapping[str, torch.Tensor], base: int | None = None) -> Header:
+        if (kind == "delta") != (base is not None):
+            raise ValueError(f"a {kind} payload with base {base}: a delta, and only a delta, "
+                             "names the version it applies to")
+        return cls(version=version, kind=kind, base=base, tensors=tuple(
             TensorMeta(name=name, dtype=str(t.dtype).removeprefix("torch."),
                        shape=tuple(t.shape)) for name, t in tensors.items()))
 
@@ -58,8 +62,11 @@ class Header:
     def metadata(self) -> dict[str, str]:
         """The fields a file format's string metadata keeps (safetensors'): the names,
         dtypes and shapes are in the file's own header."""
-        return {"rollstream.protocol": str(self.protocol), "rollstream.version":
+        meta = {"rollstream.protocol": str(self.protocol), "rollstream.version":
                 str(self.version), "rollstream.kind": self.kind}
+        if self.base is not None:
+            meta["rollstream.base"] = str(self.base)
+        return meta
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,17 +137,20 @@ def check(protocol: int, kind: str, kinds: tuple[str, ...] = KINDS) -> None:
                          f"(accepted: {', '.join(kinds)})")
 
 
-def read_metadata(meta: Mapping[str, str] | None, where: str) -> tuple[int, PayloadKind]:
-    """The version and kind :meth:`Header.metadata` wrote, checked (``where``: the file)."""
+def read_metadata(meta: Mapping[str, str] | None, where: str, kinds: tuple[str, ...] = KINDS
+                  ) -> tuple[int, PayloadKind, int | None]:
+    """The version, kind and base :meth:`Header.metadata` wrote, checked (``where``: the
+    file; ``kinds``: those the reader applies)."""
     meta = meta or {}
     try:
         protocol, version = int(meta["rollstream.protocol"]), int(meta["rollstream.version"])
         kind = meta["rollstream.kind"]
+        base = int(meta["rollstream.base"]) if "rollstream.base" in meta else None
     except (KeyError, ValueError) as e:
         raise ValueError(f"{where}: not a rollstream weight payload (metadata {meta}): "
                          f"{e!r}") from None
-    check(protocol, kind)
-    return version, kind  # type: ignore[return-value]  # checked against KINDS
+    check(protocol, kind, kinds)
+    return version, kind, base  # type: ignore[return-value]  # checked against KINDS
 
 
 def check_full(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], *,

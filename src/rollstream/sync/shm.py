@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.sync.buckets import plan_buckets
 from rollstream.sync.object_store import ObjectStore
-from rollstream.sync.protocol import Destination, Header, Payload, PayloadKind, read_metadata
+from rollstream.sync.protocol import (
+    KINDS,
+    Destination,
+    Header,
+    Payload,
+    PayloadKind,
+    read_metadata,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -105,9 +112,9 @@ class WeightStore:
 
 
 def iter_folder(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a version folder, one at a time (memory-mapped), each file's header
-    checked first (blocking)."""
-    for _, f in _buckets(path):
+    """The tensors of a ``full`` version folder, one at a time (memory-mapped), each file's
+    header checked first (blocking): vLLM's reload takes whole weights only."""
+    for _, f in _buckets(path, kinds=("full",)):
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             yield name, f.get_tensor(name)
 
@@ -115,13 +122,15 @@ def iter_folder(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def read_folder(path: str | Path) -> Payload:
     """A version folder's payload, its tensors in memory (blocking)."""
     tensors: dict[str, torch.Tensor] = {}
-    for (version, kind), f in _buckets(path):
+    for (version, kind, base), f in _buckets(path):
         tensors.update((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
-    return Payload(header=Header.describe(version, kind, tensors), tensors=tensors)
+    return Payload(header=Header.describe(version, kind, tensors, base), tensors=tensors)
 
 
-def _buckets(path: str | Path) -> Iterator[tuple[tuple[int, PayloadKind], Any]]:
-    """Each bucket file of a version folder, open, with its checked version and kind."""
+def _buckets(path: str | Path, kinds: tuple[str, ...] = KINDS
+             ) -> Iterator[tuple[tuple[int, PayloadKind, int | None], Any]]:
+    """Each bucket file of a version folder, open, with its checked version, kind (one of
+    ``kinds``) and base."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("bucket-*.safetensors"))
@@ -129,7 +138,7 @@ def _buckets(path: str | Path) -> Iterator[tuple[tuple[int, PayloadKind], Any]]:
         raise FileNotFoundError(f"no bucket-*.safetensors files in {path}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            yield read_metadata(f.metadata(), str(file)), f
+            yield read_metadata(f.metadata(), str(file), kinds), f
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

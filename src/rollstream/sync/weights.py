@@ -21,8 +21,8 @@ Ordering contract
 Transport: ``Engine.load_weights`` gets the tensors in this process (the embedded engine
 copies them into its own parameters); an engine whose weights live elsewhere moves them with
 a transport of this package (the vLLM engine through ``vllm.py``, the Ray engine proxies
-through ``object_store.py``, ``broadcast.py`` or ``shm.py``), each a ``Payload`` of the
-versioned protocol of ``protocol.py``.
+through ``object_store.py``, ``broadcast.py`` or ``shm.py``, as deltas where they can:
+``delta.py``), each a ``Payload`` of the versioned protocol of ``protocol.py``.
 
 WeightSync talks to the engines and to a small :class:`Gate` (pause / resume / wait until
 idle, which the dispatcher implements); it knows nothing else of the rollout. DEAD engines

@@ -74,7 +74,9 @@ class EngineActor:
 
     async def install(self, delivery: Delivery) -> None:
         """Install the version a weight transport delivered (``sync/``): the payload itself,
-        a broadcast round's buckets or a shared-memory folder, opened off the loop."""
+        a broadcast round's buckets or a shared-memory folder, opened off the loop; a delta
+        is applied to the weights served (``sync/delta.py``: only to the version it names)."""
+        from rollstream.sync.delta import receive
         from rollstream.sync.protocol import Payload
 
         async with self._receiving:
@@ -82,7 +84,10 @@ class EngineActor:
                 payload = delivery.open()
             else:
                 payload = await asyncio.to_thread(delivery.open, self._group)
-        await self.engine.load_weights(payload.version, payload.tensors)
+            # loads come one at a time through here: the served weights are the base's
+            tensors = receive(payload, held=self.engine.stats().version,
+                              served=self.engine._weights.hf_views)
+            await self.engine.load_weights(payload.version, tensors)
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the weights the engine serves, HF-named, read off the engine thread: for

@@ -196,13 +196,20 @@ class RayEngine:
             generated_tokens=before.tokens + max(last.generated_tokens, self._delivered_tokens),
             busy_s=before.busy_s + last.busy_s,
             work={**{k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
-                  **self.wire.totals()},
+                  **self.wire.totals(), **self._sync_totals()},
             health=health, health_reason=self._death)
 
     def live_actor(self) -> Any:
         """The actor while it serves (None once it died or was closed)."""
         self._poll()
         return None if self._death is not None or self._closed else self.actor
+
+    def _sync_totals(self) -> dict[str, float]:
+        """Weight loads by kind and their bytes, when the transport sends deltas."""
+        from rollstream.sync.delta import DeltaSync
+
+        return self._weights.totals(self.engine_id) if isinstance(self._weights,
+                                                                  DeltaSync) else {}
 
     # ---- restarts and close --------------------------------------------------------------
     def needs_restart(self) -> bool:
@@ -415,6 +422,7 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
     episode's history; engine ``i`` (and its replacements) in ``units.engine(i)`` (None: where
     Ray places them). ``episode_cache_tokens``, ``out_of_band_bytes``: ``runtime.ray``'s."""
     from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.delta import DeltaSync
     from rollstream.sync.object_store import ObjectStore
 
     weights = weights or ObjectStore()
@@ -438,26 +446,32 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
         for actor in actors.values():
             ray.kill(actor, no_restart=True)
         raise
-    if isinstance(weights, Broadcast):  # the group: every engine whose actor serves
-        weights.members = lambda: {e.engine_id: a for e in engines
+    group = weights.inner if isinstance(weights, DeltaSync) else weights
+    if isinstance(group, Broadcast):  # the group: every engine whose actor serves
+        group.members = lambda: {e.engine_id: a for e in engines
                                    if (a := e.live_actor()) is not None}
     return engines
 
 
-def build_transport(cfg: RayConfig) -> Transport:
-    """The engine actors' weight transport, by ``runtime.ray.weight_sync``."""
+def build_transport(cfg: RayConfig, dtype: str) -> Transport:
+    """The engine actors' weight transport, by ``runtime.ray.weight_sync``, sending deltas
+    in the engines' ``dtype`` unless ``runtime.ray.delta`` is false."""
     from rollstream.sync.broadcast import Broadcast
+    from rollstream.sync.delta import DeltaSync
     from rollstream.sync.object_store import ObjectStore
     from rollstream.sync.shm import SharedMemory
 
+    inner: Transport
     match cfg.weight_sync:
         case "object_store":
-            return ObjectStore()
+            inner = ObjectStore()
         case "broadcast":
-            return Broadcast(cfg.bucket_bytes)
+            inner = Broadcast(cfg.bucket_bytes)
         case "shared_memory":
-            return SharedMemory(cfg.bucket_bytes)
-    raise AssertionError(cfg.weight_sync)  # the config allows nothing else
+            inner = SharedMemory(cfg.bucket_bytes)
+        case _:
+            raise AssertionError(cfg.weight_sync)  # the config allows nothing else
+    return DeltaSync(inner, dtype=dtype, name=cfg.weight_sync) if cfg.delta else inner
 
 
 def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str, num_cpus: float,
@@ -475,6 +489,6 @@ def build_run_engines(cfg: RunConfig, model_path: Path, *, version: int, units: 
     ray = cfg.runtime.ray
     return build_ray_engines(model_path, placed_engine(cfg), num_engines=cfg.engine.num_engines,
                              version=version, num_cpus=ray.engine_num_cpus,
-                             weights=build_transport(ray), units=units,
+                             weights=build_transport(ray, cfg.engine.local.dtype), units=units,
                              episode_cache_tokens=ray.episode_cache_tokens,
                              out_of_band_bytes=ray.out_of_band_bytes)
