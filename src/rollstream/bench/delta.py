@@ -58,7 +58,7 @@ async def _syncs(engines: list, versions: list[dict], first: int) -> list[float]
 
 async def bench_dtype(folder: Path, dtype: str, versions: list[dict]) -> dict[str, Any]:
     """Every path, off and auto, to two engine actors of ``dtype``."""
-    from rollstream.bench.weightsync import PATHS, proxies
+    from rollstream.bench.sync_paths import PATHS, proxies
     from rollstream.config.schema import LocalEngineConfig
     from rollstream.runtime.ray.engines import build_ray_engines
     from rollstream.sync.delta import DeltaSync, payload_bytes

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-PATHS = ("object_store", "broadcast", "shared_memory")
+from rollstream.bench.sync_paths import PATHS, proxies
+
 NUM_SYNCS = 5
 BIGGER = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
           "intermediate_size": 1536}
@@ -50,24 +51,6 @@ async def _sync_seconds(engines: list, state: dict, first_version: int) -> list[
         await asyncio.gather(*(e.load_weights(v, tensors) for e in engines))
         times.append(time.perf_counter() - t0)
     return times[1:]  # the first is the warm-up
-
-
-def proxies(owners: list, path: str, delta: bool, dtype: str) -> tuple[Any, list]:
-    """A transport of ``path`` (``runtime.ray.delta`` = ``delta``, engines in ``dtype``)
-    and new proxies over ``owners``' actors that share it."""
-    from rollstream.config.runtime import RayConfig
-    from rollstream.runtime.ray.engines import RayEngine, build_transport
-    from rollstream.sync.broadcast import Broadcast
-    from rollstream.sync.delta import DeltaSync
-
-    transport = build_transport(RayConfig.model_validate({"weight_sync": path,
-                                                          "delta": delta}), dtype)
-    engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=transport,
-                         version=0, max_restarts=0, actor=o.actor) for o in owners]
-    inner = transport.inner if isinstance(transport, DeltaSync) else transport
-    if isinstance(inner, Broadcast):
-        inner.members = lambda: {e.engine_id: e.actor for e in engines}
-    return transport, engines
 
 
 async def bench_model(folder: Path) -> dict[str, Any]:
