@@ -140,6 +140,7 @@ RAW = [  # a server that only speaks the protocol's frames (at the process edge)
      r"`reward` is not a finite number or null: nan"),
     ({"observation": {}, "reward": "1", "done": True}, r"`reward` is not a finite number"),
     ([1, 2], r"step reply is malformed \(AttributeError"),
+    ("error", r"server refused the step: 'Server error: x{250,}\.\.\. \(100\d\d\d chars\)$"),
 ]
 
 
@@ -155,6 +156,9 @@ async def test_what_any_server_says_is_checked_before_it_is_used(tmp_path: Path)
                 data = RAW[int(json.loads(raw)["data"]["message"])][0]
             else:
                 return
+            if data == "error":  # an error frame of 100 kB
+                await ws.send(json.dumps({"type": "error", "data": {"message": "x" * 100_000}}))
+                continue
             await ws.send(json.dumps({"type": "observation", "data": data}))
 
     async with serve(answer, "127.0.0.1", 0) as server:

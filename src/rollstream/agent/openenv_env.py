@@ -260,12 +260,15 @@ def _opening(row: dict[str, Any], column: str) -> list[Message]:
 
 async def _reply(what: str, call: Any) -> Any:
     """The client's result of a reset or step; a reply its parser cannot read (not a JSON
-    object, or one whose parts are not objects) is named as the server's."""
+    object, or one whose parts are not objects) or an error the server sends is named as the
+    server's, its text cut (it lands in the sample's failure reason)."""
     try:
         return await _awaited(call)
     except (AttributeError, TypeError, json.JSONDecodeError) as e:
         raise OpenEnvError(f"the OpenEnv server's {what} reply is malformed "
-                           f"({type(e).__name__}: {e})") from None
+                           f"({type(e).__name__}: {_shown(str(e))})") from None
+    except RuntimeError as e:  # its error frame: the server's own words, cut to a reason's size
+        raise OpenEnvError(f"the OpenEnv server refused the {what}: {_shown(str(e))}") from None
 
 
 async def _awaited(value: Any) -> Any:
@@ -273,6 +276,6 @@ async def _awaited(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _shown(value: Any, limit: int = 120) -> str:
+def _shown(value: Any, limit: int = 300) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
