@@ -7,6 +7,7 @@ plumbing end to end (the environment ends every episode and grades it)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -32,6 +33,7 @@ from rollstream.trajectory import SampleStatus, Task
 ROOT = Path(__file__).resolve().parents[2]
 GUESS_APP = "tests.agent.openenv_pkg.server.app:app"
 HOSTILE_APP = "tests.agent.openenv_pkg.server.hostile:app"
+SINGLE_APP = "tests.agent.openenv_pkg.server.app:single"
 ROWS = [{"id": i, "prompt": f"guess {i % 10}", "target": 40 + i} for i in range(16)]
 
 
@@ -104,6 +106,30 @@ async def test_episodes_run_in_a_server_the_run_launches_on_loopback_and_always_
     finally:
         await harness.close()
     assert not _servers(GUESS_APP)
+
+
+async def test_max_sessions_holds_episodes_at_reset_for_a_server_of_one_session(
+        tmp_path: Path):
+    single = {"app": SINGLE_APP, "observation_field": "hint", "reset_columns": ["target"]}
+    sources = episode_sources(_sources(tmp_path, single, single | {"max_sessions": 1}))
+    try:
+        a, b = (sources["s0"].environment(_task(r), tools=None) for r in ROWS[:2])
+        await a.reset()
+        with pytest.raises(RuntimeError, match=r"connection closed at the reset .*session "
+                                               r"limit .*max_sessions"):
+            await b.reset()  # no cap: the server's own refusal fails the second episode
+        await a.close()
+        a, b = (sources["s1"].environment(_task(r), tools=None) for r in ROWS[:2])
+        await a.reset()
+        waiting = asyncio.create_task(b.reset())
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # held until the first episode ends
+        assert (await a.step(_turn("40", 0))).reward == 1.0
+        await asyncio.wait_for(waiting, timeout=30)
+        assert (await b.step(_turn("41", 0))).reward == 1.0
+    finally:
+        await _harness(sources).close()
+    assert not _servers(SINGLE_APP)
 
 
 HOSTILE = [  # an OpenEnv server: what its framework lets through

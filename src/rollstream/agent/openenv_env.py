@@ -165,6 +165,7 @@ class OpenEnvEpisodes:
     def __init__(self, cfg: OpenEnvConfig, *, source: str, prompt_column: str) -> None:
         self.cfg, self.prompt_column = cfg, prompt_column
         self.server = OpenEnvServer(cfg, source=source)
+        self.sessions = None if cfg.max_sessions is None else asyncio.Semaphore(cfg.max_sessions)
 
     def __call__(self, *, row: dict[str, Any]) -> OpenEnvEpisode:
         return OpenEnvEpisode(row=row, factory=self)
@@ -181,6 +182,7 @@ class OpenEnvEpisode:
     def __init__(self, *, row: dict[str, Any], factory: OpenEnvEpisodes) -> None:
         self.row, self.cfg, self.factory = row, factory.cfg, factory
         self.client: Any = None
+        self.holds_session = False  # one of the factory's max_sessions
         self.rewards: list[float] = []
 
     async def reset(self) -> list[Message]:
@@ -192,6 +194,9 @@ class OpenEnvEpisode:
         kwargs = {c: self.row[c] for c in self.cfg.reset_columns}
         await self.close()  # a replayed episode starts a fresh session
         self.rewards = []
+        if self.factory.sessions is not None:
+            await self.factory.sessions.acquire()  # released by close()
+            self.holds_session = True
         self.client = GenericEnvClient(
             base_url=await self.factory.server.url(), connect_timeout_s=self.cfg.timeout_s,
             message_timeout_s=self.cfg.timeout_s,
@@ -215,9 +220,15 @@ class OpenEnvEpisode:
     async def close(self) -> None:
         """End the session (the server frees its environment)."""
         client, self.client = self.client, None
-        if client is not None:
-            with contextlib.suppress(Exception):  # a session the server already dropped
-                await _awaited(client.close())
+        try:
+            if client is not None:
+                with contextlib.suppress(Exception):  # a session the server already dropped
+                    await _awaited(client.close())
+        finally:
+            if self.holds_session:
+                assert self.factory.sessions is not None
+                self.holds_session = False
+                self.factory.sessions.release()
 
     def _checked(self, result: Any, what: str) -> tuple[dict[str, Any], float | None, bool]:
         observation, reward, done = (getattr(result, k, None)
@@ -262,8 +273,14 @@ async def _reply(what: str, call: Any) -> Any:
     """The client's result of a reset or step; a reply its parser cannot read (not a JSON
     object, or one whose parts are not objects) or an error the server sends is named as the
     server's, its text cut (it lands in the sample's failure reason)."""
+    from websockets.exceptions import ConnectionClosed
+
     try:
         return await _awaited(call)
+    except ConnectionClosed as e:  # a message over max_message_bytes, or the server hung up
+        raise OpenEnvError(f"the OpenEnv server's connection closed at the {what} ({e}); a "
+                           "server at its session limit closes it (openenv.max_sessions)"
+                           ) from None
     except (AttributeError, TypeError, json.JSONDecodeError) as e:
         raise OpenEnvError(f"the OpenEnv server's {what} reply is malformed "
                            f"({type(e).__name__}: {_shown(str(e))})") from None

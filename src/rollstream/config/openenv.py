@@ -42,6 +42,10 @@ class OpenEnvConfig(Section):
     """The episode's reward, from the rewards of its steps (a step without one counts 0):
     their ``sum``, or the ``last`` step's. An episode that ends before the environment says
     ``done`` (a turn or token budget) has no environment reward."""
+    max_sessions: int | None = Field(None, ge=1)
+    """Sessions open on the server at once (its ``max_concurrent_envs``; OpenEnv's template
+    serves one): an episode past it waits at its reset for one to end. Null = no cap (the
+    server refuses a session past its own, failing that episode)."""
     max_message_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     """Largest message the server may send (bytes): a larger one fails the episode."""
     timeout_s: float = Field(30.0, gt=0)

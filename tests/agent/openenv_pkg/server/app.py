@@ -9,3 +9,7 @@ from tests.agent.openenv_pkg.server.guess_environment import GuessEnvironment
 
 app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess",
                  max_concurrent_envs=16)
+
+# as the template makes it: one session at a time
+single = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess",
+                    max_concurrent_envs=1)
