@@ -10,6 +10,9 @@ which runs it off the event loop so that other episodes keep going.
 ``ToolCallParser``, run by a ``ToolManager``); a turn without tool calls is its answer, graded
 by ``grade(answer)``.
 
+An environment that holds something for its episode (a session on a server) has an async
+``close()``: the harness calls it when the episode ends, however it ends (:func:`aclose`).
+
 An environment whose state is more than what the model turns and tool results determine (a
 random draw at reset, a simulator, an external system) also implements
 :class:`Snapshottable`: its state is saved with the episode at each turn boundary, and a
@@ -19,6 +22,7 @@ resumed episode restores it instead of rebuilding it by replay (``agent/loop.py`
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -116,3 +120,11 @@ class ToolEnvironment:
         replies += [{"role": "tool", "content": f"error: {e}"} for e in parsed.errors]
         return Observation(messages=replies, done=False, tool_calls=parsed.calls,
                            tool_results=results)
+
+
+async def aclose(obj: object) -> None:
+    """``await obj.close()`` when ``obj`` has an async ``close()`` (an environment, a source
+    that holds a server); anything else (None included) has nothing to release."""
+    close = getattr(obj, "close", None)
+    if inspect.iscoroutinefunction(close):
+        await close()

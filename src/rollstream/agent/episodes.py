@@ -15,6 +15,9 @@ TypeError naming ``tasks.sources.N.<field>``:
   :class:`~rollstream.agent.environment.ThreadedEnvironment`). An environment whose class sets
   ``gives_reward = True`` grades its episodes (``Observation.reward``), so its source names
   no ``reward``; any other episode is graded by the source's reward on its last model turn.
+* ``openenv`` (instead of ``environment``): an OpenEnv environment's server, launched at the
+  source's first episode or attached by URL, one client session per episode
+  (``agent/openenv_env.py``); it grades the episodes.
 * ``agent``: an ``async def (session, task, sampling)`` (``agent/proxy_harness.py``), which
   must be picklable by reference (defined at a module's top level) because
   ``agent.harness_workers`` runs it in spawned processes.
@@ -33,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rollstream.agent.environment import Environment, ThreadedEnvironment
+from rollstream.agent.environment import Environment, ThreadedEnvironment, aclose
 from rollstream.agent.tools import Calculator, HermesToolParser, Tool, ToolCallParser
 from rollstream.config.tasks import EPISODE_ROW
 from rollstream.named import import_named
@@ -62,6 +65,10 @@ class EpisodeSource:
 
     def tool_list(self) -> list[Tool]:
         return list(self.tools)
+
+    async def close(self) -> None:
+        """Release what its environment factory holds for the run (an OpenEnv server)."""
+        await aclose(self.make_environment)
 
     def environment(self, task: Task, tools: Any) -> Environment:
         """A fresh environment for ``task`` whose tool calls go through ``tools``."""
@@ -118,6 +125,8 @@ def _episode_source(src: SourceConfig, where: str, sandbox: RunSandbox) -> Episo
         _field(where, "agent", check_agent, path)
         out.agent = path
         return out
+    if src.openenv is not None:
+        return _openenv_source(src, where, out)
     path = src.episode_setting("environment")
     out.make_environment = _field(where, "environment", environment_factory, path,
                                   dict(src.environment_kwargs))
@@ -127,6 +136,19 @@ def _episode_source(src: SourceConfig, where: str, sandbox: RunSandbox) -> Episo
         raise ValueError(f"{where}.reward: the environment {path!r} grades its episodes "
                          f"(gives_reward), and the source names reward {src.reward!r}: "
                          "drop one of them")
+    return out
+
+
+def _openenv_source(src: SourceConfig, where: str, out: EpisodeSource) -> EpisodeSource:
+    """A source whose episodes run in an OpenEnv environment (``agent/openenv_env.py``): its
+    server is launched (or attached) at the first episode and closed with the harness."""
+    from rollstream.agent.openenv_env import OpenEnvEpisodes, check_openenv
+
+    assert src.openenv is not None
+    _field(where, "openenv", check_openenv, src.openenv)
+    out.make_environment = OpenEnvEpisodes(src.openenv, source=src.source_name,
+                                           prompt_column=src.columns.prompt)
+    out.gives_reward = True
     return out
 
 

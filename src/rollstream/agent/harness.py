@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from rollstream.agent.chat import ChatRenderer
-from rollstream.agent.environment import Environment
+from rollstream.agent.environment import Environment, aclose
 from rollstream.agent.loop import (
     AgentLoop,
     Budgets,
@@ -104,6 +104,11 @@ class AgentHarness:
                                         max_output_chars=max_tool_output_chars)
                       for name, src in self.sources.items()}
 
+    async def close(self) -> None:
+        """Release what its sources hold for the run (their environments' servers)."""
+        for source in self.sources.values():
+            await aclose(source)
+
     async def run(self, sample: Sample, dispatcher: EpisodeHost, params: SamplingParams) -> None:
         move = dispatcher.lifecycle.move
         source = self.sources.get(sample.task.source)
@@ -114,6 +119,7 @@ class AgentHarness:
         episode = Episode(prompt_ids=list(sample.task.prompt_ids), segments=sample.segments,
                           turns=sample.turns, snapshot=sample.env_snapshot)
         loop = AgentLoop(renderer=self.renderer, sampling=params, budgets=self.budgets)
+        env = None
         try:
             tools = ReplayTools(self.tools[sample.task.source])
             env = source.environment(sample.task, tools)
@@ -125,6 +131,8 @@ class AgentHarness:
             if not sample.status.is_terminal():
                 move(sample, SampleStatus.FAILED, f"episode: {type(e).__name__}: {e}")
             return
+        finally:
+            await aclose(env)
         if episode.end is None:  # the dispatcher gave up on it: it has recorded why
             return
         if episode.end is EpisodeEnd.ENGINE_ERROR:

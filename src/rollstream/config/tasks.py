@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rollstream.config.openenv import OpenEnvConfig
 from rollstream.config.section import Section
 
 _DATASET_KINDS = ("jsonl", "parquet", "hf_dataset")  # the kinds that read a dataset at `path`
@@ -123,6 +124,10 @@ class SourceConfig(Section):
     is ``rollstream.agent.tally:TallyEnvironment``."""
     environment_kwargs: dict[str, Any] = {}
     """Keyword arguments of ``environment`` besides the row (JSON values)."""
+    openenv: OpenEnvConfig | None = None
+    """``harness: agent``, instead of ``environment``: the episodes run in an OpenEnv
+    environment (its server, launched by the run or given by URL; docs/agents.md); it grades
+    them, so the source names no ``reward``."""
     agent: str | None = Field(None, pattern=_IMPORT_PATH)
     """``harness: openai``: the agent, an import path ``module:function`` of an ``async def
     (session, task, sampling)`` that runs one episode with the ``openai`` SDK. Required for a
@@ -212,7 +217,8 @@ class SourceConfig(Section):
             raise ValueError(f"`harness` is read by dataset kinds and tally; kind {self.kind} "
                              "generates single-turn tasks (drop harness)")
         if not self.episodic:
-            for key in ("environment", "environment_kwargs", "agent", "tools", "tool_parser"):
+            for key in ("environment", "environment_kwargs", "agent", "tools", "tool_parser",
+                        "openenv"):
                 if getattr(self, key) != SourceConfig.model_fields[key].default:
                     raise ValueError(f"`{key}` is read only by a source whose tasks are "
                                      "episodes: set harness (agent or openai) or drop it")
@@ -227,8 +233,21 @@ class SourceConfig(Section):
             raise ValueError("`environment_kwargs` is read only with harness: agent")
         if self.environment_kwargs and self.environment is None and self.kind != "tally":
             raise ValueError("`environment_kwargs` needs `environment`")
-        if self.reads_dataset and getattr(self, own) is None:
-            raise ValueError(f"harness {harness} needs `{own}` (an import path module:name)")
+        if self.openenv is not None:
+            self._openenv_fields(harness)
+        elif self.reads_dataset and getattr(self, own) is None:
+            raise ValueError(f"harness {harness} needs `{own}` (an import path module:name)"
+                             + (" or `openenv`" if harness == "agent" else ""))
+
+    def _openenv_fields(self, harness: str) -> None:
+        """``openenv`` is the environment of a dataset source's agent episodes."""
+        if harness != "agent" or not self.reads_dataset:
+            raise ValueError(f"`openenv` is read by a dataset source with harness: agent; this "
+                             f"one is kind {self.kind}, harness {harness} (drop openenv)")
+        for key in ("environment", "environment_kwargs", "reward"):
+            if getattr(self, key):
+                raise ValueError(f"`{key}` and `openenv` both say what runs (or grades) the "
+                                 f"episodes: drop {key}")
 
 
 class ProxyConfig(Section):

@@ -135,7 +135,7 @@ def model_dtype(model_path: Path) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def set_pdeathsig() -> None:  # runs in the child between fork and exec (a preexec_fn)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -197,7 +197,7 @@ class VllmServer:
         self.proc = subprocess.Popen(
             self.argv(port), stdin=subprocess.DEVNULL, stdout=self._log_file,
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=_set_pdeathsig)
+            preexec_fn=set_pdeathsig)
         self.url = f"http://{HOST}:{port}"
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -243,7 +243,7 @@ class VllmServer:
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if proc is not None:
-            _kill_group(proc, grace_s)
+            kill_group(proc, grace_s)
             remove_orphaned_segments(set(glob.glob(SHM_PATTERN)) - self._shm_before,
                                       dead_group=proc.pid)
         if self._log_file is not None:
@@ -270,8 +270,9 @@ class VllmServer:
         return ""
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    # start_new_session=True: the leader's pid is the group id
+def kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to ``proc``'s group, SIGKILL to what is left of it after ``grace_s``; ``proc``
+    was started with ``start_new_session=True`` (the leader's pid is the group id)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
