@@ -16,7 +16,8 @@ import pytest
 # (with vLLM); `make test-fast` installs the dev extra alone, and there they are left out
 # instead of failing to collect. Where vLLM is installed the extras were meant to be too, so
 # nothing is left out: a missing extra fails loudly.
-_EXTRA_MODULES = {"data/test_reasoning_gym.py": "reasoning_gym"}
+_EXTRA_MODULES = {"data/test_reasoning_gym.py": "reasoning_gym",
+                  "agent/test_openenv.py": "openenv"}
 collect_ignore = ([] if importlib.util.find_spec("vllm") else
                   [path for path, module in _EXTRA_MODULES.items()
                    if importlib.util.find_spec(module) is None])
