@@ -285,7 +285,12 @@ async def _reply(what: str, call: Any) -> Any:
         raise OpenEnvError(f"the OpenEnv server's {what} reply is malformed "
                            f"({type(e).__name__}: {_shown(str(e))})") from None
     except RuntimeError as e:  # its error frame: the server's own words, cut to a reason's size
-        raise OpenEnvError(f"the OpenEnv server refused the {what}: {_shown(str(e))}") from None
+        # a server at capacity either closes the connection (above) or says so in an error
+        # frame (CAPACITY_REACHED), whichever comes first: both name the setting
+        full = ("; a server at its session limit refuses new sessions (openenv.max_sessions)"
+                if "capacity" in str(e).lower() else "")
+        raise OpenEnvError(f"the OpenEnv server refused the {what}: {_shown(str(e))}{full}"
+                           ) from None
 
 
 async def _awaited(value: Any) -> Any:
