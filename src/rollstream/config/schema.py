@@ -284,15 +284,16 @@ class RunConfig(Section):
                         f"{self.reward.name!r} (which grades every source): set reward.name: "
                         "auto to give sources their own rewards, or drop the source's reward"
                     )
-        if not any(s.harness == "openai" for s in self.tasks.sources):
+        if not any(s.task_harness == "openai" for s in self.tasks.sources):
             if self.agent.harness_workers:
                 raise ValueError(
                     f"agent.harness_workers = {self.agent.harness_workers} is read only by "
-                    "sources with harness: openai (tasks.sources has none); drop it or set 0")
+                    "sources with harness: openai or verifiers (tasks.sources has none); drop "
+                    "it or set 0")
             if self.agent.proxy != ProxyConfig():
                 raise ValueError(
-                    "agent.proxy is read only by sources with harness: openai (tasks.sources "
-                    "has none); drop it")
+                    "agent.proxy is read only by sources with harness: openai or verifiers "
+                    "(tasks.sources has none); drop it")
         if self.sampling.temperature == 0:
             raise ValueError(
                 "sampling.temperature = 0 cannot train: greedy samples of a group are all the "
