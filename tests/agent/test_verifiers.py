@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rollstream.agent.chat import check_alignment
 from rollstream.agent.episodes import episode_sources
@@ -20,13 +22,15 @@ from rollstream.agent.loop import Budgets
 from rollstream.agent.proxy_harness import OPENAI
 from rollstream.agent.proxy_wire import Refused, parse_request
 from rollstream.config import ConfigError, load_config
-from rollstream.data.ledger import Ledger
+from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.data.mix import TaskMix
+from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import Group, Sample, SampleStatus, SegmentKind
 from tests.agent.test_proxy_harness import RENDERER, TOKENIZER, _dispatcher
 from tests.agent.user_pkg.vf_envs import score
 
+ROOT = Path(__file__).resolve().parents[2]
 ENVS = "tests.agent.user_pkg.vf_envs"
 ROWS = [{"id": i, "prompt": [{"role": "user", "content": f"go {i}"}], "answer": "x"}
         for i in range(8)]
@@ -197,3 +201,35 @@ def test_the_proxy_takes_back_the_empty_reasoning_content_verifiers_sends() -> N
     with pytest.raises(Refused) as refused:
         parse_request(json.dumps({"messages": turns}).encode())
     assert refused.value.param == "messages.1.reasoning_content"
+
+
+@pytest.mark.slow
+def test_rollstream_train_trains_a_verifiers_environment_from_yaml(tmp_path: Path,
+                                                                   model_dir: Path):
+    """The config as a user writes it, run by ``rollstream train``: its episodes train, two
+    model turns each (the environment's ``max_turns``), graded by the rubric."""
+    cfg = {
+        "name": "vf", "run_root": str(tmp_path / "runs"), "seed": 0,
+        "model": {"path": str(model_dir)},
+        "tasks": {"num_eval": 0, "sources": [{
+            "name": "vf", "kind": "jsonl", "path": str(tmp_path / "vf.jsonl"),
+            "harness": "verifiers", "environment": f"{ENVS}:load_environment"}]},
+        "agent": {"max_turns": 3, "max_turn_tokens": 6},
+        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
+        "sampling": {"max_new_tokens": 40},
+        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
+        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
+        "monitor": {"progress": False, "report": False},
+    }
+    _source(tmp_path)  # writes vf.jsonl
+    (tmp_path / "vf.yaml").write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "rollstream.cli", "train",
+                           str(tmp_path / "vf.yaml")], cwd=ROOT, text=True,
+                          capture_output=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = read_ledger(RunFiles(tmp_path / "runs" / "vf").ledger)
+    assert all(r.status is not SampleStatus.FAILED for r in rows), rows[:2]
+    trained = [r for r in rows if r.status is SampleStatus.TRAINED]
+    assert len(trained) >= 2 * 2 * 2  # steps x groups x samples
+    assert all(r.num_turns == 2 and r.finish_reason == "done" and 0 <= r.reward <= 1
+               for r in trained)
