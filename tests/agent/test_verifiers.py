@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import rollstream
 from rollstream.agent.chat import check_alignment
 from rollstream.agent.episodes import episode_sources
 from rollstream.agent.loop import Budgets
@@ -183,7 +184,19 @@ def test_settings_that_contradict_are_refused_at_load(tmp_path: Path, fields: di
         load_config(None, [_source(tmp_path, **fields)])
 
 
-def test_only_a_dataset_source_is_a_verifiers_environments() -> None:
+def test_a_reward_besides_the_rubric_is_refused(tmp_path: Path) -> None:
+    """The rubric grades: a run-wide reward, or one given to ``rollstream.run`` for the
+    source, contradicts it."""
+    with pytest.raises(ConfigError, match=r"reward\.name = 'exact_match' grades every source, "
+                                          r"and tasks\.sources\.0 is a verifiers"):
+        _cfg(tmp_path, "reward.name=exact_match", environment=f"{ENVS}:ENV")
+    cfg = _cfg(tmp_path, environment=f"{ENVS}:ENV")
+    with pytest.raises(ConfigError, match=r"a reward was given for source 'vf' "
+                                          r"\(tasks\.sources\.0\), whose verifiers"):
+        rollstream.run(cfg, rewards={"vf": lambda response, task: 1.0})
+
+
+def test_only_a_dataset_source_runs_a_verifiers_environment() -> None:
     tally = "tasks.sources=[{kind: tally, harness: verifiers, environment: 'm:f'}]"
     with pytest.raises(ConfigError, match=r"harness verifiers is read by dataset kinds"):
         load_config(None, [tally])

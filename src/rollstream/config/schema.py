@@ -278,6 +278,11 @@ class RunConfig(Section):
                       num_workers=self.reward.num_workers + self.agent.harness_workers)
         if self.reward.name != "auto":
             for i, source in enumerate(self.tasks.sources):
+                if source.harness == "verifiers":
+                    raise ValueError(
+                        f"reward.name = {self.reward.name!r} grades every source, and "
+                        f"tasks.sources.{i} is a verifiers environment's, which its rubric "
+                        "grades: set reward.name: auto")
                 if source.reward is not None:
                     raise ValueError(
                         f"tasks.sources.{i}.reward = {source.reward!r} contradicts reward.name = "
