@@ -219,14 +219,15 @@ def test_the_proxy_takes_back_the_empty_reasoning_content_verifiers_sends() -> N
 @pytest.mark.slow
 def test_rollstream_train_trains_a_verifiers_environment_from_yaml(tmp_path: Path,
                                                                    model_dir: Path):
-    """The config as a user writes it, run by ``rollstream train``: its episodes train, two
-    model turns each (the environment's ``max_turns``), graded by the rubric."""
+    """The config as a user writes it, run by ``rollstream train``, the environment named
+    by its module as an installed hub environment is (``vf.load_environment``): its episodes
+    train, two model turns each (the environment's ``max_turns``), graded by the rubric."""
     cfg = {
         "name": "vf", "run_root": str(tmp_path / "runs"), "seed": 0,
         "model": {"path": str(model_dir)},
         "tasks": {"num_eval": 0, "sources": [{
             "name": "vf", "kind": "jsonl", "path": str(tmp_path / "vf.jsonl"),
-            "harness": "verifiers", "environment": f"{ENVS}:load_environment"}]},
+            "harness": "verifiers", "environment": ENVS}]},  # by module, as a hub one
         "agent": {"max_turns": 3, "max_turn_tokens": 6},
         "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
         "sampling": {"max_new_tokens": 40},
