@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.agent.environment import Environment, ThreadedEnvironment
 from rollstream.agent.tools import Calculator, HermesToolParser, Tool, ToolCallParser
-from rollstream.agent.verifiers_env import VerifiersAgent, load_environment
+from rollstream.agent.verifiers_env import VerifiersAgent
 from rollstream.config.tasks import EPISODE_ROW
 from rollstream.named import import_named
 from rollstream.trajectory import Task
@@ -121,11 +121,10 @@ def _episode_source(src: SourceConfig, where: str, sandbox: RunSandbox) -> Episo
         raise ValueError(f"{where}.tools: two tools share a name ({names})")
     out = EpisodeSource(name=src.source_name, harness=harness, parser=parser, tools=tools)
     if src.harness == "verifiers":
-        kwargs = dict(src.environment_kwargs)
-        _field(where, "environment", load_environment, src.environment, kwargs)
         out.agent = VerifiersAgent(environment=str(src.environment),
-                                   kwargs_json=json.dumps(kwargs, sort_keys=True),
+                                   kwargs_json=json.dumps(src.environment_kwargs, sort_keys=True),
                                    prompt_column=src.columns.prompt)
+        _field(where, "environment", out.agent.load)
         out.gives_reward = True
         return out
     if harness == "openai":

@@ -108,6 +108,11 @@ class VerifiersAgent:
     kwargs_json: str  # SourceConfig.environment_kwargs, as JSON
     prompt_column: str  # SourceConfig.columns.prompt: the rollout's opening messages
 
+    def load(self) -> Any:
+        """This process's environment (loaded at the first call: a check when the run is
+        built, or the first episode of a worker process)."""
+        return _loaded(self.environment, self.kwargs_json)
+
     async def __call__(self, session: SessionHandle, task: Task,
                        sampling: SamplingParams) -> float:
         """Run the environment's rollout of ``task`` through ``session``; its rubric's
@@ -116,7 +121,7 @@ class VerifiersAgent:
         import openai
 
         vf = _vf()
-        env = _loaded(self.environment, self.kwargs_json)
+        env = self.load()
         sampling_args = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                          "max_tokens": sampling.max_new_tokens}
         async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
