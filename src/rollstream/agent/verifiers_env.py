@@ -111,6 +111,7 @@ class VerifiersAgent:
     def load(self) -> Any:
         """This process's environment (loaded at the first call: a check when the run is
         built, or the first episode of a worker process)."""
+        _vf()  # the package is there (a cached environment does not say so)
         return _loaded(self.environment, self.kwargs_json)
 
     async def __call__(self, session: SessionHandle, task: Task,
