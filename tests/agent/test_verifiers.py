@@ -142,6 +142,9 @@ BAD_AT_BUILD = [
       r"\['colour'\]")),
     ({"environment": f"{ENVS}:ENV", "environment_kwargs": {"turns": 1}},
      r"tasks\.sources\.0\.environment: .* is a vf\.Environment already"),
+    ({"environment": f"{ENVS}:load_from_the_hub"},
+     (r"tasks\.sources\.0\.environment: environment .* building it raised ConnectionError: "
+      r"cannot reach huggingface\.co \(a loader that downloads its dataset cannot here")),
     ({"environment": "no_such_vf_environment"},
      (r"tasks\.sources\.0\.environment: environment 'no_such_vf_environment' is not an "
       r"installed verifiers environment module")),

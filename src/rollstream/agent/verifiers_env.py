@@ -23,6 +23,7 @@ to supply it as a local file); the run's sampling settings are used, not the env
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from rollstream.engine import SamplingParams
     from rollstream.trajectory import Task
 
+# a hub environment's loader downloads its dataset, which fails without network
+_OFFLINE = (" (a loader that downloads its dataset cannot here: give it local rows, "
+            "docs/agents.md)")
 _MISSING_PACKAGE = ("harness verifiers needs the `verifiers` package (the environments' "
                     "standard): pip install 'rollstream[verifiers]'")
 
@@ -70,6 +74,9 @@ def load_environment(spec: str, kwargs: dict[str, Any]) -> Any:
         except TypeError as e:
             raise TypeError(f"environment {spec!r}: load_environment(**environment_kwargs "
                             f"{sorted(kwargs)}) failed: {e}") from None
+        except Exception as e:  # noqa: BLE001 - fault boundary: the module's loader, named
+            raise ValueError(f"environment {spec!r}: load_environment raised "
+                             f"{type(e).__name__}: {e}{_OFFLINE}") from None
     if not isinstance(obj, vf.Environment):
         raise TypeError(f"environment {spec!r} gave {obj!r}, which is not a vf.Environment")
     return obj
@@ -77,10 +84,17 @@ def load_environment(spec: str, kwargs: dict[str, Any]) -> Any:
 
 def _called(spec: str, fn: Any, kwargs: dict[str, Any]) -> Any:
     try:
-        return fn(**kwargs)
+        inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
         raise TypeError(f"environment {spec!r} cannot be called with environment_kwargs "
                         f"{sorted(kwargs)}: {e}") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
+    try:
+        return fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - fault boundary: the user's loader, named
+        raise ValueError(f"environment {spec!r}: building it raised {type(e).__name__}: {e}"
+                         f"{_OFFLINE}") from None
 
 
 class RolloutFailed(RuntimeError):
