@@ -171,6 +171,8 @@ BAD_AT_LOAD = [
     ({"harness": "verifiers"}, r"harness verifiers needs `environment`"),
     ({"harness": "verifiers", "environment": "m:f", "reward": "exact_match"},
      r"`reward` is not read with harness verifiers \(the environment's rubric grades"),
+    ({"harness": "verifiers", "environment": "m:f", "reward_kwargs": ["answer"]},
+     r"`reward_kwargs` is not read with harness verifiers"),
     ({"harness": "verifiers", "environment": "m:f", "tools": ["calculator"]},
      r"`tools` is not read with harness verifiers"),
     ({"harness": "verifiers", "environment": "m:f", "agent": "m:g"},

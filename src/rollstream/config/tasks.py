@@ -265,7 +265,8 @@ class SourceConfig(Section):
                              "or an installed environment module's name)")
         for key, why in (("agent", "the environment drives its episodes"),
                          ("tools", "the environment runs its own tools"),
-                         ("reward", "the environment's rubric grades its episodes")):
+                         ("reward", "the environment's rubric grades its episodes"),
+                         ("reward_kwargs", "the environment's rubric grades its episodes")):
             if getattr(self, key) not in (None, ()):
                 raise ValueError(f"`{key}` is not read with harness verifiers ({why}); "
                                  f"drop {key}")
