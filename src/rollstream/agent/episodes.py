@@ -26,11 +26,17 @@ TypeError naming ``tasks.sources.N.<field>``:
   a class or function making one, given ``sandbox=`` (the run's pool) when it declares it.
 * ``tool_parser``: ``hermes`` or an import path of a parser or of what makes one (no
   arguments).
+
+A ``harness: verifiers`` source's ``environment`` is a ``vf.Environment`` (or what makes one,
+given ``environment_kwargs``, or an installed environment module's name), loaded here to be
+checked (``agent/verifiers_env.py``); its episodes run on the proxy harness, driven by a
+:class:`~rollstream.agent.verifiers_env.VerifiersAgent` that returns the rubric's score.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.agent.environment import Environment, ThreadedEnvironment, aclose
 from rollstream.agent.tools import Calculator, HermesToolParser, Tool, ToolCallParser
+from rollstream.agent.verifiers_env import VerifiersAgent
 from rollstream.config.tasks import EPISODE_ROW
 from rollstream.named import import_named
 from rollstream.trajectory import Task
@@ -55,13 +62,13 @@ class EpisodeSource:
     """What a harness needs of one source: its tools, parser and environment or agent."""
 
     name: str
-    harness: str  # "agent" or "openai"
+    harness: str  # "agent" or "openai" (Task.harness: what runs its episodes)
     parser: ToolCallParser
     tools: list[Tool] = field(default_factory=list)
     make_environment: Callable[..., Any] | None = None  # harness agent
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
-    agent: str | None = None  # harness openai: the agent's import path
-    gives_reward: bool = False  # its environment grades episodes
+    agent: str | VerifiersAgent | None = None  # harness openai: its import path, or verifiers'
+    gives_reward: bool = False  # its environment (or verifiers agent) grades episodes
 
     def tool_list(self) -> list[Tool]:
         return list(self.tools)
@@ -112,7 +119,7 @@ def episode_sources(tasks: TasksConfig,
 
 
 def _episode_source(src: SourceConfig, where: str, sandbox: RunSandbox) -> EpisodeSource:
-    harness = src.harness or "agent"
+    harness = src.task_harness or "agent"
     parser = _field(where, "tool_parser", build_parser, src.episode_setting("tool_parser"))
     tools = [_field(f"{where}.tools", str(k), build_tool, spec, sandbox)
              for k, spec in enumerate(src.episode_setting("tools"))]
@@ -120,6 +127,13 @@ def _episode_source(src: SourceConfig, where: str, sandbox: RunSandbox) -> Episo
     if len(set(names)) != len(names):
         raise ValueError(f"{where}.tools: two tools share a name ({names})")
     out = EpisodeSource(name=src.source_name, harness=harness, parser=parser, tools=tools)
+    if src.harness == "verifiers":
+        out.agent = VerifiersAgent(environment=str(src.environment),
+                                   kwargs_json=json.dumps(src.environment_kwargs, sort_keys=True),
+                                   prompt_column=src.columns.prompt)
+        _field(where, "environment", out.agent.load)
+        out.gives_reward = True
+        return out
     if harness == "openai":
         path = src.episode_setting("agent")
         _field(where, "agent", check_agent, path)

@@ -11,7 +11,9 @@ the calls into the sample itself by dialogue prefix matching; every model turn i
 by ``Dispatcher.episode_turn`` for that sample (gate, routing, interrupts with per-token
 versions, retries, spans), so an external agent's episodes are trained exactly like the
 built-in loop's. The episode's reward is the source's reward on the last model turn
-(``Sample.answer``), through the grader pool.
+(``Sample.answer``), through the grader pool; or, for a source whose agent grades its own
+episodes (``gives_reward``: a verifiers environment's, ``agent/verifiers_env.py``), the number
+the agent returned (or raised with, when a budget ended the episode).
 
 Where the agents run (``agent.harness_workers``): 0, as coroutines in the run's process;
 N > 0, in a pool of N long-lived worker processes (``ProcessWorkers``, the reward pool's,
@@ -76,15 +78,28 @@ class OpenAIAgent(Protocol):
 
 class OpenAIAgentSource(Protocol):
     """A source whose episodes an OpenAI-SDK agent drives; a ``tool_list()`` method, when it
-    has one, gives the tools its agents may run through their sessions."""
+    has one, gives the tools its agents may run through their sessions, and ``gives_reward =
+    True``, when set, says its agent returns each episode's reward."""
 
     name: str
     parser: Any  # the tool-call format its model writes (a ToolCallParser)
-    agent: str  # its OpenAIAgent's import path, ``module:function``
+    agent: str | OpenAIAgent  # its import path ``module:function``, or a picklable agent
 
 
 class AgentFailed(Exception):
-    """The agent raised in its worker process (the message: ``Type: message``)."""
+    """The agent raised in its worker process (the message: ``Type: message``); ``reward``:
+    the exception's, if it had one (:func:`graded_with`)."""
+
+    def __init__(self, message: str, reward: float | None = None) -> None:
+        super().__init__(message)
+        self.reward = reward
+
+
+def graded_with(e: BaseException) -> float | None:
+    """The reward an agent that grades its episodes gave with the error that ended one
+    (``reward`` on the exception: the episode is graded if a budget ended it)."""
+    reward = getattr(e, "reward", None)
+    return float(reward) if isinstance(reward, (int, float)) else None
 
 
 @functools.cache
@@ -96,15 +111,19 @@ def resolve_agent(path: str) -> OpenAIAgent:
     return check_agent(path)
 
 
-def run_agent(path: str, session: SessionHandle, task: Task,
-              sampling: SamplingParams) -> str | None:
-    """One episode in a harness worker process: the agent at ``path``, on an event loop of
-    its own. None when it returned, else why it raised (the worker lives on)."""
+def _agent(agent: str | OpenAIAgent) -> OpenAIAgent:
+    return resolve_agent(agent) if isinstance(agent, str) else agent
+
+
+def run_agent(agent: str | OpenAIAgent, session: SessionHandle, task: Task,
+              sampling: SamplingParams) -> tuple[str | None, Any]:
+    """One episode in a harness worker process: the agent (at an import path), on an event
+    loop of its own. (None, what it returned) when it returned, else (why it raised, the
+    reward it gave with it: :func:`graded_with`) (the worker lives on)."""
     try:
-        asyncio.run(resolve_agent(path)(session, task, sampling))
+        return None, asyncio.run(_agent(agent)(session, task, sampling))
     except Exception as e:  # noqa: BLE001 - fault boundary: the episode, reported to the run
-        return f"{type(e).__name__}: {e}"[:2000]
-    return None
+        return f"{type(e).__name__}: {e}"[:2000], graded_with(e)
 
 
 class ProxyHarness:
@@ -121,7 +140,7 @@ class ProxyHarness:
         self.tokenizer, self.budgets = tokenizer, budgets
         self.context_tokens, self.limits = context_tokens, limits
         self.sources = dict(sources)
-        self.agents = {name: resolve_agent(src.agent) for name, src in self.sources.items()}
+        self.agents = {name: _agent(src.agent) for name, src in self.sources.items()}
         self.tools = {name: ToolManager(src.tool_list(), timeout_s=tool_timeout_s,
                                         max_concurrency=max_tool_concurrency)
                       for name, src in self.sources.items() if hasattr(src, "tool_list")}
@@ -148,17 +167,18 @@ class ProxyHarness:
         self.proxies.clear()
 
     async def _drive(self, source: str, session: SessionHandle, task: Task,
-                     sampling: SamplingParams) -> None:
-        """Run ``source``'s agent on one episode, here or in a worker (module docstring)."""
+                     sampling: SamplingParams) -> Any:
+        """Run ``source``'s agent on one episode, here or in a worker (module docstring);
+        what it returned."""
         b = self.budgets
         if self.workers is None:
             async with asyncio.timeout(b.max_wall_s):
-                await self.agents[source](session, task, sampling)
-            return
-        error = await self.workers.call(run_agent, (self.sources[source].agent, session, task,
-                                                    sampling), b.max_wall_s)
+                return await self.agents[source](session, task, sampling)
+        error, returned = await self.workers.call(
+            run_agent, (self.sources[source].agent, session, task, sampling), b.max_wall_s)
         if error is not None:
-            raise AgentFailed(error)
+            raise AgentFailed(error, returned)
+        return returned
 
     async def run(self, sample: Sample, dispatcher: EpisodeHost, params: SamplingParams) -> None:
         move = dispatcher.lifecycle.move
@@ -176,9 +196,10 @@ class ProxyHarness:
         proxy = await self._proxy(dispatcher, sample.task.source)
         handle = proxy.open_session(sample.uid, binding=binding)
         error: str | None = None
+        returned: Any = None
         try:
-            await self._drive(sample.task.source, handle, sample.task,
-                              replace(params, max_new_tokens=b.max_turn_tokens))
+            returned = await self._drive(sample.task.source, handle, sample.task,
+                                         replace(params, max_new_tokens=b.max_turn_tokens))
         except (TimeoutError, CallTimeout):
             error = f"the agent ran past agent.max_wall_s = {b.max_wall_s} s" + (
                 "" if self.workers is None else " (its worker process was killed and replaced)")
@@ -187,9 +208,9 @@ class ProxyHarness:
         except PoolClosed:
             error = "the harness workers were closed during the episode"
         except AgentFailed as e:
-            error = f"the agent raised {e}"
+            error, returned = f"the agent raised {e}", e.reward
         except Exception as e:  # noqa: BLE001 - fault boundary: this sample only
-            error = f"the agent raised {type(e).__name__}: {e}"
+            error, returned = f"the agent raised {type(e).__name__}: {e}", graded_with(e)
         finally:  # a call still generating finishes its turn first (the agent was cut off)
             await proxy.end_session(handle.api_key)
         if sample.status.is_terminal() or dispatcher.cancelled(sample.group_id) or (
@@ -204,7 +225,21 @@ class ProxyHarness:
         elif not sample.segments or sample.segments[-1].kind is not SegmentKind.POLICY:
             move(sample, SampleStatus.FAILED, "the agent ended without completing a model turn")
         else:  # done, or a budget ended it (the agent saw its call refused, and maybe raised)
-            dispatcher.finish(sample, binding.ended or "done")
+            self._finish(sample, dispatcher, binding.ended or "done", returned)
+
+    def _finish(self, sample: Sample, dispatcher: EpisodeHost, reason: str,
+                returned: Any) -> None:
+        """GENERATED, then GRADED with what the agent returned when its source's agent grades
+        its episodes (``gives_reward``: it returns a number), else by the grader pool."""
+        graded = getattr(self.sources[sample.task.source], "gives_reward", False)
+        if graded and (isinstance(returned, bool) or not isinstance(returned, (int, float))):
+            dispatcher.lifecycle.move(sample, SampleStatus.FAILED, "the agent grades its "
+                                      f"episodes but returned {returned!r}, not a reward")
+            return
+        dispatcher.finish(sample, reason)
+        if graded and not dispatcher.cancelled(sample.group_id):
+            sample.reward = float(returned)
+            dispatcher.lifecycle.move(sample, SampleStatus.GRADED)
 
 
 def _bound_turns(dispatcher: EpisodeHost, sample: Sample) -> BoundTurns:

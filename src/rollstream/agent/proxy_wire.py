@@ -128,6 +128,17 @@ class ChatMessage(_Body):
     """Accepted when null."""
     annotations: list[Any] | None = None
     """Ignored."""
+    reasoning_content: str | None = None
+    """Accepted when null or empty (vLLM's field, which verifiers sends back): replies carry
+    no separate reasoning, so what the model wrote is all in ``content``."""
+
+    @field_validator("reasoning_content")
+    @classmethod
+    def _no_reasoning(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("the proxy's replies carry no reasoning_content: send what the "
+                             "model wrote back in content")
+        return v
 
     @field_validator("tool_calls")
     @classmethod

@@ -278,21 +278,27 @@ class RunConfig(Section):
                       num_workers=self.reward.num_workers + self.agent.harness_workers)
         if self.reward.name != "auto":
             for i, source in enumerate(self.tasks.sources):
+                if source.harness == "verifiers":
+                    raise ValueError(
+                        f"reward.name = {self.reward.name!r} grades every source, and "
+                        f"tasks.sources.{i} is a verifiers environment's, which its rubric "
+                        "grades: set reward.name: auto")
                 if source.reward is not None:
                     raise ValueError(
                         f"tasks.sources.{i}.reward = {source.reward!r} contradicts reward.name = "
                         f"{self.reward.name!r} (which grades every source): set reward.name: "
                         "auto to give sources their own rewards, or drop the source's reward"
                     )
-        if not any(s.harness == "openai" for s in self.tasks.sources):
+        if not any(s.task_harness == "openai" for s in self.tasks.sources):
             if self.agent.harness_workers:
                 raise ValueError(
                     f"agent.harness_workers = {self.agent.harness_workers} is read only by "
-                    "sources with harness: openai (tasks.sources has none); drop it or set 0")
+                    "sources with harness: openai or verifiers (tasks.sources has none); drop "
+                    "it or set 0")
             if self.agent.proxy != ProxyConfig():
                 raise ValueError(
-                    "agent.proxy is read only by sources with harness: openai (tasks.sources "
-                    "has none); drop it")
+                    "agent.proxy is read only by sources with harness: openai or verifiers "
+                    "(tasks.sources has none); drop it")
         if self.sampling.temperature == 0:
             raise ValueError(
                 "sampling.temperature = 0 cannot train: greedy samples of a group are all the "

@@ -17,6 +17,7 @@ _COLUMN_PATH = r"^[^.\s]+(\.[^.\s]+)*$"  # dotted path into nested fields: rewar
 # keyword names a reward already receives from the response (rollstream.reward.registry)
 _RESPONSE_KWARGS = ("finish_reason", "token_ids")
 _IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # module:attribute
+_IMPORT_OR_MODULE = r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$"  # module:attribute or module
 EPISODE_ROW = "row"  # task.extra key of an agentic dataset task's whole row
 # what the tally kind's episodes run with unless its source names others: written as a user
 # writes theirs (agent/tally.py)
@@ -89,7 +90,8 @@ class SourceConfig(Section):
     reward: str | None = Field(None, min_length=1)
     """The reward that grades this source's tasks: a registered reward name (``exact_match``,
     ``math``, ``math_answer``, or one registered with ``@register_reward``) or an import path
-    ``module:function``. Null = the kind's own (math: ``math_answer``; reasoning_gym:
+    ``module:function``; not with ``harness: verifiers`` (the environment's rubric grades).
+    Null = the kind's own (math: ``math_answer``; reasoning_gym:
     ``reasoning_gym``, the generator's own scorer; the others: ``exact_match``). Only with
     ``reward.name: auto``; checked when the run is built."""
     name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -109,21 +111,27 @@ class SourceConfig(Section):
     max_in_flight_per_task: int | None = Field(None, ge=1)
     """Dataset kinds only: groups of one task (row) generating at once (null = no cap); a row
     at its cap is passed over until the cursor comes round again."""
-    harness: Literal["agent", "openai"] | None = None
+    harness: Literal["agent", "openai", "verifiers"] | None = None
     """How this source's tasks run (docs/agents.md): null = one engine request per sample;
     ``agent`` = multi-turn episodes of the built-in agent loop with ``environment``;
     ``openai`` = episodes driven by ``agent``, a function written with the ``openai`` SDK
-    against rollstream's OpenAI-compatible proxy on 127.0.0.1. For dataset kinds and
-    ``tally`` (whose default is ``agent``). A dataset row's ``prompt`` is the episode's
-    opening (a string is one user message); the whole row is ``task.extra["row"]``."""
-    environment: str | None = Field(None, pattern=_IMPORT_PATH)
+    against rollstream's OpenAI-compatible proxy on 127.0.0.1; ``verifiers`` = episodes
+    that a ``vf.Environment`` named in ``environment`` (the ``verifiers`` extra) rolls out
+    against that proxy, graded by its rubric. For dataset kinds and ``tally`` (whose default
+    is ``agent``; not ``verifiers``). A dataset row's ``prompt`` is the episode's opening (a
+    string is one user message); the whole row is ``task.extra["row"]``."""
+    environment: str | None = Field(None, pattern=_IMPORT_OR_MODULE)
     """``harness: agent``: the environment, an import path ``module:name`` of a class or
     function called for each episode as ``name(row=..., **environment_kwargs)`` (plus
     ``tools=`` and ``parser=`` when it declares them) and returning an environment (async or
     plain ``reset()`` / ``step(turn)``; docs/agents.md). Required for a dataset kind; tally's
-    is ``rollstream.agent.tally:TallyEnvironment``."""
+    is ``rollstream.agent.tally:TallyEnvironment``. ``harness: verifiers`` (required): an
+    import path of a ``vf.Environment`` or of a function returning one (given
+    ``environment_kwargs``, as a hub module's ``load_environment``), or the name of an
+    installed verifiers environment module; loaded and checked when the run is built."""
     environment_kwargs: dict[str, Any] = {}
-    """Keyword arguments of ``environment`` besides the row (JSON values)."""
+    """Keyword arguments of ``environment`` besides the row (JSON values); with ``harness:
+    verifiers``, those of its ``load_environment``."""
     openenv: OpenEnvConfig | None = None
     """``harness: agent``, instead of ``environment``: the episodes run in an OpenEnv
     environment (its server, launched by the run or given by URL; docs/agents.md); it grades
@@ -155,6 +163,12 @@ class SourceConfig(Section):
     @property
     def reads_dataset(self) -> bool:
         return self.kind in _DATASET_KINDS
+
+    @property
+    def task_harness(self) -> str | None:
+        """``Task.harness`` of its tasks: a verifiers environment's episodes run on the
+        proxy harness (``openai``), the environment driving them as an SDK agent would."""
+        return "openai" if self.harness == "verifiers" else self.harness
 
     @property
     def episodic(self) -> bool:
@@ -221,16 +235,24 @@ class SourceConfig(Section):
                         "openenv"):
                 if getattr(self, key) != SourceConfig.model_fields[key].default:
                     raise ValueError(f"`{key}` is read only by a source whose tasks are "
-                                     "episodes: set harness (agent or openai) or drop it")
+                                     "episodes: set harness (agent, openai or verifiers) or "
+                                     "drop it")
+            return
+        if self.harness == "verifiers":
+            self._verifiers_fields()
             return
         harness = self.harness or "agent"
         own, other = ("environment", "agent") if harness == "agent" else ("agent", "environment")
         if getattr(self, other) is not None:
-            reader = "openai" if other == "agent" else "agent"
+            reader = "openai" if other == "agent" else "agent or verifiers"
             raise ValueError(f"`{other}` is read by harness {reader}; this source's harness is "
                              f"{harness} (drop {other})")
+        if self.environment is not None and not re.fullmatch(_IMPORT_PATH, self.environment):
+            raise ValueError(f"environment {self.environment!r}: harness agent takes an import "
+                             "path module:name (a bare module name is read by harness "
+                             "verifiers)")
         if self.environment_kwargs and harness != "agent":
-            raise ValueError("`environment_kwargs` is read only with harness: agent")
+            raise ValueError("`environment_kwargs` is read only with harness: agent or verifiers")
         if self.environment_kwargs and self.environment is None and self.kind != "tally":
             raise ValueError("`environment_kwargs` needs `environment`")
         if self.openenv is not None:
@@ -248,6 +270,26 @@ class SourceConfig(Section):
             if getattr(self, key):
                 raise ValueError(f"`{key}` and `openenv` both say what runs (or grades) the "
                                  f"episodes: drop {key}")
+
+    def _verifiers_fields(self) -> None:
+        """``harness: verifiers``: a dataset's rows, rolled out and graded by the
+        environment, whose own tools run inside its rollout."""
+        if not self.reads_dataset:
+            raise ValueError(f"harness verifiers is read by dataset kinds (jsonl, parquet, "
+                             f"hf_dataset): its rows are the rollouts' inputs; kind {self.kind} "
+                             "is not one")
+        if self.environment is None:
+            raise ValueError("harness verifiers needs `environment` (an import path "
+                             "module:name of a vf.Environment or of a function returning one, "
+                             "or an installed environment module's name)")
+        for key, why in (("agent", "the environment drives its episodes"),
+                         ("tools", "the environment runs its own tools"),
+                         ("reward", "the environment's rubric grades its episodes"),
+                         ("reward_kwargs", "the environment's rubric grades its episodes"),
+                         ("openenv", "the verifiers environment runs the episodes")):
+            if getattr(self, key) not in (None, ()):
+                raise ValueError(f"`{key}` is not read with harness verifiers ({why}); "
+                                 f"drop {key}")
 
 
 class ProxyConfig(Section):

@@ -116,7 +116,7 @@ class DatasetSource(FiniteSource):
                               f"no id, so named by its {self._unit} number")
         self._rows[split_of(text)].append(Task(uid=uid, source=self.name, prompt_ids=ids,
                                                prompt_text=text, reference=answer, extra=extra,
-                                               harness=self.cfg.harness or SINGLE_TURN))
+                                               harness=self.cfg.task_harness or SINGLE_TURN))
 
     def _row_id(self, where: str, row: dict[str, Any]) -> str | int | None:
         col = self.cfg.columns.id or "id"

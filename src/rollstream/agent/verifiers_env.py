@@ -1,0 +1,174 @@
+"""verifiers environments as episode sources: a ``vf.Environment`` (the ``verifiers``
+package, the ``verifiers`` extra; the environment standard of prime-rl's hub) runs its own
+rollout against the run's OpenAI-compatible proxy and grades it with its own rubric.
+
+A source with ``harness: verifiers`` names the environment in ``environment``: an import
+path ``module:name`` of a ``vf.Environment`` or of a function returning one (called with
+``environment_kwargs``, as a hub module's ``load_environment``), or the name of an installed
+environment module (``vf.load_environment(name, **environment_kwargs)``). It is loaded and
+checked when the run is built (:func:`load_environment`), and once more in each process that
+runs episodes. Its episodes run on the proxy harness (``agent/proxy_harness.py``) as an SDK
+agent would: :class:`VerifiersAgent` calls the environment's ``run_rollout`` with a client on
+the episode's proxy session, so every model call is a turn of the training sample, token for
+token as the proxy serves it, and the rollout's rubric score is the episode's reward.
+
+What it simplifies: each episode is scored alone (``rubric.score_rollout``; a rubric that
+compares a group's rollouts is not asked to); the rows come from the source's dataset (its
+``prompt`` and ``answer``, and its ``info`` and ``task`` objects when it has them), not from
+the environment's own ``dataset``, which a hub environment downloads (docs/agents.md says how
+to supply it as a local file); the run's sampling settings are used, not the environment's
+``sampling_args``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollstream.config.tasks import EPISODE_ROW
+from rollstream.named import import_named
+
+if TYPE_CHECKING:
+    from rollstream.agent.proxy import SessionHandle
+    from rollstream.engine import SamplingParams
+    from rollstream.trajectory import Task
+
+# a hub environment's loader downloads its dataset, which fails without network
+_OFFLINE = (" (a loader that downloads its dataset cannot here: give it local rows, "
+            "docs/agents.md)")
+_MISSING_PACKAGE = ("harness verifiers needs the `verifiers` package (the environments' "
+                    "standard): pip install 'rollstream[verifiers]'")
+
+
+def _vf() -> Any:
+    try:
+        import verifiers
+    except ImportError as e:
+        raise ValueError(f"{_MISSING_PACKAGE} ({e})") from None
+    return verifiers
+
+
+def load_environment(spec: str, kwargs: dict[str, Any]) -> Any:
+    """The ``vf.Environment`` that ``spec`` names (module docstring), built with ``kwargs``;
+    a ValueError or TypeError saying what is wrong otherwise."""
+    vf = _vf()
+    if ":" in spec:
+        obj = import_named(spec, "environment")
+        if not isinstance(obj, vf.Environment):
+            if not callable(obj):
+                raise TypeError(f"environment {spec!r} is {obj!r}: not a vf.Environment nor "
+                                "a function returning one")
+            obj = _called(spec, obj, kwargs)
+        elif kwargs:
+            raise TypeError(f"environment {spec!r} is a vf.Environment already: it takes no "
+                            f"environment_kwargs (got {sorted(kwargs)})")
+    else:
+        try:
+            obj = vf.load_environment(spec, **kwargs)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"environment {spec!r} is not an installed verifiers environment "
+                             f"module with a load_environment function ({e})") from None
+        except TypeError as e:
+            raise TypeError(f"environment {spec!r}: load_environment(**environment_kwargs "
+                            f"{sorted(kwargs)}) failed: {e}") from None
+        except Exception as e:  # noqa: BLE001 - fault boundary: the module's loader, named
+            raise ValueError(f"environment {spec!r}: load_environment raised "
+                             f"{type(e).__name__}: {e}{_OFFLINE}") from None
+    if not isinstance(obj, vf.Environment):
+        raise TypeError(f"environment {spec!r} gave {obj!r}, which is not a vf.Environment")
+    return obj
+
+
+def _called(spec: str, fn: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"environment {spec!r} cannot be called with environment_kwargs "
+                        f"{sorted(kwargs)}: {e}") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
+    try:
+        return fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - fault boundary: the user's loader, named
+        raise ValueError(f"environment {spec!r}: building it raised {type(e).__name__}: {e}"
+                         f"{_OFFLINE}") from None
+
+
+class RolloutFailed(RuntimeError):
+    """The rollout ended on an error (its rubric graded it all the same: ``reward``). The
+    proxy harness fails the sample unless a budget ended the episode (the proxy refused the
+    call past it), which it then grades with ``reward``."""
+
+    def __init__(self, message: str, *, reward: float) -> None:
+        super().__init__(message)
+        self.reward = reward
+
+
+@functools.cache
+def _loaded(spec: str, kwargs_json: str) -> Any:
+    """This process's environment of ``spec`` (built once per process: a dataset is read)."""
+    return load_environment(spec, json.loads(kwargs_json))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifiersAgent:
+    """One source's episodes as an SDK agent of the proxy harness (module docstring); plain
+    data, so a harness worker process receives it whole and loads the environment itself."""
+
+    environment: str  # SourceConfig.environment
+    kwargs_json: str  # SourceConfig.environment_kwargs, as JSON
+    prompt_column: str  # SourceConfig.columns.prompt: the rollout's opening messages
+
+    def load(self) -> Any:
+        """This process's environment (loaded at the first call: a check when the run is
+        built, or the first episode of a worker process)."""
+        _vf()  # the package is there (a cached environment does not say so)
+        return _loaded(self.environment, self.kwargs_json)
+
+    async def __call__(self, session: SessionHandle, task: Task,
+                       sampling: SamplingParams) -> float:
+        """Run the environment's rollout of ``task`` through ``session``; its rubric's
+        score. :class:`RolloutFailed` when the rollout ended on an error (as when the proxy
+        refused a call past a budget)."""
+        import openai
+
+        vf = _vf()
+        env = self.load()
+        sampling_args = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                         "max_tokens": sampling.max_new_tokens}
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
+                                      max_retries=0) as client:
+            # verifiers 0.1.14 takes its own client around the SDK's; earlier ones the SDK's
+            wrap = getattr(vf, "OpenAIChatCompletionsClient", None)
+            out = await env.run_rollout(rollout_input(task, self.prompt_column),
+                                        client if wrap is None else wrap(client), "rollstream",
+                                        sampling_args)
+        reward = out.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise TypeError(f"the rubric of environment {self.environment!r} gave reward "
+                            f"{reward!r}, not a number")
+        if out.get("error") is not None:
+            raise RolloutFailed(f"the verifiers rollout ended on an error: {out['error']}",
+                                reward=float(reward))
+        return float(reward)
+
+
+def rollout_input(task: Task, prompt_column: str) -> dict[str, Any]:
+    """The ``RolloutInput`` of a dataset task: the prompt as chat messages (a string is one
+    user message, as the run rendered it), the reference answer, the row's ``example_id``,
+    and its ``info`` and ``task`` when they are objects."""
+    from rollstream.data.dataset import lookup
+
+    row = task.extra[EPISODE_ROW]  # a dataset source's task: its whole row
+    prompt = lookup(row, prompt_column)
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    out = {"prompt": prompt, "answer": "" if task.reference is None else task.reference,
+           "example_id": row.get("example_id", 0)}
+    # verifiers reads both as objects (a task payload, the rubric's info); a row's plain
+    # ``task`` label is not one
+    out.update({k: row[k] for k in ("info", "task") if isinstance(row.get(k), dict)})
+    return out
