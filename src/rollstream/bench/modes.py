@@ -80,10 +80,10 @@ import yaml
 from rollstream.bench.modes_bound import end_tail_s, machine_bound, share_of_bound
 from rollstream.bench.modes_tables import print_tables
 from rollstream.bench.probe import ThreadMeter, probe
+from rollstream.bench.run_reading import read_metrics, reward_se, token_breakdown
 from rollstream.config import RunConfig, apply_override, load_config, validate
-from rollstream.data.ledger_row import LedgerRow
 from rollstream.run_files import RunFiles
-from rollstream.trajectory import SampleStatus, eval_group_id, is_eval_uid
+from rollstream.trajectory import SampleStatus, is_eval_uid
 
 LONG_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_long.yaml"
 HEADLINE_ASYNC = "async_k2_partial"  # the examples' own rollout settings
@@ -219,7 +219,7 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
     # the tokens the loss kept (with max_token_age a resumed sample's old prefix is not)
     trained_tokens = sum(r.num_trained_tokens or 0 for r in ledger
                          if r.status is SampleStatus.TRAINED)
-    generated = sum(r.num_tokens for r in ledger if not _is_eval(r))
+    generated = sum(r.num_tokens for r in ledger if not is_eval_uid(r.sample_uid))
     metrics = read_metrics(run_dir)
     steps = [r for r in metrics if r.get("kind") == "train"]
     rollout = [r for r in metrics if r.get("kind") == "rollout"]
@@ -265,48 +265,6 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "runq_share": meter.runq_share(("engine", "trainer")),
         "load_after": os.getloadavg()[0],
     }
-
-
-def token_breakdown(ledger: list[LedgerRow]) -> dict[str, int]:
-    """Where a run's generated response tokens (evaluations excluded) went: ``kept`` by the
-    loss, ``masked`` (tokens of trained samples the loss left out: too old, truncated
-    support), and the tokens of samples ``dropped_stale``, ``filtered``, ``aborted`` or
-    ``failed``. The parts sum to ``generated``."""
-    out = dict.fromkeys(("generated", "kept", "masked", "dropped_stale", "filtered", "aborted",
-                         "failed"), 0)
-    for r in ledger:
-        if _is_eval(r):
-            continue
-        n = r.num_tokens
-        out["generated"] += n
-        if r.status is SampleStatus.TRAINED:
-            kept = r.num_trained_tokens or 0
-            out["kept"] += kept
-            out["masked"] += n - kept
-        elif r.status.value in out:
-            out[r.status.value] += n
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    lines = RunFiles(run_dir).metrics.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
-
-
-def _is_eval(row: LedgerRow) -> bool:
-    return is_eval_uid(row.sample_uid)
-
-
-def reward_se(ledger: list[LedgerRow], *, round_index: int) -> float:
-    """Standard error of the eval reward over prompts (samples of one prompt are correlated,
-    so the prompt is the unit)."""
-    tag = eval_group_id("", round_index) + "/"
-    by_task: dict[str, list[float]] = {}
-    for r in ledger:
-        if _is_eval(r) and tag in r.sample_uid:
-            by_task.setdefault(r.task_uid, []).append(float(r.reward or 0.0))
-    means = [statistics.fmean(v) for v in by_task.values()]
-    return statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else math.nan
 
 
 # ---- main -------------------------------------------------------------------------------

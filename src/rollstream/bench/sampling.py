@@ -176,7 +176,7 @@ def _child_env() -> dict[str, str]:
 
 def collect(cfg: Any) -> dict[str, Any]:
     """One finished run's numbers, from its summary, metrics and ledger."""
-    from rollstream.bench.modes import read_metrics, reward_se
+    from rollstream.bench.run_reading import read_metrics, reward_se
     from rollstream.data.ledger import read_ledger
     from rollstream.run_files import RunFiles
 

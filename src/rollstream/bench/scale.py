@@ -151,7 +151,7 @@ def row_numbers(run_dir: Path, collected: dict[str, Any]) -> dict[str, Any]:
     """One finished run's numbers: ``collected`` (bench/sampling.py's) and, from its metrics,
     summary and ledger, samples/s, the steps' wait and train time, the engines' busy share
     and the control plane's calls and bytes (Ray rows)."""
-    from rollstream.bench.modes import read_metrics
+    from rollstream.bench.run_reading import read_metrics
     from rollstream.data.ledger import read_ledger
     from rollstream.run_files import RunFiles
     from rollstream.runtime.ray.wire import METER_KEYS
