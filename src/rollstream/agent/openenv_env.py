@@ -35,14 +35,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import IO, TYPE_CHECKING, Any
 
-import httpx
 
 from rollstream.agent.environment import Message, ModelTurn, Observation
 from rollstream.data.dataset import lookup
-from rollstream.engine.vllm.server import HOST, free_port, kill_group, set_pdeathsig
+from rollstream.engine.vllm.server import (HOST, free_port, kill_group, set_pdeathsig,
+                                           until_healthy)
 
 if TYPE_CHECKING:
     from rollstream.config.openenv import OpenEnvConfig
@@ -111,22 +110,15 @@ class OpenEnvServer:
         return url
 
     async def _wait_healthy(self, url: str) -> None:
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            while True:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise OpenEnvError(f"source {self.source}: the OpenEnv server "
-                                       f"{self.cfg.app!r} exited with code "
-                                       f"{self.proc.returncode}:\n{self.log_tail()}")
-                with contextlib.suppress(httpx.TransportError):
-                    if (await client.get(f"{url}/health")).status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    raise OpenEnvError(f"source {self.source}: the OpenEnv server "
-                                       f"{self.cfg.app!r} did not answer {url}/health within "
-                                       f"{self.cfg.start_timeout_s:g} s:\n{self.log_tail()}")
-                await asyncio.sleep(0.2)
+        assert self.proc is not None
+        outcome = await until_healthy(url, self.proc, self.cfg.start_timeout_s, poll_s=0.2)
+        if outcome == "exited":
+            raise OpenEnvError(f"source {self.source}: the OpenEnv server {self.cfg.app!r} "
+                               f"exited with code {self.proc.returncode}:\n{self.log_tail()}")
+        if outcome == "timeout":
+            raise OpenEnvError(f"source {self.source}: the OpenEnv server {self.cfg.app!r} did "
+                               f"not answer {url}/health within "
+                               f"{self.cfg.start_timeout_s:g} s:\n{self.log_tail()}")
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         if self._log is None:

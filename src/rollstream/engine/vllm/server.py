@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import httpx
 
@@ -75,7 +75,26 @@ class ServerProcess(Protocol):
     @property
     def launched(self) -> bool: ...
     def start(self) -> None: ...
-    async def wait_ready(self, timeout_s: float) -> None: ...
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Poll /health until it answers 200; stop the server and raise on failure."""
+        outcome = await until_healthy(self.url, self.proc, timeout_s, poll_s=0.5)
+        if outcome == "up":
+            return
+        if outcome == "exited":
+            assert self.proc is not None
+            rc = self.proc.returncode
+            self.stop()
+            raise VllmServerError(
+                f"vLLM server for {self.model_path} exited with code {rc} before it "
+                f"became healthy. {self._diagnosis()}Last log lines "
+                f"({self.log_path}):\n{self.log_tail()}")
+        where = f"Last log lines ({self.log_path}):\n{self.log_tail()}" \
+            if self.launched else "(attached server; no log here)"
+        self.stop()
+        raise VllmServerError(
+            f"vLLM server at {self.url} did not answer /health within "
+            f"{timeout_s:.0f} s. {where}")
+
     def alive(self) -> bool: ...
     def exit_reason(self) -> str: ...
     def stop(self, grace_s: float = 10.0) -> None: ...
@@ -90,6 +109,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+async def until_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, *,
+                        poll_s: float) -> Literal["up", "exited", "timeout"]:
+    """Poll ``url``/health until it answers 200 (``up``); ``exited`` as soon as ``proc``
+    (the server, where this process launched it) has exited; ``timeout`` after
+    ``timeout_s``. The caller says why, with its own log."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                return "exited"
+            with contextlib.suppress(httpx.TransportError):
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return "up"
+            if time.monotonic() > deadline:
+                return "timeout"
+            await asyncio.sleep(poll_s)
 
 
 def check_port_free(port: int) -> None:
