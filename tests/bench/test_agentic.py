@@ -1,26 +1,42 @@
-"""Smoke test of ``rollstream bench agentic --quick``: both modes run the same episodes."""
+"""Smoke test of ``rollstream bench agentic --quick``: every mode runs the same episodes (a
+user's environment named by import path and the verifiers adapter beside the built-in loop),
+and the ratios are what their rounds give."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def test_bench_agentic_quick_runs_both_modes_on_the_same_episodes(tmp_path):
+def test_bench_agentic_quick_runs_every_mode_on_the_same_episodes(tmp_path):
     from rollstream.bench.agentic import main
 
     out = tmp_path / "agentic.json"
     result = main(json_out=out, quick=True)
     written = json.loads(out.read_text())
-    batched, async_ = written["modes"]["batched"], written["modes"]["async"]
-    assert batched["model_turns"] == async_["model_turns"] == sum(
-        t + 1 for t in written["turns_per_episode"])  # each tool turn, then the answer
-    assert batched["generated_tokens"] == async_["generated_tokens"]  # greedy: the same turns
+    modes = written["modes"]
+    assert set(modes) == {"batched", "async", "user_env", "verifiers"}
+    turns = sum(t + 1 for t in written["turns_per_episode"])  # each tool turn, then the answer
+    assert {m["model_turns"] for m in modes.values()} == {turns}
+    tool_s = {round(m["tool_time_s"], 9) for m in modes.values()}
+    assert len(tool_s) == 1, tool_s  # the same latencies
+    # greedy on the same conversations: the same turns (verifiers' tool replies are user
+    # messages, so its tokens may differ)
+    assert modes["batched"]["generated_tokens"] == modes["async"]["generated_tokens"] \
+        == modes["user_env"]["generated_tokens"]
+    for side in ("user_env", "verifiers"):
+        rounds = list(zip(written["repeats"][side], written["repeats"]["builtin"], strict=True))
+        assert len(rounds) == 2 and modes[side]["episodes_per_s"] == rounds[0][0]
+        ratio = written[f"{side}_vs_builtin_episodes_per_s"]
+        assert ratio == pytest.approx(math.prod(a / b for a, b in rounds) ** 0.5)
+        low, high = written[f"{side}_vs_builtin_ci95"]
+        assert low < ratio < high
     assert written["async_vs_batched_episodes_per_s"] == pytest.approx(
-        async_["episodes_per_s"] / batched["episodes_per_s"])
+        modes["async"]["episodes_per_s"] / modes["batched"]["episodes_per_s"])
     assert 0 < written["engine_utilization_agentic"] <= 1.0
     proxy = written["proxy"]
     assert result["proxy_overhead_ms_p50"] == pytest.approx(

@@ -2,31 +2,41 @@
 
     rollstream bench agentic [--json OUT] [--quick]
 
-The same 128 episodes twice on the embedded engine (kit model, char tokenizer, greedy), 32
-in flight at a time (the engine's slots): each episode has a number of model turns drawn from a long-tailed distribution (median 3, at most
-12), and after every model turn its tool answers after a latency drawn log-normal (median
-50 ms, p99 2 s), seeded per episode so both modes see the same turns and latencies. The tool
-is simulated (a sleep, then a tool message); the model turns are real generation (at most 32
-tokens each) through ``AgentLoop``.
+The same 128 episodes on the embedded engine (kit model, char tokenizer, greedy), 32 in
+flight at a time (the engine's slots), in several modes: each episode has a number of tool
+turns drawn from a long-tailed distribution (median 3, at most 12), and after every model turn
+but the last its tool answers after a latency drawn log-normal (median 50 ms, p99 2 s), seeded
+per episode so every mode sees the same turns and latencies (``agentic_envs.py``). The tool is
+simulated (a sleep, then a tool message); the model turns are real generation (at most 32
+tokens each).
 
-* ``batched``: waves of 32 episodes; in a wave every episode's turn k waits for the slowest
-  tool of turn k of all (the turn-synchronous loop of frameworks that batch an agent step at
-  a time), and the next wave starts when the last episode of this one ends;
-* ``async``: rollstream's loop, each episode on its own, a new one starting whenever one ends.
+* ``batched``: waves of 32 episodes through ``AgentLoop``; in a wave every episode's turn k
+  waits for the slowest tool of turn k of all (the turn-synchronous loop of frameworks that
+  batch an agent step at a time), and the next wave starts when the last episode of this one
+  ends;
+* ``async`` (``builtin``): rollstream's loop, each episode on its own, a new one starting
+  whenever one ends, the environments built in place;
+* ``user_env``: the same loop and episodes, the environment named by its import path in a
+  dataset source and built from each row through the run's own resolution (what a user's
+  environment goes through);
+* ``verifiers`` (with the ``verifiers`` extra): the same episodes as a ``vf.MultiTurnEnv``
+  run by the verifiers adapter, its rollout calling the OpenAI-compatible proxy (a session
+  per episode: rendering, HTTP, JSON, stitching).
 
-Keys: ``async_vs_batched_episodes_per_s`` (target >= 2), ``engine_utilization_agentic``
-(the engine's busy time / wall time in the async mode; target >= 0.8), and per mode the
-episodes/s, wall time, tokens and utilization; ``proxy_overhead_ms_p50``: the median time of
-a one-turn call through the OpenAI-compatible proxy with the ``openai`` SDK (a session each:
-rendering, HTTP, JSON) minus that of the same request sent to the engine directly.
+The async modes run in interleaved rounds (``REPEATS_FULL`` of them, the order rotating from
+round to round). Keys: ``async_vs_batched_episodes_per_s`` (target >= 2),
+``engine_utilization_agentic`` (the engine's busy time / wall time in the async mode; target
+>= 0.8), ``user_env_vs_builtin_episodes_per_s`` and ``verifiers_vs_builtin_episodes_per_s``
+(the geometric mean of the rounds' ratios, with ``*_ci95``: Student's t on their logs), per mode
+the episodes/s, wall time, tokens and utilization of its first round, ``repeats`` (each
+round's episodes/s); ``proxy_overhead_ms_p50``: the median time of a one-turn call through the
+proxy with the ``openai`` SDK minus that of the same request sent to the engine directly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
-import random
 import statistics
 import tempfile
 import time
@@ -36,16 +46,24 @@ from typing import Any
 from rollstream.agent.chat import ChatRenderer
 from rollstream.agent.environment import Observation
 from rollstream.agent.loop import AgentLoop, Budgets, EngineTurns, EpisodeEnd
+from rollstream.bench.agentic_envs import (
+    MAX_TURNS,
+    PATH,
+    TOOL_MEDIAN_S,
+    TOOL_P99_S,
+    ToolEpisodeEnv,
+    draw,
+    rollout_row,
+)
+from rollstream.bench.pair import ratio_interval
 from rollstream.config.schema import LocalEngineConfig, TinyModelConfig
 from rollstream.engine import GenerateRequest, SamplingParams
 from rollstream.engine.local.engine import LocalEngine
 from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
 
-TOOL_MEDIAN_S, TOOL_P99_S = 0.05, 2.0
-TOOL_SIGMA = math.log(TOOL_P99_S / TOOL_MEDIAN_S) / 2.3263  # z of the 99th percentile
 TURN_TOKENS = 32
-MAX_TURNS = 12
+REPEATS_FULL, REPEATS_QUICK = 3, 2
 
 
 class _TurnBarrier:
@@ -70,43 +88,58 @@ class _TurnBarrier:
             self.arrived, self.event = 0, asyncio.Event()
 
 
-class _ToolEpisode:
-    """An episode whose every model turn is answered by a slow tool, for ``turns`` turns."""
+class _ToolEpisode(ToolEpisodeEnv):
+    """The bench's episode built in place (the built-in loop), with the batched mode's
+    barrier after each tool turn."""
 
     def __init__(self, index: int, seed: int, barrier: _TurnBarrier | None) -> None:
-        rng = random.Random(f"{seed}/{index}")
-        self.turns = min(MAX_TURNS, max(1, round(rng.lognormvariate(math.log(3), 0.8))))
-        self.latencies = [rng.lognormvariate(math.log(TOOL_MEDIAN_S), TOOL_SIGMA)
-                          for _ in range(self.turns)]
-        self.index, self.barrier, self.step_count = index, barrier, 0
-
-    async def reset(self) -> list[dict]:
-        return [{"role": "user", "content": f"task {self.index}: add 12 and {self.index}"}]
+        super().__init__(row={"index": index, "seed": seed})
+        self.barrier = barrier
 
     async def step(self, turn) -> Observation:
         if self.step_count == self.turns:
             if self.barrier is not None:
                 self.barrier.leave()
-            return Observation(messages=[], done=True, reward=0.0)
-        await asyncio.sleep(self.latencies[self.step_count])
-        self.step_count += 1
+            return await super().step(turn)
+        out = await super().step(turn)
         if self.barrier is not None:
             await self.barrier.wait()
-        return Observation(messages=[{"role": "tool", "content": f"result {self.step_count}"}],
-                           done=False)
+        return out
 
 
-async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, n: int, concurrency: int,
-                    seed: int, batched: bool) -> dict[str, Any]:
-    """``n`` episodes, ``concurrency`` at a time: batched, in waves that each run to their
-    end turn by turn; async, a new episode starting whenever one ends."""
+def _user_envs(n: int, seed: int) -> list[Any]:
+    """The same episodes as a user's environment named by import path: the source resolved
+    and checked as a run's is (``episode_sources``), each episode's environment built from
+    its row by the source, as the harness builds it."""
+    from rollstream.agent.episodes import episode_sources
+    from rollstream.config.schema import TasksConfig
+    from rollstream.config.tasks import EPISODE_ROW
+    from rollstream.trajectory import Task
+
+    with tempfile.TemporaryDirectory(prefix="bench-agentic-rows-") as tmp:
+        rows = Path(tmp) / "rows.jsonl"
+        rows.write_text("".join(json.dumps({"index": i, "seed": seed, "prompt": "-",
+                                            "answer": "x"}) + "\n" for i in range(n)))
+        tasks = TasksConfig.model_validate({"sources": [{
+            "name": "user", "kind": "jsonl", "path": str(rows), "harness": "agent",
+            "environment": PATH}], "num_eval": 0})
+        source = episode_sources(tasks)["user"]
+    return [source.environment(Task(uid=f"user/{i}", source="user", prompt_ids=(1,),
+                                    prompt_text="-", reference="x",
+                                    extra={EPISODE_ROW: {"index": i, "seed": seed}}), None)
+            for i in range(n)]
+
+
+async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, envs: list[Any],
+                    concurrency: int, tag: str, batched: bool) -> dict[str, Any]:
+    """The episodes of ``envs``, ``concurrency`` at a time: batched, in waves that each run to
+    their end turn by turn; async, a new episode starting whenever one ends."""
     loop = AgentLoop(renderer=renderer,
                      sampling=SamplingParams(temperature=0.0),
                      budgets=Budgets(max_turns=MAX_TURNS + 1, max_turn_tokens=TURN_TOKENS,
                                      max_total_tokens=8192))
-    tag = "b" if batched else "a"
     turns = EngineTurns(engine)
-    envs = [_ToolEpisode(i, seed, None) for i in range(n)]
+    n = len(envs)
     busy0, tokens0 = engine.stats().busy_s, engine.stats().generated_tokens
     t0 = time.perf_counter()
     if batched:
@@ -116,38 +149,104 @@ async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, n: int, concurr
             barrier = _TurnBarrier(len(wave))
             for env in wave:
                 env.barrier = barrier
-            episodes += await asyncio.gather(*(loop.run(env, episode_id=f"{tag}{env.index}", generate=turns)
-                                               for env in wave))
+            episodes += await asyncio.gather(*(
+                loop.run(env, episode_id=f"{tag}{env.index}", generate=turns) for env in wave))
     else:
         slots = asyncio.Semaphore(concurrency)
 
-        async def one(env: _ToolEpisode):
+        async def one(env: Any):
             async with slots:
                 return await loop.run(env, episode_id=f"{tag}{env.index}", generate=turns)
 
         episodes = await asyncio.gather(*(one(env) for env in envs))
     wall = time.perf_counter() - t0
-    stats = engine.stats()
     assert all(ep.end is EpisodeEnd.DONE for ep in episodes), [ep.end for ep in episodes]
+    return _mode_result(engine, n, wall, busy0, tokens0,
+                        sum(ep.num_model_turns for ep in episodes),
+                        sum(sum(env.latencies) for env in envs))
+
+
+def _mode_result(engine: LocalEngine, n: int, wall: float, busy0: float, tokens0: int,
+                 model_turns: int, tool_time_s: float) -> dict[str, Any]:
+    stats = engine.stats()
     return {"episodes": n, "wall_s": wall, "episodes_per_s": n / wall,
             "engine_utilization": (stats.busy_s - busy0) / wall,
             "generated_tokens": stats.generated_tokens - tokens0,
-            "model_turns": sum(ep.num_model_turns for ep in episodes),
-            "tool_time_s": sum(sum(env.latencies) for env in envs)}
+            "model_turns": model_turns, "tool_time_s": tool_time_s}
 
 
-async def _bench(folder: Path, n: int, concurrency: int, seed: int) -> dict[str, Any]:
+async def _verifiers_mode(engine: LocalEngine, renderer: ChatRenderer, n: int,
+                          concurrency: int, seed: int, tag: str) -> dict[str, Any]:
+    """The same episodes as a ``vf.Environment`` (``agentic_envs.load_environment``) through
+    the verifiers adapter: its rollout against the proxy, a session per episode."""
+    from rollstream.agent.proxy import AgentProxy
+    from rollstream.agent.verifiers_env import VerifiersAgent
+    from rollstream.config.tasks import EPISODE_ROW
+    from rollstream.trajectory import Task
+
+    agent = VerifiersAgent(environment="rollstream.bench.agentic_envs:load_environment",
+                           kwargs_json=json.dumps({"seed": seed, "episodes": n}),
+                           prompt_column="prompt")
+    agent.load()  # built once per process, outside the timed part as a run builds it
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=TURN_TOKENS)
+    slots = asyncio.Semaphore(concurrency)
+    calls = []
+    async with AgentProxy([engine], renderer.tokenizer) as proxy:
+        async def one(i: int) -> None:
+            async with slots:
+                handle = proxy.open_session(f"{tag}{i}")
+                task = Task(uid=f"vf/{i}", source="vf", prompt_ids=(1,), prompt_text="-",
+                            reference="", extra={EPISODE_ROW: rollout_row(i, seed)})
+                await agent(handle, task, sampling)
+                calls.append(sum(s.num_calls for s in proxy.close_session(handle.api_key)))
+
+        busy0, tokens0 = engine.stats().busy_s, engine.stats().generated_tokens
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    return _mode_result(engine, n, wall, busy0, tokens0, sum(calls),
+                        sum(sum(draw(i, seed)[1]) for i in range(n)))
+
+
+def _has_verifiers() -> str | None:
+    """None when the verifiers extra is installed, else why its rows are skipped."""
+    try:
+        import verifiers  # noqa: F401
+    except ImportError as e:
+        return f"verifiers not installed (pip install 'rollstream[verifiers]'): {e}"
+    return None
+
+
+async def _bench(folder: Path, n: int, concurrency: int, seed: int,
+                 repeats: int) -> dict[str, Any]:
+    """Batched once; then ``repeats`` rounds of the async modes on the same episodes, their
+    order rotating from round to round so that a drift in the machine's load hits each."""
     engine = LocalEngine(folder, LocalEngineConfig(max_slots=concurrency, max_seq_len=2048,
                                                    threads=2, device="cpu"))
     renderer = ChatRenderer(build_char_tokenizer())
+    sides = ["builtin", "user_env"] + (["verifiers"] if _has_verifiers() is None else [])
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     try:
-        await _run_mode(engine, renderer, 4, 4, seed + 1, batched=False)  # warm-up
-        batched = await _run_mode(engine, renderer, n, concurrency, seed, batched=True)
-        async_ = await _run_mode(engine, renderer, n, concurrency, seed, batched=False)
+        warm = [_ToolEpisode(i, seed + 1, None) for i in range(4)]
+        await _run_mode(engine, renderer, warm, 4, "w", batched=False)
+        batched = await _run_mode(engine, renderer, [_ToolEpisode(i, seed, None)
+                                                     for i in range(n)],
+                                  concurrency, "b", batched=True)
+        for r in range(repeats):
+            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                tag = f"{side[0]}{r}-"
+                if side == "verifiers":
+                    out = await _verifiers_mode(engine, renderer, n, concurrency, seed, tag)
+                else:
+                    envs = ([_ToolEpisode(i, seed, None) for i in range(n)]
+                            if side == "builtin" else _user_envs(n, seed))
+                    out = await _run_mode(engine, renderer, envs, concurrency, tag,
+                                          batched=False)
+                runs[side].append(out)
         overhead = await _proxy_overhead(engine, renderer, calls=20 if n < 64 else 100)
     finally:
         await engine.close()
-    return {"batched": batched, "async": async_, "proxy": overhead}
+    return {"batched": batched, "runs": runs, "proxy": overhead}
 
 
 async def _proxy_overhead(engine: LocalEngine, renderer: ChatRenderer, calls: int) -> dict:
@@ -183,9 +282,13 @@ async def _proxy_overhead(engine: LocalEngine, renderer: ChatRenderer, calls: in
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     n, concurrency, seed = (16, 8, 0) if quick else (128, 32, 0)
+    repeats = REPEATS_QUICK if quick else REPEATS_FULL
     with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp:
         folder = build_tiny_model(TinyModelConfig(), build_char_tokenizer(), Path(tmp) / "m")
-        modes = asyncio.run(_bench(folder, n, concurrency, seed))
+        out = asyncio.run(_bench(folder, n, concurrency, seed, repeats))
+    runs = out["runs"]
+    modes = {"batched": out["batched"], "async": runs["builtin"][0],
+             **{side: got[0] for side, got in runs.items() if side != "builtin"}}
     probe = [_ToolEpisode(i, seed, None) for i in range(n)]
     latencies = sorted(x for env in probe for x in env.latencies)
     result = {
@@ -198,13 +301,23 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         "turns_per_episode": [env.turns for env in probe],
         "tool_latency_s_median": statistics.median(latencies),
         "tool_latency_s_max": latencies[-1],
-        "modes": {k: modes[k] for k in ("batched", "async")},
-        "proxy": modes["proxy"],
+        "modes": modes,
+        "repeats": {side: [r["episodes_per_s"] for r in got] for side, got in runs.items()},
+        "proxy": out["proxy"],
         "async_vs_batched_episodes_per_s": (modes["async"]["episodes_per_s"]
                                             / modes["batched"]["episodes_per_s"]),
         "engine_utilization_agentic": modes["async"]["engine_utilization"],
-        "proxy_overhead_ms_p50": modes["proxy"]["overhead_ms_p50"],
+        "proxy_overhead_ms_p50": out["proxy"]["overhead_ms_p50"],
     }
+    for side in ("user_env", "verifiers"):
+        if side not in runs:
+            result[f"{side}_vs_builtin_skipped"] = _has_verifiers()
+            continue
+        mean, low, high = ratio_interval([
+            a["episodes_per_s"] / b["episodes_per_s"]
+            for a, b in zip(runs[side], runs["builtin"], strict=True)])
+        result[f"{side}_vs_builtin_episodes_per_s"] = mean
+        result[f"{side}_vs_builtin_ci95"] = [low, high]
     _print(result)
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
@@ -229,3 +342,11 @@ def _print(result: dict[str, Any]) -> None:
           f"   engine_utilization_agentic = {result['engine_utilization_agentic']:.2f}"
           f"   proxy_overhead_ms_p50 = {result['proxy_overhead_ms_p50']:.1f} "
           f"(direct {result['proxy']['direct_ms_p50']:.1f} ms)")
+    for side in ("user_env", "verifiers"):
+        if f"{side}_vs_builtin_episodes_per_s" in result:
+            low, high = result[f"{side}_vs_builtin_ci95"]
+            print(f"{side}_vs_builtin_episodes_per_s = "
+                  f"{result[f'{side}_vs_builtin_episodes_per_s']:.3f} (95% {low:.3f}-{high:.3f}, "
+                  f"{len(result['repeats'][side])} interleaved rounds)")
+        else:
+            print(f"{side}: skipped, {result[f'{side}_vs_builtin_skipped']}")
