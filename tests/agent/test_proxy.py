@@ -352,3 +352,25 @@ async def test_a_call_that_fails_midway_has_the_next_one_start_a_new_sample(engi
     assert held.num_failures == 0 and failed.num_calls == 0 and failed.segments == []
     assert sample.started_because == "the previous call failed" and sample.num_calls == 2
     check_alignment(ChatRenderer(build_char_tokenizer()), sample.messages, sample.token_ids)
+
+
+async def test_a_connection_idle_while_tools_run_stays_open(proxy):
+    """An agent's HTTP connection idles while its tools run: the proxy keeps it open past
+    uvicorn's 5 s default (with it, a client that reused the connection as the server closed
+    it failed its episode with a connection error: 32 verifiers rollouts, tools up to 7 s)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Authorization: Bearer rs-none.x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 2\r\n\r\n{}")
+    try:
+        for idle in (6, 0):  # the second call after a slow tool
+            writer.write(request)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 401"), head
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            await asyncio.sleep(idle)
+    finally:
+        writer.close()

@@ -66,6 +66,10 @@ __all__ = ["AgentProxy", "Binding", "EngineFailed", "EpisodeOver", "EpisodeRefus
            "ProxySample", "SessionHandle"]  # what harnesses and the CLI take from here
 
 KEY_PREFIX = "rs-"
+# An agent's connection idles while its tools run. uvicorn closes an idle one after 5 s by
+# default, and a client that reuses it as it closes gets a connection error mid-episode (seen
+# with tools slower than 5 s, 32 verifiers rollouts at a time): keep it open far longer.
+KEEP_ALIVE_S = 600
 
 
 class EngineFailed(RuntimeError):
@@ -154,7 +158,7 @@ class AgentProxy:
         import uvicorn
 
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
-                                lifespan="off")
+                                lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
