@@ -105,11 +105,11 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
         tmp_path, tiny_run_cache, monkeypatch, caplog):
     import ray
 
-    from rollstream.runtime.ray import engines
+    from rollstream.runtime.ray import engines, peeks
 
     spawned, proxies, cut = [], [], []
     spawn, build, generate, merge = engines.spawn_actor, engines.build_ray_engines, \
-        engines.RayEngine.generate, engines.RayEngine._merge_peek
+        engines.RayEngine.generate, peeks.Peeked.merge
     run_dir = tmp_path / "kill"
     killed = threading.Event()
 
@@ -127,14 +127,17 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
             cut.append(out)
         return out
 
-    def spy_merge(self, entries, tokens):  # the kill lands in the driver's loop, right as a
-        merge(self, entries, tokens)  # peek brought a request its first quarter of 64 tokens
-        if killed.is_set() or self is not proxies[0]:  # (so it is mid-generation, with ~75 ms
-            return  # to go, not done), once step 1 trained (the replacement loads version >= 1)
+    def spy_merge(self, entries, tokens, inflight):
+        # the kill lands in the driver's loop, right as a peek brought a request its first
+        # quarter of 64 tokens (so it is mid-generation, with ~75 ms to go, not done), once
+        # step 1 trained (the replacement loads version >= 1)
+        merge(self, entries, tokens, inflight)
+        if killed.is_set() or self is not proxies[0]._peeked:
+            return
         metrics = run_dir / "metrics.jsonl"
         # a request in its first half could finish before the kill landed, and the run's
         # other cut requests be fresh ones with no tokens (CI, 2026-12-04)
-        if any(0 < len(o.token_ids) <= 16 for o in self._partial.values()) and \
+        if any(0 < len(o.token_ids) <= 16 for o in self.partial.values()) and \
                 metrics.exists() and '"kind":"train"' in metrics.read_text():
             ray.kill(spawned[0], no_restart=True)
             killed.set()
@@ -142,7 +145,7 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
     monkeypatch.setattr(engines, "spawn_actor", spy_spawn)
     monkeypatch.setattr(engines, "build_ray_engines", spy_build)
     monkeypatch.setattr(engines.RayEngine, "generate", spy_generate)
-    monkeypatch.setattr(engines.RayEngine, "_merge_peek", spy_merge)
+    monkeypatch.setattr(peeks.Peeked, "merge", spy_merge)
     # a peek every 20 ms, not 200: a 64-token request runs ~0.1 s here, and its groups run in
     # step, so peeks 0.2 s apart could miss every request's first half (CI, 2026-12-04)
     monkeypatch.setattr(engines, "PEEK_S", 0.02)

@@ -11,8 +11,8 @@ chunk (with ``finish_reason``), a usage chunk when ``stream_options.include_usag
 it, and ``[DONE]`` follow, so the chunks add up to the reply the call would have had without
 streaming. A call refused before its generation starts is an HTTP error as without
 streaming; an engine failure after the first chunk is an ``error`` event (the SDK raises).
-An engine that cannot stream (a Ray engine actor) or a reply answered from an episode's record
-(a resume) sends its content in one chunk.
+A Ray engine actor streams what the driver's peeks bring (``runtime/ray/peeks.py``); a reply
+answered from an episode's record (a resume) sends its content in one chunk.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ over it.
                                to actor.install
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
                                (and every PEEK_S one actor.peek.remote: the partial tokens
-                               sampled since the last peek)
+                               sampled since the last peek; what streamed requests hear)
     (wire.py counts these calls and their pickled bytes, and the out-of-band payloads apart,
      in stats().work)
 
@@ -32,9 +32,12 @@ once, weight loads raise. A local engine whose step loop died inside a live acto
 reported the same way (its requests came back with all their partial tokens through the
 actor). A call that raises inside a live actor returns ABORT with the cause and the peeked
 tokens too, but the engine stays UP: whether to keep routing to it is the router's breaker's
-call (``rollout/breaker.py``). While restarts are left (``engine.local.max_restarts``) the proxy is RECOVERING and
-:meth:`RayEngine.restart` (the rollout's supervisor, through weight sync) replaces the actor
-with a new one at the current weights; then UP again.
+call (``rollout/breaker.py``). While restarts are left (``engine.local.max_restarts``) the
+proxy is RECOVERING and :meth:`RayEngine.restart` (the rollout's supervisor, through weight
+sync) replaces the actor with a new one at the current weights; then UP again.
+
+A request with ``on_tokens`` streams through the same peeks, made every ``STREAM_PEEK_S``
+while it is in flight (``peeks.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from rollstream.engine.protocol import (
 from rollstream.engine.states import EngineHealth
 from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
 from rollstream.runtime.ray.engine_actor import spawn_actor
+from rollstream.runtime.ray.peeks import STREAM_PEEK_S, Peeked
 from rollstream.runtime.ray.wire import WireMeter
 from rollstream.sync.protocol import Destination, Payload
 
@@ -95,9 +99,10 @@ class RayEngine:
         self._peek_entries: tuple[tuple[str, int, int], ...] | None = None  # its tokens' wait
         self._before = _Totals()  # counters of the actors this one replaced
         self._delivered_tokens = 0  # tokens returned by the current actor's calls
-        self._partial: dict[str, GenerateOutput] = {}  # in flight: its tokens at the last peek
+        self._peeked = Peeked()  # in flight: its tokens at the last peek, its listener
         self._peek: Any = None  # the peek in flight, and time.monotonic() it was sent
         self._peek_at = 0.0
+        self._stream_polls: asyncio.Task | None = None
         self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
         self.actor = actor if actor is not None else spawn(version)
         self._pending: Any = self.actor.stats.remote()
@@ -107,6 +112,25 @@ class RayEngine:
 
     # ---- the engine protocol -------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        if request.on_tokens is None:
+            return await self._call(request)
+        self._peeked.listen(request.request_id, request.on_tokens)
+        if self._stream_polls is None or self._stream_polls.done():
+            self._stream_polls = asyncio.create_task(self._poll_streams())
+        out = None
+        try:
+            out = await self._call(request)
+            return out
+        finally:
+            self._peeked.end(request.request_id, [] if out is None else out.token_ids)
+
+    async def _poll_streams(self) -> None:
+        """Peek every STREAM_PEEK_S while a request streams (``peeks.py``)."""
+        while self._peeked.streaming and self._death is None and not self._closed:
+            self._poll()
+            await asyncio.sleep(STREAM_PEEK_S / 2)
+
+    async def _call(self, request: GenerateRequest) -> GenerateOutput:
         actor = self.actor
         if self._death is not None:
             return _abort(request.request_id, self._death)
@@ -116,16 +140,16 @@ class RayEngine:
         except (*_actor_errors(), *_lost_errors()) as e:  # its tokens at the last peek survive
             self._fault(actor, e)
             return _abort(request.request_id, self._death or f"{self.engine_id}: {e}",
-                          self._partial.get(request.request_id))
+                          self._peeked.partial.get(request.request_id))
         except _task_errors() as e:  # the actor lives but the call raised: it stays UP, the
             cause = getattr(e, "cause", None) or e  # router's breaker judges it
             return _abort(request.request_id, f"ray engine {self.engine_id} raised "
                           f"{type(cause).__name__}: {str(cause)[:300]}",
-                          self._partial.get(request.request_id))
+                          self._peeked.partial.get(request.request_id))
         finally:
             if self._inflight.get(request.request_id) is mine:
                 del self._inflight[request.request_id]
-                self._partial.pop(request.request_id, None)
+                self._peeked.partial.pop(request.request_id, None)
         if actor is self.actor:
             self._delivered_tokens += len(out.token_ids)
         return out
@@ -274,8 +298,9 @@ class RayEngine:
             return
         if self._peek is not None and ray.wait([self._peek], timeout=0)[0]:
             self._take_peek()
+        every = STREAM_PEEK_S if self._peeked.streaming else PEEK_S
         if self._peek is None and self._inflight and \
-                time.monotonic() - self._peek_at >= PEEK_S and self._death is None:
+                time.monotonic() - self._peek_at >= every and self._death is None:
             self._peek, self._peek_at = self.actor.peek.remote(), time.monotonic()
             self.wire.call()
         if self._pending is not None:
@@ -306,28 +331,7 @@ class RayEngine:
         else:
             self.wire.data_received(value.nbytes)
             entries, tokens, self._peek_entries = self._peek_entries, value, None
-        self._merge_peek(entries, tokens)
-
-    def _merge_peek(self, entries: tuple[tuple[str, int, int], ...], tokens: Tokens) -> None:
-        """Append each request's new tokens to what earlier peeks brought (from 0: replace;
-        out of step with them, e.g. a reply of another proxy's peek: keep none)."""
-        ids, lps, versions = tokens.unpack()
-        at = 0
-        for rid, start, n in entries:
-            part, at = slice(at, at + n), at + n
-            have = self._partial.get(rid)
-            if rid not in self._inflight:
-                continue
-            if start == 0:
-                self._partial[rid] = GenerateOutput(
-                    request_id=rid, token_ids=ids[part], logprobs=lps[part],
-                    versions=versions[part], finish_reason=FinishReason.ABORT)
-            elif have is not None and len(have.token_ids) == start:
-                have.token_ids.extend(ids[part])
-                have.logprobs.extend(lps[part])
-                have.versions.extend(versions[part])
-            else:
-                self._partial.pop(rid, None)
+        self._peeked.merge(entries, tokens, self._inflight)
 
     def _send(self, blob: bytes) -> Any:
         """A payload for the actor: itself, or its reference when above the threshold."""
