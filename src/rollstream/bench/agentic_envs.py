@@ -77,7 +77,7 @@ def load_environment(seed: int = 0, episodes: int = 1) -> Any:
     class ToolEpisodes(vf.MultiTurnEnv):
         async def env_response(self, messages, state, **kwargs):
             info = state["info"]
-            turns, latencies = draw(int(info["index"]), int(info["seed"]))
+            _, latencies = draw(int(info["index"]), int(info["seed"]))
             k = len(state["trajectory"]) - 1  # the tool turn this model turn asked for
             await asyncio.sleep(latencies[k])
             return [{"role": "user", "content": f"result {k + 1}"}]

@@ -78,5 +78,5 @@ class Peeked:
         self._heard[request_id] = (on_tokens, len(tokens))
         try:
             on_tokens(list(tokens[heard:]))
-        except Exception:  # noqa: BLE001 - a listener's fault never fails the request
+        except Exception:  # a listener's fault never fails the request
             log.exception("on_tokens of request %s raised", request_id)
