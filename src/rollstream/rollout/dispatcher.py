@@ -362,7 +362,7 @@ class Dispatcher:
         sample.engine_id = engine.engine_id
         self.stats.num_requests += 1
         request = GenerateRequest(request_id=request_id, params=params, episode_id=sample.uid,
-                                  prompt_ids=list(sample.task.prompt_ids) + sample.response_ids,
+                                  prompt_ids=sample.served_ids(),
                                   on_tokens=on_tokens)
         out_of_time = False
         try:
