@@ -12,6 +12,12 @@ Invariants checked at construction:
   * ids are stable strings: ``task_uid`` (source + seed + index), ``group_id``
     (``{task_uid}#g{k}``) and ``sample_uid`` (``{group_id}/{sample_idx}``).
 
+An agent episode whose chat template rewrote earlier turns carries ``Sample.contexts``: where
+the model was served the conversation rendered anew instead of the tokens so far. It is still
+one sample (one reward, advantage and ledger line), served and trained as its turn-samples
+(:func:`turn_samples`); its segments hold only the tokens sampled or appended, so every
+per-token view below is its response as the loss sees it.
+
 Lifecycle: a Sample moves PENDING -> RUNNING (-> INTERRUPTED -> RUNNING)* -> GENERATED ->
 GRADED and then reaches exactly one terminal status: TRAINED, FILTERED, DROPPED_STALE,
 FAILED, EVALUATED (held-out samples that are scored, never trained) or ABORTED (the run
