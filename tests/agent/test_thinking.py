@@ -12,10 +12,12 @@ the template rewrites as well (it drops the ``<think>`` they were served after).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 from pathlib import Path
 
+import openai
 import pytest
 from transformers import Qwen2Tokenizer
 
@@ -23,7 +25,15 @@ import rollstream
 from rollstream.agent.chat import ChatRenderer, check_alignment
 from rollstream.agent.environment import ModelTurn, Observation
 from rollstream.agent.harness import AGENT, AgentHarness
-from rollstream.agent.loop import AgentLoop, Budgets, EngineTurns, Episode, ReplayDiverged
+from rollstream.agent.loop import (
+    AgentLoop,
+    Budgets,
+    EngineTurns,
+    Episode,
+    ReplayDiverged,
+    generate_turn,
+)
+from rollstream.agent.proxy import AgentProxy, Binding
 from rollstream.clock import WallClock
 from rollstream.config.schema import RewardConfig, TinyModelConfig, TrainConfig
 from rollstream.data.ledger import Ledger, read_ledger
@@ -46,7 +56,15 @@ from rollstream.run_files import RunFiles
 from rollstream.staleness import StalenessPolicy
 from rollstream.train.batching import collate, pieces
 from rollstream.train.trainer import Trainer
-from rollstream.trajectory import Context, Group, SampleStatus, SegmentKind, Task
+from rollstream.trajectory import (
+    Context,
+    Group,
+    SampleStatus,
+    SegmentKind,
+    Task,
+    served_ids,
+    turn_samples,
+)
 from tests.rollout.fakes import RandomEngine
 
 THINK, END_THINK = "<think>", "</think>"
@@ -88,7 +106,8 @@ OPENING = [{"role": "user", "content": "go"}]
 
 class ScriptedModel(RandomEngine):
     """An engine that writes scripted turns: turn k of the episode of sample ``.../i`` (k:
-    the model turns its prompt shows) is ``r{k}</think>a{i % 2}`` and the end of its turn,
+    the model turns its prompt shows) is ``r{k}</think>a{i % 2}`` (``a0`` for an episode
+    of another name) and the end of its turn,
     sampled by weight version k. Every request is recorded (what the model was served)."""
 
     def __init__(self) -> None:
@@ -98,7 +117,8 @@ class ScriptedModel(RandomEngine):
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         self.requests.append(request)
         k = TOKENIZER.decode(request.prompt_ids).count(f"{IM_START}assistant") - 1
-        answer = int(str(request.episode_id).rsplit("/", 1)[-1]) % 2
+        last = str(request.episode_id)[-1]
+        answer = int(last) % 2 if last.isdigit() else 0  # a proxy session's: 0
         ids = TOKENIZER.encode(f"r{k}{END_THINK}a{answer}") + [TOKENIZER.convert_tokens_to_ids(
             IM_END)]
         ids = ids[:request.params.max_new_tokens]
@@ -298,3 +318,105 @@ def test_an_end_to_end_run_trains_split_episodes_and_audits_clean(tmp_path: Path
     assert audit["duplicated_samples"] == audit["lost_samples"] == 0
     assert audit["steps_missing"] == audit["steps_repeated"] == 0
     assert (audit["split_episodes"], audit["turn_samples_mismatched"]) == (8, 0)
+
+
+async def _sdk_agent(handle) -> None:
+    """An SDK agent: a tool's result after its first reply, a user message after its second,
+    and a last reply; it stops at a refused call."""
+    messages = list(OPENING)
+    async with openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key,
+                                  max_retries=0) as client:
+        for follow in ({"role": "tool", "tool_call_id": "call_0", "content": "t0"},
+                       {"role": "user", "content": "more"}, None):
+            try:
+                reply = await client.chat.completions.create(model="k", messages=messages,
+                                                             max_tokens=32)
+            except openai.BadRequestError:
+                return
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            messages += [] if follow is None else [follow]
+
+
+async def test_an_sdk_agent_through_the_proxy_is_split_where_the_template_rewrites():
+    engine = ScriptedModel()
+    async with AgentProxy([engine], TOKENIZER) as proxy:
+        handle = proxy.open_session("sdk")
+        await _sdk_agent(handle)
+        (sample,) = proxy.close_session(handle.api_key)
+    assert sample.num_calls == 3 and [c.num_segments for c in sample.contexts] == [4]
+    assert len(sample.segments[3]) == 0 and TOKENIZER.decode(
+        list(sample.contexts[0].token_ids)).endswith(
+        "assistant\na0<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n<think>")
+    first, second = turn_samples(sample.prompt_ids, len(sample.segments), sample.contexts)
+    turn0, env0 = sample.segments[0].token_ids, sample.segments[1].token_ids
+    assert [r.prompt_ids for r in engine.requests] == [
+        list(first.prompt_ids), list(first.prompt_ids) + turn0 + env0, list(second.prompt_ids)]
+
+
+async def _bound_episode(engine: ScriptedModel, binding: Binding) -> Binding:
+    """The SDK agent in a session bound to ``binding``, whose turns ``engine`` generates
+    after what the episode serves (as the dispatcher does for a training sample)."""
+    async def generate(params, rid, on_tokens):
+        ids = served_ids(binding.prompt_ids, binding.segments, binding.contexts)
+        return await generate_turn(engine, ids, params, rid, binding.segments,
+                                   episode_id="sdk/1")
+
+    binding.generate = generate
+    async with AgentProxy([engine], TOKENIZER) as proxy:
+        handle = proxy.open_session("sdk/1", binding=binding)
+        await _sdk_agent(handle)
+        await proxy.end_session(handle.api_key)
+    return binding
+
+
+async def test_a_restored_split_sdk_episode_replays_to_the_same_context():
+    def binding(**fields) -> Binding:
+        return Binding(prompt_ids=list(RENDERER.prompt(OPENING)), generate=None,
+                       max_total_tokens=400, max_turns=8, **fields)
+
+    engine = ScriptedModel()
+    live = await _bound_episode(engine, binding(segments=[], turns=[]))
+    assert live.refused is None and [c.num_segments for c in live.contexts] == [4]
+    assert len(engine.requests) == 3 and len(live.segments) == 5
+    restored = await _bound_episode(engine, binding(
+        segments=copy.deepcopy(live.segments[:4]), turns=copy.deepcopy(live.turns[:4]),
+        contexts=list(live.contexts), recorded=4))
+    assert len(engine.requests) == 4  # turns 0 and 1 answered from the record
+    assert restored.refused is None and restored.contexts == live.contexts
+    assert [g.token_ids for g in restored.segments] == [g.token_ids for g in live.segments]
+    (context,) = live.contexts
+    forged = Context(num_segments=4, token_ids=context.token_ids[:-1])
+    diverged = await _bound_episode(engine, binding(
+        segments=copy.deepcopy(live.segments[:4]), turns=copy.deepcopy(live.turns[:4]),
+        contexts=[forged], recorded=4))
+    assert "the conversation renders anew to" in diverged.refused
+    assert len(engine.requests) == 4
+
+
+def test_an_sdk_agent_run_trains_split_episodes_and_audits_clean(tmp_path: Path,
+                                                                 thinking_model: Path):
+    rows = [{"prompt": f"guess {i}", "target": 40 + i, "answer": "x"} for i in range(8)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = rollstream.run({
+        "name": "sdk", "run_root": str(tmp_path / "runs"), "seed": 0,
+        "model": {"path": str(thinking_model)},
+        "tasks": {"num_eval": 0, "sources": [{
+            "name": "sdk", "kind": "jsonl", "path": str(tmp_path / "rows.jsonl"),
+            "harness": "openai", "agent": "tests.agent.user_pkg.agents:guess",
+            "tools": ["tests.agent.user_pkg.tools:Length"], "reward": "exact_match"}]},
+        "agent": {"max_turns": 3, "max_turn_tokens": 6},
+        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
+        "sampling": {"max_new_tokens": 120},
+        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
+        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
+        "monitor": {"progress": False, "report": False},
+    })
+    assert summary["steps"] == 2
+    run = tmp_path / "runs" / "sdk"
+    rows = read_ledger(RunFiles(run).ledger)
+    assert len(rows) == 8 and {r.status for r in rows} == {SampleStatus.TRAINED}, rows[0]
+    split = [r for r in rows if r.turn_samples]
+    assert split and all(len(r.turn_samples) == r.num_turns == 2 for r in split)
+    audit = audit_run(run, group_size=2, eval_group_size=1, groups_per_step=2, steps=2)
+    assert audit["duplicated_samples"] == audit["lost_samples"] == 0
+    assert (audit["split_episodes"], audit["turn_samples_mismatched"]) == (len(split), 0)

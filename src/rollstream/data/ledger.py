@@ -11,8 +11,9 @@ the whole file).
 Each line is a :class:`~rollstream.data.ledger_row.LedgerRow` (versioned; older lines still
 read). An episode whose chat template rewrote earlier turns (``Sample.contexts``) is one line
 still, with one row per turn-sample nested in it (``turn_samples``: :func:`turn_sample_rows`),
-so it is recorded exactly once and its turn-samples with it. A ledger opened on an existing file (a resumed run, after ``durable.resume`` reconciled it)
-knows every sample that file records. :meth:`sync` flushes and fsyncs it and returns its line
+so it is recorded exactly once and its turn-samples with it. A ledger opened on an existing
+file (a resumed run, after ``durable.resume`` reconciled it) knows every sample that file
+records. :meth:`sync` flushes and fsyncs it and returns its line
 count, which a checkpoint stores: the lines after it are what a resume reconciles.
 
 Also tracks which dispatched samples are still open (``open``, then ``write``) so that, at

@@ -38,8 +38,9 @@ terminal status. Every status change goes through :class:`Lifecycle`.
 
 Episodes: every request of a sample carries its uid as ``episode_id`` (its turns and its
 resubmissions extend one another, except a turn served a context anew where the chat template
-rewrote earlier turns: ``Sample.served_ids``); when ``run_sample`` ends, the engine of its last request
-may drop what it kept of it (``KeepsEpisodes``: an engine actor sends only added tokens).
+rewrote earlier turns: ``Sample.served_ids``); when ``run_sample`` ends, the engine of its
+last request may drop what it kept of it (``KeepsEpisodes``: an engine actor sends only added
+tokens).
 
 Random streams: with a run ``seed``, a request without a seed of its own gets
 :func:`sample_seed` (run seed, sample uid), the same on every attempt of that sample. An
