@@ -12,6 +12,12 @@ Invariants checked at construction:
   * ids are stable strings: ``task_uid`` (source + seed + index), ``group_id``
     (``{task_uid}#g{k}``) and ``sample_uid`` (``{group_id}/{sample_idx}``).
 
+An agent episode whose chat template rewrote earlier turns carries ``Sample.contexts``: where
+the model was served the conversation rendered anew instead of the tokens so far. It is still
+one sample (one reward, advantage and ledger line), served and trained as its turn-samples
+(:func:`turn_samples`); its segments hold only the tokens sampled or appended, so every
+per-token view below is its response as the loss sees it.
+
 Lifecycle: a Sample moves PENDING -> RUNNING (-> INTERRUPTED -> RUNNING)* -> GENERATED ->
 GRADED and then reaches exactly one terminal status: TRAINED, FILTERED, DROPPED_STALE,
 FAILED, EVALUATED (held-out samples that are scored, never trained) or ABORTED (the run
@@ -114,6 +120,47 @@ class EnvSnapshot:
     num_segments: int
     state: dict[str, Any]  # a JSON object
     messages: list[dict[str, Any]]  # chat messages, as the template renders them
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Context:
+    """Where a chat template rewrote an episode's earlier turns (a thinking model's template
+    that drops past ``<think>`` blocks): from segment ``num_segments`` on, the model was served
+    ``token_ids``, the whole conversation as the template rendered it then (generation prompt
+    included), in place of the prompt and the segments before. The episode is trained as one
+    turn-sample per context (:func:`turn_samples`)."""
+
+    num_segments: int  # the first segment served after it: a model turn's
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_segments < 1 or not self.token_ids:
+            raise ValueError(f"Context needs num_segments >= 1 and tokens, got "
+                             f"{self.num_segments} and {len(self.token_ids)} tokens")
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class TurnSample:
+    """One turn-sample of an episode: what the model was served as its context
+    (``prompt_ids``), then the segments ``first`` to ``end`` (exclusive) that followed it."""
+
+    prompt_ids: tuple[int, ...]
+    first: int
+    end: int
+
+
+def turn_samples(prompt_ids: tuple[int, ...] | list[int], num_segments: int,
+                 contexts: list[Context]) -> list[TurnSample]:
+    """An episode as the model was served it: the prompt and the segments up to the first
+    context, then each context and the segments after it up to the next (one turn-sample for
+    an episode that was never split)."""
+    starts = [0, *(c.num_segments for c in contexts)]
+    if starts != sorted(set(starts)) or starts[-1] > num_segments:
+        raise ValueError(f"contexts must start at increasing segments within the episode's "
+                         f"{num_segments}, got {starts[1:]}")
+    prompts = [tuple(prompt_ids), *(c.token_ids for c in contexts)]
+    ends = [*starts[1:], num_segments]
+    return [TurnSample(prompt_ids=p, first=a, end=b) for p, a, b in zip(prompts, starts, ends)]
 
 
 SINGLE_TURN = "single_turn"  # Task.harness of a one-request task (prompt -> response)
@@ -220,6 +267,9 @@ class Sample:
     num_restored_tokens: int = 0  # partial tokens it continued from after a restart (resume)
     turns: list[Turn] = field(default_factory=list)  # multi-turn episodes: one per segment
     env_snapshot: EnvSnapshot | None = None  # an episode's environment, at its last boundary
+    # where the chat template rewrote the episode's earlier turns ([]: append-only), so that
+    # it is served and trained as turn-samples (Context, turn_samples)
+    contexts: list[Context] = field(default_factory=list)
     # the sampling temperature of its tokens, fixed at its first dispatch (None: not yet, or
     # not dispatched by a rollout); the trainer takes logprobs at the same temperature, so a
     # temperature reconfigured mid-run does not change the behaviour policy of older samples
@@ -252,6 +302,14 @@ class Sample:
     @property
     def num_response_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
+
+    def served_ids(self) -> list[int]:
+        """What the model is served for its next tokens: the prompt and the response, or,
+        after the template rewrote earlier turns, the last context and the segments since."""
+        return served_ids(self.task.prompt_ids, self.segments, self.contexts)
+
+    def turn_samples(self) -> list[TurnSample]:
+        return turn_samples(self.task.prompt_ids, len(self.segments), self.contexts)
 
     def answer(self) -> tuple[list[int], str | None]:
         """What a reward reads, and how it ended: the whole response of a single-turn sample
@@ -310,6 +368,15 @@ def append_policy_tokens(segments: list[Segment], token_ids: list[int], logprobs
         last.loss_mask.extend(seg.loss_mask)
     else:
         segments.append(seg)
+
+
+def served_ids(prompt_ids: tuple[int, ...] | list[int], segments: list[Segment],
+               contexts: list[Context]) -> list[int]:
+    """The context of an episode's next request (``Sample.served_ids``)."""
+    last = contexts[-1] if contexts else None
+    head = list(prompt_ids) if last is None else list(last.token_ids)
+    tail = segments if last is None else segments[last.num_segments:]
+    return head + list(chain.from_iterable(s.token_ids for s in tail))
 
 
 @dataclass(slots=True, kw_only=True)

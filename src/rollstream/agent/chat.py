@@ -14,6 +14,12 @@ an assistant turn's end (ChatML's ``\\n`` after ``<|im_end|>``; the whole closin
 the model was cut by its token budget before it ended its turn). A template that is not
 append-only for these messages is a ``TemplateError`` naming where the renders part.
 
+A template may rewrite earlier turns when new messages come (Qwen3's drops the ``<think>``
+block of every model turn before the last user message). ``rewrites`` says so, from the
+conversation's own text (the model's turns as sampled); the agent loop then serves the whole
+conversation rendered anew (``prompt``) and splits the episode there into turn-samples
+(``trajectory.Context``), so that each turn is still trained on the tokens it was served.
+
 ``check_alignment`` is the end-of-episode check: the episode's ids must equal what the template
 renders for the final conversation (the model's turns as the decoded text it sampled). A model
 turn that the template renders differently (stripped whitespace, re-serialised tool calls)
@@ -83,6 +89,13 @@ class ChatRenderer:
             stop = self.tokenizer.decode([self._stop_in(tail)])
             tail = tail[tail.index(stop) + len(stop):]
         return tail
+
+    def rewrites(self, messages: Sequence[Message], new: Sequence[Message]) -> bool:
+        """Whether the template renders ``messages`` (ending with the model's turn, its text
+        as sampled) differently once ``new`` follows: the earlier text is not a prefix of the
+        new render (module docstring)."""
+        done = self.text(messages, add_generation_prompt=False)
+        return not self.text([*messages, *new], add_generation_prompt=True).startswith(done)
 
     def extend(self, messages: Sequence[Message], new: Sequence[Message], *,
                model_ended_turn: bool) -> list[int]:

@@ -23,7 +23,9 @@ stand: an environment that can snapshot its state (``Snapshottable``) is restore
 rebuilt from ``reset()`` and the recorded model turns, tool calls answered from the recorded
 results (``ReplayTools``: none is executed twice). An environment that raises, a replay that
 diverges, or a prompt the template does not render as the source did, fails that sample with
-the reason; the run goes on.
+the reason; the run goes on. Where the template rewrites earlier turns the episode is split
+into turn-samples (``Sample.contexts``, ``agent.loop``): one sample still, with one reward,
+one advantage and one ledger line.
 
 Budgets: ``agent.max_turns``, ``agent.max_turn_tokens``, ``agent.max_wall_s``, and
 ``sampling.max_new_tokens`` for the episode's response in all (model and environment tokens:
@@ -117,7 +119,8 @@ class AgentHarness:
                  f"environment (agent sources: {', '.join(sorted(self.sources)) or 'none'})")
             return
         episode = Episode(prompt_ids=list(sample.task.prompt_ids), segments=sample.segments,
-                          turns=sample.turns, snapshot=sample.env_snapshot)
+                          turns=sample.turns, snapshot=sample.env_snapshot,
+                          contexts=sample.contexts)
         loop = AgentLoop(renderer=self.renderer, sampling=params, budgets=self.budgets)
         env = None
         try:

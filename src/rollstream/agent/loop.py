@@ -6,6 +6,12 @@
            delta       = render.extend(new messages)   -> env segment (appended, never
                                                           re-tokenising what was served)
 
+A template that rewrites earlier turns (one that drops past ``<think>`` blocks) cannot be
+extended by appending: where ``ChatRenderer.rewrites`` says it does, the environment's answer
+appends no token and the next turn is served the whole conversation rendered anew, recorded
+as a :class:`~rollstream.trajectory.Context`. The episode is then trained as one turn-sample
+per context, each on exactly the tokens it was served (``trajectory.turn_samples``).
+
 Every model token keeps the logprob and the weight version that sampled it. Where the tokens
 come from is a :class:`TurnGenerator`: :class:`EngineTurns` calls one engine directly (tests,
 benchmarks); in a training run the dispatcher generates each turn with its own routing, gate,
@@ -46,7 +52,15 @@ from rollstream.agent.tools import ToolCall, ToolResult
 from rollstream.engine import Engine, FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.protocol import OnTokens
 from rollstream.rollout.dispatcher import TurnOutput
-from rollstream.trajectory import EnvSnapshot, Segment, SegmentKind, Turn, append_policy_tokens
+from rollstream.trajectory import (
+    Context,
+    EnvSnapshot,
+    Segment,
+    SegmentKind,
+    Turn,
+    append_policy_tokens,
+    served_ids,
+)
 
 
 class EpisodeEnd(str, enum.Enum):
@@ -65,7 +79,7 @@ class ReplayDiverged(RuntimeError):
 class Budgets:
     max_turns: int = 8  # model turns
     max_turn_tokens: int = 256  # tokens of one model turn
-    max_total_tokens: int = 2048  # response tokens: model and environment
+    max_total_tokens: int = 2048  # tokens served past the prompt: model and environment
     max_wall_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +100,7 @@ class Episode:
     segments: list[Segment] = field(default_factory=list)  # alternating policy / env
     turns: list[Turn] = field(default_factory=list)  # turns[i] describes segments[i]
     snapshot: EnvSnapshot | None = None  # a Snapshottable environment, before the last turn
+    contexts: list[Context] = field(default_factory=list)  # where the template rewrote turns
     end: EpisodeEnd | None = None
     reward: float | None = None
     error: str | None = None
@@ -97,7 +112,15 @@ class Episode:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
+        """What the model is served next: the prompt and the response, or the last context
+        and the segments since (``Sample.served_ids``)."""
+        return served_ids(self.prompt_ids, self.segments, self.contexts)
+
+    @property
+    def num_served_tokens(self) -> int:
+        """Tokens served past the prompt (what ``Budgets.max_total_tokens`` bounds): the
+        response of an append-only episode."""
+        return max(0, len(self.token_ids) - len(self.prompt_ids))
 
     @property
     def num_model_turns(self) -> int:
@@ -201,7 +224,7 @@ class AgentLoop:
         continuing = partial is not None and partial.kind is SegmentKind.POLICY
         if ep.num_model_turns - continuing >= self.budgets.max_turns:
             return EpisodeEnd.MAX_TURNS
-        if len(ep.response_ids) >= self.budgets.max_total_tokens:
+        if ep.num_served_tokens >= self.budgets.max_total_tokens:
             return EpisodeEnd.MAX_TOKENS
         if deadline is not None and _now() >= deadline:
             return EpisodeEnd.MAX_WALL
@@ -213,7 +236,7 @@ class AgentLoop:
         b = self.budgets
         last = ep.segments[-1] if ep.segments else None
         done = len(last) if last is not None and last.kind is SegmentKind.POLICY else 0
-        budget = min(b.max_turn_tokens - done, b.max_total_tokens - len(ep.response_ids))
+        budget = min(b.max_turn_tokens - done, b.max_total_tokens - ep.num_served_tokens)
         t0 = _now()
         params = replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop)
         index = ep.num_model_turns - (done > 0)
@@ -255,19 +278,31 @@ class AgentLoop:
         if obs.done:
             ep.end, ep.reward = EpisodeEnd.DONE, obs.reward
             return
-        delta = await self._delta(ep, obs, ended)
-        if len(ep.response_ids) + len(delta) > self.budgets.max_total_tokens:
+        delta, context = await self._respond(ep, obs, ended, len(ep.segments) - 1)
+        served = (ep.num_served_tokens if context is None
+                  else len(context.token_ids) - len(ep.prompt_ids))
+        if served + len(delta) > self.budgets.max_total_tokens:
             ep.end = EpisodeEnd.MAX_TOKENS  # the environment's answer does not fit
             return
+        if context is not None:
+            ep.contexts.append(context)
         ep.segments.append(Segment.env(delta))
         ep.messages.extend(obs.messages)
         ep.turns.append(Turn(kind=SegmentKind.ENV, num_tokens=len(delta), started_s=t1 - start,
                              duration_s=_now() - t1, tool_calls=obs.tool_calls,
                              tool_results=obs.tool_results))
 
-    async def _delta(self, ep: Episode, obs: Observation, ended: bool) -> list[int]:
-        return await asyncio.to_thread(self.renderer.extend, ep.messages, obs.messages,
-                                       model_ended_turn=ended)
+    async def _respond(self, ep: Episode, obs: Observation, ended: bool,
+                       turn: int) -> tuple[list[int], Context | None]:
+        """The environment's answer to the model turn of segment ``turn`` as tokens: the ids
+        to append (``extend``), or, where the template rewrites earlier turns, none and the
+        next context (the whole conversation rendered anew, served from the next turn on)."""
+        if await asyncio.to_thread(self.renderer.rewrites, ep.messages, obs.messages):
+            ids = await asyncio.to_thread(self.renderer.prompt, [*ep.messages, *obs.messages])
+            return [], Context(num_segments=turn + 2, token_ids=tuple(ids))
+        delta = await asyncio.to_thread(self.renderer.extend, ep.messages, obs.messages,
+                                        model_ended_turn=ended)
+        return delta, None
 
     @staticmethod
     async def _snapshot(ep: Episode, env: Environment) -> None:
@@ -319,12 +354,17 @@ class AgentLoop:
             text, ended = await self._model_text(seg, stop)
             ep.messages.append({"role": "assistant", "content": text})
             obs = await env.step(ModelTurn(text=text, ended=ended, turn_index=i // 2))
-            delta = [] if obs.done else await self._delta(ep, obs, ended)
-            if delta != saved.token_ids:
+            delta, context = ([], None) if obs.done else await self._respond(ep, obs, ended, i)
+            recorded = next((c for c in ep.contexts if c.num_segments == i + 2), None)
+            if delta != saved.token_ids or context != recorded:
+                ids, was = ((delta, saved.token_ids) if context is None or recorded is None
+                            else (context.token_ids, recorded.token_ids))
                 raise ReplayDiverged(
                     f"turn {i // 2}: the rebuilt environment answered "
-                    f"{self.renderer.tokenizer.decode(delta)!r}, the episode recorded "
-                    f"{self.renderer.tokenizer.decode(saved.token_ids)!r}")
+                    f"{self.renderer.tokenizer.decode(list(ids))!r}"
+                    f"{' (the conversation anew)' if context else ''}, the episode recorded "
+                    f"{self.renderer.tokenizer.decode(list(was))!r}"
+                    f"{' (the conversation anew)' if recorded else ''}")
             ep.messages.extend(obs.messages)
 
 

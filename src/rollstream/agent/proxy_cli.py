@@ -49,7 +49,9 @@ def serve(model_dir: Path, *, port: int, num_sessions: int, out: Path | None,
                      "prompt_ids": s.prompt_ids,
                      "segments": [{"kind": seg.kind.value, "token_ids": seg.token_ids,
                                    "logprobs": seg.logprobs, "versions": seg.versions}
-                                  for seg in s.segments]}
+                                  for seg in s.segments],
+                     "contexts": [{"num_segments": c.num_segments,
+                                   "token_ids": list(c.token_ids)} for c in s.contexts]}
                     for i, h in enumerate(handles)
                     for j, s in enumerate(proxy.close_session(h.api_key))]
         finally:

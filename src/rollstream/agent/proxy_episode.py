@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from rollstream.agent.proxy_wire import Refused
 from rollstream.engine import FinishReason, SamplingParams
 from rollstream.engine.protocol import OnTokens
-from rollstream.trajectory import Segment, SegmentKind, ToolCall, ToolResult, Turn
+from rollstream.trajectory import Context, Segment, SegmentKind, ToolCall, ToolResult, Turn
 
 if TYPE_CHECKING:
     from rollstream.agent.tools import ToolManager
@@ -78,6 +78,7 @@ class Binding:
     max_total_tokens: int
     max_turns: int
     tools: ToolManager | None = None  # the source's tools, run for the agent
+    contexts: list[Context] = field(default_factory=list)  # the sample's (Sample.contexts)
     recorded: int = 0
     at: int = 0  # segments of the record answered so far (replay)
     tool_at: int = 0  # tool results of the last model turn answered so far (replay)
@@ -94,7 +95,14 @@ class Binding:
         return self.at if self.replaying else len(self.segments)
 
     def used_tokens(self) -> int:
-        return sum(len(s) for s in self.segments[:self.position])
+        """Tokens served past the prompt at ``position``: the response so far, or after a
+        split (``contexts``) the last context's past the prompt and the tokens since."""
+        at = self.position
+        last = next((c for c in reversed(self.contexts) if c.num_segments <= at), None)
+        if last is None:
+            return sum(len(s) for s in self.segments[:at])
+        return (len(last.token_ids) - len(self.prompt_ids)
+                + sum(len(s) for s in self.segments[last.num_segments:at]))
 
     def room(self) -> int:
         """Tokens the episode may still take; EpisodeOver when a budget is spent (checked
@@ -109,16 +117,28 @@ class Binding:
         return room
 
     def answer(self, new: list[dict], delta: list[int], decode: Callable[[list[int]], str],
-               call: int) -> bool:
-        """Record what the agent added after a model turn (tool results, a user message); it
-        must leave room for a model token. While replaying, check it against the record
-        instead; True when ``delta`` was appended (live)."""
+               call: int, context: Context | None = None) -> bool:
+        """Record what the agent added after a model turn (tool results, a user message): the
+        tokens ``delta`` appended, or none and the ``context`` served anew where the template
+        rewrote the earlier turns; it must leave room for a model token. While replaying,
+        check it against the record instead; True when it was recorded (live)."""
         self._all_tools_asked(call)
         if self.replaying:
+            recorded = next((c for c in self.contexts if c.num_segments == self.at + 1), None)
+            if recorded != context:
+                raise ReplayDiverged(f"call {call}: its new messages render to "
+                                     f"{'a' if context else 'no'} context anew where the "
+                                     f"episode recorded {'one' if recorded else 'none'}"
+                                     if context is None or recorded is None else
+                                     f"call {call}: the conversation renders anew to "
+                                     f"{decode(list(context.token_ids))[-400:]!r}, the episode "
+                                     f"recorded {decode(list(recorded.token_ids))[-400:]!r}")
             self._check_answer(new, delta, decode, call)
             self.at += 1
             return False
-        if self.used_tokens() + len(delta) >= self.max_total_tokens:
+        served = (self.used_tokens() if context is None
+                  else len(context.token_ids) - len(self.prompt_ids))
+        if served + len(delta) >= self.max_total_tokens:
             raise EpisodeOver("max_tokens", "the episode's token budget "
                                             "(sampling.max_new_tokens) is spent")
         results = [ToolResult(call=ToolCall(id=m.get("tool_call_id") or "", name="",
@@ -129,6 +149,7 @@ class Binding:
         self.turns.append(Turn(kind=SegmentKind.ENV, num_tokens=len(delta), started_s=0.0,
                                duration_s=0.0, tool_results=results))
         self.segments.append(Segment.env(delta))
+        self.contexts += [] if context is None else [context]
         return True
 
     def _check_answer(self, new: list[dict], delta: list[int],

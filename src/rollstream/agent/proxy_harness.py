@@ -191,7 +191,7 @@ class ProxyHarness:
         binding = Binding(prompt_ids=list(sample.task.prompt_ids), segments=sample.segments,
                           turns=sample.turns, generate=_bound_turns(dispatcher, sample),
                           max_total_tokens=b.max_total_tokens, max_turns=b.max_turns,
-                          tools=self.tools.get(sample.task.source),
+                          tools=self.tools.get(sample.task.source), contexts=sample.contexts,
                           recorded=len(sample.segments))  # restored: replayed first
         proxy = await self._proxy(dispatcher, sample.task.source)
         handle = proxy.open_session(sample.uid, binding=binding)

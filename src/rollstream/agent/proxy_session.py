@@ -3,7 +3,9 @@
 A session holds its samples and its *heads*: after a call, one per choice of its reply, the
 sample that choice ended and the messages the call sent plus that reply. The next call
 continues the first head whose messages it extends (the new messages rendered after the
-tokens already served, ``ChatRenderer.extend``); a call that extends none (it rewrote its
+tokens already served, ``ChatRenderer.extend``; where the chat template rewrites the earlier
+turns, the whole conversation rendered anew, a ``trajectory.Context`` that splits the sample
+into turn-samples as the agent loop does); a call that extends none (it rewrote its
 history), or follows a call that failed (no heads), starts a new sample, recorded with the
 reason. A call with ``n`` choices forks its sample: choice 0 goes on in it, choice ``i`` in a
 copy of it up to this call's prompt (``started_because``: ``choice i of call k``), so every
@@ -28,7 +30,7 @@ from rollstream.agent.proxy_wire import Refused
 from rollstream.agent.tools import ToolCallParser
 from rollstream.config.tasks import ProxyConfig
 from rollstream.engine import Engine
-from rollstream.trajectory import Segment, ToolCall
+from rollstream.trajectory import Context, Segment, ToolCall, served_ids
 
 
 @dataclass(slots=True, kw_only=True)
@@ -40,10 +42,12 @@ class ProxySample:
     segments: list[Segment] = field(default_factory=list)
     num_calls: int = 0
     started_because: str | None = None  # why a new sample began (None: the first one)
+    contexts: list[Context] = field(default_factory=list)  # where the template rewrote turns
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_ids + [t for s in self.segments for t in s.token_ids]
+        """What the model is served next (``trajectory.served_ids``)."""
+        return served_ids(self.prompt_ids, self.segments, self.contexts)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -108,13 +112,15 @@ class Stitcher:
                 bound.room()
             held = held_tokens(sample, bound)
             self.check_room(session, held=held, text=new)
-            delta = await render(renderer.extend, sample.messages, new,
-                                 model_ended_turn=head.ended_turn)
-            self.check_context(held + len(delta))
+            delta, context = await answer_tokens(renderer, sample, new, head.ended_turn,
+                                                 bound)
+            self.check_context(held + len(delta) if context is None else len(context.token_ids))
             if bound is None:
                 sample.segments.append(Segment.env(delta))
+                sample.contexts += [] if context is None else [context]
             else:
-                bound.answer(messages[at:], delta, self.tokenizer.decode, session.num_calls)
+                bound.answer(messages[at:], delta, self.tokenizer.decode, session.num_calls,
+                             context)
             sample.messages.extend(new)
             session.history_bytes += sum(len(m["content"].encode()) for m in new)
             return sample
@@ -128,7 +134,8 @@ class Stitcher:
                 "the first messages render to another prompt than the task's")
         sample = ProxySample(prompt_ids=prompt, messages=messages,
                              started_because=None if not session.samples else at,
-                             segments=[] if bound is None else bound.segments)
+                             segments=[] if bound is None else bound.segments,
+                             contexts=[] if bound is None else bound.contexts)
         session.samples.append(sample)
         session.history_bytes += sum(len(m["content"].encode()) for m in messages)
         return sample
@@ -139,6 +146,7 @@ class Stitcher:
         self.check_room(session, held=0, text=sample.messages)
         fork = ProxySample(prompt_ids=list(sample.prompt_ids), messages=list(sample.messages),
                            segments=copy.deepcopy(sample.segments), num_calls=sample.num_calls,
+                           contexts=list(sample.contexts),
                            started_because=f"choice {choice} of call {call}")
         session.samples.append(fork)
         session.history_bytes += sum(len(m["content"].encode()) for m in sample.messages)
@@ -178,6 +186,20 @@ async def render(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except (ValueError, TypeError, JinjaError) as e:
         raise Refused("messages", f"messages: the chat template cannot render them: "
                                   f"{type(e).__name__}: {e}") from None
+
+
+async def answer_tokens(renderer: ChatRenderer, sample: ProxySample, new: list[Message],
+                        ended_turn: bool, bound: Binding | None,
+                        ) -> tuple[list[int], Context | None]:
+    """The tokens of a call's new messages after the sample's last model turn: the ids to
+    append, or, where the template rewrites the earlier turns, none and the next context
+    (the conversation rendered anew), served from the next model turn on."""
+    if await render(renderer.rewrites, sample.messages, new):
+        ids = await render(renderer.prompt, [*sample.messages, *new])
+        at = len(sample.segments) if bound is None else bound.position
+        return [], Context(num_segments=at + 1, token_ids=tuple(ids))
+    delta = await render(renderer.extend, sample.messages, new, model_ended_turn=ended_turn)
+    return delta, None
 
 
 def templated(message: Message, parser: ToolCallParser) -> Message:

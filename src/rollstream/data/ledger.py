@@ -9,8 +9,11 @@ index of their group (or the evaluation round), which only grows (``durable.audi
 the whole file).
 
 Each line is a :class:`~rollstream.data.ledger_row.LedgerRow` (versioned; older lines still
-read). A ledger opened on an existing file (a resumed run, after ``durable.resume`` reconciled it)
-knows every sample that file records. :meth:`sync` flushes and fsyncs it and returns its line
+read). An episode whose chat template rewrote earlier turns (``Sample.contexts``) is one line
+still, with one row per turn-sample nested in it (``turn_samples``: :func:`turn_sample_rows`),
+so it is recorded exactly once and its turn-samples with it. A ledger opened on an existing
+file (a resumed run, after ``durable.resume`` reconciled it) knows every sample that file
+records. :meth:`sync` flushes and fsyncs it and returns its line
 count, which a checkpoint stores: the lines after it are what a resume reconciles.
 
 Also tracks which dispatched samples are still open (``open``, then ``write``) so that, at
@@ -31,6 +34,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, TypeVar
+
+from msgspec import UNSET
 
 from rollstream.data.ledger_row import (
     FORMAT,
@@ -111,7 +116,9 @@ class Ledger:
                 min_trained_version=sample.min_trained_version,
                 num_trained_tokens=sample.num_trained_tokens,
                 trained_version_sum=sample.trained_version_sum, taken_at_step=sample.taken_at_step,
-                restored_tokens=sample.num_restored_tokens, t_s=t_s)).decode())
+                restored_tokens=sample.num_restored_tokens, t_s=t_s,
+                turn_samples=turn_sample_rows(sample) if sample.contexts else UNSET,
+            )).decode())
             self.num_lines += 1
 
     def replayed(self, sample: Sample, step: int, *, num_tokens: int, min_version: int | None,
@@ -173,6 +180,24 @@ class Ledger:
             if fh is not None:
                 fh.close()
         self._fh = self._replay_fh = None
+
+
+def turn_sample_rows(sample: Sample) -> list[LedgerRow]:
+    """The turn-samples of a terminal episode (``trajectory.turn_samples``), each as a row:
+    ``<sample_uid>#t<k>``, its context (``prompt_tokens``), the tokens after it, the versions of
+    its model's tokens and its model turns; status, reward and steps are the episode's."""
+    rows = []
+    for k, t in enumerate(sample.turn_samples()):
+        segs = sample.segments[t.first:t.end]
+        versions = [v for g in segs if g.kind is SegmentKind.POLICY for v in g.versions]
+        rows.append(LedgerRow(
+            format=FORMAT, sample_uid=f"{sample.uid}#t{k}", task_uid=sample.task.uid,
+            source=sample.task.source, status=sample.status, reward=sample.reward,
+            num_tokens=sum(len(g) for g in segs), prompt_tokens=len(t.prompt_ids),
+            min_version=min(versions, default=None), max_version=max(versions, default=None),
+            num_turns=sum(g.kind is SegmentKind.POLICY for g in segs),
+            trained_at_step=sample.trained_at_step, taken_at_step=sample.taken_at_step))
+    return rows
 
 
 def turn_entry(turn: Turn) -> TurnRow:

@@ -7,9 +7,11 @@ than ``json.loads`` into a dict. Lines are versioned by ``format`` (:data:`FORMA
 without it is format 1 (written before the field), and fields added since read at their
 defaults, so old ledgers still read. Keys a reader does not know are ignored.
 
-Room for what comes next, without a new format: ``turn_samples`` (an episode trained as one
-sample per turn: each turn's own row) and ``token_extras`` (per-token values recorded beside
-the response tokens, one list per name, e.g. an MoE router's choices).
+Written only when set: ``turn_samples`` (an episode whose chat template rewrote earlier
+turns, trained as turn-samples: one row per turn-sample, ``data.ledger.turn_sample_rows``) and
+``token_extras`` (per-token values recorded beside the response tokens, one list per name,
+e.g. an MoE router's choices). Neither changes the format: a reader that does not know them
+ignores them.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class LedgerRow(msgspec.Struct, kw_only=True):
     # Written only when set (UNSET: not in the line). ledger.superseded.jsonl: the step of
     # the resume that moved the line there.
     superseded_at_resume_step: int | UnsetType = UNSET
-    turn_samples: list[LedgerRow] | UnsetType = UNSET  # an episode trained one per turn
+    # an episode split where its template rewrote earlier turns: one row per turn-sample
+    turn_samples: list[LedgerRow] | UnsetType = UNSET
     # name -> one value per response token (len num_tokens)
     token_extras: dict[str, list[float]] | UnsetType = UNSET
 

@@ -15,7 +15,11 @@ checkpoint), so that a test and ``rollstream bench resume`` judge a run the same
 * ``steps_redone``: steps trained after a checkpoint by a process that was then killed, and
   trained again by the resumed run (their lines are in ``ledger.superseded.jsonl``);
 * ``resumed_partial_samples`` / ``resumed_partial_tokens``: partial samples that continued from
-  tokens a checkpoint saved, and those tokens.
+  tokens a checkpoint saved, and those tokens;
+* ``split_episodes`` / ``turn_samples``: episodes split where their chat template rewrote
+  earlier turns, and their turn-samples (nested in the episode's line, ``turn_samples``);
+  ``turn_samples_mismatched``: episodes whose turn-samples are not its own, in order, with its
+  status and reward and its response tokens between them (target 0).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.data.ledger import read_jsonl, read_ledger
+from rollstream.data.ledger_row import LedgerRow
 from rollstream.durable import checkpoint as durable
 from rollstream.run_files import RunFiles
 from rollstream.trajectory import SampleStatus, is_eval_uid
@@ -66,6 +71,7 @@ def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
     superseded = files.superseded("ledger")
     old = read_ledger(superseded) if superseded.exists() else []
     resumed = [r for r in rows if r.restored_tokens]
+    split = [r for r in rows if r.turn_samples]
     return {
         "samples": len(by_uid),
         "duplicated_samples": sum(1 for n in by_uid.values() if n > 1),
@@ -80,4 +86,16 @@ def audit_run(run_dir: Path, *, group_size: int, eval_group_size: int,
         "max_replays_per_sample": max(per_sample.values(), default=0),
         "resumed_partial_samples": len(resumed),
         "resumed_partial_tokens": sum(r.restored_tokens for r in resumed),
+        "split_episodes": len(split),
+        "turn_samples": sum(len(r.turn_samples) for r in split),  # type: ignore[arg-type]
+        "turn_samples_mismatched": sum(not _turn_samples_match(r) for r in split),
     }
+
+
+def _turn_samples_match(row: LedgerRow) -> bool:
+    parts = row.turn_samples
+    assert isinstance(parts, list)
+    return (sum(t.num_tokens for t in parts) == row.num_tokens
+            and [t.sample_uid for t in parts] == [f"{row.sample_uid}#t{k}"
+                                                  for k in range(len(parts))]
+            and all(t.status is row.status and t.reward == row.reward for t in parts))

@@ -3,7 +3,9 @@
 Every per-token field of every segment is kept (ids, behaviour logprobs, versions, loss
 mask), an episode's turns (tool calls and their results: what a resumed episode replays) and
 its environment's snapshot (what a resumed episode restores instead, when its environment
-can snapshot; absent from older checkpoints), with the sample's status and what it has
+can snapshot; absent from older checkpoints), the contexts where its chat template rewrote
+earlier turns (``contexts``, written only when there are some: older checkpoints have none),
+with the sample's status and what it has
 recorded so far, so that a restored sample continues exactly where the saved one stood:
 ``prompt + tokens so far`` is resubmitted with the versions of the saved tokens unchanged.
 """
@@ -14,6 +16,7 @@ from typing import Any
 
 from rollstream.trajectory import (
     SINGLE_TURN,
+    Context,
     EnvSnapshot,
     Group,
     Sample,
@@ -79,7 +82,7 @@ def group_from_dict(d: dict[str, Any]) -> Group:
 def _sample_to_dict(s: Sample) -> dict[str, Any]:
     if s.status is SampleStatus.RUNNING:
         raise AssertionError(f"sample {s.uid} is RUNNING: interrupt it before a snapshot")
-    return {
+    out: dict[str, Any] = {
         "idx": s.sample_idx, "status": s.status.value, "reward": s.reward,
         "finish_reason": s.finish_reason, "failure": s.failure, "engine_id": s.engine_id,
         "num_interrupts": s.num_interrupts, "num_restored_tokens": s.num_restored_tokens,
@@ -91,6 +94,10 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
         "env_snapshot": None if (e := s.env_snapshot) is None else {  # frozen: no copy
             "num_segments": e.num_segments, "state": e.state, "messages": e.messages},
     }
+    if s.contexts:
+        out["contexts"] = [{"num_segments": c.num_segments, "token_ids": list(c.token_ids)}
+                           for c in s.contexts]
+    return out
 
 
 def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
@@ -106,7 +113,10 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                     turns=[_turn_from_dict(t) for t in d.get("turns", ())],
                     env_snapshot=None if (e := d.get("env_snapshot")) is None else EnvSnapshot(
                         num_segments=e["num_segments"], state=e["state"],
-                        messages=e["messages"]))
+                        messages=e["messages"]),
+                    contexts=[Context(num_segments=c["num_segments"],
+                                      token_ids=tuple(c["token_ids"]))
+                              for c in d.get("contexts", ())])
     if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
         sample.num_restored_tokens = sample.num_response_tokens
     return sample

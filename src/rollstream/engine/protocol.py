@@ -88,8 +88,9 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     # the episode it continues: requests of one episode (a sample's turns, its resubmissions
-    # after an interrupt) share it, each prompt extending the last prompt and its output; an
-    # engine may keep the history and move only what was added (KeepsEpisodes). None: alone
+    # after an interrupt) share it, each prompt extending the last prompt and its output (but
+    # after a chat template rewrote earlier turns: trajectory.Context); an engine may keep
+    # the history and move only what was added (KeepsEpisodes). None: alone
     episode_id: str | None = None
     # hears the token ids sampled since it last heard, as they are sampled (a reply streamed
     # to an agent), from the engine's own thread: it must be quick and thread-safe. Engines

@@ -37,8 +37,10 @@ groups: their requests are interrupted and not resubmitted; the caller records t
 terminal status. Every status change goes through :class:`Lifecycle`.
 
 Episodes: every request of a sample carries its uid as ``episode_id`` (its turns and its
-resubmissions extend one another); when ``run_sample`` ends, the engine of its last request
-may drop what it kept of it (``KeepsEpisodes``: an engine actor sends only added tokens).
+resubmissions extend one another, except a turn served a context anew where the chat template
+rewrote earlier turns: ``Sample.served_ids``); when ``run_sample`` ends, the engine of its
+last request may drop what it kept of it (``KeepsEpisodes``: an engine actor sends only added
+tokens).
 
 Random streams: with a run ``seed``, a request without a seed of its own gets
 :func:`sample_seed` (run seed, sample uid), the same on every attempt of that sample. An
@@ -362,7 +364,7 @@ class Dispatcher:
         sample.engine_id = engine.engine_id
         self.stats.num_requests += 1
         request = GenerateRequest(request_id=request_id, params=params, episode_id=sample.uid,
-                                  prompt_ids=list(sample.task.prompt_ids) + sample.response_ids,
+                                  prompt_ids=sample.served_ids(),
                                   on_tokens=on_tokens)
         out_of_time = False
         try:

@@ -20,6 +20,14 @@ samples, T = longest response). Response token ``t`` of a sample placed at row `
 logits at ``o + P + t - 1``. Only the logits columns that predict some response token are
 computed (``logits_to_keep``, shared by all rows); ``logit_index`` indexes the flattened
 ``[R * K]`` kept logits.
+
+An episode whose chat template rewrote earlier turns (``Sample.contexts``) is laid out as its
+turn-samples (``trajectory.turn_samples``), back to back in its row, each its served context
+and the tokens that followed it, positions from 0 at each: every response token is predicted
+from exactly the context it was sampled in. Its ``[T]`` row of the loss tensors is still the
+sample's whole response, in order, so advantages, loss aggregation, IS and the kept-token
+counts treat it as the one sample it is: the loss is that of an append-only rendering of the
+same tokens, each under its own context.
 """
 
 from __future__ import annotations
@@ -97,6 +105,23 @@ class MicroBatch:
         return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
+def pieces(sample: Sample) -> list[tuple[list[int], list[int]]]:
+    """(context, response tokens after it) per turn-sample of ``sample``: one piece, prompt and
+    response, unless the template rewrote earlier turns (module docstring)."""
+    if not sample.contexts:
+        return [(list(sample.task.prompt_ids), sample.response_ids)]
+    segs = sample.segments
+    return [(list(t.prompt_ids), [i for g in segs[t.first:t.end] for i in g.token_ids])
+            for t in sample.turn_samples()]
+
+
+def sample_length(sample: Sample) -> int:
+    """Tokens a sample takes in a row: its turn-samples' contexts and responses."""
+    if not sample.contexts:
+        return len(sample.task.prompt_ids) + sample.num_response_tokens
+    return sum(len(c) + len(r) for c, r in pieces(sample))
+
+
 def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None, *,
             temperature: float = 1.0, width_multiple: int = 1) -> MicroBatch:
     """Lay out samples (each with at least one response token) as one micro-batch.
@@ -107,11 +132,11 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     ``width_multiple``: the rows' width is rounded up to a multiple of it (more padding, fewer
     shapes: :mod:`rollstream.train.precision`).
     """
-    prompts = [list(s.task.prompt_ids) for s in samples]
-    responses = [s.response_ids for s in samples]
+    parts = [pieces(s) for s in samples]
+    responses = [[i for _, r in p for i in r] for p in parts]
     if any(not r for r in responses):
         raise ValueError("collate: every sample needs at least one response token")
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    lengths = [sum(len(c) + len(r) for c, r in p) for p in parts]
     if rows is None:
         rows = pack_rows(lengths, max(lengths))
     if sorted(b for row in rows for b in row) != list(range(len(samples))):
@@ -122,23 +147,27 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     temps = torch.ones((len(rows), width), dtype=torch.float32)
-    where: list[tuple[int, int]] = [(0, 0)] * len(samples)  # (row, offset) of each sample
+    # per sample: its row, and the row positions whose logits predict its response tokens
+    where: list[tuple[int, Tensor]] = [(0, torch.zeros(0, dtype=torch.long))] * len(samples)
     for r, members in enumerate(rows):
         offset = 0
         for b in members:
-            n = lengths[b]
-            input_ids[r, offset : offset + n] = torch.tensor(prompts[b] + responses[b])
-            position_ids[r, offset : offset + n] = torch.arange(n)
             own = samples[b].temperature
-            temps[r, offset : offset + n] = temperature if own is None else own
-            where[b] = (r, offset)
-            offset += n
+            predicting = []
+            for context, response in parts[b]:  # a turn-sample: positions from 0
+                n = len(context) + len(response)
+                input_ids[r, offset : offset + n] = torch.tensor(context + response)
+                position_ids[r, offset : offset + n] = torch.arange(n)
+                temps[r, offset : offset + n] = temperature if own is None else own
+                first = offset + len(context) - 1  # o + P - 1 ... o + P + n_r - 2
+                predicting.append(torch.arange(first, first + len(response)))
+                offset += n
+            where[b] = (r, torch.cat(predicting))
         position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
-    # logits columns predicting a response token, in some row: o + P - 1 ... o + P + n_r - 2
+    # logits columns predicting a response token, in some row
     needed = torch.zeros(width, dtype=torch.bool)
-    for b, (r, offset) in enumerate(where):
-        first = offset + len(prompts[b]) - 1
-        needed[first : first + len(responses[b])] = True
+    for _, predicting in where:
+        needed[predicting] = True
     keep = needed.nonzero()[:, 0]
     column = torch.full((width,), -1, dtype=torch.long)
     column[keep] = torch.arange(len(keep))
@@ -149,11 +178,10 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     loss_mask = torch.zeros((len(samples), num_resp), dtype=torch.bool)
     logp_behav = torch.zeros((len(samples), num_resp), dtype=torch.float32)
     versions = torch.full((len(samples), num_resp), -1, dtype=torch.long)
-    for b, (sample, prompt, response) in enumerate(zip(samples, prompts, responses)):
-        r, offset = where[b]
+    for b, (sample, response) in enumerate(zip(samples, responses)):
+        r, predicting = where[b]
         n_r = len(response)
-        first = offset + len(prompt) - 1
-        logit_index[b, :n_r] = r * len(keep) + column[first : first + n_r]
+        logit_index[b, :n_r] = r * len(keep) + column[predicting]
         targets[b, :n_r] = torch.tensor(response)
         response_mask[b, :n_r] = True
         loss_mask[b, :n_r] = torch.tensor(sample.loss_mask)

@@ -92,6 +92,7 @@ from rollstream.train.batching import (
     gather_logprobs,
     pack_micro_batches,
     padding_micro_batch,
+    sample_length,
 )
 from rollstream.train.losses import (
     anchor_fn,
@@ -104,7 +105,6 @@ from rollstream.train.losses import (
 from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
-
 
 
 class Trainer:
@@ -289,7 +289,7 @@ class Trainer:
     def _micro_batches(self, samples: Sequence[Sample]) -> list[tuple[list[int], MicroBatch]]:
         """This process's micro-batches (all of them, here): sample indices and layout; a
         padding micro-batch (:func:`padding_micro_batch`) has no index."""
-        lengths = [len(s.task.prompt_ids) + s.num_response_tokens for s in samples]
+        lengths = [sample_length(s) for s in samples]
         out = []
         multiple = bf16_width_multiple(self.device) if self._bf16 else 1
         for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens,
