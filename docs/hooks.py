@@ -46,10 +46,11 @@ def _cli_page() -> str:
 def _api_page() -> str:
     from rollstream import _EXPORTS
 
-    parts = ["# Python API reference\n\n`import rollstream` exports these names (imported on "
+    intro = ("# Python API reference\n\n`import rollstream` exports these names (imported on "
              "first use, so the import stays light). [Your dataset and reward](../your-data.md) "
              "shows them in a run; every setting a config takes is in the "
-             "[config reference](config.md).\n"]
+             "[config reference](config.md).\n")
+    parts = [intro]
     for name, module in _EXPORTS.items():
         # RunConfig's fields are the config reference's; here only the class itself
         members = "\n    options:\n      members: false" if name == "RunConfig" else ""

@@ -81,8 +81,8 @@ def _commands(block: str) -> list[list[str]]:
 def test_getting_started_commands_and_configs_are_the_codes() -> None:
     """Every ``rollstream`` command of the Getting-started pages parses with the CLI as it is,
     a ``train`` of an example config loads with its overrides (every key a field, every value
-    allowed), every YAML config block validates, and every Python block compiles. (Running
-    them on the smallest shape is left to the tests of the examples they name.)"""
+    allowed), every YAML config block validates, and every Python block compiles: fast,
+    beside tests/test_docs_run.py, which runs them on the smallest shape."""
     from rollstream.cli import _parser
     from rollstream.config.loader import load_config, validate
 
