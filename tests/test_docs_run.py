@@ -184,9 +184,10 @@ def test_the_getting_started_pages_run_as_written(tmp_path: Path, tiny_run_cache
     for needed in ("README_example.py", "import my_rewards", "train my.yaml",
                    "train examples/tick.yaml train.checkpoint_every=10 --resume",
                    "train examples/agent_openai.yaml", "export runs/tick-demo --out out",
-                   "sim examples/sim/agentic_drift_32.yaml", "import my_pkg.envs"):
+                   "sim examples/sim/agentic_drift_32.yaml", "import my_pkg.envs",
+                   "train guess.yaml"):
         assert needed in ran, ran
-    for run in ("tick-demo", "mine", "my-run", "agent-demo", "agent-openai-demo"):
+    for run in ("tick-demo", "mine", "my-run", "agent-demo", "agent-openai-demo", "guess"):
         summary = json.loads((work / "runs" / run / "summary.json").read_text())
         assert summary["steps"] == 2, (run, summary)
     assert (work / "runs" / "tick-demo" / "report.html").is_file()
