@@ -2,8 +2,9 @@
 
 ``reference/config.md`` is the text ``rollstream config`` prints (every field's default,
 docstring and allowed values, from the pydantic schema); ``reference/cli.md`` is each
-command's ``--help``. Both come from this checkout's ``src/``, whatever rollstream the
-interpreter has installed.
+command's ``--help``; ``reference/api.md`` names every export of ``import rollstream`` for
+mkdocstrings, which renders each from its docstring and signature. All come from this
+checkout's ``src/``, whatever rollstream the interpreter has installed.
 """
 
 from __future__ import annotations
@@ -42,10 +43,26 @@ def _cli_page() -> str:
     return "\n".join(parts)
 
 
+def _api_page() -> str:
+    from rollstream import _EXPORTS
+
+    intro = ("# Python API reference\n\n`import rollstream` exports these names (imported on "
+             "first use, so the import stays light). [Your dataset and reward](../your-data.md) "
+             "shows them in a run; every setting a config takes is in the "
+             "[config reference](config.md).\n")
+    parts = [intro]
+    for name, module in _EXPORTS.items():
+        # RunConfig's fields are the config reference's; here only the class itself
+        members = "\n    options:\n      members: false" if name == "RunConfig" else ""
+        parts.append(f"::: {module}.{name}{members}\n")
+    return "\n".join(parts)
+
+
 def on_files(files, config):  # mkdocs' hook signature
     if str(_SRC) not in sys.path:
         sys.path.insert(0, str(_SRC))
     for uri, content in (("reference/config.md", _config_page()),
-                         ("reference/cli.md", _cli_page())):
+                         ("reference/cli.md", _cli_page()),
+                         ("reference/api.md", _api_page())):
         files.append(File.generated(config, uri, content=content))
     return files

@@ -1,6 +1,8 @@
 """The docs site builds with ``mkdocs build --strict``: a broken link or anchor, a page left
-out of the nav, a missing included example or a failing reference hook fails the suite. The
-Getting-started pages' commands, configs and Python blocks are the code's."""
+out of the nav, a missing included example or a failing reference hook fails the suite; the
+reference pages hold what the code says (config schema, CLI parser, docstrings). The
+Getting-started pages' commands, configs and Python blocks are the code's (and run:
+tests/test_docs_run.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     # the generated reference pages hold what `rollstream config` and `--help` print
     assert "checkpoint_every" in (site / "reference" / "config" / "index.html").read_text()
     assert "rollstream export" in (site / "reference" / "cli" / "index.html").read_text()
+    # the Python API page is rendered from the docstrings and signatures of every export
+    api = (site / "reference" / "api" / "index.html").read_text()
+    from rollstream import _EXPORTS
+
+    for name, module in _EXPORTS.items():
+        assert f'id="{module}.{name}"' in api, name
+    assert "Run one training job as" in api  # run's docstring
 
 
 # The pages a newcomer follows first; their commands and configs must be the code's.
@@ -72,8 +81,8 @@ def _commands(block: str) -> list[list[str]]:
 def test_getting_started_commands_and_configs_are_the_codes() -> None:
     """Every ``rollstream`` command of the Getting-started pages parses with the CLI as it is,
     a ``train`` of an example config loads with its overrides (every key a field, every value
-    allowed), every YAML config block validates, and every Python block compiles. (Running
-    them on the smallest shape is left to the tests of the examples they name.)"""
+    allowed), every YAML config block validates, and every Python block compiles: fast,
+    beside tests/test_docs_run.py, which runs them on the smallest shape."""
     from rollstream.cli import _parser
     from rollstream.config.loader import load_config, validate
 

@@ -22,6 +22,9 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config of the YAML file at ``path`` (``None``: the defaults) with each dotted
+    ``key=value`` override applied, as ``rollstream train`` loads it. A bad key or value is a
+    :class:`ConfigError` naming the field, the value and what is allowed."""
     data = {} if path is None else read_yaml_mapping(path, "config")
     for item in overrides:
         apply_override(data, item)

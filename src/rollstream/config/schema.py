@@ -205,6 +205,9 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 class RunConfig(Section):
+    """A whole run's settings, validated and frozen: one section per component (every field
+    in the config reference, and `rollstream config`)."""
+
     name: str = "run"
     """Run name; the run directory is ``{run_root}/{name}``. One path component: letters,
     digits, ``.``, ``_`` and ``-`` (at most 255), not ``.`` or ``..``, so a run writes and
