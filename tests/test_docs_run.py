@@ -13,11 +13,14 @@ fails."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import re
+import runpy
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -109,15 +112,59 @@ def _fences(text: str) -> list[tuple[str, str]]:
 
 
 def _run(argv: list[str], cwd: Path, env_vars: dict[str, str], log: list[str]) -> str:
-    env = {**os.environ, "COLUMNS": "100"}
-    paths = [str(ROOT / "src"), *(str(cwd / p) for p in [env_vars.get("PYTHONPATH")] if p)]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    """``python *argv`` in ``cwd`` (``PYTHONPATH`` relative to it), as a process of its own
+    forked from one that imported torch, transformers and the CLI already (``_forked``):
+    each command would spend most of its seconds importing them."""
+    paths = [str(cwd / p) for p in [env_vars.get("PYTHONPATH")] if p]
+    out = cwd / ".command-output"
     start = time.monotonic()
-    done = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=420, check=False)
-    assert done.returncode == 0, f"{argv}: {done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+    child = _forks().Process(target=_forked, args=(argv, str(cwd), paths, str(out)))
+    child.start()
+    child.join(timeout=420)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    text = out.read_text(errors="replace")
+    assert child.exitcode == 0, f"{argv} (exit {child.exitcode}): {text[-4000:]}"
     log.append(f"{time.monotonic() - start:5.1f} s  {' '.join(argv)}")
-    return done.stdout
+    return text
+
+
+@functools.cache
+def _forks() -> multiprocessing.context.ForkServerContext:
+    """Processes forked from a server that imported what every command imports."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "rollstream.cli",
+                                "rollstream.runtime.train", "rollstream.api"])
+    return ctx
+
+
+def _forked(argv: list[str], cwd: str, paths: list[str], out: str) -> None:
+    """In the forked process: run ``argv`` as ``python *argv`` would (``-m rollstream.cli``,
+    ``-c CODE`` or a script), its output to ``out``."""
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(cwd)
+    sys.path[:0] = paths  # as PYTHONPATH does, for this process and the ones it starts
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
+    os.environ["COLUMNS"] = "100"
+    if argv[:2] == ["-m", "rollstream.cli"]:
+        from rollstream.cli import main
+
+        code = main(argv[2:])
+    elif argv[0] == "-c":
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        code = 0
+    else:
+        # absolute: a process it spawns finds its __main__ by this path, relative to where
+        # the test session started
+        sys.argv = [os.path.abspath(argv[0]), *argv[1:]]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 def _file_of(body: str, ext: str) -> str | None:
@@ -172,7 +219,7 @@ def _follow(page: str, work: Path, cache: Path, seen: set, log: list[str]) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~300 s on a 2-core machine at a load of 10
+@pytest.mark.timeout(1200)  # 60-130 s on a 2-core machine at a load of 4-9
 def test_the_getting_started_pages_run_as_written(tmp_path: Path, tiny_run_cache: Path) -> None:
     work = _workdir(tmp_path, tiny_run_cache)
     seen: set = set()
