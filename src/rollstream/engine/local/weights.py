@@ -7,6 +7,15 @@ Every Hugging Face parameter name (``model.layers.0.self_attn.q_proj.weight``, .
 *view* into that fused storage, so ``load_weights`` takes the trainer's ``state_dict()`` as is
 and copies each tensor into place; ``lm_head.weight`` may be absent when embeddings are tied.
 
+A LoRA adapter (the ``adapter`` payload of ``sync/protocol.py``) is merged at load: each
+adapted weight becomes ``base + B @ A`` (in float32, then the engine's dtype), where ``base``
+is a copy of that weight as the engine last loaded it in full, taken at the first adapter
+that adapts it; so each adapter version is merged onto the base, never onto the previous
+merge, and decoding costs what it costs without an adapter. (A low-rank term in the forward
+pass would keep no copy but add two matmuls per adapted layer to every decode step, where a
+tiny model's step is dominated by per-op overhead, and would need splitting across the
+fused q|k|v and gate|up matrices.)
+
 Deliberately simplified: Llama and Qwen2 only (SiLU MLP, RMSNorm, full attention); rope types
 ``default`` and ``llama3``; no sliding window, no quantised checkpoints.
 """
@@ -15,13 +24,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from rollstream.sync.protocol import check_full
+from rollstream.sync.protocol import check_adapter, check_full, is_adapter
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -122,6 +131,8 @@ class Weights:
     lm_head_t: torch.Tensor  # [hidden, vocab]; a view of embed when tied
     hf_views: dict[str, torch.Tensor]  # HF name -> view into the tensors above
     optional: frozenset[str]  # HF names a state dict may omit (tied lm_head)
+    # HF name -> the weight as last loaded in full, for the adapted ones (module docstring)
+    base: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
@@ -166,9 +177,24 @@ class Weights:
         )
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """Validate a full HF-named state dict; returns the (name, tensor) pairs to copy."""
-        return check_full(tensors, {n: tuple(v.shape) for n, v in self.hf_views.items()},
-                          optional=self.optional, model="a Llama/Qwen2 of this shape")
+        """Validate a full HF-named state dict or an adapter; returns the (name, tensor) pairs
+        to copy (an adapter's merged onto the base). Loads must not overlap: a full one
+        drops the base copies (its weights are the next adapter's base), an adapter's reads
+        them."""
+        shapes = {n: tuple(v.shape) for n, v in self.hf_views.items()}
+        model = "a Llama/Qwen2 of this shape"
+        if not is_adapter(tensors):
+            pairs = check_full(tensors, shapes, optional=self.optional, model=model)
+            self.base.clear()
+            return pairs
+        pairs = []
+        for name, a, b in check_adapter(tensors, shapes, model=model):
+            view = self.hf_views[name]
+            base = self.base.setdefault(name, view.detach().clone())
+            merged = base.float() + b.to(base.device, torch.float32) @ a.to(base.device,
+                                                                           torch.float32)
+            pairs.append((name, merged.to(view.dtype)))
+        return pairs
 
     @torch.no_grad()
     def copy_in(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
