@@ -7,12 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollstream.models.folder import ADAPTER_CONFIG
+
 if TYPE_CHECKING:
     import torch
 
 
 def is_adapter_folder(folder: Path) -> bool:
-    return (Path(folder) / "adapter_config.json").is_file()
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
 def load_merged(folder: Path, dtype: torch.dtype | str = "auto") -> torch.nn.Module:
@@ -27,3 +29,19 @@ def load_merged(folder: Path, dtype: torch.dtype | str = "auto") -> torch.nn.Mod
                          "folder here (the adapter is merged onto it)")
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+
+
+def save_merged(folder: Path, out: Path, dtype: torch.dtype | str = "auto") -> Path:
+    """Write the merged model of the adapter folder ``folder`` to ``out`` as a plain HF folder
+    (config, safetensors), with ``folder``'s tokenizer files and generation config."""
+    import shutil
+
+    from rollstream.models.tokenizer import copy_tokenizer_files
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_merged(folder, dtype).save_pretrained(str(out), safe_serialization=True)
+    copy_tokenizer_files(Path(folder), out)
+    if (gen := Path(folder) / "generation_config.json").is_file():
+        shutil.copy2(gen, out / gen.name)
+    return out
