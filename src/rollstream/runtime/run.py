@@ -193,8 +193,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         if resume is not None:
             _load_trainer_state(trainer, resume)
             if cfg.model.lora is not None:
-                adapter = trainer.state_dict()
-                await asyncio.gather(*(e.load_weights(version, adapter) for e in engines))
+                await loop.sync.install(version, trainer.state_dict())
             loop.rollout.restore(resume.state["rollout"], version=version)
             loop.reconfigure.restore(saved, version=version)
         loop.rollout.skip(skip)

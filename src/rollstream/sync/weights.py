@@ -122,14 +122,27 @@ class WeightSync:
                     await asyncio.gather(*(self._load(e, version, tensors) for e in engines))
                 finally:
                     self.gate.resume()
-                self.version, self._tensors = version, tensors
-                self.header = Header.describe(
-                    version, "adapter" if is_adapter(tensors) else "full", tensors)
+                self._served(version, tensors)
             res = self.on_applied(version, self.clock.now() - t0)
             if res is not None:
                 await res
             if self._pending is None:
                 self._idle.set()
+
+    async def install(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load ``version`` into every engine before the rollout starts (a resumed LoRA run's
+        adapter: its engines start from the base folder), as the version they serve: no
+        gate, no ``on_applied``; :meth:`revive` restarts an engine with it."""
+        tensors = {k: v.detach().clone() for k, v in tensors.items()}
+        async with self._lock:
+            await asyncio.gather(*(self._load(e, version, tensors) for e in self.engines
+                                   if _serves(e)))
+            self._served(version, tensors)
+
+    def _served(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.version, self._tensors = version, tensors
+        self.header = Header.describe(
+            version, "adapter" if is_adapter(tensors) else "full", tensors)
 
     @property
     def num_bytes(self) -> int:
