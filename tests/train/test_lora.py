@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollstream.config import EngineConfig
 from rollstream.config.schema import LoraConfig, RunConfig, TrainConfig
 from rollstream.engine.factory import build_engine
-from rollstream.config import EngineConfig
 from rollstream.engine.protocol import GenerateRequest, SamplingParams
 from rollstream.sync.weights import WeightSync
 from rollstream.train.trainer import Trainer

@@ -23,9 +23,9 @@ from rollstream.config.engine import (  # the whole tree stays importable from h
 from rollstream.config.model import (
     LoraConfig,  # noqa: F401
     ModelConfig,
-    check_lora,
     TinyModelConfig,  # noqa: F401
     WarmStartConfig,  # noqa: F401
+    check_lora,
 )
 from rollstream.config.breaker import BreakerConfig
 from rollstream.config.early_stop import EarlyStopConfig, check_early_stop

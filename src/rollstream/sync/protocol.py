@@ -16,8 +16,9 @@ Kinds: ``full`` (a whole Hugging Face-named state dict, what ``Engine.load_weigh
 scale already multiplied into B, so version ``v`` serves ``M.weight = base + B @ A`` where
 base is the weights the engine last loaded in full, its folder's at start: each adapter
 version replaces the previous one, it never adds to it). The transports move any kind
-unchanged, since they move tensors and this header. An adapter is never delta-encoded: every
-one of its elements moves each step, and it is already the small payload.
+unchanged, since they move tensors and this header, but no receiver of theirs applies an
+adapter yet (:data:`KINDS`): it reaches the embedded engine in process. An adapter is never
+delta-encoded: every one of its elements moves each step, and it is already the small payload.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; e
 PROTOCOL = 1  # the layout of a header and of the transports' deliveries
 PayloadKind = Literal["full", "delta", "adapter"]
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")  # an adapter payload's names
-KINDS: tuple[str, ...] = get_args(PayloadKind)
+# what the transports' receivers apply (engine actors, vLLM's reload): an adapter reaches the
+# embedded engine alone, in process (weights.py), so a transport refuses one, never half-applies it
+KINDS: tuple[str, ...] = tuple(k for k in get_args(PayloadKind) if k != "adapter")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,11 +87,6 @@ class Payload:
     def full(cls, version: int, tensors: Mapping[str, torch.Tensor]) -> Payload:
         """A whole state dict as ``version`` (the tensors are not copied)."""
         return cls(header=Header.describe(version, "full", tensors), tensors=tensors)
-
-    @classmethod
-    def adapter(cls, version: int, tensors: Mapping[str, torch.Tensor]) -> Payload:
-        """A LoRA adapter (module docstring) as ``version`` (the tensors are not copied)."""
-        return cls(header=Header.describe(version, "adapter", tensors), tensors=tensors)
 
     @property
     def version(self) -> int:

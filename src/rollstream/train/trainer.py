@@ -90,8 +90,8 @@ from transformers import AutoModelForCausalLM
 from rollstream.config.schema import LoraConfig, TrainConfig
 from rollstream.models.tokenizer import copy_tokenizer_files
 from rollstream.staleness import StalenessPolicy, age
-from rollstream.train.advantages import compute_advantages
 from rollstream.train import lora as lora_adapter
+from rollstream.train.advantages import compute_advantages
 from rollstream.train.batching import (
     MicroBatch,
     collate,
@@ -110,7 +110,6 @@ from rollstream.train.losses import (
 from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
-
 
 
 class Trainer:

@@ -13,8 +13,6 @@ import concurrent.futures
 import contextlib
 from dataclasses import dataclass
 
-import torch
-
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import Install
 from rollstream.engine.protocol import FinishReason, GenerateOutput
