@@ -150,3 +150,27 @@ def test_a_checkpoint_is_a_peft_folder_that_resumes_exactly(tiny_model_path: Pat
 def test_settings_that_cannot_take_an_adapter_are_refused(override: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"model.lora.*{field}"):
         RunConfig.model_validate({"model": {"lora": {}}, **override})
+
+
+def test_a_bfloat16_engine_merges_each_version_onto_its_base_in_float32(tmp_path: Path
+                                                                       ) -> None:
+    from rollstream.engine.local.weights import load_folder
+    from rollstream.train import lora
+
+    model = make_tiny_model(tmp_path / "m")
+    _, weights = load_folder(model, torch.device("cpu"), torch.bfloat16)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    base = weights.hf_views[name].clone()
+    wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(model), LORA, model)
+    for seed in (1, 2):  # two versions: the second replaces the first, never adds to it
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for n, p in wrapped.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        adapter = lora.sync_tensors(wrapped)
+        weights.copy_in(weights.check(adapter))
+        a, b = (adapter[name.removesuffix(".weight") + s] for s in (".lora_A.weight",
+                                                                     ".lora_B.weight"))
+        want = (base.float() + b @ a).to(torch.bfloat16)
+        assert torch.equal(weights.hf_views[name], want)
