@@ -18,3 +18,4 @@ def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
     assert result["lora_sync_bytes_vs_full"] == every["lora_sync_bytes_vs_full"] < 0.12
     assert result["lora"]["demo/attention"]["adapter_bytes"] < every["adapter_bytes"]
     assert every["full_sync_s"] > 0 and every["adapter_sync_s"] > 0
+    assert every["lowrank_step_s"] > 0 and every["merge_breakeven_steps"] > 0

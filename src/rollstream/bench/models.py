@@ -11,7 +11,11 @@ adapter's bytes / those of the weights it adapts, whose expected value is
 ``2r(d_in + d_out) / (d_in d_out)`` averaged over the targeted weights.
 ``lora_sync_s_vs_full``: the median seconds of ``Engine.load_weights`` with the adapter
 (checked, merged onto the engine's base copy, copied in) / with the full state dict, over
-``NUM_SYNCS`` loads after a warm-up. The mixture-of-experts section is not built (the kit has
+``NUM_SYNCS`` loads after a warm-up. Merged at load or a low-rank term in the forward pass:
+``lowrank_step_s`` is what the term would add to one decode step of ``DECODE_ROWS`` rows (the
+two small matmuls ``(x A^T) B^T`` of every adapted layer, one thread, the matmuls alone), and
+``merge_breakeven_steps`` = ``adapter_sync_s / lowrank_step_s``: with more decode steps than
+that per version, merging at load costs less. The mixture-of-experts section is not built (the kit has
 no MoE model yet). A benchmark measures; it does not assert.
 """
 
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 NUM_SYNCS = 10
+DECODE_ROWS = 64  # rows of one decode step for the low-rank term's cost
 RANK = 8
 SHAPES: dict[str, dict[str, int]] = {
     "demo": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 384},
@@ -47,6 +52,27 @@ async def _load_s(engine: Any, tensors: dict, first: int) -> float:
         await engine.load_weights(v, tensors)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])  # the first is the warm-up
+
+
+def _lowrank_step_s(adapter: dict) -> float:
+    """Seconds the low-rank term adds to one decode step (module docstring), median of 20."""
+    import torch
+
+    pairs = [(adapter[n], adapter[n.replace(".lora_A.", ".lora_B.")]) for n in adapter
+             if ".lora_A." in n]
+    xs = [torch.randn(DECODE_ROWS, a.shape[1]) for a, _ in pairs]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine's step thread runs (engine.local.threads: 1)
+    try:
+        times = []
+        for _ in range(21):
+            t0 = time.perf_counter()
+            for x, (a, b) in zip(xs, pairs):
+                (x @ a.t()) @ b.t()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[1:])
 
 
 def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]:
@@ -83,7 +109,9 @@ def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]
         return full_s, adapter_s
 
     full_s, adapter_s = asyncio.run(timed())
-    return {"full_bytes": _nbytes(full), "adapter_bytes": _nbytes(adapter),
+    lowrank_s = _lowrank_step_s(adapter)
+    return {"lowrank_step_s": lowrank_s, "merge_breakeven_steps": adapter_s / lowrank_s,
+            "full_bytes": _nbytes(full), "adapter_bytes": _nbytes(adapter),
             "lora_sync_bytes_vs_full": _nbytes(adapter) / _nbytes(full),
             "bytes_vs_targeted": _nbytes(adapter) / targeted,
             "full_sync_s": full_s, "adapter_sync_s": adapter_s,
@@ -119,11 +147,13 @@ def _print_table(rows: dict[str, Any]) -> None:
 
     table = Table(title=f"LoRA (rank {RANK}) weight sync vs full, embedded engine")
     for col in ("shape/targets", "full MB", "adapter MB", "bytes vs full", "vs targeted",
-                "full s", "adapter s", "s vs full"):
+                "full s", "adapter s", "s vs full", f"low-rank s/step ({DECODE_ROWS} rows)",
+                "merge break-even (steps)"):
         table.add_column(col)
     for name, r in rows.items():
         table.add_row(name, f"{r['full_bytes'] / 1e6:.2f}", f"{r['adapter_bytes'] / 1e6:.3f}",
                       f"{r['lora_sync_bytes_vs_full']:.3f}", f"{r['bytes_vs_targeted']:.3f}",
                       f"{r['full_sync_s'] * 1e3:.2f} ms", f"{r['adapter_sync_s'] * 1e3:.2f} ms",
-                      f"{r['lora_sync_s_vs_full']:.2f}")
-    Console(width=140).print(table)
+                      f"{r['lora_sync_s_vs_full']:.2f}", f"{r['lowrank_step_s'] * 1e3:.3f} ms",
+                      f"{r['merge_breakeven_steps']:.1f}")
+    Console(width=160).print(table)

@@ -12,9 +12,9 @@ adapted weight becomes ``base + B @ A`` (in float32, then the engine's dtype), w
 is a copy of that weight as the engine last loaded it in full, taken at the first adapter
 that adapts it; so each adapter version is merged onto the base, never onto the previous
 merge, and decoding costs what it costs without an adapter. (A low-rank term in the forward
-pass would keep no copy but add two matmuls per adapted layer to every decode step, where a
-tiny model's step is dominated by per-op overhead, and would need splitting across the
-fused q|k|v and gate|up matrices.)
+pass would keep no copy but add two matmuls per adapted layer to every decode step, split
+across the fused q|k|v and gate|up matrices; ``bench models`` measured the merge paying for
+itself within 6-36 decode steps per version, docs/benchmarks.md.)
 
 Deliberately simplified: Llama and Qwen2 only (SiLU MLP, RMSNorm, full attention); rope types
 ``default`` and ``llama3``; no sliding window, no quantised checkpoints.
