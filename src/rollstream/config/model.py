@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rollstream.config.section import Section
 
@@ -40,6 +40,39 @@ class WarmStartConfig(Section):
     """Probability that a demonstration step slips by one (keeps RL headroom)."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder's linear layers (Llama/Qwen2 names): what ``model.lora.target_modules`` may
+name."""
+
+
+class LoraConfig(Section):
+    rank: int = Field(8, ge=1)
+    """Rank r of each adapter pair (A: r x d_in, B: d_out x r)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: an adapter adds ``alpha / rank * B @ A`` to its layer's weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """PEFT's dropout on the adapter's input. It acts only in training mode, and the RL
+    trainer keeps the policy in eval mode (its importance ratios need one policy per pass),
+    so it is written to ``adapter_config.json`` for whoever fine-tunes the adapter further
+    and is inactive during RL."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """The linear layers that get an adapter, by name in every decoder layer (a subset of
+    ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``; attention only:
+    ``[q_proj, k_proj, v_proj, o_proj]``)."""
+    export_merged: bool = False
+    """Also write the merged model (base + adapter, a plain HF folder) to the run's
+    ``final/merged`` at the end; the final checkpoint itself is the adapter (PEFT format)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        if unknown or not targets:
+            raise ValueError(f"{unknown or 'nothing'}: target_modules takes a non-empty "
+                             f"subset of {', '.join(LORA_TARGETS)}")
+        return tuple(dict.fromkeys(targets))
+
+
 class ModelConfig(Section):
     path: str | None = None
     """A Hugging Face causal-LM folder (Llama/Qwen2 family). When null, the tiny-model kit
@@ -50,3 +83,27 @@ class ModelConfig(Section):
     """Supervised warm start applied to a kit-built model."""
     cache_dir: str = ".cache/rollstream"
     """Where built models and warm starts are cached."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter on the frozen model instead of every weight (needs the ``lora``
+    extra: peft). Weight sync then moves the adapter alone and the engines merge it onto
+    their base weights; checkpoints hold the adapter in PEFT's format (docs/lora.md).
+    Embedded engines only for now (``engine.kind: local``, ``runtime.kind: embedded``,
+    ``train.backend: local``)."""
+
+
+def check_lora(lora: LoraConfig | None, *, engine_kind: str, runtime_kind: str,
+               train_backend: str, train_compile: bool) -> None:
+    """``model.lora`` against the settings that cannot take an adapter yet: the adapter is
+    applied by the embedded engine (merged onto its base weights) and trained by the local
+    trainer; vLLM's LoRA loading, engine actors on Ray and FSDP ranks are not wired."""
+    if lora is None:
+        return
+    for name, value, allowed in (("engine.kind", engine_kind, "local"),
+                                 ("runtime.kind", runtime_kind, "embedded"),
+                                 ("train.backend", train_backend, "local")):
+        if value != allowed:
+            raise ValueError(f"model.lora is implemented for {name} = {allowed} only (it is "
+                             f"{value}): drop model.lora or set {name}: {allowed}")
+    if train_compile:
+        raise ValueError("model.lora with train.compile = true is not supported (the adapter "
+                         "wrapper is not compiled): drop one")

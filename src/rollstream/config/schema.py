@@ -21,9 +21,11 @@ from rollstream.config.engine import (  # the whole tree stays importable from h
     VllmEngineConfig,  # noqa: F401
 )
 from rollstream.config.model import (
+    LoraConfig,  # noqa: F401
     ModelConfig,
     TinyModelConfig,  # noqa: F401
     WarmStartConfig,  # noqa: F401
+    check_lora,
 )
 from rollstream.config.breaker import BreakerConfig
 from rollstream.config.early_stop import EarlyStopConfig, check_early_stop
@@ -277,6 +279,8 @@ class RunConfig(Section):
         check_early_stop(r.early_stop, group_size=r.group_size,
                          filter_zero_variance=r.filter_zero_variance)
         check_train(self.train)
+        check_lora(self.model.lora, engine_kind=self.engine.kind, runtime_kind=self.runtime.kind,
+                   train_backend=self.train.backend, train_compile=self.train.compile)
         check_runtime(self.runtime, engine=self.engine, train=self.train,
                       num_workers=self.reward.num_workers + self.agent.harness_workers)
         if self.reward.name != "auto":

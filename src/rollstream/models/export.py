@@ -1,7 +1,8 @@
 """``rollstream export``: a run's model folder, written for other tools and checked.
 
 The source is the run's final checkpoint (``RUN/checkpoint``) or a durable checkpoint's
-``model`` folder (``--step N``). The export holds the weights (safetensors, optionally cast
+``model`` folder (``--step N``); a LoRA run's (a peft adapter folder) is exported merged onto
+its base model. The export holds the weights (safetensors, optionally cast
 to another dtype), ``config.json``, ``generation_config.json`` (stopping at end-of-text and
 the chat template's end-of-turn token) and the tokenizer files copied byte for byte. It is
 checked as :mod:`rollstream.models.folder_check` describes (tokenizer and model round trip);
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollstream.durable import checkpoint as durable
+from rollstream.models.adapter import is_adapter_folder, load_merged
 from rollstream.models.folder_check import Tie
 from rollstream.run_files import RunFiles
 
@@ -41,7 +43,7 @@ def source_folder(run_dir: Path, step: int | None) -> Path:
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     if step is None:
         final = RunFiles(run_dir).final_checkpoint
-        if not (final / "config.json").is_file():
+        if not ((final / "config.json").is_file() or is_adapter_folder(final)):
             raise ValueError(f"{run_dir} has no final checkpoint ({final}); steps with a "
                              f"durable checkpoint: {durable.steps(run_dir) or 'none'} "
                              "(--step N)")
@@ -80,8 +82,9 @@ def export_run(run_dir: Path, *, out: Path, step: int | None = None,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {str(out)!r} exists and is not an empty folder")
     tokenizer = AutoTokenizer.from_pretrained(str(src))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(src), dtype=getattr(torch, dtype) if dtype is not None else "auto")
+    as_dtype = getattr(torch, dtype) if dtype is not None else "auto"
+    model = (load_merged(src, as_dtype) if is_adapter_folder(src)  # a LoRA run's: merged
+             else AutoModelForCausalLM.from_pretrained(str(src), dtype=as_dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     saved_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

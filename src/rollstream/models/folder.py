@@ -6,6 +6,8 @@ type's own tokenizer class, which for a kit folder loads a 5-token vocabulary th
 every prompt to nothing) and the weights: ``*.safetensors`` files, each header parsed and its
 tensors covering the file exactly (a truncated or garbage file fails here; a sharded folder's
 ``model.safetensors.index.json`` must name shards that are there), or ``pytorch_model*.bin``.
+A LoRA run's checkpoints are peft adapter folders: ``adapter_config.json`` (a JSON object)
+stands for ``config.json`` there, and ``adapter_model.safetensors`` is checked as weights.
 :func:`validate_model_folder` raises a ValueError naming the setting and the file, so a run
 fails before it touches its run directory and a resume before it reconciles the ledger.
 
@@ -21,6 +23,7 @@ from pathlib import Path
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's; its weights are adapter_model.safetensors
 
 
 def validate_model_folder(path: Path, what: str = "model.path") -> Path:
@@ -43,6 +46,8 @@ def model_folder_problem(path: Path) -> str | None:
 
 def _config_problem(path: Path) -> str | None:
     config = path / CONFIG
+    if not config.is_file() and (path / ADAPTER_CONFIG).is_file():
+        return _json_problem(path / ADAPTER_CONFIG)  # a LoRA run's checkpoint: an adapter
     if not config.is_file():
         return f"has no {CONFIG} (not a Hugging Face model folder)"
     problem = _json_problem(config)

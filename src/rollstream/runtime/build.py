@@ -114,7 +114,7 @@ def build_trainer(cfg: RunConfig, model_path: Path, units: ScaleUnits | None = N
     if cfg.train.backend == "local":
         from rollstream.train.trainer import Trainer
 
-        return Trainer(placed_train(cfg), model_path, **kwargs)
+        return Trainer(placed_train(cfg), model_path, lora=cfg.model.lora, **kwargs)
     from rollstream.train.fsdp import FsdpTrainer
 
     if units is not None:
@@ -243,7 +243,7 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     )
 
     async def on_applied(version: int, sync_s: float) -> None:
-        metrics.record("phase", version, {"sync_s": sync_s})
+        metrics.record("phase", version, {"sync_s": sync_s, "sync_bytes": sync.num_bytes})
         rollout.on_version(version)
 
     sync = WeightSync(engines, dispatcher, cfg.rollout.on_update, on_applied,

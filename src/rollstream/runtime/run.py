@@ -161,7 +161,8 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
         for warning in mix.warnings():
             log.warning(warning)
         version = resume.step if resume is not None else 0  # weight version = steps done
-        weights = resume.model_dir if resume is not None else model_path
+        # a LoRA checkpoint is an adapter: engines load the base, then the adapter (below)
+        weights = resume.model_dir if resume is not None and not cfg.model.lora else model_path
         training = threading.Event()  # a trainer step computes (set by the controller)
         engines, cluster = build_engines(cfg, weights, version=version, run_dir=run_dir,
                                          training=training.is_set)
@@ -191,6 +192,8 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                           reconfig_log=files.reconfig)
         if resume is not None:
             _load_trainer_state(trainer, resume)
+            if cfg.model.lora is not None:
+                await loop.sync.install(version, trainer.state_dict())
             loop.rollout.restore(resume.state["rollout"], version=version)
             loop.reconfigure.restore(saved, version=version)
         loop.rollout.skip(skip)

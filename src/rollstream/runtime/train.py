@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 
 CHECK_PROMPTS = 4  # held-out prompts the final checkpoint's model round trip generates from
+MERGED = "merged"  # a LoRA run's merged model in its final checkpoint (model.lora.export_merged)
 
 
 SIGTERM_STOP = "SIGTERM received: stopped at a step boundary with a checkpoint"
@@ -282,6 +283,10 @@ def save_checkpoint(run: Run, final: Path) -> Path:
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(run.trainer, run.tokenizer, tmp)
+    if run.cfg.model.lora is not None and run.cfg.model.lora.export_merged:
+        from rollstream.models.adapter import save_merged
+
+        save_merged(tmp, tmp / MERGED)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
@@ -292,8 +297,19 @@ def save_checkpoint(run: Run, final: Path) -> Path:
 def check_final(run: Run, folder: Path) -> dict[str, Any]:
     """The model round trip on the final checkpoint: ``AutoModelForCausalLM``'s greedy tokens
     for a few held-out prompts equal the embedded engine's (``check_model``); logged, and
-    returned for the summary."""
+    returned for the summary. A LoRA run's checkpoint is an adapter: its merged model is
+    checked (``MERGED`` when exported, else written beside it for the check)."""
+    from rollstream.models.adapter import is_adapter_folder, save_merged
     from rollstream.models.folder_check import check_model, probe_prompts
+
+    if is_adapter_folder(folder) and not (folder / MERGED).is_dir():
+        scratch = folder.with_name(f".{folder.name}.merged-{os.getpid()}")
+        try:
+            return check_final(run, save_merged(folder, scratch))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if is_adapter_folder(folder):
+        folder = folder / MERGED
 
     t0 = time.perf_counter()
     prompts = ([list(t.prompt_ids) for t in run.evaluations.tasks[:CHECK_PROMPTS]]

@@ -8,11 +8,17 @@ each tensor's name, dtype and shape. A receiver checks it before it installs any
 (:func:`check`): a payload of another protocol, or of a kind the receiver cannot apply, is
 refused with the reason, never half-applied.
 
-Kinds: ``full`` (a whole Hugging Face-named state dict, what ``Engine.load_weights`` takes)
-and ``delta`` (what changed from the version ``base`` to ``version``, in the engine's dtype:
-``delta.py``, which makes and applies it; only an engine that holds ``base`` applies it). An
-adapter-only payload (a LoRA's tensors) would be another :data:`PayloadKind` value; the
-transports move any kind unchanged, since they move tensors and this header.
+Kinds: ``full`` (a whole Hugging Face-named state dict, what ``Engine.load_weights`` takes),
+``delta`` (what changed from the version ``base`` to ``version``, in the engine's dtype:
+``delta.py``, which makes and applies it; only an engine that holds ``base`` applies it) and
+``adapter`` (a LoRA adapter alone, :func:`check_adapter`: for each adapted linear layer
+``M``, ``M.lora_A.weight`` [r, d_in] and ``M.lora_B.weight`` [d_out, r] with the adapter's
+scale already multiplied into B, so version ``v`` serves ``M.weight = base + B @ A`` where
+base is the weights the engine last loaded in full, its folder's at start: each adapter
+version replaces the previous one, it never adds to it). The transports move any kind
+unchanged, since they move tensors and this header, but no receiver of theirs applies an
+adapter yet (:data:`KINDS`): it reaches the embedded engine in process. An adapter is never
+delta-encoded: every one of its elements moves each step, and it is already the small payload.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ if TYPE_CHECKING:
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; engines derive them
 PROTOCOL = 1  # the layout of a header and of the transports' deliveries
-PayloadKind = Literal["full", "delta"]
-KINDS: tuple[str, ...] = get_args(PayloadKind)
+PayloadKind = Literal["full", "delta", "adapter"]
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")  # an adapter payload's names
+# what the transports' receivers apply (engine actors, vLLM's reload): an adapter reaches the
+# embedded engine alone, in process (weights.py), so a transport refuses one, never half-applies it
+KINDS: tuple[str, ...] = tuple(k for k in get_args(PayloadKind) if k != "adapter")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,3 +188,39 @@ def check_full(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[i
         raise ValueError(f"weights missing from the update: {sorted(missing)[:5]} "
                          f"({len(missing)} in all); load_weights takes a full state dict")
     return pairs
+
+
+def is_adapter(names: Collection[str]) -> bool:
+    """Whether tensors of these names are an ``adapter`` payload (every name ends in an
+    adapter suffix); ValueError for a mix of adapter and other names."""
+    ends = [n.endswith(ADAPTER_SUFFIXES) for n in names]
+    if any(ends) and not all(ends):
+        odd = sorted(n for n, e in zip(names, ends) if not e)[:3]
+        raise ValueError(f"a weight payload mixes adapter tensors ({ADAPTER_SUFFIXES}) with "
+                         f"others ({odd}): send a full state dict or an adapter alone")
+    return bool(ends) and all(ends)
+
+
+def check_adapter(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]],
+                  *, model: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """An ``adapter`` payload checked against the weights of the model an engine serves
+    (``shapes``: HF name -> shape; ``model`` names it in errors): per adapted weight
+    ``(M.weight, A, B)``, each ``M.weight`` a 2-D weight of the model, ``A`` [r, d_in] and
+    ``B`` [d_out, r] of one rank r. ValueError before anything is installed."""
+    a_end, b_end = ADAPTER_SUFFIXES
+    modules = sorted({n.removesuffix(a_end).removesuffix(b_end) for n in tensors})
+    out = []
+    for m in modules:
+        a, b, weight = tensors.get(m + a_end), tensors.get(m + b_end), m + ".weight"
+        if a is None or b is None:
+            raise ValueError(f"adapter for {m}: needs both {m + a_end} and {m + b_end}")
+        shape = shapes.get(weight)
+        if shape is None or len(shape) != 2:
+            raise ValueError(f"adapter for {m}: {weight} is not a matrix of {model}")
+        if a.dim() != 2 or b.dim() != 2 or tuple(b.shape) != (shape[0], a.shape[0]) \
+                or a.shape[1] != shape[1]:
+            raise ValueError(f"adapter for {m}: A {tuple(a.shape)} and B {tuple(b.shape)} do "
+                             f"not make a delta of {weight}'s shape {tuple(shape)} "
+                             "(A: [r, d_in], B: [d_out, r])")
+        out.append((weight, a, b))
+    return out

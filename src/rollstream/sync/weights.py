@@ -24,6 +24,12 @@ a transport of this package (the vLLM engine through ``vllm.py``, the Ray engine
 through ``object_store.py``, ``broadcast.py`` or ``shm.py``, as deltas where they can:
 ``delta.py``), each a ``Payload`` of the versioned protocol of ``protocol.py``.
 
+Payload kinds: the tensors are a whole state dict, or a LoRA adapter alone (the ``adapter``
+kind of ``protocol.py``, told apart by its names; a LoRA trainer publishes only its adapter):
+the engine merges an adapter onto its base weights, so version ``v`` serves adapter ``v``.
+:attr:`WeightSync.header` describes the version the engines serve and :attr:`num_bytes` what
+one engine was handed for it (the run's ``sync_bytes`` metric).
+
 WeightSync talks to the engines and to a small :class:`Gate` (pause / resume / wait until
 idle, which the dispatcher implements); it knows nothing else of the rollout. DEAD engines
 are skipped (they serve nothing). It keeps the version the engines serve (its tensors), so
@@ -41,6 +47,7 @@ from rollstream.clock import Clock, WallClock
 from rollstream.config.schema import OnUpdate
 from rollstream.engine.protocol import Engine, Restartable
 from rollstream.engine.states import EngineHealth
+from rollstream.sync.protocol import Header, is_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +84,7 @@ class WeightSync:
         self.version = version
         self.clock = clock or WallClock()
         self._tensors: dict[str, torch.Tensor] | None = None  # of `version`; None: the folder's
+        self.header: Header | None = None  # of `version`'s tensors; None: the folder's
         self._lock = asyncio.Lock()  # one load or revival at a time
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._wake = asyncio.Event()
@@ -114,12 +122,33 @@ class WeightSync:
                     await asyncio.gather(*(self._load(e, version, tensors) for e in engines))
                 finally:
                     self.gate.resume()
-                self.version, self._tensors = version, tensors
+                self._served(version, tensors)
             res = self.on_applied(version, self.clock.now() - t0)
             if res is not None:
                 await res
             if self._pending is None:
                 self._idle.set()
+
+    async def install(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load ``version`` into every engine before the rollout starts (a resumed LoRA run's
+        adapter: its engines start from the base folder), as the version they serve: no
+        gate, no ``on_applied``; :meth:`revive` restarts an engine with it."""
+        tensors = {k: v.detach().clone() for k, v in tensors.items()}
+        async with self._lock:
+            await asyncio.gather(*(self._load(e, version, tensors) for e in self.engines
+                                   if _serves(e)))
+            self._served(version, tensors)
+
+    def _served(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.version, self._tensors = version, tensors
+        self.header = Header.describe(
+            version, "adapter" if is_adapter(tensors) else "full", tensors)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the tensors each engine was handed for the version it serves (0 before
+        the first sync)."""
+        return sum(t.numel() * t.element_size() for t in (self._tensors or {}).values())
 
     async def revive(self, engine: Restartable) -> None:
         """Restart ``engine`` (its loop died) at the version the other engines serve."""

@@ -58,6 +58,11 @@ sampled from and reports, so ``logprobs()`` is comparable with engine logprobs. 
 stays in eval mode: dropout is off (a dropout mask would make every pass a different policy,
 and the ratio to the engines' logprobs meaningless).
 
+LoRA (``model.lora``, :mod:`.lora`): the policy is wrapped with a peft adapter and only the
+adapter trains (AdamW over its parameters alone); the reference of a KL term is the policy
+with its adapter disabled (no second model); :meth:`state_dict` is the adapter as weight sync
+sends it, and checkpoints are peft adapter folders.
+
 Compilation: ``compile: true`` compiles the policy module in place (``nn.Module.compile``,
 dynamic shapes, so micro-batches of any rows and width share a graph); the reference stays
 eager. The first forward of each kind (with and without gradients) compiles.
@@ -82,9 +87,10 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from rollstream.config.schema import TrainConfig
+from rollstream.config.schema import LoraConfig, TrainConfig
 from rollstream.models.tokenizer import copy_tokenizer_files
 from rollstream.staleness import StalenessPolicy, age
+from rollstream.train import lora as lora_adapter
 from rollstream.train.advantages import compute_advantages
 from rollstream.train.batching import (
     MicroBatch,
@@ -121,13 +127,15 @@ class Trainer:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        lora: LoraConfig | None = None,
     ) -> None:
         """``staleness``: the run's policy (token-age mask, and ``loss: auto``).
         ``max_response_tokens``: the rollout's response budget (``sampling.max_new_tokens``),
         the Dr.GRPO constant normaliser; required when the loss aggregation is
         ``seq_mean_token_sum_norm``. ``temperature``, ``top_p``, ``top_k``: the rollout's
         sampling settings; logprobs are taken of ``logits / temperature`` truncated as the
-        sampler truncates, the distribution the engines sampled from and report."""
+        sampler truncates, the distribution the engines sampled from and report. ``lora``:
+        train an adapter of these settings instead of every weight (module docstring)."""
         if not temperature > 0:
             raise ValueError(f"the trainer needs a sampling temperature > 0, got {temperature}")
         if not 0 < top_p <= 1 or top_k < 0:
@@ -154,15 +162,18 @@ class Trainer:
         self._bf16 = cfg.dtype == "bfloat16"
         if self._bf16:  # before the reference copies the policy
             keep_float32(self.model, self.device)
+        self.lora = lora
         self.reference = None
-        if cfg.kl_coef > 0:
+        if lora is not None:  # the reference is this model with its adapter disabled
+            self.model = lora_adapter.wrap(self.model, lora, self.model_path).eval()
+        elif cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._shard(self.model)  # before the optimizer: sharding replaces the parameters
         if cfg.compile:  # in place: the same module, state_dict and save_pretrained
             self.model.compile(dynamic=True)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(  # with LoRA only the adapter requires grad
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+            weight_decay=cfg.weight_decay)
         self._anchor = anchor_fn(self.loss)
 
     # -- public API ---------------------------------------------------------------------------
@@ -202,15 +213,19 @@ class Trainer:
         return StepResult(metrics=metrics, kept=kept)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """HF-named parameters and buffers for weight sync (tied weights under both names).
+        """HF-named parameters and buffers for weight sync (tied weights under both names);
+        with LoRA the adapter alone (``sync/protocol.py``'s ``adapter`` payload).
 
         No copy: the tensors are the live parameters' storage, so the next ``step`` changes
         them in place. A caller that keeps them past the next step must copy them first.
         """
+        if self.lora is not None:
+            return lora_adapter.sync_tensors(self.model)
         return dict(self.model.state_dict())
 
     def save_checkpoint(self, out_dir: Path) -> Path:
-        """HF folder (config + safetensors) plus the source folder's tokenizer files."""
+        """HF folder (config + safetensors; with LoRA peft's adapter folder) plus the source
+        folder's tokenizer files."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out_dir, safe_serialization=True)
@@ -232,9 +247,12 @@ class Trainer:
     def load_training_state(self, model_dir: Path, path: Path) -> None:
         """Continue from a durable checkpoint: the policy's weights from the HF folder
         ``model_dir``, optimizer and RNG states from ``path`` (the reference model, if any,
-        stays the one the run started from)."""
-        saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.load_state_dict(saved.state_dict())
+        stays the one the run started from; with LoRA ``model_dir`` is an adapter folder)."""
+        if self.lora is not None:
+            lora_adapter.load_adapter(self.model, model_dir)
+        else:
+            saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            self.model.load_state_dict(saved.state_dict())
         state = torch.load(path, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
@@ -378,7 +396,7 @@ class Trainer:
     ) -> Prepared:
         """Step-fixed loss targets of one micro-batch from its proximal logprobs, and the
         mismatch / masking statistics."""
-        logp_ref = None if self.reference is None else self._forward(self.reference, mb)
+        logp_ref = self._reference_logprobs(mb)
         young = mb.loss_mask & self.staleness.keeps(mb.versions, step)
         base = young & torch.isfinite(logp_prox)  # -inf: outside the truncated support
         targets, corr = build_targets(
@@ -411,6 +429,16 @@ class Trainer:
         stages = torch.stack([mb.loss_mask, young, base, kept]).sum(dim=-1).T  # [B, 4]
         return Prepared(mb=mb, targets=targets, age_bucket=age_bucket,
                          stage_counts=stages.tolist())
+
+    def _reference_logprobs(self, mb: MicroBatch) -> Tensor | None:
+        """The reference policy's logprobs (None without a KL term)."""
+        if self.cfg.kl_coef <= 0:
+            return None
+        if self.lora is not None:
+            with self.model.disable_adapter():
+                return self._forward(self.model, mb)
+        assert self.reference is not None
+        return self._forward(self.reference, mb)
 
     def _update(self, prepared: list[Prepared], norm: float, sums: StepSums) -> None:
         """A later optimizer update: accumulate over all micro-batches, clip, step."""

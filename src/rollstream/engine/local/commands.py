@@ -13,9 +13,8 @@ import concurrent.futures
 import contextlib
 from dataclasses import dataclass
 
-import torch
-
 from rollstream.engine.local.scheduler import Sequence
+from rollstream.engine.local.weights import Install
 from rollstream.engine.protocol import FinishReason, GenerateOutput
 
 
@@ -33,7 +32,7 @@ class Interrupt:
 @dataclass(slots=True, kw_only=True)
 class Load:
     version: int
-    pairs: list[tuple[str, torch.Tensor]]
+    pairs: list[Install]  # Weights.check's: tensors to copy, adapted weights to merge
     done: concurrent.futures.Future
 
 

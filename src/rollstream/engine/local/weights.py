@@ -7,6 +7,15 @@ Every Hugging Face parameter name (``model.layers.0.self_attn.q_proj.weight``, .
 *view* into that fused storage, so ``load_weights`` takes the trainer's ``state_dict()`` as is
 and copies each tensor into place; ``lm_head.weight`` may be absent when embeddings are tied.
 
+A LoRA adapter (the ``adapter`` payload of ``sync/protocol.py``) is merged at load: each
+adapted weight becomes ``base + B @ A`` (in float32, then the engine's dtype), where ``base``
+is a copy of that weight as the engine last loaded it in full, taken at the first adapter
+that adapts it; so each adapter version is merged onto the base, never onto the previous
+merge, and decoding costs what it costs without an adapter. (A low-rank term in the forward
+pass would keep no copy but add two matmuls per adapted layer to every decode step, split
+across the fused q|k|v and gate|up matrices; ``bench models`` measured the merge paying for
+itself within 6-36 decode steps per version, docs/benchmarks.md.)
+
 Deliberately simplified: Llama and Qwen2 only (SiLU MLP, RMSNorm, full attention); rope types
 ``default`` and ``llama3``; no sliding window, no quantised checkpoints.
 """
@@ -15,13 +24,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from rollstream.sync.protocol import check_full
+from rollstream.sync.protocol import check_adapter, check_full, is_adapter
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -108,6 +117,26 @@ def _rope_params(cfg: dict, cfg_path: Path) -> tuple[float, dict | None]:
     raise ValueError(f"{cfg_path}: rope type {kind!r} unsupported (default, llama3)")
 
 
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Merge:
+    """An adapted weight, ``base + b @ a``, computed where it is installed: on the engine
+    thread, under its thread settings (a matmul on a caller's thread with torch's default
+    threads was seen 20x slower on a loaded 2-core machine)."""
+
+    base: torch.Tensor  # [d_out, d_in], the engine's dtype
+    a: torch.Tensor  # [r, d_in], float32
+    b: torch.Tensor  # [d_out, r], float32, the adapter's scale multiplied in
+
+    def into(self, view: torch.Tensor) -> None:
+        if view.dtype == torch.float32 and view.is_contiguous():
+            torch.addmm(self.base, self.b, self.a, out=view)
+        else:
+            view.copy_(torch.addmm(self.base.float(), self.b, self.a))
+
+
+Install = tuple[str, "torch.Tensor | Merge"]  # an HF name and what goes there
+
+
 @dataclass(slots=True, kw_only=True)
 class Weights:
     """Fused parameter storage plus a view per Hugging Face parameter name."""
@@ -122,6 +151,8 @@ class Weights:
     lm_head_t: torch.Tensor  # [hidden, vocab]; a view of embed when tied
     hf_views: dict[str, torch.Tensor]  # HF name -> view into the tensors above
     optional: frozenset[str]  # HF names a state dict may omit (tied lm_head)
+    # HF name -> the weight as last loaded in full, for the adapted ones (module docstring)
+    base: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Weights:
@@ -165,15 +196,33 @@ class Weights:
             optional=optional,
         )
 
-    def check(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """Validate a full HF-named state dict; returns the (name, tensor) pairs to copy."""
-        return check_full(tensors, {n: tuple(v.shape) for n, v in self.hf_views.items()},
-                          optional=self.optional, model="a Llama/Qwen2 of this shape")
+    def check(self, tensors: Mapping[str, torch.Tensor]) -> list[Install]:
+        """Validate a full HF-named state dict or an adapter; returns the (name, tensor) pairs
+        to copy (an adapter's merged onto the base). Loads must not overlap: a full one
+        drops the base copies (its weights are the next adapter's base), an adapter's reads
+        them."""
+        shapes = {n: tuple(v.shape) for n, v in self.hf_views.items()}
+        model = "a Llama/Qwen2 of this shape"
+        if not is_adapter(tensors):
+            pairs = check_full(tensors, shapes, optional=self.optional, model=model)
+            self.base.clear()
+            return pairs
+        pairs: list[Install] = []
+        for name, a, b in check_adapter(tensors, shapes, model=model):
+            if name not in self.base:  # its first adapter: the weight is the base
+                self.base[name] = self.hf_views[name].clone()
+            pairs.append((name, Merge(base=self.base[name],
+                                      a=a.to(self.embed.device, torch.float32),
+                                      b=b.to(self.embed.device, torch.float32))))
+        return pairs
 
     @torch.no_grad()
-    def copy_in(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def copy_in(self, pairs: list[Install]) -> None:
         for name, t in pairs:
-            self.hf_views[name].copy_(t)
+            if isinstance(t, Merge):
+                t.into(self.hf_views[name])
+            else:
+                self.hf_views[name].copy_(t)
 
 
 def _layer_views(

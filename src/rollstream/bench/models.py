@@ -1,0 +1,159 @@
+"""``bench models``: the model shapes users train. Its LoRA section: what a weight sync moves
+and costs with an adapter against full weights, on the embedded engine.
+
+For each model shape (the demo's: hidden 128, 4 layers; and hidden 512) and each adapter
+target set (every linear layer; attention only), at rank 8: a kit model folder, the
+adapter peft puts on it (B drawn at random, so that the merge is not a no-op; bytes and
+time do not depend on values), and one idle embedded engine. ``lora_sync_bytes_vs_full``:
+the adapter payload's bytes (``sync/protocol.py``'s ``adapter`` kind) / the full state
+dict's, what the run's ``sync_bytes`` metric records; beside it ``bytes_vs_targeted``, the
+adapter's bytes / those of the weights it adapts, whose expected value is
+``2r(d_in + d_out) / (d_in d_out)`` averaged over the targeted weights.
+``lora_sync_s_vs_full``: the median seconds of ``Engine.load_weights`` with the adapter
+(checked, merged onto the engine's base copy, copied in) / with the full state dict, over
+``NUM_SYNCS`` loads after a warm-up. Merged at load or a low-rank term in the forward pass:
+``lowrank_step_s`` is what the term would add to one decode step of ``DECODE_ROWS`` rows (the
+two small matmuls ``(x A^T) B^T`` of every adapted layer, one thread, the matmuls alone), and
+``merge_breakeven_steps`` = ``adapter_sync_s / lowrank_step_s``: with more decode steps than
+that per version, merging at load costs less. The mixture-of-experts section is not built (the kit has
+no MoE model yet). A benchmark measures; it does not assert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NUM_SYNCS = 10
+DECODE_ROWS = 64  # rows of one decode step for the low-rank term's cost
+RANK = 8
+SHAPES: dict[str, dict[str, int]] = {
+    "demo": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 384},
+    "h512": {"hidden_size": 512, "num_layers": 4, "intermediate_size": 1536, "num_heads": 8,
+             "num_kv_heads": 4},
+}
+TARGETS = {"all": None, "attention": ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+async def _load_s(engine: Any, tensors: dict, first: int) -> float:
+    times = []
+    for v in range(first, first + NUM_SYNCS + 1):
+        t0 = time.perf_counter()
+        await engine.load_weights(v, tensors)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])  # the first is the warm-up
+
+
+def _lowrank_step_s(adapter: dict) -> float:
+    """Seconds the low-rank term adds to one decode step (module docstring), median of 20."""
+    import torch
+
+    pairs = [(adapter[n], adapter[n.replace(".lora_A.", ".lora_B.")]) for n in adapter
+             if ".lora_A." in n]
+    xs = [torch.randn(DECODE_ROWS, a.shape[1]) for a, _ in pairs]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine's step thread runs (engine.local.threads: 1)
+    try:
+        times = []
+        for _ in range(21):
+            t0 = time.perf_counter()
+            for x, (a, b) in zip(xs, pairs):
+                (x @ a.t()) @ b.t()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[1:])
+
+
+def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]:
+    """One shape and target set: bytes and load seconds, adapter against full."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollstream.config.model import LoraConfig
+    from rollstream.config.schema import EngineConfig
+    from rollstream.engine.factory import build_engine
+    from rollstream.train import lora
+
+    cfg = LoraConfig(rank=RANK, alpha=2.0 * RANK, **({} if targets is None else
+                                                      {"target_modules": targets}))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    full = {k: t.detach().clone() for k, t in model.state_dict().items()}
+    wrapped = lora.wrap(model, cfg, folder)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
+    adapter = {k: t.clone() for k, t in lora.sync_tensors(wrapped).items()}
+    targeted = sum(full[name.rsplit(".lora_", 1)[0] + ".weight"].numel() * 4
+                   for name in adapter if name.endswith(".lora_A.weight"))
+
+    async def timed() -> tuple[float, float]:
+        engine = build_engine(EngineConfig(local={"max_slots": 4, "max_seq_len": 128,
+                                                  "threads": 1}), folder)
+        try:
+            full_s = await _load_s(engine, full, 1)
+            adapter_s = await _load_s(engine, adapter, 100)
+        finally:
+            await engine.close()
+        return full_s, adapter_s
+
+    full_s, adapter_s = asyncio.run(timed())
+    lowrank_s = _lowrank_step_s(adapter)
+    return {"lowrank_step_s": lowrank_s, "merge_breakeven_steps": adapter_s / lowrank_s,
+            "full_bytes": _nbytes(full), "adapter_bytes": _nbytes(adapter),
+            "lora_sync_bytes_vs_full": _nbytes(adapter) / _nbytes(full),
+            "bytes_vs_targeted": _nbytes(adapter) / targeted,
+            "full_sync_s": full_s, "adapter_sync_s": adapter_s,
+            "lora_sync_s_vs_full": adapter_s / full_s}
+
+
+def main(json_out: Path | None = None, quick: bool = False) -> dict:
+    from rollstream.bench.weightsync import build_model
+
+    load_start = os.getloadavg()[0]
+    shapes = {"demo": SHAPES["demo"]} if quick else SHAPES
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape, overrides in shapes.items():
+            folder = build_model(Path(tmp) / shape, **overrides)
+            for target, modules in TARGETS.items():
+                rows[f"{shape}/{target}"] = bench_shape(folder, modules)
+    demo = rows["demo/all"]
+    result = {"quick": quick, "rank": RANK, "num_syncs": NUM_SYNCS, "engine": "local",
+              "lora": rows, "lora_sync_bytes_vs_full": demo["lora_sync_bytes_vs_full"],
+              "lora_sync_s_vs_full": demo["lora_sync_s_vs_full"],
+              "moe": "not built: the kit has no MoE model yet",
+              "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]}}
+    _print_table(rows)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _print_table(rows: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"LoRA (rank {RANK}) weight sync vs full, embedded engine")
+    for col in ("shape/targets", "full MB", "adapter MB", "bytes vs full", "vs targeted",
+                "full s", "adapter s", "s vs full", f"low-rank s/step ({DECODE_ROWS} rows)",
+                "merge break-even (steps)"):
+        table.add_column(col)
+    for name, r in rows.items():
+        table.add_row(name, f"{r['full_bytes'] / 1e6:.2f}", f"{r['adapter_bytes'] / 1e6:.3f}",
+                      f"{r['lora_sync_bytes_vs_full']:.3f}", f"{r['bytes_vs_targeted']:.3f}",
+                      f"{r['full_sync_s'] * 1e3:.2f} ms", f"{r['adapter_sync_s'] * 1e3:.2f} ms",
+                      f"{r['lora_sync_s_vs_full']:.2f}", f"{r['lowrank_step_s'] * 1e3:.3f} ms",
+                      f"{r['merge_breakeven_steps']:.1f}")
+    Console(width=160).print(table)

@@ -1,0 +1,21 @@
+"""``bench models --quick``: the LoRA rows on the demo's shape, bytes as the formula says."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
+    from rollstream.bench import models
+
+    out = tmp_path / "models.json"
+    result = models.main(json_out=out, quick=True)
+    assert json.loads(out.read_text()) == result
+    assert set(result["lora"]) == {"demo/all", "demo/attention"}
+    every = result["lora"]["demo/all"]
+    # 2r(d_in + d_out) / (d_in d_out) over the targeted weights: about 0.10 at rank 8
+    assert 0.08 < every["bytes_vs_targeted"] < 0.12
+    assert result["lora_sync_bytes_vs_full"] == every["lora_sync_bytes_vs_full"] < 0.12
+    assert result["lora"]["demo/attention"]["adapter_bytes"] < every["adapter_bytes"]
+    assert every["full_sync_s"] > 0 and every["adapter_sync_s"] > 0
+    assert every["lowrank_step_s"] > 0 and every["merge_breakeven_steps"] > 0
