@@ -48,7 +48,9 @@ class TinyModelConfig(Section):
     @model_validator(mode="after")
     def _check_moe(self) -> TinyModelConfig:
         if self.arch != "qwen2_moe":
-            given = [f for f in MOE_FIELDS if f in self.model_fields_set]
+            # a default value is allowed: a printed default config loads back
+            given = [f for f in MOE_FIELDS
+                     if getattr(self, f) != type(self).model_fields[f].default]
             if given:
                 raise ValueError(f"model.tiny.{given[0]} is read only with "
                                  f"model.tiny.arch: qwen2_moe (it is {self.arch!r})")
