@@ -86,3 +86,39 @@ async def test_experts_load_fused_or_one_by_one(tiny_moe_dir):
         assert engine.stats().version == 2
     finally:
         await engine.close()
+
+
+async def test_after_a_mid_stream_load_tokens_are_the_new_policy(tiny_moe_dir):
+    """The cache recompute after a load routes the prefix through the new router: the
+    tokens after the switch are what the new weights give from the same prefix."""
+    from tests.engine.test_local import _load_mid_stream
+
+    g = torch.Generator().manual_seed(5)
+    new = {k: v + 0.3 * torch.randn(v.shape, generator=g)
+           for k, v in load_file(tiny_moe_dir / "model.safetensors").items()}
+    engine = _engine(tiny_moe_dir)
+    try:
+        prompt, max_new = [9, 40, 41, 3, 77, 12], 100
+        mixed, k = await _load_mid_stream(engine, prompt, max_new, 1, new)
+        cont = await engine.generate(_greedy("c", prompt + mixed.token_ids[:k], max_new - k))
+        assert mixed.token_ids[k:] == cont.token_ids
+        assert max(abs(a - b) for a, b in zip(mixed.logprobs[k:], cont.logprobs)) < 1e-4
+    finally:
+        await engine.close()
+
+
+def test_bfloat16_moe_engine_follows_the_float32_one(tiny_moe_dir):
+    """Routing runs its softmax in float32 whatever the engine's dtype (as transformers):
+    a bfloat16 engine serves the MoE model, its logprobs near the float32 engine's."""
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LocalEngine(tiny_moe_dir, LocalEngineConfig(
+            max_slots=4, max_seq_len=MAX_SEQ_LEN, threads=1, device="cpu", dtype=dtype))
+        try:
+            outs[dtype] = engine.generate_many(
+                [_greedy(f"r{i}", [1, 2, 3 + i], 8) for i in range(3)])
+        finally:
+            engine.shutdown()
+    for full, half in zip(outs["float32"], outs["bfloat16"]):
+        assert len(half.token_ids) == 8
+        assert abs(full.logprobs[0] - half.logprobs[0]) < 0.1  # same prompt, first token
