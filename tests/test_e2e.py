@@ -201,7 +201,7 @@ def test_cli_trains_a_tiny_mixture_of_experts(tmp_path):
            "monitor.report=false", f"model.cache_dir={tmp_path / 'cache'}",
            f"run_root={tmp_path}", "name=moe"]
     out = subprocess.run([sys.executable, "-m", "rollstream", "train", "examples/tick.yaml",
-                          *moe, *run], capture_output=True, text=True,
+                          *moe, *run], capture_output=True, text=True, check=False,
                          cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "moe" / "summary.json").read_text())

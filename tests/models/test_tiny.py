@@ -13,8 +13,8 @@ from rollstream.models.tiny import build_tiny_model, init_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-MOE = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=24,
-           shared_expert_intermediate_size=40)
+MOE = {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+       "shared_expert_intermediate_size": 40}
 
 
 @pytest.mark.parametrize(
