@@ -24,7 +24,9 @@ one matmul; each token's top-k experts by router softmax (renormalised when the 
 sort) and each expert that has tokens runs once over all of them, its outputs weighted and
 added back per token in expert order, as transformers adds them; the shared expert runs over
 every token, scaled by the sigmoid of its gate. Numerics follow ``Qwen2MoeSparseMoeBlock``
-(softmax in float32, weights cast back to the activations' dtype).
+(softmax in float32, weights cast back to the activations' dtype). The per-expert token
+counts are read on the host to slice the groups: one device sync per layer with experts on a
+GPU (none on the CPU), and a loop over experts rather than one grouped matmul.
 
 Deliberately simplified: no paged KV blocks (a slot owns a whole row of ``max_seq_len``), no
 prefix caching, no CUDA graphs or torch.compile.
