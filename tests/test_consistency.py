@@ -1,6 +1,7 @@
 """Training-inference consistency: the trainer's logprobs of tokens the engine sampled equal the
 engine's own logprobs at the same weight version, before and after an optimizer step synced
-into the engine through the real weight-sync path."""
+into the engine through the real weight-sync path: for a dense model and for a mixture of
+experts (Qwen2-MoE), whose step must move the router and the experts too."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def _tasks(n: int) -> list[Task]:
                  prompt_text="", reference="") for i in range(n)]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path, temperature):
+@pytest.mark.parametrize(("arch", "temperature"),
+                         [("qwen2", 1.0), ("qwen2", 0.7), ("qwen2_moe", 1.0)])
+def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path, arch, temperature):
     torch.manual_seed(0)
-    model = make_tiny_model(tmp_path / "m")
+    model = make_tiny_model(tmp_path / "m", arch=arch)
 
     async def main():
         engine = build_engine(EngineConfig(local={"max_slots": 8, "max_seq_len": 128}), model)
@@ -66,9 +68,12 @@ def test_trainer_logprobs_equal_engine_logprobs_across_a_sync(tmp_path, temperat
             if version == 0:
                 before = {k: v.clone() for k, v in trainer.state_dict().items()}
                 trainer.step(groups, 0)
-                moved = max((trainer.state_dict()[k] - v).abs().max().item()
-                            for k, v in before.items())
-                assert moved > 1e-4, "the optimizer step changed the weights"
+                moved = {k: (trainer.state_dict()[k] - v).abs().max().item()
+                         for k, v in before.items()}
+                assert max(moved.values()) > 1e-4, "the optimizer step changed the weights"
+                routing = [k for k in moved if ".mlp.gate." in k or ".mlp.experts." in k]
+                assert len(routing) == (6 if arch == "qwen2_moe" else 0)  # 2 layers x 3
+                assert all(moved[k] > 1e-4 for k in routing), moved
                 sync.publish(1, trainer.state_dict())
                 await sync.wait_applied()
         sync_task.cancel()

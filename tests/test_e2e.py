@@ -207,3 +207,32 @@ def test_cli_reports_config_errors_with_the_field(tmp_path):
     assert out.returncode == 2
     assert "rollout.mode" in out.stderr and "'sync', 'one_step' or 'async'" in out.stderr
     assert "did you mean 'lr'" in out.stderr
+
+
+def test_cli_trains_a_tiny_mixture_of_experts(tmp_path):
+    """`rollstream train` on a kit-built Qwen2-MoE: warm start, engine, trainer, sync and
+    checkpoint all take it; on-policy the trainer's logprobs are the engine's."""
+    moe = ["model.tiny.arch=qwen2_moe", "model.tiny.hidden_size=32", "model.tiny.num_layers=2",
+           "model.tiny.max_position=128", "model.tiny.num_experts=4",
+           "model.tiny.moe_intermediate_size=32", "model.tiny.shared_expert_intermediate_size=32",
+           "model.warm_start.steps=2", "model.warm_start.tokens_per_step=256"]
+    run = ["tasks.sources=[{kind: tick, max_items: 3}]", "tasks.num_eval=4",
+           "engine.local.max_slots=16", "engine.local.max_seq_len=128",
+           "sampling.max_new_tokens=16", "rollout.mode=sync", "rollout.group_size=4",
+           "rollout.filter_zero_variance=false", "train.groups_per_step=2", "train.steps=2",
+           "eval.samples_per_task=1", "eval.every=0", "monitor.progress=false",
+           "monitor.report=false", f"model.cache_dir={tmp_path / 'cache'}",
+           f"run_root={tmp_path}", "name=moe"]
+    out = subprocess.run([sys.executable, "-m", "rollstream", "train", "examples/tick.yaml",
+                          *moe, *run], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "moe" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["trained_samples"] > 0
+    assert summary["checkpoint_check"]["num_prompts"] == 4  # HF generate == the engine's
+    config = json.loads((tmp_path / "moe" / "checkpoint" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and config["num_experts"] == 4
+    metrics = [json.loads(line)
+               for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [m["mismatch"] for m in metrics if m["kind"] == "train"]
+    assert len(mismatch) == 2 and max(mismatch) < 1e-5

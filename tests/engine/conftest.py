@@ -22,7 +22,9 @@ from tests.engine.helpers import MAX_SEQ_LEN, MAX_SLOTS, VOCAB, make_tiny_model
 # The ray kind (the local engine in a Ray actor, behind the runtime's proxy) runs the same
 # tests from tests/runtime/test_ray_contract.py: a module of its own, so that its Ray is not
 # up while the vLLM cases run (a busier machine stalls vLLM's API server mid-stream).
-ENGINE_KINDS = ["local", pytest.param("vllm", marks=pytest.mark.vllm)]
+# ``local_moe`` is the local engine serving a tiny Qwen2-MoE folder (routed experts and a
+# shared expert) instead of the dense Qwen2 one.
+ENGINE_KINDS = ["local", "local_moe", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 class EngineCase(NamedTuple):
@@ -36,6 +38,11 @@ class EngineCase(NamedTuple):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-moe"), arch="qwen2_moe", seed=3)
 
 
 @pytest.fixture(scope="session")
@@ -67,9 +74,12 @@ async def engine_case(kind: str, request: pytest.FixtureRequest,
             yield EngineCase(engine=eng, model_path=tiny_model_dir, kind="ray",
                              max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB)
         return
-    eng = build_engine(_engine_config(kind), tiny_model_dir, engine_id=f"{kind}-0")
+    path = tiny_model_dir
+    if kind == "local_moe":
+        path = request.getfixturevalue("tiny_moe_dir")
+    eng = build_engine(_engine_config(kind.removesuffix("_moe")), path, engine_id=f"{kind}-0")
     try:
-        yield EngineCase(engine=eng, model_path=tiny_model_dir, kind=kind,
+        yield EngineCase(engine=eng, model_path=path, kind=kind,
                          max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB)
     finally:
         await eng.close()

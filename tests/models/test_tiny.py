@@ -13,14 +13,19 @@ from rollstream.models.tiny import build_tiny_model, init_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+MOE = {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+       "shared_expert_intermediate_size": 40}
 
 
 @pytest.mark.parametrize(
-    ("arch", "cls_name"), [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")]
+    ("arch", "cls_name"), [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM"),
+                           ("qwen2_moe", "Qwen2MoeForCausalLM")]
 )
 def test_folder_loads_with_auto_classes(tmp_path: Path, arch: str, cls_name: str) -> None:
     tokenizer = build_char_tokenizer()
-    folder = build_tiny_model(TinyModelConfig(arch=arch, **SMALL), tokenizer, tmp_path / arch)
+    moe = MOE if arch == "qwen2_moe" else {}
+    folder = build_tiny_model(TinyModelConfig(arch=arch, **SMALL, **moe), tokenizer,
+                              tmp_path / arch)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (folder / name).is_file(), name
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -59,3 +64,32 @@ def test_bad_shape_is_a_clear_error() -> None:
         init_tiny_model(
             TinyModelConfig(hidden_size=30, num_heads=4, num_kv_heads=2), build_char_tokenizer()
         )
+
+
+def test_moe_model_routes_every_layer_through_the_configured_experts(tmp_path: Path) -> None:
+    folder = build_tiny_model(TinyModelConfig(arch="qwen2_moe", **SMALL, **MOE),
+                              build_char_tokenizer(), tmp_path / "moe")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    c = model.config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.shared_expert_intermediate_size) == (3, 2, 24, 40)
+    assert (c.decoder_sparse_step, c.mlp_only_layers, c.norm_topk_prob) == (1, [], False)
+    for layer in model.model.layers:  # experts in every layer, a shared expert with its gate
+        mlp = layer.mlp
+        assert mlp.gate.weight.shape == (3, 32)
+        assert mlp.experts.gate_up_proj.shape == (3, 2 * 24, 32)
+        assert mlp.shared_expert.up_proj.weight.shape == (40, 32)
+        assert mlp.shared_expert_gate.weight.shape == (1, 32)
+        assert mlp.gate.weight.abs().sum() > 0  # initialised, not the zeros it is built with
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = model(input_ids=ids, output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (4, 3)
+
+
+def test_moe_settings_are_checked_against_the_arch() -> None:
+    with pytest.raises(ValueError, match="model.tiny.num_experts is read only with "
+                                         "model.tiny.arch: qwen2_moe"):
+        TinyModelConfig(arch="qwen2", num_experts=8)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) must be at most "
+                                         r"model.tiny.num_experts \(4\)"):
+        TinyModelConfig(arch="qwen2_moe", num_experts_per_tok=5)

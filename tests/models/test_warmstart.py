@@ -70,6 +70,9 @@ def test_cache_key_covers_the_configs_that_shape_the_model(tmp_path: Path) -> No
     rollout_only = TasksConfig(num_eval=4, mix="weighted", pass_rate={"enabled": True},
                                sources=(SourceConfig(kind="tick", max_items=6, max_in_flight=2),))
     assert base == ws.cache_key(_cfg(tmp_path), rollout_only)
+    moe = ws.cache_key(_cfg(tmp_path, arch="qwen2_moe"), TASKS)
+    assert moe != base
+    assert moe != ws.cache_key(_cfg(tmp_path, arch="qwen2_moe", num_experts=8), TASKS)
 
 
 def test_a_given_model_path_is_validated(tmp_path: Path) -> None:
@@ -107,9 +110,12 @@ def test_collate_trains_on_target_tokens_only() -> None:
                                [-100, 6, -100, 8, -100]]
 
 
-def test_warm_start_learns_the_demonstrations() -> None:
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+def test_warm_start_learns_the_demonstrations(arch: str) -> None:
     tokenizer = build_char_tokenizer()
-    model = init_tiny_model(TINY, tokenizer)
+    moe = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    model = init_tiny_model(
+        TINY.model_copy(update={"arch": arch, **(moe if arch == "qwen2_moe" else {})}), tokenizer)
     first = ws.warm_start(
         model,
         TASKS,

@@ -23,7 +23,8 @@ from rollstream.config.schema import ISCorrectionConfig, TrainConfig
 from rollstream.staleness import StalenessPolicy
 from rollstream.train.fsdp import FsdpTrainer, RankTrainer, rank_cores
 from rollstream.train.trainer import Trainer
-from tests.train.conftest import make_group
+from tests.engine.helpers import make_tiny_model
+from tests.train.conftest import VOCAB, make_group
 from tests.train.fsdp_runs import assert_resumed_whole, tiny_fsdp_run
 
 STALE1 = StalenessPolicy(max_staleness=1)  # loss auto = decoupled_ppo; tokens of age 0 and 1
@@ -37,6 +38,10 @@ CONFIGS = {
     "seq_mean_kl_masked_is": TrainConfig(
         micro_batch_tokens=24, updates_per_step=1, grad_clip=0.5, kl_coef=0.1,
         loss_agg="seq_mean_token_mean", is_correction=ISCorrectionConfig(mode="mask")),
+}
+MOE_CONFIGS = {  # a rank's padding micro-batch has a balance loss of 0 (no token), not NaN
+    "token_mean_balance": TrainConfig(micro_batch_tokens=24, updates_per_step=2, grad_clip=1e6,
+                                      router_aux_loss_coef=0.05),
 }
 
 
@@ -61,12 +66,13 @@ def batch() -> list:
     return groups
 
 
-def _rank(rank: int, world: int, store: str, model_path: Path, out: Path) -> None:
+def _rank(rank: int, world: int, store: str, model_path: Path, out: Path,
+          configs: dict[str, TrainConfig]) -> None:
     """One rank: every config's step on the batch; rank 0 saves the results."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = {}
-    for name, cfg in CONFIGS.items():
+    for name, cfg in configs.items():
         trainer = RankTrainer(cfg, model_path, rank=rank, world_size=world, staleness=STALE1)
         res = trainer.step(batch(), step=1)
         grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
@@ -78,15 +84,22 @@ def _rank(rank: int, world: int, store: str, model_path: Path, out: Path) -> Non
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, WORLD])
+@pytest.mark.parametrize(("world", "arch"), [(1, "qwen2"), (WORLD, "qwen2"), (WORLD, "qwen2_moe")])
 def test_ranks_match_the_single_process_trainer(tiny_model_path: Path, tmp_path: Path,
-                                                world: int) -> None:
+                                                world: int, arch: str) -> None:
     """Two ranks, and one: the trainer in a process of its own, its parameters plain (one
-    rank has nothing to shard with)."""
+    rank has nothing to shard with); and two ranks training a mixture of experts with its
+    load-balancing loss."""
+    configs = CONFIGS
+    if arch == "qwen2_moe":
+        configs = MOE_CONFIGS
+        tiny_model_path = make_tiny_model(tmp_path / "moe", arch="qwen2_moe", vocab_size=VOCAB,
+                                          initializer_range=0.02)
     out = tmp_path / "ranks.pt"
-    mp.spawn(_rank, args=(world, str(tmp_path / "store"), tiny_model_path, out), nprocs=world)
+    mp.spawn(_rank, args=(world, str(tmp_path / "store"), tiny_model_path, out, configs),
+             nprocs=world)
     ranks = torch.load(out, weights_only=False)
-    for name, cfg in CONFIGS.items():
+    for name, cfg in configs.items():
         local = Trainer(cfg, tiny_model_path, staleness=STALE1)
         assert len(local._micro_batches(
             [s for g in batch() for s in g.samples])) % WORLD == 1  # with two: one rank pads
@@ -94,7 +107,8 @@ def test_ranks_match_the_single_process_trainer(tiny_model_path: Path, tmp_path:
         got, grads, weights, sharded = ranks[name]
         assert sharded == (world > 1)
         for key in ("loss", "grad_norm", "kl", "clip_frac", "is_weight_mean", "entropy",
-                    "is_masked_frac", "num_tokens", "num_samples"):
+                    "is_masked_frac", "num_tokens", "num_samples",
+                    *(["router_aux_loss"] if cfg.router_aux_loss_coef else [])):
             assert math.isclose(got.metrics[key], want.metrics[key], rel_tol=LOSS_RTOL,
                                 abs_tol=1e-9), (name, key, got.metrics[key], want.metrics[key])
         assert want.metrics["num_tokens"] > 0 and want.metrics["loss"] != 0

@@ -174,3 +174,10 @@ def test_a_bfloat16_engine_merges_each_version_onto_its_base_in_float32(tmp_path
                                                                      ".lora_B.weight"))
         want = (base.float() + b @ a).to(torch.bfloat16)
         assert torch.equal(weights.hf_views[name], want)
+
+
+def test_an_adapter_on_a_mixture_of_experts_is_refused_at_load() -> None:
+    from rollstream.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.lora on model.tiny.arch qwen2_moe"):
+        load_config(None, ["model.tiny.arch=qwen2_moe", "model.lora.rank=4"])

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollstream.config.section import Section
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
+"""The ``tiny`` settings that only ``arch: qwen2_moe`` reads."""
+
 
 class TinyModelConfig(Section):
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture family written to config.json."""
+    arch: Literal["qwen2", "llama", "qwen2_moe"] = "qwen2"
+    """Architecture family written to config.json: ``qwen2`` and ``llama`` are dense;
+    ``qwen2_moe`` is Qwen2's attention with a mixture-of-experts MLP in every layer (a softmax
+    router picks ``num_experts_per_tok`` of ``num_experts`` experts per token, plus one shared
+    expert behind a sigmoid gate), as transformers' ``Qwen2MoeForCausalLM``."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(4, ge=1)
@@ -22,11 +29,35 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1)
     """Key/value heads (grouped-query attention when < num_heads)."""
     intermediate_size: int = Field(384, ge=8)
-    """MLP width."""
+    """MLP width of a dense layer (``qwen2_moe``: written to config.json, where transformers
+    reads it only for layers without experts, which the kit's MoE model has none of)."""
     max_position: int = Field(512, ge=16)
     """Maximum sequence length (prompt + response)."""
     seed: int = 0
     """Initialisation seed."""
+    num_experts: int = Field(4, ge=2)
+    """``qwen2_moe``: routed experts per layer."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """``qwen2_moe``: experts each token is routed to (top-k of the router's softmax, weighted
+    by their probabilities, not renormalised: transformers' default ``norm_topk_prob``)."""
+    moe_intermediate_size: int = Field(128, ge=8)
+    """``qwen2_moe``: MLP width of each routed expert."""
+    shared_expert_intermediate_size: int = Field(128, ge=8)
+    """``qwen2_moe``: MLP width of the shared expert every token goes through."""
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> TinyModelConfig:
+        if self.arch != "qwen2_moe":
+            # a default value is allowed: a printed default config loads back
+            given = [f for f in MOE_FIELDS
+                     if getattr(self, f) != type(self).model_fields[f].default]
+            if given:
+                raise ValueError(f"model.tiny.{given[0]} is read only with "
+                                 f"model.tiny.arch: qwen2_moe (it is {self.arch!r})")
+        elif self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model.tiny.num_experts_per_tok ({self.num_experts_per_tok}) "
+                             f"must be at most model.tiny.num_experts ({self.num_experts})")
+        return self
 
 
 class WarmStartConfig(Section):
@@ -88,7 +119,15 @@ class ModelConfig(Section):
     extra: peft). Weight sync then moves the adapter alone and the engines merge it onto
     their base weights; checkpoints hold the adapter in PEFT's format (docs/lora.md).
     Embedded engines only for now (``engine.kind: local``, ``runtime.kind: embedded``,
-    ``train.backend: local``)."""
+    ``train.backend: local``), dense models only."""
+
+    @model_validator(mode="after")
+    def _check_lora_arch(self) -> ModelConfig:
+        if self.lora is not None and self.path is None and self.tiny.arch == "qwen2_moe":
+            raise ValueError("model.lora on model.tiny.arch qwen2_moe is not supported yet "
+                             "(a mixture-of-experts model trains without an adapter): drop "
+                             "one")
+        return self
 
 
 def check_lora(lora: LoraConfig | None, *, engine_kind: str, runtime_kind: str,

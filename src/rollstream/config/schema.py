@@ -264,6 +264,11 @@ class RunConfig(Section):
                 "model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads "
                 f"(got {self.model.tiny.num_heads} and {self.model.tiny.num_kv_heads})"
             )
+        if (self.model.path is None and self.model.tiny.arch != "qwen2_moe"
+                and self.train.router_aux_loss_coef > 0):
+            raise ValueError(
+                "train.router_aux_loss_coef > 0 needs a mixture-of-experts model: "
+                f"model.tiny.arch is {self.model.tiny.arch!r} (qwen2_moe has experts)")
         tiny, vllm = self.model.tiny, self.engine.vllm
         if self.model.path is None and self.engine.kind == "vllm" and \
                 vllm.max_model_len > tiny.max_position:

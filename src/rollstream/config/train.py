@@ -78,6 +78,12 @@ class TrainConfig(Section):
     """Engine–trainer mismatch correction."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty to the initial (reference) policy (0 = no reference model)."""
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of a mixture-of-experts model's load-balancing loss (Switch Transformer's, as
+    transformers computes it from the router logits of every token of a micro-batch's
+    samples, prompts included), counted once per trained token: with token-mean aggregation the step's loss is the policy
+    loss + this x the load-balancing loss, as transformers adds it to a language-model loss.
+    0 = off; > 0 is an error for a model without experts."""
     lr: float = Field(2e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)

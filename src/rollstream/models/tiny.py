@@ -1,8 +1,12 @@
-"""Build a tiny Qwen2 or Llama causal LM from ``TinyModelConfig`` and save it as a HF folder.
+"""Build a tiny Qwen2, Llama or Qwen2-MoE causal LM from ``TinyModelConfig``; save it as a HF
+folder.
 
 The folder (config.json, model.safetensors, generation_config.json and the tokenizer files)
 is an ordinary Hugging Face checkpoint: everything else in rollstream loads it with
-``AutoModelForCausalLM`` / ``AutoTokenizer``, so a real Qwen2/Llama folder can take its place.
+``AutoModelForCausalLM`` / ``AutoTokenizer``, so a real Qwen2/Llama/Qwen2-MoE folder can take
+its place. A Qwen2-MoE model has experts in every layer (``decoder_sparse_step`` 1, no
+``mlp_only_layers``) and transformers' defaults otherwise: top-k probabilities not
+renormalised (``norm_topk_prob`` false), q/k/v biases, no sliding window.
 
 Simplifications: fp32 weights, tied input/output embeddings, the stock HF initialisation under
 a fixed seed (the caller's torch RNG state is left untouched), no sliding window.
@@ -20,6 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
 )
 
 from rollstream.config.schema import TinyModelConfig
@@ -28,6 +34,7 @@ from rollstream.models.folder_check import check_tokenizer, stop_token_ids
 _ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
 }
 
 
@@ -46,7 +53,17 @@ def init_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) ->
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer of a tiny model needs an eos_token and a pad_token")
     config_cls, model_cls = _ARCHS[cfg.arch]
+    moe = {} if cfg.arch != "qwen2_moe" else {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+    }
     config = config_cls(
+        **moe,
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,

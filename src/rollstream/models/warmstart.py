@@ -43,6 +43,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rollstream.config.model import MOE_FIELDS
 from rollstream.config.schema import ModelConfig, RewardConfig, TasksConfig, WarmStartConfig
 from rollstream.data.mix import TaskMix, demonstration_config
 from rollstream.data.sources import source_rewards
@@ -91,7 +92,10 @@ def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:
     """Content hash of everything that determines the warm-started model."""
     payload = {
         "version": WARMSTART_VERSION,
-        "tiny": model_cfg.tiny.model_dump(mode="json"),
+        # a dense model's hash leaves out the settings only qwen2_moe reads: its cache
+        # entries from before they existed stay valid
+        "tiny": model_cfg.tiny.model_dump(
+            mode="json", exclude=None if model_cfg.tiny.arch == "qwen2_moe" else set(MOE_FIELDS)),
         "warm_start": model_cfg.warm_start.model_dump(mode="json"),
         # num_eval only sizes the measurement in warmstart.json, not the model; a source's
         # harness runs its episodes, it does not change their demonstrations; nor do the

@@ -92,6 +92,7 @@ class MicroBatch:
 
     input_ids: Tensor  # [R, W] long: samples back to back, PAD_ID in the row's tail
     position_ids: Tensor  # [R, W] long: from 0 at every sample (and at the padding tail)
+    token_mask: Tensor  # [R, W] bool: a sample's token (False in the padding tail)
     logits_to_keep: Tensor  # [K] long: positions whose logits are computed (every row)
     logit_index: Tensor  # [B, T] long: index into the [R * K] kept logits predicting token t
     targets: Tensor  # [B, T] long: response token ids (PAD_ID at padding)
@@ -146,6 +147,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
 
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    token_mask = torch.zeros((len(rows), width), dtype=torch.bool)
     temps = torch.ones((len(rows), width), dtype=torch.float32)
     # per sample: its row, and the row positions whose logits predict its response tokens
     where: list[tuple[int, Tensor]] = [(0, torch.zeros(0, dtype=torch.long))] * len(samples)
@@ -164,6 +166,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
                 offset += n
             where[b] = (r, torch.cat(predicting))
         position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
+        token_mask[r, :offset] = True
     # logits columns predicting a response token, in some row
     needed = torch.zeros(width, dtype=torch.bool)
     for _, predicting in where:
@@ -190,6 +193,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
+        token_mask=token_mask,
         logits_to_keep=keep,
         logit_index=logit_index,
         targets=targets,
@@ -209,6 +213,7 @@ def padding_micro_batch() -> MicroBatch:
     return MicroBatch(
         input_ids=torch.full((1, 1), PAD_ID, dtype=torch.long),
         position_ids=torch.zeros((1, 1), dtype=torch.long),
+        token_mask=torch.zeros((1, 1), dtype=torch.bool),
         logits_to_keep=torch.zeros(1, dtype=torch.long),
         logit_index=torch.zeros(none, dtype=torch.long),
         targets=torch.full(none, PAD_ID, dtype=torch.long),

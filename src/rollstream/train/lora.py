@@ -40,6 +40,9 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: Path) -> PeftModel:
         from peft import get_peft_model
     except ImportError as e:  # an optional extra
         raise ImportError("model.lora needs peft: pip install 'rollstream[lora]'") from e
+    if getattr(model.config, "num_experts", 0):  # the engine's merge knows dense names only
+        raise ValueError("model.lora on a mixture-of-experts model is not supported yet: "
+                         "train it without model.lora")
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none",
                               task_type="CAUSAL_LM")

@@ -51,7 +51,7 @@ The sequence means count the sequences that keep at least one token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -266,3 +266,17 @@ def normaliser(
     if loss_agg == "token_mean":
         return float(max(1, num_tokens))
     raise ValueError(f"unknown loss_agg {loss_agg!r}; known: {', '.join(LOSS_AGGS)}")
+
+
+def router_balance_loss(router_logits: Sequence[Tensor], token_mask: Tensor, num_experts: int,
+                        top_k: int) -> Tensor:
+    """A mixture of experts' load-balancing loss over the real tokens of a micro-batch
+    (``token_mask`` [R, W]; ``router_logits``: per layer with experts, [R * W, experts]):
+    transformers' ``load_balancing_loss_func`` (Switch Transformer: experts x the sum over
+    experts of the share of tokens routed to it x its mean router probability, pooled over
+    layers); 0, in the graph, for a micro-batch without a token (a rank's padding)."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
+
+    if not bool(token_mask.any()):
+        return torch.stack([logits.sum() for logits in router_logits]).sum() * 0.0
+    return load_balancing_loss_func(tuple(router_logits), num_experts, top_k, token_mask)

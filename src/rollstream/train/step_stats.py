@@ -115,4 +115,7 @@ def step_metrics(sums: StepSums, *, num_samples: int, step_s: float,
         "num_tokens": float(sums.values.get("num_tokens", 0)),
         "num_samples": float(num_samples),
         "step_s": step_s,
+        # with train.router_aux_loss_coef > 0: the load-balancing loss, per trained token
+        **({"router_aux_loss": sums.ratio("router_aux", "update_tokens")}
+           if "router_aux" in sums.values else {}),
     }

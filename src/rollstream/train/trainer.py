@@ -46,7 +46,8 @@ truncated support), ``mismatch`` (mean ``|logp_behav - logp_prox|``) and
 the tokens before IS masking (inside the support) so the correction cannot hide the mismatch
 it removes,
 ``entropy`` (mean ``-logp_prox``: a sampled-token estimate, free), ``num_tokens``,
-``num_samples``, ``step_s``.
+``num_samples``, ``step_s``; with ``router_aux_loss_coef > 0``, ``router_aux_loss`` (a mixture
+of experts' load-balancing loss, mean per trained token over updates).
 
 Precision: parameters and AdamW state stay float32; ``dtype: bfloat16`` runs forward and
 backward under ``torch.autocast(bfloat16)`` (mixed precision keeps small updates from being
@@ -107,6 +108,7 @@ from rollstream.train.losses import (
     policy_loss,
     resolve_loss,
     resolve_loss_agg,
+    router_balance_loss,
 )
 from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
@@ -175,6 +177,10 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay)
         self._anchor = anchor_fn(self.loss)
+        self._experts = getattr(self.model.config, "num_experts", 0) or 0
+        if cfg.router_aux_loss_coef > 0 and not self._experts:
+            raise ValueError(f"train.router_aux_loss_coef = {cfg.router_aux_loss_coef} needs a "
+                             f"mixture-of-experts model; {self.model_path} has no experts")
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -322,14 +328,22 @@ class Trainer:
                                      width_multiple=multiple).to(self.device)))
         return out
 
-    def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch,
+                 balance: list[Tensor] | None = None) -> Tensor:
+        """[B, T] logprobs of ``mb``'s response tokens; with ``balance`` (a list) and
+        ``router_aux_loss_coef > 0``, appends the micro-batch's load-balancing loss to it."""
+        balance = balance if self.cfg.router_aux_loss_coef > 0 else None
         with self._autocast():
             out = model(
                 input_ids=mb.input_ids,
                 position_ids=mb.position_ids,  # packed rows: no attention mask (batching)
                 logits_to_keep=mb.logits_to_keep,
                 use_cache=False,
+                **({} if balance is None else {"output_router_logits": True}),
             )
+        if balance is not None:
+            balance.append(router_balance_loss(out.router_logits, mb.token_mask, self._experts,
+                                               self.model.config.num_experts_per_tok))
         logits = out.logits
         if bool((mb.temperature != 1.0).any()):  # each sample at its own (Sample.temperature)
             logits = logits / mb.temperature.unsqueeze(-1)
@@ -375,10 +389,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         prepared, loss_sum = [], 0.0
         for idx, mb in batches:
-            logp = self._forward(self.model, mb)
+            balance: list[Tensor] = []
+            logp = self._forward(self.model, mb, balance)
             p = self._targets(mb, logp.detach(), [advantages[i] for i in idx], step, sums)
             kept.update(kept_tokens([samples[i] for i in idx], p, step, self.staleness))
-            loss_sum += self._backward(logp, p, 1.0, sums)  # divided by norm below
+            loss_sum += self._backward(logp, p, 1.0, sums, balance)  # divided by norm below
             prepared.append(p)
         counts = self._step_counts(sums)
         if not counts["num_tokens"]:
@@ -445,13 +460,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for p in prepared:
-            loss_sum += self._backward(self._forward(self.model, p.mb), p, norm, sums)
+            balance: list[Tensor] = []
+            logp = self._forward(self.model, p.mb, balance)
+            loss_sum += self._backward(logp, p, norm, sums, balance)
         self._optimizer_step(sums, loss_sum / norm)
 
-    def _backward(self, logp: Tensor, p: Prepared, norm: float, sums: StepSums) -> float:
-        """Back-propagate one micro-batch's summed token loss / ``norm``; returns the sum."""
+    def _backward(self, logp: Tensor, p: Prepared, norm: float, sums: StepSums,
+                  balance: Sequence[Tensor] = ()) -> float:
+        """Back-propagate one micro-batch's summed token loss / ``norm`` (plus, per trained
+        token, the weighted load-balancing loss in ``balance``); returns the policy loss sum."""
         loss, st = policy_loss(logp, p.targets, clip_eps=self.cfg.clip_eps,
                                kl_coef=self.cfg.kl_coef)
+        for b in balance:
+            loss = loss + self.cfg.router_aux_loss_coef * st.num_tokens * b
+            sums.add(router_aux=float(b.detach()) * st.num_tokens)
         if st.num_tokens or self.backward_masked:  # all masked: a zero loss
             (loss / norm).backward()
         sums.add(clipped=st.num_clipped, kl=st.kl_sum, update_tokens=st.num_tokens)

@@ -1,4 +1,4 @@
-"""The compact Llama/Qwen2 forward pass of the local engine, written as plain functions.
+"""The compact Llama/Qwen2/Qwen2-MoE forward pass of the local engine, as plain functions.
 
 One entry point, ``forward``, runs a step's two kinds of work in one layer loop: the decode
 rows (one token for every live row against the preallocated KV cache) and the prompts admitted
@@ -17,6 +17,16 @@ leave it side by side for the one cache write; decode attention as ``baddbmm`` (
 SDPA on CPU at these shapes; per-step tables (rope, mask, cache index) built once per step.
 A step's tables, layers and logits run as one TorchScript function (``_step``, ``jit.py``):
 the same ops, without taking the GIL back after each of them.
+
+Mixture of experts (Qwen2-MoE): the router's logits and the shared expert's gate come from
+one matmul; each token's top-k experts by router softmax (renormalised when the config's
+``norm_topk_prob`` says so), then the tokens of the pass are grouped by expert (one stable
+sort) and each expert that has tokens runs once over all of them, its outputs weighted and
+added back per token in expert order, as transformers adds them; the shared expert runs over
+every token, scaled by the sigmoid of its gate. Numerics follow ``Qwen2MoeSparseMoeBlock``
+(softmax in float32, weights cast back to the activations' dtype). The per-expert token
+counts are read on the host to slice the groups: one device sync per layer with experts on a
+GPU (none on the CPU), and a loop over experts rather than one grouped matmul.
 
 Deliberately simplified: no paged KV blocks (a slot owns a whole row of ``max_seq_len``), no
 prefix caching, no CUDA graphs or torch.compile.
@@ -165,8 +175,10 @@ def forward(
               else (prompts.tokens, prompts.rows, prompts.pos, prompts.last))
     return scripted(_step)(
         *rows, n, longest, spans, *packed, rope.cos, rope.sin, rope.is_v, cache.base, w.embed,
-        w.matrices, w.biases, w.norm, w.lm_head_t, cache.kv, cache.flat, spec.num_heads,
-        spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+        w.matrices, w.biases, w.experts, w.norm, w.lm_head_t, cache.kv, cache.flat,
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps,
+        0 if spec.moe is None else spec.moe.top_k,
+        spec.moe is not None and spec.moe.norm_topk_prob)
 
 
 def _step(
@@ -186,6 +198,7 @@ def _step(
     embed: torch.Tensor,
     matrices: list[torch.Tensor],
     biases: list[torch.Tensor | None],
+    experts: list[torch.Tensor],
     norm: torch.Tensor,
     lm_head_t: torch.Tensor,
     kv: torch.Tensor,
@@ -194,6 +207,8 @@ def _step(
     kv_heads: int,
     head_dim: int,
     eps: float,
+    top_k: int,
+    norm_topk: bool,
 ) -> torch.Tensor | None:
     """One step (decode rows 0..n-1 and packed prompts, either may be absent): its tables
     (inputs, positions, rope, attention bias and mask, cache rows), every layer, and the logits
@@ -251,7 +266,14 @@ def _step(
         gate_up = _linear(a, matrices[m + 4], biases[b + 2])
         half = gate_up.shape[-1] // 2
         gated = F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
-        x = _residual(x, gated, matrices[m + 5], biases[b + 3])
+        if len(experts) > 0 and experts[3 * i].numel() > 0:  # shared expert + routed ones
+            route = torch.mm(a, experts[3 * i])  # [t, experts + 1]: router | shared gate
+            shared = torch.mm(gated, matrices[m + 5]).mul_(torch.sigmoid(route[:, -1:]))
+            routed = _routed_experts(a, route[:, :-1], experts[3 * i + 1],
+                                     experts[3 * i + 2], top_k, norm_topk)
+            x = x + routed.add_(shared)
+        else:
+            x = _residual(x, gated, matrices[m + 5], biases[b + 3])
     picks: list[torch.Tensor] = []
     if n > 0:
         picks.append(x[:n])
@@ -261,6 +283,40 @@ def _step(
         return None
     x = picks[0] if len(picks) == 1 else torch.cat(picks)
     return torch.mm(torch.rms_norm(x, hidden, norm, eps), lm_head_t).float()
+
+
+def _routed_experts(
+    a: torch.Tensor,
+    logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    norm_topk: bool,
+) -> torch.Tensor:
+    """Sum over each token's top-k experts (by ``softmax(logits)``) of the expert's SiLU MLP
+    of ``a`` times its routing weight; ``gate_up`` [experts, 2 x width, hidden], ``down``
+    [experts, hidden, width]. Tokens grouped by expert: one matmul pair per expert hit."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weight, chosen = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    weight = weight.to(a.dtype).view(-1)
+    chosen = chosen.view(-1)
+    order = torch.sort(chosen, stable=True)[1]  # (token, k) pairs grouped by expert
+    counts: list[int] = torch.bincount(chosen, minlength=gate_up.shape[0]).tolist()
+    token = torch.div(order, top_k, rounding_mode="floor")
+    weight = weight.index_select(0, order)
+    out = torch.zeros_like(a)
+    start, width = 0, gate_up.shape[1] // 2
+    for e, count in enumerate(counts):
+        if count > 0:
+            rows = token[start : start + count]
+            h = torch.mm(a.index_select(0, rows), gate_up[e].t())
+            h = F.silu(h[:, :width]).mul_(h[:, width:])
+            y = torch.mm(h, down[e].t()).mul_(weight[start : start + count, None])
+            out.index_add_(0, rows, y)
+            start += count
+    return out
 
 
 def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
