@@ -38,6 +38,14 @@ from tests.engine.helpers import make_tiny_model
 
 pytestmark = pytest.mark.ray
 PATHS = ["object_store", "broadcast", "shared_memory"]
+# The actors' context is the tiny model's whole (max_position_embeddings 512), so that the
+# requests a load must land under run ~500 tokens, more than four times the 112 they ran
+# when a loaded machine once saw every one end before the broadcast's load landed. Measured
+# (2026-12-06, 2-core machine at load average ~10, the path tests alone): the load of
+# version 2 landed after 40-65 tokens on broadcast, 1-157 on shared memory, 2 on the object
+# store; the three path tests took 17 s instead of 3 s.
+MAX_SEQ_LEN = 512
+STREAM_TOKENS = MAX_SEQ_LEN - 16  # the prompts of _groups are 6 tokens
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +58,8 @@ def actors(tmp_path_factory: pytest.TempPathFactory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
     try:
-        owners = build_ray_engines(model, LocalEngineConfig(max_slots=8, max_seq_len=128,
+        owners = build_ray_engines(model, LocalEngineConfig(max_slots=8,
+                                                            max_seq_len=MAX_SEQ_LEN,
                                                             threads=1),
                                    num_engines=2, version=0, num_cpus=0.5)
         yield model, owners
@@ -101,7 +110,8 @@ def _perturbed(model: Path, seed: int) -> dict[str, torch.Tensor]:
 async def _sync_under_load(engines, model: Path) -> None:
     reward = get_reward(_one)
     graders = GraderPool(RewardConfig(), lambda task: reward)
-    dispatcher = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=112),
+    params = SamplingParams(max_new_tokens=STREAM_TOKENS)
+    dispatcher = Dispatcher(engines=engines, params=params,
                             graders=graders, decode=lambda ids: "", clock=WallClock(),
                             lifecycle=Lifecycle(Ledger(), WallClock()))
     applied: list[tuple[int, list[int]]] = []
