@@ -141,6 +141,10 @@ async def test_interrupt_then_resume_continues_greedy_stream(engine):
         part = await task
         if part.finish_reason is FinishReason.ABORT:
             break
+    # what was sampled before the interrupt comes back whole: its logprobs and versions, and
+    # no error (an interrupt is not a fault)
+    assert part.error is None, part.error
+    assert len(part.logprobs) == len(part.versions) == len(part.token_ids)
     head = part.token_ids
     if part.finish_reason is not FinishReason.ABORT:
         # vLLM here: the interrupt reached its stalled API server after the stream ended

@@ -18,6 +18,7 @@ import json
 import logging
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,16 @@ from tests.engine.helpers import make_tiny_model
 
 pytestmark = pytest.mark.ray
 PATHS = ["object_store", "broadcast", "shared_memory"]
+# The actors' context is the tiny model's whole (max_position_embeddings 512), so that the
+# requests a load must land under run ~500 tokens, more than four times the 112 they ran
+# when a loaded machine once saw every one end before the broadcast's load landed. Measured
+# (2026-12-06, 2-core machine at load average ~10, the path tests alone): the load of
+# version 2 landed after 40-65 tokens on broadcast, 1-157 on shared memory, 2 on the object
+# store. The groups started after the load run SHORT_TOKENS: the three path tests took
+# 2.3-3.0 s instead of 1.4-1.6 s (load average ~4).
+MAX_SEQ_LEN = 512
+STREAM_TOKENS = MAX_SEQ_LEN - 16  # the prompts of _groups are 6 tokens
+SHORT_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,8 @@ def actors(tmp_path_factory: pytest.TempPathFactory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
     try:
-        owners = build_ray_engines(model, LocalEngineConfig(max_slots=8, max_seq_len=128,
+        owners = build_ray_engines(model, LocalEngineConfig(max_slots=8,
+                                                            max_seq_len=MAX_SEQ_LEN,
                                                             threads=1),
                                    num_engines=2, version=0, num_cpus=0.5)
         yield model, owners
@@ -101,7 +113,8 @@ def _perturbed(model: Path, seed: int) -> dict[str, torch.Tensor]:
 async def _sync_under_load(engines, model: Path) -> None:
     reward = get_reward(_one)
     graders = GraderPool(RewardConfig(), lambda task: reward)
-    dispatcher = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=112),
+    params = SamplingParams(max_new_tokens=STREAM_TOKENS)
+    dispatcher = Dispatcher(engines=engines, params=params,
                             graders=graders, decode=lambda ids: "", clock=WallClock(),
                             lifecycle=Lifecycle(Ledger(), WallClock()))
     applied: list[tuple[int, list[int]]] = []
@@ -125,6 +138,8 @@ async def _sync_under_load(engines, model: Path) -> None:
     while not all(e.stats().num_running for e in engines):  # as the actors report it
         await asyncio.sleep(0.01)
     await publish(2)  # under running requests
+    # started after the load: they need no long streams (running ones keep their length)
+    dispatcher.set_params(replace(params, max_new_tokens=SHORT_TOKENS))
     new = _groups(10, 2)
     running += [asyncio.create_task(dispatcher.run_group(g)) for g in new]
     await asyncio.gather(*running)
