@@ -17,7 +17,7 @@ import pytest
 # instead of failing to collect. Where vLLM is installed the extras were meant to be too, so
 # nothing is left out: a missing extra fails loudly.
 _EXTRA_MODULES = {"data/test_reasoning_gym.py": "reasoning_gym",
-                  "agent/test_openenv.py": "openenv"}
+                  "agent/test_openenv.py": "openenv", "train/test_lora.py": "peft"}
 collect_ignore = ([] if importlib.util.find_spec("vllm") else
                   [path for path, module in _EXTRA_MODULES.items()
                    if importlib.util.find_spec(module) is None])

@@ -282,35 +282,3 @@ def test_a_non_kit_folder_exports_its_tokenizer_files_byte_for_byte(tmp_path: Pa
         assert (done.folder / name).read_bytes() == (run / "checkpoint" / name).read_bytes()
     stop = json.loads((done.folder / "generation_config.json").read_text())["eos_token_id"]
     assert tok.convert_tokens_to_ids(IM_END) in stop and tok.eos_token_id in stop
-
-
-def test_a_lora_runs_adapter_checkpoint_exports_merged(tmp_path: Path) -> None:
-    """A LoRA run's final checkpoint is a peft adapter folder: the export is its merged model,
-    whose logits are the adapted model's (the export's own check compares it with the
-    engine)."""
-    from peft import PeftModel
-
-    from rollstream.config.schema import LoraConfig, TrainConfig
-    from rollstream.staleness import StalenessPolicy
-    from rollstream.train.trainer import Trainer
-
-    base = _kit_run(tmp_path) / "checkpoint"
-    trainer = Trainer(TrainConfig(), base, staleness=StalenessPolicy(max_staleness=0),
-                      lora=LoraConfig(rank=4))
-    with torch.no_grad():  # a fresh adapter (B = 0) adds nothing: give it something to add
-        for name, p in trainer.model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    run = tmp_path / "lora-run"
-    trainer.save_checkpoint(run / "checkpoint")
-    done = export_run(run, out=tmp_path / "out")
-    assert done.num_prompts > 0 and (done.folder / "config.json").is_file()
-    ids = torch.tensor([[3, 4, 5, 6, 7]])
-    merged = AutoModelForCausalLM.from_pretrained(str(done.folder)).eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)),
-                                        str(run / "checkpoint")).eval()
-    plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
-    with torch.no_grad():
-        want = adapted(input_ids=ids).logits
-        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=0, atol=1e-4)
-        assert (plain(input_ids=ids).logits - want).abs().max() > 1e-2

@@ -181,3 +181,38 @@ def test_an_adapter_on_a_mixture_of_experts_is_refused_at_load() -> None:
 
     with pytest.raises(ConfigError, match="model.lora on model.tiny.arch qwen2_moe"):
         load_config(None, ["model.tiny.arch=qwen2_moe", "model.lora.rank=4"])
+
+
+def test_a_lora_runs_adapter_checkpoint_exports_merged(tmp_path: Path) -> None:
+    """A LoRA run's final checkpoint is a peft adapter folder: the export is its merged model,
+    whose logits are the adapted model's (the export's own check compares it with the
+    engine)."""
+    from peft import PeftModel
+
+    from rollstream.config.schema import LoraConfig, TrainConfig
+    from rollstream.staleness import StalenessPolicy
+    from rollstream.train.trainer import Trainer
+
+    from rollstream.models.export import export_run
+    from tests.models.test_export import _kit_run
+
+    base = _kit_run(tmp_path) / "checkpoint"
+    trainer = Trainer(TrainConfig(), base, staleness=StalenessPolicy(max_staleness=0),
+                      lora=LoraConfig(rank=4))
+    with torch.no_grad():  # a fresh adapter (B = 0) adds nothing: give it something to add
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    run = tmp_path / "lora-run"
+    trainer.save_checkpoint(run / "checkpoint")
+    done = export_run(run, out=tmp_path / "out")
+    assert done.num_prompts > 0 and (done.folder / "config.json").is_file()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    merged = AutoModelForCausalLM.from_pretrained(str(done.folder)).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)),
+                                        str(run / "checkpoint")).eval()
+    plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=0, atol=1e-4)
+        assert (plain(input_ids=ids).logits - want).abs().max() > 1e-2
