@@ -30,6 +30,8 @@ BENCHES = {
                 "then training runs: mixture error, waste, length bias",
     "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
+    "prefix": "the local engine's prefix cache vs none on groups of 8 sharing a long prompt: "
+              "generated tok/s and its bound 1/(1 - p*h)",
     "pair": "partial rollout vs drain at k=1 and k=2 over many seeds: ratio with its 95% CI",
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
     "vllm": "local engine vs a real vLLM server; weight-sync time",
