@@ -34,11 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollstream.bench.engine import THREADS
+from rollstream.bench.engine import THREADS, _time_requests
 from rollstream.bench.weightsync import build_model
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine.local import LocalEngine
-from rollstream.engine.protocol import GenerateRequest, SamplingParams
 
 GROUP_SIZE = 8
 ROWS = 32
@@ -61,13 +60,7 @@ def _run(engine: LocalEngine, prompts: list[list[int]], lengths: list[int], tag:
          ) -> tuple[float, dict[str, float]]:
     """Seconds to generate every request, and the engine's work counts during it."""
     before = engine.stats().work
-    reqs = [GenerateRequest(request_id=f"{tag}-{i}", prompt_ids=p,
-                            params=SamplingParams(temperature=1.0, max_new_tokens=n, seed=i))
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
-    t0 = time.perf_counter()
-    outs = engine.generate_many(reqs)
-    elapsed = time.perf_counter() - t0
-    assert [len(o.token_ids) for o in outs] == lengths, "the engine lost tokens"
+    elapsed = _time_requests(engine, prompts, lengths, tag)
     after = engine.stats().work
     return elapsed, {k: after[k] - before.get(k, 0.0) for k in after}
 
