@@ -112,7 +112,7 @@ async def test_an_interrupted_sample_resumes_from_its_cached_prompt_and_tokens(t
     request (prompt + partial, same seed) prefills only what follows them and continues the
     uninterrupted run exactly."""
     rng = random.Random(9)
-    prompt, max_new = _tokens(rng, 30), 60
+    prompt, max_new = _tokens(rng, 30), 90  # room for the interrupt to land mid-stream
     kw = {"temperature": 1.0, "seed": 17}
     ref_engine = _local(tiny_model_dir, prefix_cache_tokens=0)
     try:
