@@ -142,6 +142,44 @@ async def test_an_interrupted_sample_resumes_from_its_cached_prompt_and_tokens(t
     assert _computed(after) - _computed(before) == 30 + k - held
 
 
+async def test_a_batch_interrupted_and_resumed_together_continues_each_run(tiny_model_dir):
+    """A group of 4 (greedy and seeded) interrupted together mid-stream and resumed together
+    (prompt + partial, same seeds): each continues its uninterrupted run, every resumed
+    prompt finding its own partial tokens cached."""
+    rng = random.Random(27)
+    prompt, max_new = _tokens(rng, 24), 90
+    kws = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2},
+           {"temperature": 0.7, "seed": 3}]
+    ref_engine = _local(tiny_model_dir, prefix_cache_tokens=0)
+    try:
+        whole = await asyncio.gather(*(ref_engine.generate(
+            _req(f"w{i}", prompt, max_new_tokens=max_new, **kw)) for i, kw in enumerate(kws)))
+    finally:
+        await ref_engine.close()
+    e = _local(tiny_model_dir, prefix_cache_tokens=1024)
+    try:
+        tasks = [asyncio.create_task(e.generate(_req(f"p{i}", prompt, max_new_tokens=max_new,
+                                                     **kw))) for i, kw in enumerate(kws)]
+        while e.stats().generated_tokens < 4 * 20:
+            await asyncio.sleep(0.0005)
+        await e.interrupt()
+        parts = await asyncio.gather(*tasks)
+        before = e.stats().work
+        rests = await asyncio.gather(*(e.generate(_req(
+            f"r{i}", prompt + part.token_ids, max_new_tokens=max_new - len(part.token_ids),
+            **kw)) for i, (part, kw) in enumerate(zip(parts, kws, strict=True))))
+        after = e.stats().work
+    finally:
+        await e.close()
+    for part, rest, full in zip(parts, rests, whole, strict=True):
+        assert 0 < len(part.token_ids) < max_new
+        assert part.token_ids + rest.token_ids == full.token_ids
+        assert max(abs(a - b) for a, b in
+                   zip(part.logprobs + rest.logprobs, full.logprobs)) < 1e-4
+    held = sum((24 + len(p.token_ids) - 1) // BLOCK * BLOCK for p in parts)
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == held
+
+
 def _perturbed(path) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in _state_dict(path).items()}
