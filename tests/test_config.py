@@ -95,8 +95,6 @@ def test_cross_field_check():
                                             "rollout.dispatch = engine"]),
         (["rollout.concurrency_window_tokens=512"], ["rollout.concurrency_window_tokens",
                                                      "rollout.concurrency = adaptive"]),
-        (["rollout.prefix_affinity=true", "rollout.dispatch=longest_first"],
-         ["rollout.prefix_affinity = true", "rollout.dispatch = longest_first"]),
         (["train.compile=true", "train.backend=fsdp"], ["train.compile = true",
                                                         "train.backend = local"]),
         (["engine.kind=vllm", "model.tiny.max_position=128"],

@@ -303,13 +303,14 @@ def test_adaptive_concurrency_on_a_real_engine_grades_every_sample_within_its_li
     assert 1.0 <= gauges["concurrency_mean"] <= 16.0
 
 
+@pytest.mark.parametrize("dispatch", ["engine", "fifo", "longest_first"])
 @pytest.mark.parametrize("affinity", [True, False])
-def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(tmp_path: Path,
-                                                                       affinity: bool) -> None:
-    """With prefix affinity each group's samples go to the engine its first sample went to
-    (which would hold the prompt's prefix in a prefix cache); without it, least-loaded
-    routing spreads every group over both engines. A group whose home has no room is
-    re-pinned to the other engine."""
+def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(
+        tmp_path: Path, affinity: bool, dispatch: str) -> None:
+    """With prefix affinity each group's samples go to the engine its first sample went to,
+    whatever the dispatch, so the engines' prefix caches prefill each group's 40-token prompt
+    once (the other 3 samples find its 2 whole blocks); without it, routing spreads every
+    group over both engines, each of which prefills it."""
     from rollstream.clock import WallClock
     from rollstream.config.schema import LocalEngineConfig, RewardConfig
     from rollstream.data.ledger import Ledger
@@ -327,8 +328,9 @@ def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(tmp_path:
 
     model = make_tiny_model(tmp_path / "m")
     spans: list[dict] = []
-    groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, 5, 7),
+    groups = [Group.new(Task(uid=f"t/{i}", source="t", prompt_ids=(3 + i, *range(5, 44)),
                              prompt_text="", reference=""), 4) for i in range(4)]
+    hits = []
 
     async def main() -> None:
         engines = [LocalEngine(model, LocalEngineConfig(max_slots=slots, max_seq_len=96,
@@ -337,10 +339,11 @@ def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(tmp_path:
         graders = GraderPool(RewardConfig(), lambda _: get_reward(one))
         disp = Dispatcher(engines=engines, params=SamplingParams(max_new_tokens=16, seed=None),
                           graders=graders, decode=lambda ids: "", clock=WallClock(),
-                          lifecycle=Lifecycle(Ledger(), WallClock()),
+                          lifecycle=Lifecycle(Ledger(), WallClock()), dispatch=dispatch,
                           span=lambda **kw: spans.append(kw), prefix_affinity=affinity)
         try:
             await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
+            hits.extend(e.stats().work["prefix_hit_tokens"] for e in engines)
         finally:
             for e in engines:
                 await e.close()
@@ -353,8 +356,10 @@ def test_prefix_affinity_keeps_a_group_on_one_engine_while_it_has_room(tmp_path:
     if affinity:  # 4 groups of 4 at once: each stays home, within the slack of 4
         assert all(len(e) == 1 for e in engines_of.values()), engines_of
         assert set().union(*engines_of.values()) == {"e0", "e1"}  # homes spread the groups
+        assert sum(hits) == 4 * 3 * 32  # each group's prompt prefilled once
     else:
         assert all(len(e) == 2 for e in engines_of.values()), engines_of
+        assert sum(hits) < 4 * 3 * 32
 
 
 def test_a_group_whose_home_is_full_is_re_pinned() -> None:

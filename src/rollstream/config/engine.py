@@ -9,6 +9,8 @@ from pydantic import Field, NonNegativeInt, model_validator
 
 from rollstream.config.section import Section
 
+PREFIX_BLOCK_TOKENS = 16  # tokens per prefix cache block of the local engine (vLLM's default)
+
 
 class LocalEngineConfig(Section):
     max_slots: int = Field(64, ge=1)
@@ -35,11 +37,29 @@ class LocalEngineConfig(Section):
     """Prefill the prompts admitted in a step inside that step's decode forward pass (one
     pass whose matmuls cover both, as vLLM's chunked prefill; a prompt is not split across
     steps) instead of a separate prefill pass first."""
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    """Prompt tokens whose keys and values the engine keeps after their prefill, so that a
+    later prompt starting with the same tokens (the other samples of a group, a resumed
+    sample's prompt + partial tokens) prefills only the rest; least recently used evicted
+    first; kept in blocks of 16 tokens. 0 = off. The default, a quarter of the rows' cache at
+    the default ``max_slots`` x ``max_seq_len``, holds the prompts of dozens of groups in
+    flight at a quarter more cache memory. Dropped on a weight load unless ``kv_on_load:
+    keep`` (the rule running rows follow). docs/prefix-cache.md."""
     max_restarts: int = Field(3, ge=0)
     """Times an engine whose step loop died is restarted (fresh cache and thread, the current
     weights) before it stays DEAD; its requests continue elsewhere meanwhile. On
     ``runtime.kind: ray``: times an engine actor that died (or whose step loop died) is
     replaced by a new actor."""
+
+
+    @model_validator(mode="after")
+    def _whole_blocks(self) -> LocalEngineConfig:
+        if 0 < self.prefix_cache_tokens < PREFIX_BLOCK_TOKENS:
+            raise ValueError(
+                f"engine.local.prefix_cache_tokens = {self.prefix_cache_tokens} holds no block:"
+                f" use 0 (off) or at least {PREFIX_BLOCK_TOKENS} (one block of "
+                f"{PREFIX_BLOCK_TOKENS} tokens)")
+        return self
 
 
 class VllmEngineConfig(Section):

@@ -106,12 +106,13 @@ class RolloutConfig(Section):
     lengths predicted from the source's recent lengths and the finished samples of the same
     group; ``len_pred_err`` in the metrics). docs/dispatch.md."""
     prefix_affinity: bool = False
-    """With ``dispatch: engine``: send a request to the engine that holds its prefix (the
-    engine its episode's or partial sample's last request ran on, else the one its group's
-    first sample went to) while that engine has a free sequence and at most 4 requests more
-    than the least loaded; otherwise to the least loaded, re-pinning the group there. Pays on
-    engines with a prefix cache (vLLM's automatic prefix caching); the embedded engine has
-    none. docs/dispatch.md."""
+    """Send a request to the engine that holds its prefix (the engine its episode's or
+    partial sample's last request ran on, else the one its group's first sample went to)
+    while that engine has room: with ``dispatch: engine`` a free sequence and at most 4
+    requests more than the least loaded, with a dispatch queue a free slot; otherwise to the
+    engine dispatch picks, re-pinning the group there. Pays on engines with a prefix cache
+    (the embedded engine's ``engine.local.prefix_cache_tokens``, vLLM's automatic prefix
+    caching): a group's prompt is prefilled once. docs/dispatch.md."""
     concurrency: Literal["capacity", "adaptive"] = "capacity"
     """How many requests an engine holds with a dispatch queue (``dispatch`` fifo or
     longest_first): ``capacity`` (its concurrent sequences) or ``adaptive`` (a limit in
@@ -323,12 +324,6 @@ class RunConfig(Section):
 def _check_rollout(r: RolloutConfig) -> None:
     """Rollout settings that contradict each other, or that cannot train."""
     check_staleness(r.staleness, mode=r.mode)
-    if r.prefix_affinity and r.dispatch != "engine":
-        raise ValueError(
-            f"rollout.prefix_affinity = true contradicts rollout.dispatch = {r.dispatch} (the "
-            "dispatch queue places requests by predicted load; affinity routes with dispatch: "
-            "engine only); drop one"
-        )
     if r.concurrency == "adaptive" and r.dispatch == "engine":
         raise ValueError(
             "rollout.concurrency = adaptive contradicts rollout.dispatch = engine (requests go "

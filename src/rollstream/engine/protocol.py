@@ -137,16 +137,21 @@ class EngineStats:
     work: dict[str, float] = field(default_factory=dict)
 
 
-# EngineStats.work: prefill passes of admitted requests (a resumed one re-prefills its
-# partial tokens), prefills fused into a decode step (their time is in decode_s), cache
+# EngineStats.work: prefill passes of admitted requests (a resumed one re-prefills the partial
+# tokens its engine's prefix cache does not hold), prefills fused into a decode step (their time is in decode_s), cache
 # recomputes after weight loads, regroupings of the rows by length (runner.sort_rows),
 # decode steps; and what their attention read: the cache positions the decoded rows hold,
 # the positions chunked attention read (one chunk reads its longest row's length for every
-# row), and the chunks
+# row), and the chunks; the prefix cache's (local engine, engine/local/prefix.py): prompt
+# tokens looked up, found cached (not prefilled: the *_prefill_tokens above count only the
+# computed ones; hit rate = hit / query), stored, evicted, dropped by weight loads, and the
+# seconds its copies took (part of the prefill and decode seconds)
 WORK_KEYS = ("prefill_count", "prefill_tokens", "prefill_s", "fused_prefill_count",
              "fused_prefill_tokens", "recompute_count", "recompute_tokens", "recompute_s",
              "sort_count", "sort_s", "decode_count", "decode_s", "attention_positions",
-             "attention_work", "attention_chunks")
+             "attention_work", "attention_chunks", "prefix_query_tokens", "prefix_hit_tokens",
+             "prefix_inserted_tokens", "prefix_evicted_tokens", "prefix_dropped_tokens",
+             "prefix_copy_s")
 
 
 @runtime_checkable

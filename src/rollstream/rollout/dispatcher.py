@@ -152,8 +152,6 @@ class Dispatcher:
         self._ids = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
-        if prefix_affinity and dispatch != "engine":
-            raise ValueError("prefix affinity routes with dispatch engine only")
         self.router = Router(self.engines, prefix_affinity=prefix_affinity, breaker=breaker,
                              now=clock.now)
         self.predictor = LengthPredictor(self.stats.per_source_tokens,
@@ -204,7 +202,8 @@ class Dispatcher:
                 if engine is not None:
                     return engine, None
             elif self.router.routable():
-                grant = await self.queue.acquire(ask, avoid)
+                grant = await self.queue.acquire(
+                    ask, avoid, lambda least, free: self.router.place(sample, least, free))
                 if grant is None:  # the engines went away while it waited: look again
                     continue
                 if self._gate.is_set():

@@ -13,7 +13,8 @@ it, goes to
   by its longest request plus what was queued in front of it).
 
 A free slot on several engines goes to the engine with the fewest predicted tokens
-outstanding (balancing predicted load, not request counts). Late binding also means a request
+outstanding (balancing predicted load, not request counts), or, with prefix affinity, to the
+one among them that holds the request's prefix (``Router.place``). Late binding also means a request
 never waits behind another engine's queue while a slot is free elsewhere.
 
 With ``rollout.concurrency: adaptive`` an engine's slots are not its capacity but the limit
@@ -41,6 +42,8 @@ Ask = tuple[tuple[float, ...], float]  # (rank: higher goes first, predicted tok
 
 
 LimitFactory = Callable[[int], ConcurrencyLimit]  # an engine's capacity -> its adaptive limit
+# (the queue's choice, the engines with a free slot) -> the engine a request takes
+Place = Callable[[Engine, list[Engine]], Engine]
 
 
 class DispatchQueue:
@@ -69,23 +72,25 @@ class DispatchQueue:
     def num_waiting(self) -> int:
         return sum(not w.fut.done() for w in self._waiting)
 
-    async def acquire(self, ask: Callable[[], Ask],
-                      avoid: Collection[str] = ()) -> Grant | None:
+    async def acquire(self, ask: Callable[[], Ask], avoid: Collection[str] = (),
+                      place: Place | None = None) -> Grant | None:
         """A slot on an engine, held until :meth:`release`, for a request whose rank and
         predicted tokens ``ask()`` tells (asked again whenever the order is decided: a
         prediction improves while the request waits, as its siblings finish), on an engine
         not in ``avoid`` (engine ids) while another is routable; None when no engine is
-        routable any more (the caller looks at engine health again)."""
+        routable any more (the caller looks at engine health again). ``place``: which of the
+        usable free engines it takes, given the queue's choice (the router's prefix
+        affinity); None: the queue's choice."""
         self._waiting = [w for w in self._waiting if not w.fut.done()]
         if not self._waiting:
             engines = self._routable()
             usable = _usable(self._free(engines), engines, avoid)
             if usable:
-                return self._grant(usable, ask()[1])
+                return self._grant(self._placed(usable, place), ask()[1])
             if not engines:
                 return None
         fut: asyncio.Future[Grant | None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiter(ask=ask, fut=fut, avoid=frozenset(avoid)))
+        self._waiting.append(_Waiter(ask=ask, fut=fut, avoid=frozenset(avoid), place=place))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -133,7 +138,8 @@ class DispatchQueue:
                 i = max(asked, key=lambda j: (asked[j][0], -j))
                 work = asked[i][1]
             w = self._waiting.pop(i)
-            w.fut.set_result(self._grant(_usable(free, engines, w.avoid), work))
+            w.fut.set_result(self._grant(self._placed(_usable(free, engines, w.avoid), w.place),
+                                         work))
 
     def num_held(self, engine: Engine) -> int:
         """Requests granted on ``engine`` and not released."""
@@ -157,8 +163,16 @@ class DispatchQueue:
     def _free(self, engines: list[Engine]) -> list[Engine]:
         return [e for e in engines if self._busy.get(id(e), 0) < self.slots(e)]
 
+    def _placed(self, free: list[Engine], place: Place | None) -> list[Engine]:
+        """The free engines a request may take: all, or the one ``place`` picks."""
+        return free if place is None else [place(self._least(free), free)]
+
+    def _least(self, free: list[Engine]) -> Engine:
+        """The free engine with the fewest predicted tokens outstanding (then requests)."""
+        return min(free, key=lambda e: (self._work.get(id(e), 0.0), self._busy.get(id(e), 0)))
+
     def _grant(self, free: list[Engine], work: float) -> Grant:
-        engine = min(free, key=lambda e: (self._work.get(id(e), 0.0), self._busy.get(id(e), 0)))
+        engine = self._least(free)
         self._busy[id(engine)] = self._busy.get(id(engine), 0) + 1
         self._work[id(engine)] = self._work.get(id(engine), 0.0) + work
         return Grant(engine, work)
@@ -180,6 +194,7 @@ class _Waiter:
     ask: Callable[[], Ask]  # what it asks, read when a slot is free
     fut: asyncio.Future[Grant | None]
     avoid: frozenset[str] = field(default_factory=frozenset)  # engine ids that failed it
+    place: Place | None = None  # which free engine it takes (prefix affinity)
 
 
 @dataclass(slots=True, frozen=True)

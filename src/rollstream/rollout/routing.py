@@ -120,12 +120,30 @@ class Router:
         goes to ``least``, and its group is re-pinned there."""
         if not self.prefix_affinity:
             return least
-        episode = sample.engine_id if sample.segments else None
-        home = self.by_id.get(episode or self.home.get(sample.group_id, ""))
+        home = self._home(sample)
         if home is not None and self.keeps(home, least):
             return home
         self.home[sample.group_id] = least.engine_id
         return least
+
+    def place(self, sample: Sample, least: Engine, free: Collection[Engine]) -> Engine:
+        """With a dispatch queue: of the engines with a free slot (``free``; ``least``, the
+        queue's choice among them), the one that holds the sample's prefix (as
+        :meth:`route`) while it is among them; otherwise ``least``, and the group is
+        re-pinned there."""
+        if not self.prefix_affinity:
+            return least
+        home = self._home(sample)
+        if home is not None and home in free:
+            return home
+        self.home[sample.group_id] = least.engine_id
+        return least
+
+    def _home(self, sample: Sample) -> Engine | None:
+        """The engine that holds ``sample``'s prefix: the one its episode's (or partial
+        sample's) last request ran on, else the one its group was pinned to."""
+        episode = sample.engine_id if sample.segments else None
+        return self.by_id.get(episode or self.home.get(sample.group_id, ""))
 
     def engine(self, engine_id: str) -> Engine:
         engine = self.by_id.get(engine_id)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import Install
-from rollstream.engine.protocol import FinishReason, GenerateOutput
+from rollstream.engine.protocol import FinishReason, GenerateOutput, GenerateRequest
 
 
 @dataclass(slots=True, kw_only=True)
@@ -75,3 +75,19 @@ def resolve(future: concurrent.futures.Future, value: object) -> None:
 def fail(future: concurrent.futures.Future, error: BaseException) -> None:
     with contextlib.suppress(concurrent.futures.InvalidStateError):
         future.set_exception(error)
+
+
+def validate(request: GenerateRequest, vocab: int, max_seq_len: int) -> str | None:
+    """Why the engine cannot serve ``request`` (None: it can)."""
+    ids = request.prompt_ids
+    if not ids:
+        return "empty prompt"
+    if len(ids) >= max_seq_len:
+        return (
+            f"prompt of {len(ids)} tokens does not fit the context: max_seq_len is "
+            f"{max_seq_len} (prompt + at least one new token)"
+        )
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        return f"prompt has token ids outside [0, {vocab}): {bad[:5]}"
+    return None

@@ -35,6 +35,10 @@ read or were being moved when it failed); waiting and later requests return ABOR
 tokens; ``error`` names the engine and the cause. Pending and later weight loads raise
 RuntimeError, interrupts do nothing. ``close`` ends the engine the same way (reason: closed).
 
+Prefixes (``prefix.py``): an admitted prompt's leading blocks that an earlier prompt or an
+interrupted row computed are copied into its row, and only the rest is prefilled; the cache is
+dropped with the rows' cache on a weight load (kept with it under ``keep``).
+
 Deliberately simplified: one engine = one thread = one device; weights arrive as a full HF
 state dict (copied in place between steps).
 """
@@ -65,9 +69,11 @@ from rollstream.engine.local.commands import (
     fail,
     output,
     resolve,
+    validate,
 )
 from rollstream.engine.local.device import DTYPES, resolve_device
 from rollstream.engine.local.passes import PassTimes
+from rollstream.engine.local.prefix import BLOCK_TOKENS
 from rollstream.engine.local.runner import ModelRunner, chunks_work
 from rollstream.engine.local.sampler import seed_key
 from rollstream.engine.local.scheduler import Scheduler, Sequence
@@ -132,8 +138,9 @@ class LocalEngine:
         self.spec, self._weights = load_folder(self.model_path, device, DTYPES[cfg.dtype])
         self._runner = ModelRunner(self.spec, self._weights, max_rows=cfg.max_slots,
                                    max_seq_len=cfg.max_seq_len, device=device,
-                                   dtype=DTYPES[cfg.dtype])
-        self._scheduler = Scheduler(max_rows=cfg.max_slots,
+                                   dtype=DTYPES[cfg.dtype],
+                                   prefix_cache_tokens=cfg.prefix_cache_tokens)
+        self._scheduler = Scheduler(max_rows=cfg.max_slots, prefix=self._runner.prefix,
                                     prefill_budget_tokens=cfg.max_prefill_tokens)
 
     def _start_thread(self) -> threading.Thread:
@@ -186,7 +193,7 @@ class LocalEngine:
         """Thread-safe, non-blocking: queue a request; the future yields its GenerateOutput
         (ABORT with the cause once the engine is dead)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        error = self._validate(request)
+        error = validate(request, self.spec.vocab_size, self.max_seq_len)
         if error is not None:
             future.set_result(output(request.request_id, FinishReason.ERROR, error=error))
             return future
@@ -247,7 +254,7 @@ class LocalEngine:
             capacity=self._scheduler.max_rows,
             generated_tokens=self._generated_tokens,
             busy_s=self._busy_s,
-            work=dict(self._work),
+            work={**self._work, **self._runner.prefix.counts},
             health=(EngineHealth.UP if death is None else EngineHealth.RECOVERING
                     if self.needs_restart() else EngineHealth.DEAD),
             health_reason=death,
@@ -275,20 +282,6 @@ class LocalEngine:
             self._num_queued += isinstance(cmd, Submit)
             self._inbox.put(cmd)
             return True
-
-    def _validate(self, request: GenerateRequest) -> str | None:
-        ids, vocab = request.prompt_ids, self.spec.vocab_size
-        if not ids:
-            return "empty prompt"
-        if len(ids) >= self.max_seq_len:
-            return (
-                f"prompt of {len(ids)} tokens does not fit the context: max_seq_len is "
-                f"{self.max_seq_len} (prompt + at least one new token)"
-            )
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            return f"prompt has token ids outside [0, {vocab}): {bad[:5]}"
-        return None
 
     # ---- engine thread -------------------------------------------------------------------
     def _main(self) -> None:
@@ -333,6 +326,8 @@ class LocalEngine:
                 self._weights.copy_in(pairs)
                 self._version = version
                 rows, recomputed = self._runner.num_rows, 0
+                if self._recompute_on_load:  # cached prefixes are of the old weights too
+                    self._runner.prefix.clear()
                 if self._recompute_on_load and rows:
                     t1 = time.perf_counter()
                     self._runner.recompute_cache(self._scheduler.prefill_budget_tokens)
@@ -376,7 +371,7 @@ class LocalEngine:
         new = self._scheduler.admit()
         for seq in new:
             seq.mark_version(0, self._version)
-        new_tokens = sum(len(s.request.prompt_ids) for s in new)
+        new_tokens = sum(s.prompt_len - len(s.prefix) * BLOCK_TOKENS for s in new)  # uncached
         fused = new if self._fuse_prefill and n else []
         if new and not fused:
             t1 = time.perf_counter()
@@ -413,6 +408,9 @@ class LocalEngine:
             return
         seqs = [self._scheduler.running[r] for r in rows]
         results = self._runner.read(rows, [s.prompt_len for s in seqs])
+        if reason is FinishReason.ABORT and error is None:  # interrupted: likely resumed
+            self._runner.store_rows(rows, [[*s.request.prompt_ids, *tokens[:-1]]  # held KV
+                                           for s, (tokens, _) in zip(seqs, results, strict=True)])
         self._rows_moving = True
         removed, src, dst = self._scheduler.release(rows)
         for seq, (tokens, logprobs) in zip(removed, results, strict=True):

@@ -28,8 +28,11 @@ every token, scaled by the sigmoid of its gate. Numerics follow ``Qwen2MoeSparse
 counts are read on the host to slice the groups: one device sync per layer with experts on a
 GPU (none on the CPU), and a loop over experts rather than one grouped matmul.
 
+A prompt whose row holds a prefix already (a prefix cache hit copied in, ``prefix.py``)
+attends over the held positions and its own, read back from the cache after the layer's write.
+
 Deliberately simplified: no paged KV blocks (a slot owns a whole row of ``max_seq_len``), no
-prefix caching, no CUDA graphs or torch.compile.
+CUDA graphs or torch.compile.
 """
 
 from __future__ import annotations
@@ -147,6 +150,10 @@ class PackedPrompts:
     rows: torch.Tensor  # [T] cache row of each token
     pos: torch.Tensor  # [T] its position in its row
     last: torch.Tensor | None  # [m] index of each prompt's final token (None: no logits)
+    # where some prompts start after a prefix their rows hold already (a prefix cache hit):
+    # every position the prompts attend over, the held ones and the new ones (None: none held)
+    context_rows: torch.Tensor | None = None  # [C] row of each position
+    context_pos: torch.Tensor | None = None  # [C] the position
 
 
 def forward(
@@ -171,8 +178,9 @@ def forward(
         longest = max(length for _, _, length in decode.chunks)
         spans = [(lo * kvh, hi * kvh, length) for lo, hi, length in decode.chunks]
     rows = (None, None) if decode is None else (decode.history, decode.length)
-    packed = ((None,) * 4 if prompts is None
-              else (prompts.tokens, prompts.rows, prompts.pos, prompts.last))
+    packed = ((None,) * 6 if prompts is None
+              else (prompts.tokens, prompts.rows, prompts.pos, prompts.last,
+                    prompts.context_rows, prompts.context_pos))
     return scripted(_step)(
         *rows, n, longest, spans, *packed, rope.cos, rope.sin, rope.is_v, cache.base, w.embed,
         w.matrices, w.biases, w.experts, w.norm, w.lm_head_t, cache.kv, cache.flat,
@@ -191,6 +199,8 @@ def _step(
     p_rows: torch.Tensor | None,
     p_pos: torch.Tensor | None,
     p_last: torch.Tensor | None,
+    c_rows: torch.Tensor | None,
+    c_pos: torch.Tensor | None,
     rope_cos: torch.Tensor,
     rope_sin: torch.Tensor,
     is_v: torch.Tensor,
@@ -212,13 +222,16 @@ def _step(
 ) -> torch.Tensor | None:
     """One step (decode rows 0..n-1 and packed prompts, either may be absent): its tables
     (inputs, positions, rope, attention bias and mask, cache rows), every layer, and the logits
-    of the decode rows and of the prompt tokens ``last``."""
+    of the decode rows and of the prompt tokens ``last``. Prompts attend over themselves, or,
+    with ``c_rows``/``c_pos``, over those cache positions (a held prefix and themselves),
+    read from the cache after the layer's write."""
     tokens: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
     bias: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     last: torch.Tensor | None = None
+    context: torch.Tensor | None = None
     dtype = rope_cos.dtype
     if history is not None and length is not None:
         pos = length[:n] - 1
@@ -232,8 +245,12 @@ def _step(
     if p_tokens is not None and p_rows is not None and p_pos is not None:
         tokens.append(p_tokens)
         positions.append(p_pos)
-        visible = (p_rows[:, None] == p_rows[None, :]) & (p_pos[None, :] <= p_pos[:, None])
-        mask = torch.where(visible, 0.0, float("-inf")).to(dtype)  # [T, T]
+        if c_rows is not None and c_pos is not None:
+            visible = (p_rows[:, None] == c_rows[None, :]) & (c_pos[None, :] <= p_pos[:, None])
+            context = (base[c_rows] + c_pos[:, None, None]).view(-1)  # [C * 2 * kvh]
+        else:
+            visible = (p_rows[:, None] == p_rows[None, :]) & (p_pos[None, :] <= p_pos[:, None])
+        mask = torch.where(visible, 0.0, float("-inf")).to(dtype)  # [T, T or C]
         writes.append((base[p_rows] + p_pos[:, None, None]).view(-1))
         if p_last is not None:
             last = p_last + n
@@ -254,13 +271,13 @@ def _step(
         qkv = torch.addcmul(qkv * cos, qkv.roll(d // 2, dims=-1), sin)
         flat[i].index_copy_(0, write, qkv[:, heads:].reshape(-1, d))
         if n == 0:
-            attended = _prompt_attention(qkv, mask, heads, kv_heads)
+            attended = _prompt_attention(qkv, mask, heads, kv_heads, flat[i], context)
         elif n == t:
             attended = _decode_attention(qkv, kv[i], bias, spans, longest, heads, kv_heads)
         else:
             attended = torch.cat((
                 _decode_attention(qkv[:n], kv[i], bias, spans, longest, heads, kv_heads),
-                _prompt_attention(qkv[n:], mask, heads, kv_heads)))
+                _prompt_attention(qkv[n:], mask, heads, kv_heads, flat[i], context)))
         x = _residual(x, attended, matrices[m + 2], biases[b + 1])
         a = torch.rms_norm(x, hidden, matrices[m + 3], eps)
         gate_up = _linear(a, matrices[m + 4], biases[b + 2])
@@ -360,9 +377,16 @@ def _decode_attention(
 
 
 def _prompt_attention(
-    qkv: torch.Tensor, mask: torch.Tensor | None, heads: int, kv_heads: int
+    qkv: torch.Tensor, mask: torch.Tensor | None, heads: int, kv_heads: int,
+    flat: torch.Tensor, context: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Packed prompts over themselves, or (``context``: flat cache rows of the positions they
+    attend over, [C * (k|v) * kv_heads]) over those, read from one layer's ``flat`` cache."""
     t = qkv.shape[0]
     q, k, v = qkv.transpose(0, 1)[None].split([heads, kv_heads, kv_heads], dim=1)
+    if context is not None:
+        held = flat.index_select(0, context).view(-1, 2, kv_heads, qkv.shape[-1])  # [C,2,kvh,d]
+        k = held[:, 0].transpose(0, 1)[None]  # [1, kvh, C, d]
+        v = held[:, 1].transpose(0, 1)[None]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(t, -1)

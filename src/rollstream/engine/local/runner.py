@@ -23,6 +23,8 @@ with the next step's forward pass.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,7 @@ import torch
 from rollstream.engine.local import model
 from rollstream.engine.local.model import KVCache, Rope, move_cache_rows
 from rollstream.engine.local.jit import scripted
+from rollstream.engine.local.prefix import PrefixCache, copy_blocks
 from rollstream.engine.local.sampler import Sampler, sample
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import ModelSpec, Weights
@@ -76,10 +79,12 @@ class ModelRunner:
         max_seq_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.spec, self.weights, self.device = spec, weights, device
         self.max_rows, self.max_seq_len = max_rows, max_seq_len
         self.cache = KVCache.allocate(spec, max_rows, max_seq_len, device, dtype)
+        self.prefix = PrefixCache(spec, prefix_cache_tokens, device, dtype)
         self.rope = Rope.build(spec, max_seq_len, device, dtype)
         self.sampler = Sampler(spec.vocab_size, device)
         i64, f32 = {"device": device, "dtype": torch.int64}, {"device": device}
@@ -112,6 +117,7 @@ class ModelRunner:
         lo, hi = self.num_rows, self.num_rows + len(seqs)
         logits = model.forward(self.spec, self.weights, self.cache, self.rope,
                                prompts=self._admit(seqs))
+        self._store_prompts(seqs, lo)
         self.num_rows = hi
         return self._sample_and_record(logits, lo, hi)
 
@@ -123,12 +129,15 @@ class ModelRunner:
         rows = model.DecodeRows(history=r.tokens, length=r.length, chunks=self.last_chunks)
         prompts = self._admit(new) if new else None
         logits = model.forward(self.spec, self.weights, self.cache, self.rope, rows, prompts)
+        if new:
+            self._store_prompts(new, n)
         self.num_rows = n + len(new)
         return self._sample_and_record(logits, 0, self.num_rows)
 
     def _admit(self, seqs: list[Sequence]) -> model.PackedPrompts:
         """Write the prompts and sampling parameters of ``seqs`` into rows n..n+m-1 (not live
-        until their forward pass ran); the packed prompts to prefill. Built on the host, then
+        until their forward pass ran) and their prefix cache hits into those rows' cache; the
+        packed prompts to prefill (the tokens after each hit). Built on the host, then
         written by one scripted call."""
         lo, hi, r, vocab = self.num_rows, self.num_rows + len(seqs), self.rows, self.spec.vocab_size
         params = [s.request.params for s in seqs]
@@ -148,8 +157,9 @@ class ModelRunner:
         inv_temp = np.where(temps > 0, 1.0 / np.maximum(temps, 1e-30), 1.0)  # finite in fp32
         floats = np.stack([inv_temp, [p.top_p for p in params]], axis=1).astype(np.float32)
         packed = self._packed(np.arange(lo, hi), lens, with_last=True)
-        packed.tokens = self._to_device(np.fromiter(
-            (t for s in seqs for t in s.request.prompt_ids), dtype=np.int64, count=int(lens.sum())))
+        host_tokens = np.fromiter(
+            (t for s in seqs for t in s.request.prompt_ids), dtype=np.int64, count=int(lens.sum()))
+        packed.tokens = self._to_device(host_tokens)
         scripted(write_admitted)(
             r.tokens, r.length, r.limit, r.stop, r.inv_temp, r.top_p, r.top_k, r.key, r.greedy,
             lo, packed.rows, packed.pos, packed.tokens, self._to_device(lens),
@@ -157,7 +167,56 @@ class ModelRunner:
         self.length_host[lo:hi] = lens
         self.sampled_host[lo:hi] = temps > 0
         self.truncated_host[lo:hi] = [p.top_p < 1 or 0 < p.top_k < vocab for p in params]
-        return packed
+        held = np.array([len(s.prefix) for s in seqs], dtype=np.int64) * self.prefix.block_tokens
+        if not held.any():
+            return packed
+        self._copy_hits(seqs, lo)
+        rest = self._packed(np.arange(lo, hi), lens - held, with_last=True, start=held)
+        rest.tokens = self._to_device(host_tokens[self._host_pos(lens) >= np.repeat(held, lens)])
+        rest.context_rows, rest.context_pos = packed.rows, packed.pos
+        return rest
+
+    def _copy_hits(self, seqs: list[Sequence], lo: int) -> None:
+        """Copy each admitted sequence's cached prefix blocks into its row (row lo + i)."""
+        block = self.prefix.block_tokens
+        slots = [slot for s in seqs for slot in s.prefix]
+        rows = [lo + i for i, s in enumerate(seqs) for _ in s.prefix]
+        pos = [j * block for s in seqs for j in range(len(s.prefix))]
+        ints = self._to_device(np.array([slots, rows, pos], dtype=np.int64))
+        pool = self.prefix.pool
+        assert pool is not None
+        t0 = time.perf_counter()
+        copy_blocks(pool, ints[0], torch.zeros_like(ints[0]), self.cache, ints[1], ints[2])
+        self.prefix.counts["prefix_copy_s"] += time.perf_counter() - t0
+
+    def _store_prompts(self, seqs: list[Sequence], lo: int) -> None:
+        """After their pass: the admitted prompts' whole blocks into the prefix cache (their
+        holds on their hits end)."""
+        if not self.prefix.on:
+            return
+        self.store_rows(list(range(lo, lo + len(seqs))),
+                        [s.request.prompt_ids for s in seqs])
+        for seq in seqs:
+            self.prefix.release(seq.prefix)
+            seq.prefix = []
+
+    def store_rows(self, rows: list[int], tokens: list[Seq[int]]) -> None:
+        """The whole blocks of ``tokens[i]`` (a prefix of what row ``rows[i]`` holds keys and
+        values for) into the prefix cache, the blocks not cached yet copied out of the row."""
+        block, src, slots = self.prefix.block_tokens, [], []
+        for row, toks in zip(rows, tokens, strict=True):
+            for index, slot in self.prefix.insert(toks, len(toks)):
+                src.append((row, index * block))
+                slots.append(slot)
+        if not slots:
+            return
+        pool = self.prefix.pool
+        assert pool is not None
+        t0 = time.perf_counter()
+        ints = self._to_device(np.array([[r for r, _ in src], [p for _, p in src], slots],
+                                        dtype=np.int64))
+        copy_blocks(self.cache, ints[0], ints[1], pool, ints[2], torch.zeros_like(ints[2]))
+        self.prefix.counts["prefix_copy_s"] += time.perf_counter() - t0
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -176,11 +235,18 @@ class ModelRunner:
                 model.forward(self.spec, self.weights, self.cache, self.rope, prompts=packed)
                 chunk = []
 
-    def _packed(self, rows: np.ndarray, lens: np.ndarray, *, with_last: bool
-                ) -> model.PackedPrompts:
-        """The first ``lens[i]`` positions of each row packed (tokens left to the caller)."""
+    @staticmethod
+    def _host_pos(lens: np.ndarray) -> np.ndarray:
+        """0..lens[i]-1 for each i, packed."""
         ends = np.cumsum(lens)
-        pos = np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)
+        return np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)
+
+    def _packed(self, rows: np.ndarray, lens: np.ndarray, *, with_last: bool,
+                start: np.ndarray | None = None) -> model.PackedPrompts:
+        """``lens[i]`` positions of each row from ``start[i]`` (default 0) packed (tokens left
+        to the caller)."""
+        ends = np.cumsum(lens)
+        pos = self._host_pos(lens) + (0 if start is None else np.repeat(start, lens))
         return model.PackedPrompts(
             tokens=torch.empty(0, dtype=torch.int64, device=self.device),
             rows=self._to_device(np.repeat(rows, lens)),

@@ -5,6 +5,11 @@ gather). When rows finish, ``release`` fills the holes below the new ``n`` with 
 rows and returns the (src, dst) moves for the runner to copy: a few small copies per finish
 instead of a gather per decode step.
 
+With a prefix cache (``prefix.py``) a prompt costs the budget only its uncached tokens, and
+a prompt whose next uncached block another prompt admitted in the same step computes waits
+one step, to find it cached then (the samples of a group arrive together: the first
+prefills the shared prompt, the others its cached copy; SGLang defers such requests alike).
+
 Deliberately simplified: admission is FIFO with a prefill token budget; no priorities, no
 preemption (a running sequence keeps its row until it finishes or is interrupted).
 """
@@ -16,11 +21,14 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-log = logging.getLogger(__name__)
+from typing import TYPE_CHECKING, Any
 
 from rollstream.engine.protocol import GenerateRequest
+
+if TYPE_CHECKING:
+    from rollstream.engine.local.prefix import PrefixCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,6 +39,8 @@ class Sequence:
     future: concurrent.futures.Future
     version_marks: list[tuple[int, int]] = field(default_factory=list)  # (first token idx, version)
     streamed: int = 0  # tokens handed to ``request.on_tokens`` so far
+    prefix: list[int] = field(default_factory=list)  # prefix cache blocks its prompt starts
+    # with, held from admission until its prefill pass has stored its own blocks
 
     @property
     def request_id(self) -> str:
@@ -61,21 +71,40 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)  # index = cache row
     num_streaming: int = 0  # running sequences whose request streams (``on_tokens``)
+    prefix: PrefixCache | None = None  # the runner's prefix cache (None: none)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def admit(self) -> list[Sequence]:
-        """Pop waiting sequences (FIFO) into free rows within the prefill token budget;
+        """Pop waiting sequences (FIFO) into free rows within the prefill token budget
+        (uncached tokens), each holding its prefix cache hit; a sequence whose next block
+        another one admitted now computes waits, in order (admission stops at ``max_rows`` such);
         always admits at least one when a row is free."""
         new: list[Sequence] = []
-        budget = self.prefill_budget_tokens
+        deferred: list[Sequence] = []
+        claimed: set[object] = set()  # next-block keys the admitted prompts compute
+        budget, prefix = self.prefill_budget_tokens, self.prefix
         while self.waiting and len(self.running) + len(new) < self.max_rows:
-            cost = self.waiting[0].prompt_len
+            seq, hit, key = self.waiting[0], [], None
+            if prefix is not None and prefix.on:
+                hit = prefix.match(seq.request.prompt_ids)
+                key = prefix.next_key(seq.request.prompt_ids, hit)
+                if key is not None and key in claimed:
+                    if len(deferred) == self.max_rows:  # enough scanned: the rest next step
+                        break
+                    deferred.append(self.waiting.popleft())
+                    continue
+            cost = seq.prompt_len - (len(hit) * prefix.block_tokens if hit else 0)
             if new and cost > budget:
                 break
             budget -= cost
+            claimed.add(key)
             new.append(self.waiting.popleft())
+            if prefix is not None and prefix.on:
+                prefix.acquire(hit, seq.prompt_len)
+                seq.prefix = hit
+        self.waiting.extendleft(reversed(deferred))
         self.running.extend(new)
         self.num_streaming += sum(s.request.on_tokens is not None for s in new)
         return new
@@ -119,3 +148,4 @@ class Scheduler:
             keep = [s for s in self.waiting if not (ids is None or s.request_id in ids)]
             self.waiting = deque(keep)
         return taken
+

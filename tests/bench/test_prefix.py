@@ -1,0 +1,22 @@
+"""``bench prefix --quick``: the cached engine prefills each group's prompt once, and the
+ratio and its bound come out beside each other."""
+
+from __future__ import annotations
+
+import json
+
+from rollstream.bench import prefix
+
+
+def test_quick_prefix_bench_reports_the_ratio_and_its_bound(tmp_path):
+    out = tmp_path / "prefix.json"
+    result = prefix.main(json_out=out, quick=True)
+    assert json.loads(out.read_text()) == result
+    assert result["prefix_cache_vs_none_gen_tok_s"] > 0
+    # 2 groups of 8: the first sample of each prefills the prompt, the 7 others its tail
+    assert result["prefilled_tokens"]["none"] == result["prompt_tokens"]
+    assert result["prefilled_tokens"]["cache"] < result["prompt_tokens"] / 4
+    assert 7 / 8 - 0.1 < result["hit_share"] < 7 / 8
+    assert 0 < result["prefill_share_without_cache"] < 1
+    assert result["bound"] == 1 / (1 - result["prefill_share_without_cache"]
+                                   * result["hit_share"])
