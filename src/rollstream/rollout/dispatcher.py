@@ -37,10 +37,9 @@ groups: their requests are interrupted and not resubmitted; the caller records t
 terminal status. Every status change goes through :class:`Lifecycle`.
 
 Episodes: every request of a sample carries its uid as ``episode_id`` (its turns and its
-resubmissions extend one another, except a turn served a context anew where the chat template
-rewrote earlier turns: ``Sample.served_ids``); when ``run_sample`` ends, the engine of its
-last request may drop what it kept of it (``KeepsEpisodes``: an engine actor sends only added
-tokens).
+resubmissions extend one another, but where the chat template rewrote earlier turns a turn is
+served its context anew: ``Sample.served_ids``); when ``run_sample`` ends, the engine of its
+last request may drop what it kept (``KeepsEpisodes``: an actor sends only added tokens).
 
 Random streams: with a run ``seed``, a request without a seed of its own gets
 :func:`sample_seed` (run seed, sample uid), the same on every attempt of that sample. An
@@ -75,7 +74,7 @@ from rollstream.trajectory import SINGLE_TURN, Group, Sample, SampleStatus, Segm
 
 MAX_ENGINE_RETRIES = 3  # consecutive failed attempts without progress before a sample FAILS
 RECOVERY_POLL_S = 0.05  # how often a request waiting for a RECOVERING engine looks again
-_OUTCOME = {FinishReason.ABORT: "interrupted", FinishReason.ERROR: "failed"}  # a span's; else "done"
+_OUTCOME = {FinishReason.ABORT: "interrupted", FinishReason.ERROR: "failed"}  # spans; else "done"
 
 
 class NoEngineAlive(RuntimeError):
