@@ -57,8 +57,12 @@ def owner(tmp_path_factory: pytest.TempPathFactory):
     before, segments = _descendants(), set(os.listdir("/dev/shm"))
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=100 << 20))
     try:
+        # no prefix cache: these tests compare the tokens and logprobs of whole prompts and
+        # of deltas exactly, and a prompt whose prefix the cache holds (the same actor served
+        # it) attends over that KV in another order, equal to 1e-4 only (test_local_prefix)
         (engine,) = build_ray_engines(
-            model, LocalEngineConfig(max_slots=4, max_seq_len=512, threads=1),
+            model, LocalEngineConfig(max_slots=4, max_seq_len=512, threads=1,
+                                     prefix_cache_tokens=0),
             num_engines=1, version=0, num_cpus=1,
             episode_cache_tokens=ACTOR_CACHE_TOKENS, out_of_band_bytes=0)
         _state["actor"] = engine.actor
