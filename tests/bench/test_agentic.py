@@ -19,15 +19,15 @@ def test_bench_agentic_quick_runs_every_mode_on_the_same_episodes(tmp_path):
     result = main(json_out=out, quick=True)
     written = json.loads(out.read_text())
     modes = written["modes"]
-    assert set(modes) == {"batched", "async", "user_env", "verifiers"}
+    assert set(modes) == {"batched", "async", "user_env", "verifiers", "no_prefix_cache"}
     turns = sum(t + 1 for t in written["turns_per_episode"])  # each tool turn, then the answer
     assert {m["model_turns"] for m in modes.values()} == {turns}
     tool_s = {round(m["tool_time_s"], 9) for m in modes.values()}
     assert len(tool_s) == 1, tool_s  # the same latencies
     # greedy on the same conversations: the same turns (verifiers' tool replies are user
-    # messages, so its tokens may differ)
+    # messages, so its tokens may differ), with the prefix cache or without
     assert modes["batched"]["generated_tokens"] == modes["async"]["generated_tokens"] \
-        == modes["user_env"]["generated_tokens"]
+        == modes["user_env"]["generated_tokens"] == modes["no_prefix_cache"]["generated_tokens"]
     for side in ("user_env", "verifiers"):
         rounds = list(zip(written["repeats"][side], written["repeats"]["builtin"], strict=True))
         assert len(rounds) == 2 and modes[side]["episodes_per_s"] == rounds[0][0]
@@ -35,6 +35,10 @@ def test_bench_agentic_quick_runs_every_mode_on_the_same_episodes(tmp_path):
         assert ratio == pytest.approx(math.prod(a / b for a, b in rounds) ** 0.5)
         low, high = written[f"{side}_vs_builtin_ci95"]
         assert low < ratio < high
+    rounds = list(zip(written["repeats"]["builtin"], written["repeats"]["no_prefix_cache"],
+                      strict=True))
+    ratio = written["prefix_cache_vs_none_episodes_per_s"]
+    assert ratio == pytest.approx(math.prod(a / b for a, b in rounds) ** 0.5)
     assert written["async_vs_batched_episodes_per_s"] == pytest.approx(
         modes["async"]["episodes_per_s"] / modes["batched"]["episodes_per_s"])
     assert 0 < written["engine_utilization_agentic"] <= 1.0

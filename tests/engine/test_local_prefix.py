@@ -12,6 +12,8 @@ import torch
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine import GenerateRequest, SamplingParams
 from rollstream.engine.local import LocalEngine
+from rollstream.engine.local.prefix import PrefixCache
+from rollstream.engine.local.weights import ModelSpec
 from tests.engine.helpers import MAX_SEQ_LEN, VOCAB
 from tests.engine.test_local import _load_mid_stream, _state_dict
 
@@ -180,6 +182,100 @@ async def test_a_batch_interrupted_and_resumed_together_continues_each_run(tiny_
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == held
 
 
+async def _turns(e: LocalEngine, first: list[int], env: list[int],
+                 max_new: int) -> tuple[list, dict, dict]:
+    """An episode's two turns, greedy: ``first``, then ``first`` + its output + ``env``;
+    the outputs and the engine's work before and after the second."""
+    a = await e.generate(GenerateRequest(
+        request_id="t1", prompt_ids=first, episode_id="ep",
+        params=SamplingParams(temperature=0.0, max_new_tokens=max_new)))
+    before = e.stats().work
+    b = await e.generate(GenerateRequest(
+        request_id="t2", prompt_ids=first + a.token_ids + env, episode_id="ep",
+        params=SamplingParams(temperature=0.0, max_new_tokens=max_new)))
+    return [a, b], before, e.stats().work
+
+
+async def test_an_episodes_next_turn_prefills_only_the_environments_tokens(tiny_model_dir):
+    """A finished turn of an episode keeps its row's whole blocks (prompt + output): the
+    next turn (prompt + output + 10 environment tokens) prefills only what follows them, and
+    both turns equal the uncached engine's."""
+    rng = random.Random(41)
+    first, env = _tokens(rng, 30), _tokens(rng, 10)
+    outs, works = {}, {}
+    for tokens in (0, 1024):
+        e = _local(tiny_model_dir, prefix_cache_tokens=tokens)
+        try:
+            outs[tokens], before, works[tokens] = await _turns(e, first, env, 20)
+        finally:
+            await e.close()
+    _assert_same(outs[1024], outs[0])
+    k = len(outs[1024][0].token_ids)
+    held = (30 + k - 1) // BLOCK * BLOCK  # the row held keys and values up to its last token
+    assert k == 20 and held == 48  # more than the first prompt's one block
+    after = works[1024]
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == held
+    assert _computed(after) - _computed(before) == 30 + k + 10 - held
+
+
+async def test_an_ended_episodes_blocks_are_evicted_first(tiny_model_dir):
+    """Room for 6 blocks: episodes A then B each keep 3 (a 17-token prompt + 32 tokens).
+    B ends, so a 33-token prompt that needs 2 blocks evicts B's turn, not the older A's:
+    A's next turn still finds its 3 blocks, B's only its prompt's."""
+    rng = random.Random(43)
+    prompts = {ep: _tokens(rng, 17) for ep in "AB"}
+    e = _local(tiny_model_dir, prefix_cache_tokens=6 * BLOCK)
+    try:
+        outs = {ep: await e.generate(GenerateRequest(
+            request_id=ep, prompt_ids=p, episode_id=ep,
+            params=SamplingParams(temperature=0.0, max_new_tokens=32)))
+            for ep, p in prompts.items()}
+        assert all(len(o.token_ids) == 32 for o in outs.values())
+        e.end_episode("B")
+        await e.generate(_req("c", _tokens(rng, 33), temperature=0.0, max_new_tokens=1))
+        assert e.stats().work["prefix_evicted_tokens"] == 2 * BLOCK
+        hits = {}
+        for ep in "AB":
+            before = e.stats().work["prefix_hit_tokens"]
+            await e.generate(_req(f"{ep}2", prompts[ep] + outs[ep].token_ids + [1] * 5,
+                                  temperature=0.0, max_new_tokens=1))
+            hits[ep] = e.stats().work["prefix_hit_tokens"] - before
+    finally:
+        await e.close()
+    assert hits == {"A": 3 * BLOCK, "B": BLOCK}
+
+
+async def test_an_episodes_kept_turn_is_dropped_by_a_weight_load(tiny_model_dir):
+    """``kv_on_load: recompute``: a load drops the episode's kept turn with the rest, and its
+    next turn is prefilled whole under the new weights, as a fresh engine with them gives."""
+    rng = random.Random(47)
+    first, env, new = _tokens(rng, 30), _tokens(rng, 10), _perturbed(tiny_model_dir)
+    e = _local(tiny_model_dir, prefix_cache_tokens=1024)
+    try:
+        a = await e.generate(GenerateRequest(
+            request_id="t1", prompt_ids=first, episode_id="ep",
+            params=SamplingParams(temperature=0.0, max_new_tokens=20)))
+        await e.load_weights(1, new)
+        before = e.stats().work
+        b = await e.generate(GenerateRequest(
+            request_id="t2", prompt_ids=first + a.token_ids + env, episode_id="ep",
+            params=SamplingParams(temperature=0.0, max_new_tokens=20)))
+        after = e.stats().work
+    finally:
+        await e.close()
+    fresh = _local(tiny_model_dir, prefix_cache_tokens=0)
+    try:
+        await fresh.load_weights(1, new)
+        ref = await fresh.generate(_req("f", first + a.token_ids + env, temperature=0.0,
+                                        max_new_tokens=20))
+    finally:
+        await fresh.close()
+    assert before["prefix_dropped_tokens"] == 48  # the turn's 3 blocks, not only the prompt's
+    assert after["prefix_hit_tokens"] == before["prefix_hit_tokens"]
+    assert _computed(after) - _computed(before) == 60
+    _assert_same([b], [ref])
+
+
 def _perturbed(path) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in _state_dict(path).items()}
@@ -281,17 +377,17 @@ async def test_eviction_under_a_tiny_budget_keeps_outputs_equal(tiny_model_dir):
     assert work["prefix_evicted_tokens"] > 0 and work["prefix_hit_tokens"] > 0
 
 
-def test_eviction_takes_unheld_leaves_least_recently_used_first():
-    """The pool's index: a prefix's parent outlives its children, a held block is never
-    evicted, and a full pool of held blocks stores nothing more."""
-    from rollstream.engine.local.prefix import PrefixCache
-    from rollstream.engine.local.weights import ModelSpec
-
-    spec = ModelSpec(arch="qwen2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=1,
+def _spec() -> ModelSpec:
+    return ModelSpec(arch="qwen2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=1,
                      num_kv_heads=1, head_dim=8, intermediate_size=8, rms_norm_eps=1e-6,
                      rope_theta=1e4, rope_scaling=None, qkv_bias=False, o_bias=False,
                      mlp_bias=False, tied_embeddings=True)
-    c = PrefixCache(spec, 3 * BLOCK, torch.device("cpu"), torch.float32)
+
+
+def test_eviction_takes_unheld_leaves_least_recently_used_first():
+    """The pool's index: a prefix's parent outlives its children, a held block is never
+    evicted, and a full pool of held blocks stores nothing more."""
+    c = PrefixCache(_spec(), 3 * BLOCK, torch.device("cpu"), torch.float32)
     a = [1] * BLOCK + [2] * BLOCK  # two blocks: a0 <- a1
     b = [3] * BLOCK
     assert [i for i, _ in c.insert(a, len(a))] == [0, 1]
@@ -308,6 +404,26 @@ def test_eviction_takes_unheld_leaves_least_recently_used_first():
     assert c.insert([7] * BLOCK, BLOCK) == []  # every block held: nothing stored
     c.clear()
     assert c.match(b + [0]) == [] and c.counts["prefix_dropped_tokens"] == 3 * BLOCK
+
+
+def test_an_ended_episode_is_untagged_and_evicted_before_older_blocks():
+    """The pool's episode tags: an ended episode's leaf goes first, then its parent; an
+    evicted block leaves no tag behind; a load's clear drops the tags."""
+    c = PrefixCache(_spec(), 3 * BLOCK, torch.device("cpu"), torch.float32)
+    c.insert([1] * BLOCK, BLOCK, "old")
+    two = [2] * BLOCK + [3] * BLOCK
+    c.insert(two, len(two), "ended")
+    c.end_episode("ended")
+    assert c.episodes == {"old": {0}}
+    c.insert([4] * BLOCK, BLOCK)  # evicts the ended leaf, not the older block
+    assert len(c.match(two + [0])) == 1 and len(c.match([1] * BLOCK + [0])) == 1
+    c.insert([5] * BLOCK, BLOCK)  # then its parent
+    assert c.match(two + [0]) == [] and len(c.match([1] * BLOCK + [0])) == 1
+    c.insert([6] * BLOCK, BLOCK)  # the least recent now: "old"'s block, untagged as it goes
+    assert c.match([1] * BLOCK + [0]) == [] and c.episodes == {}
+    c.insert([7] * BLOCK, BLOCK, "x")
+    c.clear()
+    assert c.episodes == {}
 
 
 def test_a_budget_under_one_block_is_a_clear_error():

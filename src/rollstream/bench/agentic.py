@@ -21,12 +21,15 @@ tokens each).
   environment goes through);
 * ``verifiers`` (with the ``verifiers`` extra): the same episodes as a ``vf.MultiTurnEnv``
   run by the verifiers adapter, its rollout calling the OpenAI-compatible proxy (a session
-  per episode: rendering, HTTP, JSON, stitching).
+  per episode: rendering, HTTP, JSON, stitching);
+* ``no_prefix_cache``: ``async`` on a second engine without the prefix cache
+  (``prefix_cache_tokens: 0``), so every turn prefills the episode's whole history.
 
 The async modes run in interleaved rounds (``REPEATS_FULL`` of them, the order rotating from
 round to round). Keys: ``async_vs_batched_episodes_per_s`` (target >= 2),
 ``engine_utilization_agentic`` (the engine's busy time / wall time in the async mode; target
->= 0.8), ``user_env_vs_builtin_episodes_per_s`` and ``verifiers_vs_builtin_episodes_per_s``
+>= 0.8), ``user_env_vs_builtin_episodes_per_s``, ``verifiers_vs_builtin_episodes_per_s`` and
+``prefix_cache_vs_none_episodes_per_s`` (``async`` / ``no_prefix_cache``; target >= 1.5)
 (the geometric mean of the rounds' ratios, with ``*_ci95``: Student's t on their logs), per mode
 the episodes/s, wall time, tokens and utilization of its first round, ``repeats`` (each
 round's episodes/s); ``proxy_overhead_ms_p50``: the median time of a one-turn call through the
@@ -221,14 +224,17 @@ async def _bench(folder: Path, n: int, concurrency: int, seed: int,
                  repeats: int) -> dict[str, Any]:
     """Batched once; then ``repeats`` rounds of the async modes on the same episodes, their
     order rotating from round to round so that a drift in the machine's load hits each."""
-    engine = LocalEngine(folder, LocalEngineConfig(max_slots=concurrency, max_seq_len=2048,
-                                                   threads=2, device="cpu"))
+    engine, plain = (LocalEngine(folder, LocalEngineConfig(
+        max_slots=concurrency, max_seq_len=2048, threads=2, device="cpu", **kw),
+        engine_id=name) for name, kw in (("cache", {}), ("none", {"prefix_cache_tokens": 0})))
     renderer = ChatRenderer(build_char_tokenizer())
-    sides = ["builtin", "user_env"] + (["verifiers"] if _has_verifiers() is None else [])
+    sides = ["builtin", "user_env", "no_prefix_cache"] + (
+        ["verifiers"] if _has_verifiers() is None else [])
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     try:
-        warm = [_ToolEpisode(i, seed + 1, None) for i in range(4)]
-        await _run_mode(engine, renderer, warm, 4, "w", batched=False)
+        for e in (engine, plain):
+            warm = [_ToolEpisode(i, seed + 1, None) for i in range(4)]
+            await _run_mode(e, renderer, warm, 4, "w", batched=False)
         batched = await _run_mode(engine, renderer, [_ToolEpisode(i, seed, None)
                                                      for i in range(n)],
                                   concurrency, "b", batched=True)
@@ -238,14 +244,15 @@ async def _bench(folder: Path, n: int, concurrency: int, seed: int,
                 if side == "verifiers":
                     out = await _verifiers_mode(engine, renderer, n, concurrency, seed, tag)
                 else:
-                    envs = ([_ToolEpisode(i, seed, None) for i in range(n)]
-                            if side == "builtin" else _user_envs(n, seed))
-                    out = await _run_mode(engine, renderer, envs, concurrency, tag,
-                                          batched=False)
+                    envs = (_user_envs(n, seed) if side == "user_env" else
+                            [_ToolEpisode(i, seed, None) for i in range(n)])
+                    out = await _run_mode(plain if side == "no_prefix_cache" else engine,
+                                          renderer, envs, concurrency, tag, batched=False)
                 runs[side].append(out)
         overhead = await _proxy_overhead(engine, renderer, calls=20 if n < 64 else 100)
     finally:
         await engine.close()
+        await plain.close()
     return {"batched": batched, "runs": runs, "proxy": overhead}
 
 
@@ -313,15 +320,22 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         if side not in runs:
             result[f"{side}_vs_builtin_skipped"] = _has_verifiers()
             continue
-        mean, low, high = ratio_interval([
-            a["episodes_per_s"] / b["episodes_per_s"]
-            for a, b in zip(runs[side], runs["builtin"], strict=True)])
+        mean, low, high = _ratio(runs[side], runs["builtin"])
         result[f"{side}_vs_builtin_episodes_per_s"] = mean
         result[f"{side}_vs_builtin_ci95"] = [low, high]
+    mean, low, high = _ratio(runs["builtin"], runs["no_prefix_cache"])
+    result["prefix_cache_vs_none_episodes_per_s"] = mean
+    result["prefix_cache_vs_none_ci95"] = [low, high]
     _print(result)
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _ratio(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """The geometric mean of the rounds' episodes/s ratios a / b and its 95% interval."""
+    return ratio_interval([x["episodes_per_s"] / y["episodes_per_s"]
+                           for x, y in zip(a, b, strict=True)])
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -342,6 +356,9 @@ def _print(result: dict[str, Any]) -> None:
           f"   engine_utilization_agentic = {result['engine_utilization_agentic']:.2f}"
           f"   proxy_overhead_ms_p50 = {result['proxy_overhead_ms_p50']:.1f} "
           f"(direct {result['proxy']['direct_ms_p50']:.1f} ms)")
+    low, high = result["prefix_cache_vs_none_ci95"]
+    print(f"prefix_cache_vs_none_episodes_per_s = "
+          f"{result['prefix_cache_vs_none_episodes_per_s']:.3f} (95% {low:.3f}-{high:.3f})")
     for side in ("user_env", "verifiers"):
         if f"{side}_vs_builtin_episodes_per_s" in result:
             low, high = result[f"{side}_vs_builtin_ci95"]

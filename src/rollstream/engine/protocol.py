@@ -176,8 +176,9 @@ class Closeable(Protocol):
 class KeepsEpisodes(Protocol):
     """An engine that keeps an episode's history between its requests
     (``GenerateRequest.episode_id``), so that a request continuing it moves only the tokens
-    added since (an engine actor of the Ray runtime). Correctness never depends on it: a
-    history it no longer holds is sent whole."""
+    added since (an engine actor of the Ray runtime) or computes only those (the local
+    engine's prefix cache keeps its finished turns). Correctness never depends on it: a
+    history it no longer holds is sent whole or computed again."""
 
     def end_episode(self, episode_id: str) -> None:
         """The episode sends no more requests: drop what was kept of it."""

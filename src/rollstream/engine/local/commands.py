@@ -46,7 +46,12 @@ class Close:
     done: concurrent.futures.Future
 
 
-Command = Submit | Interrupt | Load | Peek | Close
+@dataclass(slots=True, kw_only=True)
+class EndEpisode:
+    episode_id: str  # its blocks in the prefix cache go first when room is needed
+
+
+Command = Submit | Interrupt | Load | Peek | Close | EndEpisode
 
 
 def output(

@@ -35,9 +35,9 @@ read or were being moved when it failed); waiting and later requests return ABOR
 tokens; ``error`` names the engine and the cause. Pending and later weight loads raise
 RuntimeError, interrupts do nothing. ``close`` ends the engine the same way (reason: closed).
 
-Prefixes (``prefix.py``): an admitted prompt's leading blocks that an earlier prompt or an
-interrupted row computed are copied into its row, and only the rest is prefilled; the cache is
-dropped with the rows' cache on a weight load (kept with it under ``keep``).
+Prefixes (``prefix.py``): leading blocks of a prompt that an earlier prompt, interrupted row or
+finished turn of its episode computed are copied into its row and not prefilled; the cache is
+dropped with the rows' on a weight load (kept under ``keep``), an ended episode's first evicted.
 
 Deliberately simplified: one engine = one thread = one device; weights arrive as a full HF
 state dict (copied in place between steps).
@@ -62,6 +62,7 @@ from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine.local.commands import (
     Close,
     Command,
+    EndEpisode,
     Interrupt,
     Load,
     Peek,
@@ -89,7 +90,7 @@ from rollstream.engine.states import EngineHealth
 
 log = logging.getLogger(__name__)
 class LocalEngine:
-    """Implements :class:`rollstream.engine.protocol.Engine` (and ``Closeable``)."""
+    """Implements ``Engine``, ``Closeable`` and ``KeepsEpisodes`` (engine/protocol.py)."""
 
     def __init__(
         self,
@@ -202,12 +203,9 @@ class LocalEngine:
         if seed is None:
             with self._lock:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        seq = Sequence(
-            request=request,
-            future=future,
-            seed_key=seed_key(seed),
-            max_new_tokens=min(request.params.max_new_tokens, self.max_seq_len - prompt_len),
-        )
+        seq = Sequence(request=request, future=future, seed_key=seed_key(seed),
+                       max_new_tokens=min(request.params.max_new_tokens,
+                                          self.max_seq_len - prompt_len))
         if not self._post(Submit(seq=seq)):
             future.set_result(output(request.request_id, FinishReason.ABORT, error=self._death))
         return future
@@ -222,6 +220,10 @@ class LocalEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
         if self._post(Interrupt(ids=ids, done=done)):  # a dead engine has nothing to stop
             await asyncio.wrap_future(done)
+
+    def end_episode(self, episode_id: str) -> None:
+        """``KeepsEpisodes``: the episode's turns in the prefix cache become first to evict."""
+        self._post(EndEpisode(episode_id=episode_id))
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Install a full HF-named state dict between two steps. The caller must not modify
@@ -340,6 +342,8 @@ class LocalEngine:
                 resolve(done, None)
             case Peek(done=done):
                 resolve(done, self._running_outputs())
+            case EndEpisode(episode_id=episode_id):
+                self._runner.prefix.end_episode(episode_id)
             case Close(done=done):
                 self._closed = True
                 self._die(f"local engine {self.engine_id} closed")
@@ -408,9 +412,8 @@ class LocalEngine:
             return
         seqs = [self._scheduler.running[r] for r in rows]
         results = self._runner.read(rows, [s.prompt_len for s in seqs])
-        if reason is FinishReason.ABORT and error is None:  # interrupted: likely resumed
-            self._runner.store_rows(rows, [[*s.request.prompt_ids, *tokens[:-1]]  # held KV
-                                           for s, (tokens, _) in zip(seqs, results, strict=True)])
+        if error is None:  # not a failure: interrupted rows and finished turns of episodes
+            self._runner.store_ended(rows, seqs, results, reason is FinishReason.ABORT)
         self._rows_moving = True
         removed, src, dst = self._scheduler.release(rows)
         for seq, (tokens, logprobs) in zip(removed, results, strict=True):

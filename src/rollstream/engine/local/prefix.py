@@ -13,9 +13,11 @@ needs no allocator; a hit loses at most ``BLOCK_TOKENS - 1`` tokens to the block
 Store. A pool of ``prefix_cache_tokens // BLOCK_TOKENS`` blocks laid out as the rows' cache
 (:class:`KVCache` with ``BLOCK_TOKENS`` positions per slot). After each prefill pass the full
 blocks of the admitted prompts go in (copied out of their rows), and so do those of rows an
-interrupt stops (prompt + partial tokens, what a resumed request re-sends); an admitted
-prompt's hit is copied into its row before its pass, which then prefills only the remaining
-tokens, attending over the copied prefix (``model.forward``'s ``cached`` positions).
+interrupt stops (prompt + partial tokens, what a resumed request re-sends) and of rows of an
+episode (``GenerateRequest.episode_id``) that finish (prompt + output: its next turn re-sends
+them, the environment's tokens after); an admitted prompt's hit is copied into its row before
+its pass, which then prefills only the remaining tokens, attending over the copied prefix
+(``model.forward``'s ``cached`` positions).
 
 Eviction and references. Least recently used first, among blocks no other block extends
 (leaves) and no admission holds: a block's count of references is the admitted sequences
@@ -24,12 +26,18 @@ inserting one prompt's blocks never evicts a block another prompt of the same st
 from. A hit touches its blocks deepest first, so a parent is always more recent than its
 children and leaves go first.
 
+Episodes. A block an episode's row stored is tagged with the episode until the episode ends
+(:meth:`end_episode`: nothing will re-send it): its blocks then move to the least recent end,
+so that they are evicted before any other (only leaves are evicted, so a parent moved there
+still waits for its children). Blocks the episode shares with others (its group's prompt,
+stored by the prefill pass) are not tagged and keep their place.
+
 Validity. An entry holds keys and values of the weights that computed it: the engine drops
 the cache on a weight load unless ``engine.local.kv_on_load: keep`` keeps running rows' cache
 too (one rule for both, in ``engine.py``).
 
-Deliberately simplified: copies, not a paged cache (a row owns its positions); generated
-tokens of finished requests are not kept (nothing re-sends them in single-turn rollouts).
+Deliberately simplified: copies, not a paged cache (a row owns its positions); an ended
+episode's blocks are demoted, not freed (one move each; a later prompt may still hit them).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class Block:
     key: Key
     num_children: int = 0  # cached blocks that extend this one
     refs: int = 0  # admitted sequences holding it until the step's inserts are done
+    episode: str | None = None  # the episode whose row stored it, until the episode ends
 
 
 class PrefixCache:
@@ -72,6 +81,7 @@ class PrefixCache:
         self.blocks: dict[int, Block] = {}  # slot -> block
         self.lru: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
         self.free = list(range(self.num_blocks - 1, -1, -1))
+        self.episodes: dict[str, set[int]] = {}  # episode id -> slots of its tagged blocks
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
 
     @property
@@ -114,11 +124,12 @@ class PrefixCache:
         for slot in slots:
             self.blocks[slot].refs -= 1
 
-    def insert(self, tokens: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
+    def insert(self, tokens: Sequence[int], num_tokens: int,
+               episode: str | None = None) -> list[tuple[int, int]]:
         """Add the whole blocks of ``tokens[:num_tokens]`` (positions whose keys and values a
-        row holds) that are not cached yet, as far as room allows; returns (block index in
-        the row, slot) for each block to copy in. The chain is held while it grows, so that
-        making room never evicts its own parent."""
+        row holds) that are not cached yet, as far as room allows, the new ones tagged with
+        ``episode``; returns (block index in the row, slot) for each block to copy in. The
+        chain is held while it grows, so that making room never evicts its own parent."""
         if not self.on:
             return []
         parent, chain, new = -1, [], []
@@ -131,7 +142,9 @@ class PrefixCache:
                     if slot is None:
                         break
                     self.index[key] = slot
-                    self.blocks[slot] = Block(key=key)
+                    self.blocks[slot] = Block(key=key, episode=episode)
+                    if episode is not None:
+                        self.episodes.setdefault(episode, set()).add(slot)
                     if parent >= 0:
                         self.blocks[parent].num_children += 1
                     new.append((i, slot))
@@ -143,12 +156,19 @@ class PrefixCache:
         self.counts["prefix_inserted_tokens"] += len(new) * BLOCK_TOKENS
         return new
 
+    def end_episode(self, episode: str) -> None:
+        """The episode sends no more requests: its tagged blocks become the first evicted."""
+        for slot in self.episodes.pop(episode, ()):
+            self.blocks[slot].episode = None
+            self.lru.move_to_end(slot, last=False)
+
     def clear(self) -> None:
         """Drop every entry (their keys and values are of weights no longer loaded)."""
         self.counts["prefix_dropped_tokens"] += len(self.blocks) * BLOCK_TOKENS
         self.index.clear()
         self.blocks.clear()
         self.lru.clear()
+        self.episodes.clear()
         self.free = list(range(self.num_blocks - 1, -1, -1))
 
     def _touch(self, chain: list[int]) -> None:
@@ -165,11 +185,19 @@ class PrefixCache:
             block = self.blocks[slot]
             if block.refs == 0 and block.num_children == 0:
                 del self.lru[slot], self.index[block.key], self.blocks[slot]
+                if block.episode is not None:
+                    self._untag(block.episode, slot)
                 if block.key[0] >= 0:
                     self.blocks[block.key[0]].num_children -= 1
                 self.counts["prefix_evicted_tokens"] += BLOCK_TOKENS
                 return slot
         return None
+
+    def _untag(self, episode: str, slot: int) -> None:
+        slots = self.episodes[episode]
+        slots.discard(slot)
+        if not slots:  # the map holds only episodes with blocks: bounded by the pool
+            del self.episodes[episode]
 
 
 def copy_blocks(src: KVCache, src_slot: torch.Tensor, src_pos: torch.Tensor, dst: KVCache,

@@ -200,12 +200,26 @@ class ModelRunner:
             self.prefix.release(seq.prefix)
             seq.prefix = []
 
-    def store_rows(self, rows: list[int], tokens: list[Seq[int]]) -> None:
+    def store_ended(self, rows: list[int], seqs: list[Sequence],
+                    results: list[tuple[list[int], list[float]]], interrupted: bool) -> None:
+        """Before their rows are released: store the rows an interrupt stopped (a resumed
+        request re-sends prompt + partial) and the finished rows of an episode (its next turn
+        re-sends prompt + output), the keys and values they hold: all but the last token."""
+        kept = [i for i, s in enumerate(seqs) if interrupted or s.request.episode_id is not None]
+        if kept and self.prefix.on:
+            self.store_rows([rows[i] for i in kept],
+                            [[*seqs[i].request.prompt_ids, *results[i][0][:-1]] for i in kept],
+                            [seqs[i].request.episode_id for i in kept])
+
+    def store_rows(self, rows: list[int], tokens: list[Seq[int]],
+                   episodes: Seq[str | None] | None = None) -> None:
         """The whole blocks of ``tokens[i]`` (a prefix of what row ``rows[i]`` holds keys and
-        values for) into the prefix cache, the blocks not cached yet copied out of the row."""
+        values for) into the prefix cache, the blocks not cached yet copied out of the row
+        (tagged with ``episodes[i]``, ``PrefixCache.end_episode``)."""
         block, src, slots = self.prefix.block_tokens, [], []
-        for row, toks in zip(rows, tokens, strict=True):
-            for index, slot in self.prefix.insert(toks, len(toks)):
+        for i, (row, toks) in enumerate(zip(rows, tokens, strict=True)):
+            episode = episodes[i] if episodes is not None else None
+            for index, slot in self.prefix.insert(toks, len(toks), episode):
                 src.append((row, index * block))
                 slots.append(slot)
         if not slots:
