@@ -293,20 +293,9 @@ def test_an_end_to_end_run_trains_split_episodes_and_audits_clean(tmp_path: Path
                                                                     thinking_model: Path):
     rows = [{"prompt": f"count {i}", "n": 3, "answer": "x"} for i in range(8)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = rollstream.run({
-        "name": "think", "run_root": str(tmp_path / "runs"), "seed": 0,
-        "model": {"path": str(thinking_model)},
-        "tasks": {"num_eval": 0, "sources": [{
-            "name": "count", "kind": "jsonl", "path": str(tmp_path / "rows.jsonl"),
-            "harness": "agent", "environment": "tests.agent.user_pkg.envs:SyncCountdown",
-            "reward": "exact_match"}]},
-        "agent": {"max_turns": 3, "max_turn_tokens": 6},
-        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
-        "sampling": {"max_new_tokens": 120},
-        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
-        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
-        "monitor": {"progress": False, "report": False},
-    })
+    summary = rollstream.run(_two_step_run(tmp_path, thinking_model, "think", {
+        "name": "count", "harness": "agent",
+        "environment": "tests.agent.user_pkg.envs:SyncCountdown"}))
     assert summary["steps"] == 2
     run = tmp_path / "runs" / "think"
     trained = [r for r in read_ledger(RunFiles(run).ledger) if r.status is SampleStatus.TRAINED]
@@ -397,20 +386,9 @@ def test_an_sdk_agent_run_trains_split_episodes_and_audits_clean(tmp_path: Path,
                                                                  thinking_model: Path):
     rows = [{"prompt": f"guess {i}", "target": 40 + i, "answer": "x"} for i in range(8)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = rollstream.run({
-        "name": "sdk", "run_root": str(tmp_path / "runs"), "seed": 0,
-        "model": {"path": str(thinking_model)},
-        "tasks": {"num_eval": 0, "sources": [{
-            "name": "sdk", "kind": "jsonl", "path": str(tmp_path / "rows.jsonl"),
-            "harness": "openai", "agent": "tests.agent.user_pkg.agents:guess",
-            "tools": ["tests.agent.user_pkg.tools:Length"], "reward": "exact_match"}]},
-        "agent": {"max_turns": 3, "max_turn_tokens": 6},
-        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
-        "sampling": {"max_new_tokens": 120},
-        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
-        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
-        "monitor": {"progress": False, "report": False},
-    })
+    summary = rollstream.run(_two_step_run(tmp_path, thinking_model, "sdk", {
+        "name": "sdk", "harness": "openai", "agent": "tests.agent.user_pkg.agents:guess",
+        "tools": ["tests.agent.user_pkg.tools:Length"]}))
     assert summary["steps"] == 2
     run = tmp_path / "runs" / "sdk"
     rows = read_ledger(RunFiles(run).ledger)
@@ -420,3 +398,21 @@ def test_an_sdk_agent_run_trains_split_episodes_and_audits_clean(tmp_path: Path,
     audit = audit_run(run, group_size=2, eval_group_size=1, groups_per_step=2, steps=2)
     assert audit["duplicated_samples"] == audit["lost_samples"] == 0
     assert (audit["split_episodes"], audit["turn_samples_mismatched"]) == (len(split), 0)
+
+
+def _two_step_run(tmp_path: Path, model: Path, name: str, source: dict) -> dict:
+    """A sync run of 2 steps x 2 groups of 2 on ``model`` whose one source (``source``, graded
+    by exact match) reads ``tmp_path/rows.jsonl``."""
+    return {
+        "name": name, "run_root": str(tmp_path / "runs"), "seed": 0,
+        "model": {"path": str(model)},
+        "tasks": {"num_eval": 0, "sources": [{
+            **source, "kind": "jsonl", "path": str(tmp_path / "rows.jsonl"),
+            "reward": "exact_match"}]},
+        "agent": {"max_turns": 3, "max_turn_tokens": 6},
+        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
+        "sampling": {"max_new_tokens": 120},
+        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
+        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
+        "monitor": {"progress": False, "report": False},
+    }
