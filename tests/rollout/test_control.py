@@ -47,7 +47,7 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
             e.max_delay_s = 0.004  # the run lasts a few seconds
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, MonitorConfig(progress=False),
-                         control=EngineControl(loop.dispatcher, asyncio.get_running_loop()))
+                         control=EngineControl(loop.fleet, asyncio.get_running_loop()))
         dash.start()
         a, b = loop.dispatcher.engines
 

@@ -36,7 +36,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
             2, cfg.rollout.staleness_policy()))
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, CFG, control=EngineControl(
-            loop.dispatcher, asyncio.get_running_loop()))
+            loop.fleet, asyncio.get_running_loop()))
         url = dash.start()
         port = int(url.rstrip("/").rsplit(":", 1)[1])
         token = (tmp_path / TOKEN_FILE).read_text().strip()

@@ -17,10 +17,20 @@ Operating a live run (when it was given an ``EngineControl``; 404 otherwise), wi
 token as ``Authorization: Bearer TOKEN`` (401 otherwise):
 
     GET  /api/engines                      [{engine_id, health, health_reason, version,
-                                             routing, routing_reason, in_flight}]
-                                           (states: rollstream/engine/states.py)
+                                             routing, routing_reason, in_flight, member}]
+                                           (states: rollstream/engine/states.py; member:
+                                           joining, serving or leaving)
     POST /api/engines/{engine_id}/drain    preempt it: {"engine_id", "handed_back": n}
     POST /api/engines/{engine_id}/undrain  route to it again
+    POST /api/engines/add?count=N          N engines join (at most runtime/fleet.py's MAX_ADD),
+                                           each serving the current version before its first
+                                           request: {"added": [ids]}
+    POST /api/engines/{engine_id}/remove   drain it, then close it and release its resources:
+                                           {"engine_id", "handed_back": n}
+
+An unknown engine is 404, a change the run cannot take now (its last engine, too many at once,
+a run that cannot add engines) 409, a count that is not a positive integer 422; none takes a
+body.
 
 A live dashboard writes its URL to ``RUN_DIR/dashboard.url`` and a token made for this run to
 ``RUN_DIR/dashboard.token`` (readable by its owner only) while it serves; ``rollstream engines
@@ -63,6 +73,10 @@ class Control(Protocol):
     def drain(self, engine_id: str) -> int: ...
 
     def undrain(self, engine_id: str) -> None: ...
+
+    def add(self, count: int) -> list[str]: ...
+
+    def remove(self, engine_id: str) -> int: ...
 
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # what a Host header may name
@@ -181,6 +195,22 @@ class Dashboard:
                 n = control(request).drain(engine_id)
             except ValueError as e:
                 raise HTTPException(404, str(e)) from None
+            return JSONResponse({"engine_id": engine_id, "handed_back": n})
+
+        @app.post("/api/engines/add")
+        def add(request: Request, count: int = Query(1, ge=1)) -> JSONResponse:
+            try:
+                added = control(request).add(count)
+            except ValueError as e:
+                raise HTTPException(getattr(e, "http_status", 404), str(e)) from None
+            return JSONResponse({"added": added})
+
+        @app.post("/api/engines/{engine_id}/remove")
+        def remove(engine_id: str, request: Request) -> JSONResponse:
+            try:
+                n = control(request).remove(engine_id)
+            except ValueError as e:
+                raise HTTPException(getattr(e, "http_status", 404), str(e)) from None
             return JSONResponse({"engine_id": engine_id, "handed_back": n})
 
         @app.post("/api/engines/{engine_id}/undrain")

@@ -39,6 +39,7 @@ from rollstream.runtime.controller import (
     TrainerLike,
     TrainerTurn,
 )
+from rollstream.runtime.fleet import Fleet, MakeEngine
 from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import Reconfigure
 from rollstream.staleness import StalenessPolicy
@@ -207,6 +208,7 @@ class Loop:
     reconfigure: Reconfigure
     meter: RolloutMeter
     supervisor: EngineSupervisor | None  # None: nothing revives engines (simulated ones)
+    fleet: Fleet  # engines joining and leaving the run (``rollstream engines --add/--remove``)
     trainer_turn: TrainerTurn | None  # colocated placement: engines stop for a trainer step
     trainer: TrainerLike
     metrics: MetricsLike
@@ -219,14 +221,16 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
                span: Callable[..., None] | None = None, start_step: int = 0,
                staleness: StalenessPolicy, harnesses: Mapping[str, Harness] | None = None,
-               reconfig_log: Path | None = None, supervise: bool = True) -> Loop:
+               reconfig_log: Path | None = None, supervise: bool = True,
+               make: MakeEngine | None = None) -> Loop:
     """Wire dispatcher, rollout and weight sync as ``cfg`` says (tests use this with their
     own engines and trainers at the process edges). ``staleness``: the run's policy, the one
     its trainer was given. ``harnesses``: what runs tasks that are not one engine request
     (:func:`build_harnesses`); ``reconfig_log``: where reconfigurations are recorded (the run
     directory's ``reconfig.jsonl``); ``supervise``: revive an engine whose loop died (the
     simulator's never die: its poll over hundreds of engines would be most of a simulation's
-    cost)."""
+    cost); ``make``: builds an engine that joins the run (:func:`engine_maker`; None: none
+    can). ``engines`` becomes the run's roster: engines join and leave it (runtime/fleet.py)."""
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
@@ -246,22 +250,24 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         metrics.record("phase", version, {"sync_s": sync_s, "sync_bytes": sync.num_bytes})
         rollout.on_version(version)
 
-    sync = WeightSync(engines, dispatcher, cfg.rollout.on_update, on_applied,
+    sync = WeightSync(dispatcher.engines, dispatcher, cfg.rollout.on_update, on_applied,
                       version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
         log.info(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s")
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
-    supervisor = (EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
+    supervisor = (EngineSupervisor(dispatcher.engines, sync, on_restart=on_restart, clock=clock)
                   if supervise else None)
     colocated = cfg.runtime.kind == "ray" and cfg.runtime.ray.placement == "colocated"
-    meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
+    meter = RolloutMeter(dispatcher.engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
                          lambda: {**rollout.stats(), **dispatcher.gauges()}, clock=clock)
     reconfigure = Reconfigure(cfg, dispatcher=dispatcher, rollout=rollout, tasks=tasks,
                               trainer=trainer, metrics=metrics, log_path=reconfig_log)
+    fleet = Fleet(dispatcher=dispatcher, sync=sync, make=make,
+                  on_change=lambda n: metrics.record("phase", sync.version, {"num_engines": n}))
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
-                reconfigure=reconfigure, meter=meter, supervisor=supervisor,
+                reconfigure=reconfigure, meter=meter, supervisor=supervisor, fleet=fleet,
                 trainer_turn=TimeShare(dispatcher, sync).trainer_turn if colocated else None,
                 trainer=trainer, metrics=metrics, clock=clock, start_step=start_step)
 
@@ -288,12 +294,11 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     local engine's pass recorder reads) or one Ray actor each (``ray``, in the run's scale
     units, with the Ray they run on, which holds the units and which the run stops at the
     end)."""
-    from rollstream.engine.factory import build_engine, engine_kind
+    from rollstream.engine.factory import engine_kind
 
     if cfg.runtime.kind == "embedded":
-        return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
-                             version=version, training=training)
-                for i in range(cfg.engine.num_engines)], None
+        make = engine_maker(cfg, weights, version=version, training=training)
+        return [make(i) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.runtime.ray.units import ScaleUnits
 
@@ -307,3 +312,19 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
         cluster.stop()
         raise
     return list(engines), cluster
+
+
+def engine_maker(cfg: RunConfig, weights: Path, *, version: int,
+                 training: Callable[[], bool] | None = None,
+                 cluster: RayCluster | None = None) -> MakeEngine | None:
+    """What builds the run's engine number ``index`` serving ``weights`` tagged ``version``,
+    as :func:`build_engines` built the first ones: the engines of the run at its start and
+    those that join it later (``runtime/fleet.py``). None where engines cannot join."""
+    if cfg.runtime.kind == "embedded":
+        from rollstream.engine.factory import build_engine
+
+        def make(index: int) -> Engine:
+            return build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{index}",
+                                version=version, training=training)
+        return make
+    return None
