@@ -31,6 +31,7 @@ from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.run_files import RunFiles
+from rollstream.runtime.autoscale import AutoscalePolicy, Autoscaler
 from rollstream.runtime.controller import (
     AfterStep,
     BeforeStop,
@@ -209,6 +210,7 @@ class Loop:
     meter: RolloutMeter
     supervisor: EngineSupervisor | None  # None: nothing revives engines (simulated ones)
     fleet: Fleet  # engines joining and leaving the run (``rollstream engines --add/--remove``)
+    autoscaler: Autoscaler | None  # runtime.autoscale (None: the roster changes by hand only)
     trainer_turn: TrainerTurn | None  # colocated placement: engines stop for a trainer step
     trainer: TrainerLike
     metrics: MetricsLike
@@ -266,8 +268,12 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                               trainer=trainer, metrics=metrics, log_path=reconfig_log)
     fleet = Fleet(dispatcher=dispatcher, sync=sync, make=make,
                   on_change=lambda n: metrics.record("phase", sync.version, {"num_engines": n}))
+    scale = cfg.runtime.autoscale
+    autoscaler = None if scale is None else Autoscaler(AutoscalePolicy(scale, clock), fleet,
+                                                       rollout.capacity)
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
                 reconfigure=reconfigure, meter=meter, supervisor=supervisor, fleet=fleet,
+                autoscaler=autoscaler,
                 trainer_turn=TimeShare(dispatcher, sync).trainer_turn if colocated else None,
                 trainer=trainer, metrics=metrics, clock=clock, start_step=start_step)
 
@@ -283,7 +289,7 @@ def build_controller(cfg: RunConfig, loop: Loop, *, after_step: AfterStep | None
         max_wall_s=cfg.max_wall_s, start_step=loop.start_step, supervisor=loop.supervisor,
         clock=loop.clock, reconfigure=loop.reconfigure, trainer_turn=loop.trainer_turn,
         after_step=after_step, before_stop=before_stop, train_pool=train_pool,
-        training=training)
+        training=training, autoscaler=loop.autoscaler)
 
 
 def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
@@ -320,6 +326,8 @@ def engine_maker(cfg: RunConfig, weights: Path, *, version: int,
     """What builds the run's engine number ``index`` serving ``weights`` tagged ``version``,
     as :func:`build_engines` built the first ones: the engines of the run at its start and
     those that join it later (``runtime/fleet.py``). None where engines cannot join."""
+    if cfg.engine.kind == "vllm" and cfg.engine.vllm.urls:
+        return None  # attached to servers it did not start: it cannot start another
     if cfg.runtime.kind == "embedded":
         from rollstream.engine.factory import build_engine
 

@@ -7,6 +7,7 @@ Named asyncio loops, joined by the rollout's buffer and admission capacity::
           | on_version(v)                            | load v (interrupt | continue | drain)
     WeightSync.run  <──── publish(v+1) ──── train loop: take(G) -> trainer.step -> on_trained
     EngineSupervisor.run: an engine whose loop died is revived at the current version
+    Autoscaler.run: engines join and leave by runtime.autoscale (runtime/autoscale.py)
 
 Modes are settings of this one loop (the staleness policy and the sync policy, both chosen
 when the run is built): ``sync`` is staleness 0 (one batch per version, exactly on-policy),
@@ -57,6 +58,11 @@ class MetricsLike(Protocol):
     def observe(self, name: str, value: float) -> None: ...
 
 
+class Loops(Protocol):
+    async def run(self) -> None:
+        """A loop of the run's (until cancelled)."""
+
+
 class Boundary(Protocol):
     """What runs when weight version ``version`` is published, before the next step begins
     (the run's reconfiguration, runtime/reconfigure.py)."""
@@ -90,19 +96,21 @@ class Controller:
                  supervisor: EngineSupervisor | None = None, clock: Clock | None = None,
                  reconfigure: Boundary | None = None, trainer_turn: TrainerTurn | None = None,
                  train_pool: Executor | None = None,
-                 training: threading.Event | None = None) -> None:
+                 training: threading.Event | None = None,
+                 autoscaler: Loops | None = None) -> None:
         """``trainer_turn``: entered around each trainer step (colocated placement: the
         engines stop for it; runtime/placement.py); None: they run on. ``train_pool``: where
         trainer steps run (:func:`trainer_thread` if None; the simulator's costs virtual
         time), shut down when :meth:`run` ends. ``training``: set while a trainer step
         computes (the local engine's pass recorder reads it from its thread: passes that
         overlap training are binned apart, sim/calibrate.py). ``supervisor``: revives dead
-        engines; None: nothing does (simulated engines never die)."""
+        engines; None: nothing does (simulated engines never die). ``autoscaler``: adds and
+        removes engines as the run goes (runtime/autoscale.py); None: nothing does."""
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
         self.start_step = start_step
-        self.supervisor = supervisor
+        self.supervisor, self.autoscaler = supervisor, autoscaler
         self.clock = clock or WallClock()  # times wait_s / train_s (virtual in `sim`)
         self.after_step, self.before_stop = after_step, before_stop
         self.reconfigure = reconfigure
@@ -126,6 +134,8 @@ class Controller:
                 loops = [tg.create_task(self.sync.run(), name="sync")]
                 if self.supervisor is not None:
                     loops.append(tg.create_task(self.supervisor.run(), name="supervisor"))
+                if self.autoscaler is not None:
+                    loops.append(tg.create_task(self.autoscaler.run(), name="autoscale"))
                 tg.create_task(self.rollout.admit_forever(), name="admit")
                 try:
                     await self._train_loop(result)

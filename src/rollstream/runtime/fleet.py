@@ -67,7 +67,8 @@ class Fleet:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_ADD:
             raise Refused(f"count must be an integer from 1 to {MAX_ADD}, got {n!r}")
         if self.make is None:
-            raise Refused("this run cannot add engines (it was given its engines)")
+            raise Refused("this run cannot add engines: it was given its engines, or attached "
+                          "to servers it did not start (engine.vllm.urls)")
         indices = [self._take_index() for _ in range(n)]
         return list(await asyncio.gather(*(self._join(i) for i in indices)))
 
