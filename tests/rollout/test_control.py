@@ -64,6 +64,9 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
                                                       "--undrain", "rand-0")
             seen["unknown"] = await asyncio.to_thread(_cli, "engines", str(tmp_path),
                                                       "--drain", "nope")
+            seen["add"] = await asyncio.to_thread(_cli, "engines", str(tmp_path), "--add", "1")
+            seen["remove"] = await asyncio.to_thread(_cli, "engines", str(tmp_path),
+                                                     "--remove", "nope")
 
         try:
             op = asyncio.create_task(operate())
@@ -87,6 +90,10 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
     assert rc == 0 and "undrained rand-0" in out, out
     assert seen["a_end"] > seen["a_idle"], "undrained, it takes work again"
     rc, out = seen["unknown"]
+    assert rc == 2 and "no engine 'nope'" in out, out
+    rc, out = seen["add"]  # its engines were given to it: nothing builds another
+    assert rc == 2 and "this run cannot add engines" in out, out
+    rc, out = seen["remove"]
     assert rc == 2 and "no engine 'nope'" in out, out
     assert seen["result"].steps_done == 30
     rows = read_ledger(tmp_path / "ledger.jsonl")

@@ -10,6 +10,7 @@ nothing lost or duplicated."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -24,7 +25,8 @@ from rollstream.durable.audit import audit_run
 from rollstream.run_files import DASHBOARD_URL
 from tests.security.conftest import small
 
-STEPS, GROUPS, GROUP = 30, 4, 4
+STEPS, GROUPS, GROUP = 40, 4, 4
+HOLD_AT = 2  # the run waits after this step until the engine was added
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -55,13 +57,15 @@ def _until(check, timeout_s: float = 120.0):
 
 
 def _operate(run_dir: Path, seen: dict) -> None:
-    """While the run trains: once the engines serve version >= 2, add an engine, wait for
-    its requests, then remove the first engine while it has requests in flight."""
+    """While the run trains: once the engines serve version >= 2, add an engine (the run
+    waits after step ``HOLD_AT`` until it joined), wait for its requests, then remove the
+    first engine while it has requests in flight."""
     _until(lambda: (run_dir / DASHBOARD_URL).exists())
     _until(lambda: int(_rows(run_dir)["local-0"][3]) >= 2)
     seen["add"] = _cli("engines", str(run_dir), "--add", "1")
     seen["rows_after_add"] = _rows(run_dir)
     seen["weights_equal"] = _until(seen["engines_equal"], 10)  # a load may be under way
+    seen["added"].set()
     _until(lambda: sum(s["engine_id"] == "local-1" for s in _spans(run_dir)) >= 3)
     seen["add_too_many"] = _cli("engines", str(run_dir), "--add", "17")
     seen["add_none"] = _cli("engines", str(run_dir), "--add", "0")
@@ -80,16 +84,24 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
 
     from rollstream.runtime import fleet as fleet_module
 
+    from rollstream.runtime import steps as steps_module
+
     run_dir = tmp_path / "r"
-    seen: dict = {}
+    seen: dict = {"added": threading.Event()}
     fleets: list = []
-    real_init = fleet_module.Fleet.__init__
+    real_init, real_after = fleet_module.Fleet.__init__, steps_module.BetweenSteps.__call__
 
     def spy_init(self, **kwargs):  # the run's fleet, to read its engines' weights
         real_init(self, **kwargs)
         fleets.append(self)
 
+    async def holding(self, step, values):  # the run goes on once the engine was added
+        await real_after(self, step, values)
+        if step == HOLD_AT:
+            await asyncio.to_thread(seen["added"].wait, 120)
+
     monkeypatch.setattr(fleet_module.Fleet, "__init__", spy_init)
+    monkeypatch.setattr(steps_module.BetweenSteps, "__call__", holding)
 
     def engines_equal() -> bool:
         a, b = (fleets[0].dispatcher.router.by_id[i] for i in ("local-0", "local-1"))
@@ -100,8 +112,11 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
         return fleets[0].dispatcher.router.by_id[engine_id]._thread
 
     seen["engines_equal"], seen["thread_of"] = engines_equal, thread_of
-    op = threading.Thread(target=lambda: seen.setdefault("error", _catch(_operate, run_dir,
-                                                                         seen)), daemon=True)
+    def operate() -> None:
+        seen["error"] = _catch(_operate, run_dir, seen)
+        seen["added"].set()  # a failed operation holds the run no longer
+
+    op = threading.Thread(target=operate, daemon=True)
     op.start()
     summary = rollstream.run(None, small(tmp_path, kit_model, "monitor.dashboard=true",
                                          "engine.num_engines=1", f"train.steps={STEPS}",

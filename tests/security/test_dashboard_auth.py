@@ -47,6 +47,8 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
             with httpx.Client(base_url=url, timeout=30) as http:
                 auth = {"Authorization": f"Bearer {token}"}
                 seen["none"] = http.post(drain).status_code
+                seen["add_none"] = http.post("/api/engines/add?count=1").status_code
+                seen["remove_none"] = http.post("/api/engines/rand-0/remove").status_code
                 seen["wrong"] = http.post(drain, headers={"Authorization": "Bearer x"})
                 seen["list"] = http.get("/api/engines").status_code
                 for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}"):
@@ -73,6 +75,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
     asyncio.run(run())
     assert seen["mode"] == 0o600, oct(seen["mode"])
     assert seen["none"] == 401 and seen["wrong"].status_code == 401 and seen["list"] == 401
+    assert seen["add_none"] == seen["remove_none"] == 401, "adding and removing need it too"
     assert TOKEN_FILE in seen["wrong"].json()["detail"]
     for host in [k for k in seen if "evil" in k or k.startswith("127.")]:
         assert seen[host] == (403, 403), (host, seen[host])  # DNS rebinding reaches nothing

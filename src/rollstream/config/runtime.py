@@ -268,6 +268,11 @@ def _check_autoscale(rt: RuntimeConfig, engine: EngineConfig) -> None:
         raise ValueError(
             f"runtime.autoscale adds engines, but engine.vllm.urls = {list(engine.vllm.urls)} "
             "attaches to running servers (none can be started): drop one of them")
+    if rt.kind == "ray" and engine.kind == "vllm":
+        raise ValueError(
+            "runtime.autoscale with engine.kind = 'vllm' on runtime.kind: ray is not built yet "
+            "(vLLM engine actors cannot join a live run): drop runtime.autoscale, or use "
+            "engine.kind: local on Ray, or runtime.kind: embedded")
     if rt.kind == "ray" and rt.ray.num_cpus is not None and \
             scale.max_engines * rt.ray.engine_num_cpus > rt.ray.num_cpus:
         raise ValueError(

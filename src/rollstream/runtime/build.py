@@ -303,7 +303,7 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     from rollstream.engine.factory import engine_kind
 
     if cfg.runtime.kind == "embedded":
-        make = engine_maker(cfg, weights, version=version, training=training)
+        make = _make_here(cfg, weights, version=version, training=training)
         return [make(i) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.runtime.ray.units import ScaleUnits
@@ -320,19 +320,29 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     return list(engines), cluster
 
 
-def engine_maker(cfg: RunConfig, weights: Path, *, version: int,
-                 training: Callable[[], bool] | None = None,
-                 cluster: RayCluster | None = None) -> MakeEngine | None:
+def engine_maker(cfg: RunConfig, weights: Path, *, version: int, engines: list[Engine],
+                 training: Callable[[], bool] | None = None) -> MakeEngine | None:
     """What builds the run's engine number ``index`` serving ``weights`` tagged ``version``,
-    as :func:`build_engines` built the first ones: the engines of the run at its start and
-    those that join it later (``runtime/fleet.py``). None where engines cannot join."""
-    if cfg.engine.kind == "vllm" and cfg.engine.vllm.urls:
-        return None  # attached to servers it did not start: it cannot start another
-    if cfg.runtime.kind == "embedded":
-        from rollstream.engine.factory import build_engine
+    as :func:`build_engines` built its first ones (``engines``): the engines that join the
+    run later (``runtime/fleet.py``). None where none can join: engines attached to servers
+    the run did not start (``engine.vllm.urls``), and vLLM engine actors (not built yet)."""
+    if cfg.engine.kind == "vllm" and (cfg.engine.vllm.urls or cfg.runtime.kind == "ray"):
+        return None
+    if cfg.runtime.kind == "ray":
+        from rollstream.runtime.ray.engines import RayEngine
+        from rollstream.runtime.ray.join import join_run_engines
 
-        def make(index: int) -> Engine:
-            return build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{index}",
-                                version=version, training=training)
-        return make
-    return None
+        assert isinstance(engines[0], RayEngine)
+        return join_run_engines(cfg, weights, version=version, like=engines[0])
+    return _make_here(cfg, weights, version=version, training=training)
+
+
+def _make_here(cfg: RunConfig, weights: Path, *, version: int,
+               training: Callable[[], bool] | None) -> MakeEngine:
+    """Engine ``index`` in this process (``runtime.kind: embedded``)."""
+    from rollstream.engine.factory import build_engine
+
+    def make(index: int) -> Engine:
+        return build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{index}",
+                            version=version, training=training)
+    return make

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rollstream.engine.protocol import Engine
+from rollstream.engine.protocol import Closeable, Engine, Joins
 from rollstream.engine.states import EngineHealth
 from rollstream.rollout.dispatcher import Dispatcher
 from rollstream.sync.weights import WeightSync
@@ -153,6 +153,8 @@ class Fleet:
 
 
 async def _close(engine: Engine) -> None:
-    close = getattr(engine, "close", None)
-    if close is not None:
-        await close()
+    """Close ``engine`` alone: an engine sharing run-wide parts leaves them open (``Joins``)."""
+    if isinstance(engine, Joins):
+        await engine.leave()
+    elif isinstance(engine, Closeable):
+        await engine.close()

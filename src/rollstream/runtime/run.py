@@ -191,7 +191,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                           params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
                           start_step=version, staleness=staleness, harnesses=harnesses,
                           reconfig_log=files.reconfig,
-                          make=engine_maker(cfg, weights, version=version, cluster=cluster,
+                          make=engine_maker(cfg, weights, version=version, engines=engines,
                                             training=training.is_set))
         if resume is not None:
             _load_trainer_state(trainer, resume)

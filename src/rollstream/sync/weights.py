@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from rollstream.clock import Clock, WallClock
 from rollstream.config.schema import OnUpdate
-from rollstream.engine.protocol import Engine, Restartable
+from rollstream.engine.protocol import Engine, Joins, Restartable
 from rollstream.engine.states import EngineHealth
 from rollstream.sync.protocol import Header, is_adapter
 
@@ -155,9 +155,10 @@ class WeightSync:
         loads the version the others serve, then ``join`` puts it in the roster; both under
         the lock of loads, so it joins serving the current version and every later load
         reaches it."""
+        load = engine.load_alone if isinstance(engine, Joins) else engine.load_weights
         async with self._lock:
             if self._tensors is not None:
-                await engine.load_weights(self.version, self._tensors)
+                await load(self.version, self._tensors)
             join(engine)
 
     async def release(self, engine: Engine, leave: Callable[[Engine], None]) -> None:
