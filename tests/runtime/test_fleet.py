@@ -161,3 +161,33 @@ def _catch(fn, *args) -> str | None:
 
         return "".join(traceback.format_exception(e))
     return None
+
+
+def test_autoscale_grows_and_shrinks_a_live_local_run(tmp_path: Path, kit_model: Path,
+                                                      caplog) -> None:
+    """``runtime.autoscale`` on a live run: one engine of two slots makes requests wait (it
+    grows), the staleness bound then leaves the engines idle part of each window (with the
+    threshold at 1 it shrinks); each change one window apart, ids never reused, the ledger
+    audit clean."""
+    import logging
+
+    run_dir = tmp_path / "r"
+    with caplog.at_level(logging.INFO, logger="rollstream.runtime.autoscale"):
+        summary = rollstream.run(None, small(
+            tmp_path, kit_model, "engine.num_engines=1", "engine.local.max_slots=2",
+            f"train.steps={STEPS}", "train.checkpoint_every=0", "sampling.max_new_tokens=24",
+            f"train.groups_per_step={GROUPS}", f"rollout.group_size={GROUP}",
+            "runtime.autoscale={max_engines: 2, grow_after_s: 0.2, window_s: 0.6, "
+            "shrink_busy_below: 1.0}"))
+    assert summary["steps"] == STEPS
+    changes = [m.split(":")[1].split() for m in caplog.messages if m.startswith("autoscale: ")]
+    assert changes[0] == ["added", "local-1"] and changes[1][0] == "removed", changes
+    assert all(a[0] != b[0] for a, b in zip(changes, changes[1:])), "it went back and forth"
+    added = [engine_id for verb, engine_id in changes if verb == "added"]
+    assert added == [f"local-{i}" for i in range(1, len(added) + 1)], "ids are never reused"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sizes = [m["num_engines"] for m in lines if "num_engines" in m]
+    assert sizes[:2] == [2, 1] and max(sizes) <= 2 and min(sizes) >= 1, sizes
+    audit = audit_run(run_dir, group_size=GROUP, eval_group_size=1, groups_per_step=GROUPS,
+                      steps=STEPS)
+    assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
