@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 import re
 import threading
@@ -83,7 +84,6 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
     import torch
 
     from rollstream.runtime import fleet as fleet_module
-
     from rollstream.runtime import steps as steps_module
 
     run_dir = tmp_path / "r"
@@ -182,7 +182,7 @@ def test_autoscale_grows_and_shrinks_a_live_local_run(tmp_path: Path, kit_model:
     assert summary["steps"] == STEPS
     changes = [m.split(":")[1].split() for m in caplog.messages if m.startswith("autoscale: ")]
     assert changes[0] == ["added", "local-1"] and changes[1][0] == "removed", changes
-    assert all(a[0] != b[0] for a, b in zip(changes, changes[1:])), "it went back and forth"
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(changes)), "back and forth"
     added = [engine_id for verb, engine_id in changes if verb == "added"]
     assert added == [f"local-{i}" for i in range(1, len(added) + 1)], "ids are never reused"
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -56,7 +56,6 @@ def _operate(run_dir: Path, seen: dict) -> None:
 def test_an_engine_actor_joins_and_leaves_a_live_ray_run(tmp_path: Path, kit_model: Path,
                                                           monkeypatch) -> None:
     from rollstream.runtime import fleet as fleet_module
-
     from rollstream.runtime import steps as steps_module
 
     run_dir = tmp_path / "r"

@@ -13,9 +13,9 @@ from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger
 from rollstream.monitor.dashboard import Dashboard
+from rollstream.monitor.metrics import Metrics
 from rollstream.run_files import DASHBOARD_TOKEN as TOKEN_FILE
 from rollstream.run_files import DASHBOARD_URL as URL_FILE
-from rollstream.monitor.metrics import Metrics
 from rollstream.runtime.control import EngineControl
 from tests.rollout.fakes import CountingTrainer
 from tests.rollout.test_control import _cli
