@@ -317,7 +317,7 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     except BaseException:
         cluster.stop()
         raise
-    return list(engines), cluster
+    return engines, cluster  # the list the transport's broadcast group reads: the roster
 
 
 def engine_maker(cfg: RunConfig, weights: Path, *, version: int, engines: list[Engine],

@@ -59,7 +59,6 @@ class Fleet:
         self._next_index = len(self.engines)
         self.joining: set[str] = set()  # being built or loading weights, not yet routed
         self.leaving: set[str] = set()  # draining, then closing
-        self.num_joined = self.num_left = 0
 
     async def add(self, n: int) -> list[str]:
         """Add ``n`` engines (1..MAX_ADD); returns their ids once each serves the current
@@ -92,7 +91,6 @@ class Fleet:
             self.joining.discard(engine_id)
         if self.dispatcher.queue is not None:
             self.dispatcher.queue.wake()
-        self.num_joined += 1
         log.info(f"engine {engine_id} joined at version {self.sync.version}")
         self.on_change(len(self.engines))
         return engine_id
@@ -116,7 +114,6 @@ class Fleet:
         finally:
             self.leaving.discard(engine_id)
         await _close(engine)
-        self.num_left += 1
         log.info(f"engine {engine_id} left ({handed_back} requests handed back)")
         self.on_change(len(self.engines))
         return handed_back
