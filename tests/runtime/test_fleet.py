@@ -127,6 +127,8 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
     op.join(timeout=60)
     assert seen.get("error") is None, seen.get("error")
     assert summary["steps"] == STEPS
+    work = summary["engines"]  # per engine, the one that left included
+    assert work["local-0"]["busy_s"] > 0 and work["local-1"]["busy_s"] > 0, work
 
     rc, out = seen["add"]
     assert rc == 0 and "added local-1" in out, out

@@ -59,6 +59,7 @@ class Fleet:
         self._next_index = len(self.engines)
         self.joining: set[str] = set()  # being built or loading weights, not yet routed
         self.leaving: set[str] = set()  # draining, then closing
+        self.left: list[Engine] = []  # closed; their stats stay readable (the run's totals)
 
     async def add(self, n: int) -> list[str]:
         """Add ``n`` engines (1..MAX_ADD); returns their ids once each serves the current
@@ -114,6 +115,7 @@ class Fleet:
         finally:
             self.leaving.discard(engine_id)
         await _close(engine)
+        self.left.append(engine)
         log.info(f"engine {engine_id} left ({handed_back} requests handed back)")
         self.on_change(len(self.engines))
         return handed_back
@@ -135,6 +137,10 @@ class Fleet:
         self.dispatcher.router.leave(engine)
         if self.dispatcher.queue is not None:
             self.dispatcher.queue.forget(engine)
+
+    def every_engine(self) -> list[Engine]:
+        """The roster and the engines that left it: the run's work was done by all of them."""
+        return [*self.engines, *self.left]
 
     def table(self) -> list[dict[str, Any]]:
         """The router's table (``Router.table``) with each engine's membership: ``serving``,

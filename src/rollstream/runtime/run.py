@@ -225,7 +225,7 @@ def _build_steps(cfg: RunConfig, files: RunFiles, loop: Loop, *,
         params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
         samples_per_task=cfg.eval.samples_per_task, metrics=loop.metrics,
         next_round=saved.get("eval_rounds", 0))
-    totals = TrainTotals(dispatcher=loop.dispatcher, engines=loop.dispatcher.engines,
+    totals = TrainTotals(dispatcher=loop.dispatcher, engines=loop.fleet.every_engine,
                          saved=saved.get("totals"))
     pool = trainer_thread()
     checkpoints = Checkpoints(cfg=cfg, run_dir=files.root, loop=loop, trainer=loop.trainer,
