@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollstream.clock import Clock, WallClock
-from rollstream.monitor.rollout_meter import RolloutMeter
+from rollstream.monitor.rollout_meter import RolloutMeter, busy_by_engine, busy_share
 from rollstream.rollout.rollout import Rollout, RolloutStopped
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.staleness import age
@@ -153,8 +153,8 @@ class Controller:
         """Run ``fn`` on the trainer's thread (between steps: checkpoints)."""
         return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
 
-    def _engines_busy_s(self) -> float:
-        return sum(e.stats().busy_s for e in self.rollout.dispatcher.engines)
+    def _engines_busy_s(self) -> dict[str, float]:
+        return busy_by_engine(e.stats() for e in self.rollout.dispatcher.engines)
 
     async def _train_loop(self, result: ControllerResult) -> None:
         loop = asyncio.get_running_loop()
@@ -185,7 +185,8 @@ class Controller:
                     out = await self.in_trainer(self.trainer.step, batch, step)
                 finally:
                     self.training.clear()
-            step_s, busy = self.clock.now() - t0 - wait_s, self._engines_busy_s() - busy0
+            step_s = self.clock.now() - t0 - wait_s
+            busy = busy_share(busy0, self._engines_busy_s(), step_s)  # engines may join, leave
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
             values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),
@@ -193,8 +194,7 @@ class Controller:
                       # engines' busy share while the step computed (the trainer's
                       # contention with them: sim/calibrate.py); at most 1: an engine credits
                       # a pass when it ends, one begun before the step counts in full
-                      "engine_busy_in_train": min(1.0, busy / (
-                          step_s * len(self.rollout.dispatcher.engines))) if step_s > 0 else 0.0}
+                      "engine_busy_in_train": min(1.0, busy)}
             for s in trained:
                 if s.min_trained_version is not None:
                     self.metrics.observe("staleness", float(age(step, s.min_trained_version)))
