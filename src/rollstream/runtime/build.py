@@ -269,6 +269,9 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
     fleet = Fleet(dispatcher=dispatcher, sync=sync, make=make,
                   on_change=lambda n: metrics.record("phase", sync.version, {"num_engines": n}))
     scale = cfg.runtime.autoscale
+    if scale is not None and make is None:
+        raise ValueError("runtime.autoscale adds engines, but nothing can build one for this "
+                         "run (its engines were given to it): drop runtime.autoscale")
     autoscaler = None if scale is None else Autoscaler(AutoscalePolicy(scale, clock), fleet,
                                                        rollout.capacity)
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
