@@ -11,6 +11,8 @@ import io
 import re
 from pathlib import Path
 
+import httpx
+
 from rollstream.cli import main
 from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
@@ -48,7 +50,7 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, MonitorConfig(progress=False),
                          control=EngineControl(loop.fleet, asyncio.get_running_loop()))
-        dash.start()
+        url = dash.start()
         a, b = loop.dispatcher.engines
 
         async def operate() -> None:
@@ -57,6 +59,7 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
             seen["drain"] = await asyncio.to_thread(_cli, "engines", str(tmp_path),
                                                     "--drain", "rand-0")
             seen["after_drain"], seen["b_at_drain"] = a.generated, b.generated
+            seen["page"] = (await asyncio.to_thread(httpx.get, url + "api/poll")).json()
             await asyncio.sleep(0.5)
             seen["a_running"], seen["a_idle"] = len(a._running), a.generated
             seen["b_during"] = b.generated
@@ -83,6 +86,8 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
     rc, out = seen["drain"]
     assert rc == 0 and "drained rand-0" in out, out
     assert re.search(r"^rand-0 +up +drained ", out, re.M), out  # the table's row
+    assert [(e["engine_id"], e["routing"], e["member"]) for e in seen["page"]["engines"]] == \
+        [("rand-0", "drained", "serving"), ("rand-1", "routed", "serving")], "the page's table"
     assert seen["a_running"] == 0 and seen["a_idle"] == seen["after_drain"], \
         "nothing is routed to a drained engine"
     assert seen["b_during"] > seen["b_at_drain"], "the other engine does the work meanwhile"

@@ -4,7 +4,8 @@ Routes (all JSON unless noted):
 
     GET /                  the page (HTML; polls api/poll and redraws)
     GET /api/poll          metric lines and spans after the given cursors, plus state, ledger
-                           summary, config and summary.json: ?metrics_since=N&spans_since=M
+                           summary, config and summary.json: ?metrics_since=N&spans_since=M;
+                           of a live run, also its engines' states (as GET /api/engines)
     GET /api/state         Metrics.latest() (or the run directory's equivalent)
     GET /api/metrics       metric lines: ?since=N -> {"lines", "next"}
     GET /api/timeline      timeline spans: ?since=N -> {"spans", "next"}
@@ -140,6 +141,8 @@ class Dashboard:
                            metrics_since=metrics_since, spans_since=spans_since)
             if self.metrics is not None:
                 data["state"] = self.metrics.latest()
+            if self.control is not None:  # each engine's state, read only (the page's table)
+                data["engines"] = self.control.engines()
             return JSONResponse(data)
 
         @app.get("/api/state")
