@@ -9,7 +9,8 @@ from rollstream import run_files
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "rollstream"
 # what the controller and the engines are given at construction, never set afterwards
-WIRED = {"after_step", "before_stop", "train_pool", "supervisor", "training", "passes"}
+WIRED = {"after_step", "before_stop", "train_pool", "supervisor", "training", "passes",
+         "autoscaler"}
 
 
 def _chain(node: ast.expr) -> list[str]:

@@ -4,7 +4,8 @@
     rollstream train CONFIG.yaml --resume          continue runs/<name> from its checkpoint
     rollstream bench NAME [--json OUT]             run a benchmark: prints a table, writes JSON
     rollstream report RUN_DIR                      write a self-contained HTML report of a run
-    rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one
+    rollstream engines RUN_DIR [--drain ID]        a live run's engines; drain / undrain one,
+                                                   add N (--add N), remove one (--remove ID)
     rollstream proxy MODEL_DIR [--out FILE]        an OpenAI-compatible endpoint for agents
     rollstream export RUN_DIR [--step N] --out DIR [--dtype bfloat16]
                                                    a run's model folder for other tools, checked
@@ -21,6 +22,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 from rollstream.logs import LEVELS, configure
 
@@ -105,16 +107,21 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "engines",
         parents=[common],
-        help="list a live run's engines; drain one (preempt it) or route to it again",
+        help="list a live run's engines; drain, undrain, add or remove engines",
         description="Talks to the run's live dashboard (monitor.dashboard=true; its URL is in "
         "RUN_DIR/dashboard.url, the run's token in RUN_DIR/dashboard.token). --drain takes "
         "the engine out of routing: its requests come back with their tokens and continue on "
-        "another engine; --undrain routes to it again.",
+        "another engine; --undrain routes to it again. --add N starts N engines built as the "
+        "run built its own, each loading the current weight version before its first request; "
+        "--remove drains an engine, then closes it and releases its process or Ray actor.",
     )
     e.add_argument("run_dir", type=Path)
     act = e.add_mutually_exclusive_group()
     act.add_argument("--drain", metavar="ENGINE_ID", default=None)
     act.add_argument("--undrain", metavar="ENGINE_ID", default=None)
+    act.add_argument("--add", metavar="N", type=int, default=None,
+                     help="add N engines (1 to 16)")
+    act.add_argument("--remove", metavar="ENGINE_ID", default=None)
 
     s = sub.add_parser(
         "sim",
@@ -197,7 +204,10 @@ def _export(run_dir: Path, step: int | None, out: Path, dtype: str | None,
           f"prompts ({len(done.ties)} near ties)")
 
 
-def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
+JOIN_WAIT_S = 660.0  # an answer may wait for engines to join (runtime/control.py: 600 s)
+
+
+def _engines(run_dir: Path, act: dict[str, str | int | None]) -> None:
     import httpx
 
     from rollstream.run_files import RunFiles
@@ -209,35 +219,47 @@ def _engines(run_dir: Path, drain: str | None, undrain: str | None) -> None:
     base = url_file.read_text().strip().rstrip("/")
     token = token_file.read_text().strip() if token_file.is_file() else ""
     try:
-        _talk(base, token, drain, undrain)
+        _talk(base, token, act)
     except httpx.TransportError as e:
         raise ValueError(f"no run answers at {base} ({e}): it has ended, or was killed "
                          f"(then {url_file} is left behind)") from None
 
 
-def _talk(base: str, token: str, drain: str | None, undrain: str | None) -> None:
+def _talk(base: str, token: str, act: dict[str, str | int | None]) -> None:
     import httpx
 
-    with httpx.Client(base_url=base, timeout=90.0,
+    with httpx.Client(base_url=base, timeout=JOIN_WAIT_S,
                       headers={"Authorization": f"Bearer {token}"}) as client:
-        for engine_id, verb in ((drain, "drain"), (undrain, "undrain")):
-            if engine_id is not None:
-                r = client.post(f"/api/engines/{engine_id}/{verb}")
-                if r.status_code in (401, 403, 404):
-                    raise ValueError(r.json().get("detail", r.text))
-                r.raise_for_status()
-                extra = (f": {r.json()['handed_back']} requests handed back"
-                         if verb == "drain" else "")
-                print(f"{verb}ed {engine_id}{extra}")
-        r = client.get("/api/engines")
-        if r.status_code in (401, 403, 404):
-            raise ValueError(r.json().get("detail", r.text))
-        r.raise_for_status()
-        print(f"{'engine':12s} {'health':10s} {'routing':11s} {'version':>7s} {'in flight':>9s}")
-        for row in r.json():
+        for verb, arg in act.items():
+            if arg is None:
+                continue
+            if verb == "add":
+                r = _answer(client.post("/api/engines/add", params={"count": arg}))
+                print(f"added {', '.join(r['added'])}")
+                continue
+            r = _answer(client.post(f"/api/engines/{arg}/{verb}"))
+            extra = (f": {r['handed_back']} requests handed back"
+                     if verb in ("drain", "remove") else "")
+            print(f"{verb.removesuffix('e')}ed {arg}{extra}")
+        rows = _answer(client.get("/api/engines"))
+        print(f"{'engine':12s} {'health':10s} {'routing':11s} {'version':>7s} "
+              f"{'in flight':>9s} {'member':8s}")
+        for row in rows:
             why = "; ".join(w for w in (row["health_reason"], row["routing_reason"]) if w)
             print(f"{row['engine_id']:12s} {row['health']:10s} {row['routing']:11s} "
-                  f"{row['version']:7d} {row['in_flight']:9d}" + (f"  {why}" if why else ""))
+                  f"{row['version']:7d} {row['in_flight']:9d} {row['member']:8s}"
+                  + (f"  {why}" if why else ""))
+
+
+def _answer(r: Any) -> Any:
+    """The JSON of a dashboard's answer; its reason as a ValueError for a 4xx."""
+    if 400 <= r.status_code < 500:
+        detail = r.json().get("detail", r.text)
+        if isinstance(detail, list):  # a validation error: the field and what it allows
+            detail = "; ".join(f"{d['loc'][-1]}: {d['msg']}" for d in detail)
+        raise ValueError(detail)
+    r.raise_for_status()
+    return r.json()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(write_report(args.run_dir))
         elif args.command == "engines":
-            _engines(args.run_dir, args.drain, args.undrain)
+            _engines(args.run_dir, {"drain": args.drain, "undrain": args.undrain,
+                                    "add": args.add, "remove": args.remove})
         elif args.command == "sim":
             if args.study is not None:
                 from rollstream.sim.study import main as study_main

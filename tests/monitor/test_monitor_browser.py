@@ -68,10 +68,22 @@ def assert_drawn(dom: str) -> None:
     assert "max_staleness" in dom  # resolved config
 
 
+class Roster:
+    """A live run's engines as ``runtime/control.py`` reports them: one joining, one leaving."""
+
+    def engines(self) -> list[dict]:
+        row = {"health": "up", "health_reason": None, "version": 7, "routing": "routed",
+               "routing_reason": None, "in_flight": 3, "member": "serving"}
+        return [{**row, "engine_id": "local-0", "member": "leaving", "routing": "drained"},
+                {**row, "engine_id": "local-1"},
+                {**row, "engine_id": "local-2", "member": "joining", "in_flight": 0}]
+
+
 def test_live_dashboard_renders_in_chromium(tmp_path: Path) -> None:
     run_dir = tmp_path / "browser-run"
     metrics = synth_run(run_dir, num_steps=30, close=False)
-    dash = Dashboard(metrics, run_dir, MonitorConfig(progress=False, dashboard_poll_s=0.5))
+    dash = Dashboard(metrics, run_dir, MonitorConfig(progress=False, dashboard_poll_s=0.5),
+                     control=Roster())  # type: ignore[arg-type]
     url = dash.start()
     try:
         res = chromium(url, tmp_path / "profile", "--dump-dom")
@@ -79,6 +91,10 @@ def test_live_dashboard_renders_in_chromium(tmp_path: Path) -> None:
         assert console_messages(res.stderr) == []
         assert 'class="badge live"' in res.stdout, "the page did not poll the live server"
         assert_drawn(res.stdout)
+        engines = re.search(r'<div id="engines">(.*?)</div>', res.stdout, re.S).group(1)
+        assert [tuple(re.findall(r"<td[^>]*>([^<]*)</td>", row)[:2]) for row in
+                re.findall(r"<tr>(.*?)</tr>", engines)[1:]] == \
+            [("local-0", "leaving"), ("local-1", "serving"), ("local-2", "joining")]
 
         shot = tmp_path / "dashboard.png"
         res = chromium(url, tmp_path / "profile", f"--screenshot={shot}")
@@ -100,6 +116,7 @@ def test_report_renders_offline_in_chromium(tmp_path: Path) -> None:
     assert console_messages(res.stderr) == []
     assert "report ·" in res.stdout
     assert_drawn(res.stdout)
+    assert '<div class="card" id="engines-card" hidden="">' in res.stdout, "no live engines"
 
 
 def test_dashboard_before_any_data(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ import io
 import re
 from pathlib import Path
 
+import httpx
+
 from rollstream.cli import main
 from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
@@ -47,8 +49,8 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
             e.max_delay_s = 0.004  # the run lasts a few seconds
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, MonitorConfig(progress=False),
-                         control=EngineControl(loop.dispatcher, asyncio.get_running_loop()))
-        dash.start()
+                         control=EngineControl(loop.fleet, asyncio.get_running_loop()))
+        url = dash.start()
         a, b = loop.dispatcher.engines
 
         async def operate() -> None:
@@ -57,6 +59,7 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
             seen["drain"] = await asyncio.to_thread(_cli, "engines", str(tmp_path),
                                                     "--drain", "rand-0")
             seen["after_drain"], seen["b_at_drain"] = a.generated, b.generated
+            seen["page"] = (await asyncio.to_thread(httpx.get, url + "api/poll")).json()
             await asyncio.sleep(0.5)
             seen["a_running"], seen["a_idle"] = len(a._running), a.generated
             seen["b_during"] = b.generated
@@ -64,6 +67,9 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
                                                       "--undrain", "rand-0")
             seen["unknown"] = await asyncio.to_thread(_cli, "engines", str(tmp_path),
                                                       "--drain", "nope")
+            seen["add"] = await asyncio.to_thread(_cli, "engines", str(tmp_path), "--add", "1")
+            seen["remove"] = await asyncio.to_thread(_cli, "engines", str(tmp_path),
+                                                     "--remove", "nope")
 
         try:
             op = asyncio.create_task(operate())
@@ -80,6 +86,8 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
     rc, out = seen["drain"]
     assert rc == 0 and "drained rand-0" in out, out
     assert re.search(r"^rand-0 +up +drained ", out, re.M), out  # the table's row
+    assert [(e["engine_id"], e["routing"], e["member"]) for e in seen["page"]["engines"]] == \
+        [("rand-0", "drained", "serving"), ("rand-1", "routed", "serving")], "the page's table"
     assert seen["a_running"] == 0 and seen["a_idle"] == seen["after_drain"], \
         "nothing is routed to a drained engine"
     assert seen["b_during"] > seen["b_at_drain"], "the other engine does the work meanwhile"
@@ -87,6 +95,10 @@ def test_drain_and_undrain_a_live_runs_engine_over_http(tmp_path: Path) -> None:
     assert rc == 0 and "undrained rand-0" in out, out
     assert seen["a_end"] > seen["a_idle"], "undrained, it takes work again"
     rc, out = seen["unknown"]
+    assert rc == 2 and "no engine 'nope'" in out, out
+    rc, out = seen["add"]  # its engines were given to it: nothing builds another
+    assert rc == 2 and "this run cannot add engines" in out, out
+    rc, out = seen["remove"]
     assert rc == 2 and "no engine 'nope'" in out, out
     assert seen["result"].steps_done == 30
     rows = read_ledger(tmp_path / "ledger.jsonl")

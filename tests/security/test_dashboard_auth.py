@@ -13,9 +13,9 @@ from rollstream.config import RunConfig, TrainConfig
 from rollstream.config.schema import MonitorConfig
 from rollstream.data.ledger import Ledger
 from rollstream.monitor.dashboard import Dashboard
+from rollstream.monitor.metrics import Metrics
 from rollstream.run_files import DASHBOARD_TOKEN as TOKEN_FILE
 from rollstream.run_files import DASHBOARD_URL as URL_FILE
-from rollstream.monitor.metrics import Metrics
 from rollstream.runtime.control import EngineControl
 from tests.rollout.fakes import CountingTrainer
 from tests.rollout.test_control import _cli
@@ -36,7 +36,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
             2, cfg.rollout.staleness_policy()))
         metrics = Metrics(tmp_path, MonitorConfig(progress=False))
         dash = Dashboard(metrics, tmp_path, CFG, control=EngineControl(
-            loop.dispatcher, asyncio.get_running_loop()))
+            loop.fleet, asyncio.get_running_loop()))
         url = dash.start()
         port = int(url.rstrip("/").rsplit(":", 1)[1])
         token = (tmp_path / TOKEN_FILE).read_text().strip()
@@ -47,6 +47,8 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
             with httpx.Client(base_url=url, timeout=30) as http:
                 auth = {"Authorization": f"Bearer {token}"}
                 seen["none"] = http.post(drain).status_code
+                seen["add_none"] = http.post("/api/engines/add?count=1").status_code
+                seen["remove_none"] = http.post("/api/engines/rand-0/remove").status_code
                 seen["wrong"] = http.post(drain, headers={"Authorization": "Bearer x"})
                 seen["list"] = http.get("/api/engines").status_code
                 for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}"):
@@ -73,6 +75,7 @@ def test_control_routes_need_the_runs_token_and_the_bound_host(tmp_path: Path) -
     asyncio.run(run())
     assert seen["mode"] == 0o600, oct(seen["mode"])
     assert seen["none"] == 401 and seen["wrong"].status_code == 401 and seen["list"] == 401
+    assert seen["add_none"] == seen["remove_none"] == 401, "adding and removing need it too"
     assert TOKEN_FILE in seen["wrong"].json()["detail"]
     for host in [k for k in seen if "evil" in k or k.startswith("127.")]:
         assert seen[host] == (403, 403), (host, seen[host])  # DNS rebinding reaches nothing

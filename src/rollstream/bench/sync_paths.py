@@ -12,7 +12,8 @@ def proxies(owners: list, path: str, delta: bool, dtype: str) -> tuple[Any, list
     """A transport of ``path`` (``runtime.ray.delta`` = ``delta``, engines in ``dtype``)
     and new proxies over ``owners``' actors that share it."""
     from rollstream.config.runtime import RayConfig
-    from rollstream.runtime.ray.engines import RayEngine, build_transport
+    from rollstream.runtime.ray.engines import RayEngine
+    from rollstream.runtime.ray.transport import build_transport
     from rollstream.sync.broadcast import Broadcast
     from rollstream.sync.delta import DeltaSync
 

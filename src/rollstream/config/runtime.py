@@ -111,6 +111,36 @@ class RayConfig(Section):
         return self
 
 
+class AutoscaleConfig(Section):
+    """Engines added and removed while the run trains (``runtime/autoscale.py``), through the
+    same path as ``rollstream engines RUN --add / --remove``. At most one change per
+    ``window_s``."""
+
+    min_engines: int = Field(1, ge=1)
+    """Never fewer engines than this: shrinking stops here (at most ``engine.num_engines``,
+    the run's engines at its start)."""
+    max_engines: int = Field(4, ge=1)
+    """Never more engines than this: growing stops here (at least ``engine.num_engines``
+    and ``min_engines``)."""
+    grow_after_s: float = Field(30.0, gt=0)
+    """Add an engine once requests have waited for an engine slot (in the dispatch queue or
+    in the engines' own queues) for this many seconds without a break."""
+    shrink_busy_below: float = Field(0.3, ge=0, le=1)
+    """Remove an engine when the engines' busy share over the last ``window_s`` (forward-pass
+    seconds per engine-second) is below this while admission is blocked by the staleness
+    capacity: the engines wait for the trainer, not the other way round. 0: never shrink."""
+    window_s: float = Field(60.0, gt=0)
+    """The window the busy share is measured over, and the least time between two changes."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> AutoscaleConfig:
+        if self.min_engines > self.max_engines:
+            raise ValueError(
+                f"runtime.autoscale.min_engines = {self.min_engines} is above runtime."
+                f"autoscale.max_engines = {self.max_engines}: min_engines <= max_engines")
+        return self
+
+
 class RuntimeConfig(Section):
     """Where the run's components live."""
 
@@ -123,6 +153,9 @@ class RuntimeConfig(Section):
     process."""
     ray: RayConfig = RayConfig()
     """Settings of ``kind: ray``."""
+    autoscale: AutoscaleConfig | None = None
+    """Add and remove engines as the run goes (its bounds, when to grow and shrink). Null:
+    the run keeps ``engine.num_engines`` engines unless an operator adds or removes some."""
 
     @model_validator(mode="after")
     def _ray_settings_need_ray(self) -> RuntimeConfig:
@@ -139,6 +172,8 @@ def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig
                   num_workers: int) -> None:
     """Runtime settings that contradict the engine and train sections (``num_workers``: the
     reward and harness worker actors)."""
+    if rt.autoscale is not None:
+        _check_autoscale(rt, engine)
     if rt.kind != "ray":
         return
     if engine.kind == "vllm":
@@ -217,3 +252,30 @@ def _check_units(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> No
                 f"{field} = {count} does not split into runtime.ray.scale_units = "
                 f"{ray.scale_units} equal units: each unit holds an equal share: "
                 f"allowed scale_units divide {' and '.join(f'{k} = {v}' for k, v in counts.items())}")
+
+
+def _check_autoscale(rt: RuntimeConfig, engine: EngineConfig) -> None:
+    """The autoscaler's bounds against the engines the run starts with and can build."""
+    scale = rt.autoscale
+    assert scale is not None
+    n = engine.num_engines
+    if not scale.min_engines <= n <= scale.max_engines:
+        raise ValueError(
+            f"engine.num_engines = {n} is outside runtime.autoscale's bounds (min_engines = "
+            f"{scale.min_engines}, max_engines = {scale.max_engines}): the run starts with "
+            "engine.num_engines engines; set it between them")
+    if engine.kind == "vllm" and engine.vllm.urls:
+        raise ValueError(
+            f"runtime.autoscale adds engines, but engine.vllm.urls = {list(engine.vllm.urls)} "
+            "attaches to running servers (none can be started): drop one of them")
+    if rt.kind == "ray" and engine.kind == "vllm":
+        raise ValueError(
+            "runtime.autoscale with engine.kind = 'vllm' on runtime.kind: ray is not built yet "
+            "(vLLM engine actors cannot join a live run): drop runtime.autoscale, or use "
+            "engine.kind: local on Ray, or runtime.kind: embedded")
+    if rt.kind == "ray" and rt.ray.num_cpus is not None and \
+            scale.max_engines * rt.ray.engine_num_cpus > rt.ray.num_cpus:
+        raise ValueError(
+            f"runtime.autoscale.max_engines = {scale.max_engines} engine actors of runtime.ray."
+            f"engine_num_cpus = {rt.ray.engine_num_cpus} need more than runtime.ray.num_cpus = "
+            f"{rt.ray.num_cpus}: Ray could never place them all")

@@ -194,3 +194,16 @@ class Restartable(Protocol):
 
     async def restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Serve again at ``version`` with these weights (None: its own initial ones)."""
+
+
+@runtime_checkable
+class Joins(Protocol):
+    """An engine that shares run-wide parts with the others (an engine actor of the Ray
+    runtime: the weight transport whose rounds reach every actor), so it joins and leaves a
+    live run its own way (``runtime/fleet.py``)."""
+
+    async def load_alone(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load ``version`` by itself, outside the rounds that reach the run's engines."""
+
+    async def leave(self) -> None:
+        """Close this engine alone (what it shares with the others stays open)."""

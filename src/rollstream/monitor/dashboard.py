@@ -4,7 +4,8 @@ Routes (all JSON unless noted):
 
     GET /                  the page (HTML; polls api/poll and redraws)
     GET /api/poll          metric lines and spans after the given cursors, plus state, ledger
-                           summary, config and summary.json: ?metrics_since=N&spans_since=M
+                           summary, config and summary.json: ?metrics_since=N&spans_since=M;
+                           of a live run, also its engines' states (as GET /api/engines)
     GET /api/state         Metrics.latest() (or the run directory's equivalent)
     GET /api/metrics       metric lines: ?since=N -> {"lines", "next"}
     GET /api/timeline      timeline spans: ?since=N -> {"spans", "next"}
@@ -17,10 +18,20 @@ Operating a live run (when it was given an ``EngineControl``; 404 otherwise), wi
 token as ``Authorization: Bearer TOKEN`` (401 otherwise):
 
     GET  /api/engines                      [{engine_id, health, health_reason, version,
-                                             routing, routing_reason, in_flight}]
-                                           (states: rollstream/engine/states.py)
+                                             routing, routing_reason, in_flight, member}]
+                                           (states: rollstream/engine/states.py; member:
+                                           joining, serving or leaving)
     POST /api/engines/{engine_id}/drain    preempt it: {"engine_id", "handed_back": n}
     POST /api/engines/{engine_id}/undrain  route to it again
+    POST /api/engines/add?count=N          N engines join (at most runtime/fleet.py's MAX_ADD),
+                                           each serving the current version before its first
+                                           request: {"added": [ids]}
+    POST /api/engines/{engine_id}/remove   drain it, then close it and release its resources:
+                                           {"engine_id", "handed_back": n}
+
+An unknown engine is 404, a change the run cannot take now (its last engine, too many at once,
+a run that cannot add engines) 409, a count that is not a positive integer 422; none takes a
+body.
 
 A live dashboard writes its URL to ``RUN_DIR/dashboard.url`` and a token made for this run to
 ``RUN_DIR/dashboard.token`` (readable by its owner only) while it serves; ``rollstream engines
@@ -63,6 +74,10 @@ class Control(Protocol):
     def drain(self, engine_id: str) -> int: ...
 
     def undrain(self, engine_id: str) -> None: ...
+
+    def add(self, count: int) -> list[str]: ...
+
+    def remove(self, engine_id: str) -> int: ...
 
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # what a Host header may name
@@ -126,6 +141,8 @@ class Dashboard:
                            metrics_since=metrics_since, spans_since=spans_since)
             if self.metrics is not None:
                 data["state"] = self.metrics.latest()
+            if self.control is not None:  # each engine's state, read only (the page's table)
+                data["engines"] = self.control.engines()
             return JSONResponse(data)
 
         @app.get("/api/state")
@@ -181,6 +198,22 @@ class Dashboard:
                 n = control(request).drain(engine_id)
             except ValueError as e:
                 raise HTTPException(404, str(e)) from None
+            return JSONResponse({"engine_id": engine_id, "handed_back": n})
+
+        @app.post("/api/engines/add")
+        def add(request: Request, count: int = Query(1, ge=1)) -> JSONResponse:
+            try:
+                added = control(request).add(count)
+            except ValueError as e:
+                raise HTTPException(getattr(e, "http_status", 404), str(e)) from None
+            return JSONResponse({"added": added})
+
+        @app.post("/api/engines/{engine_id}/remove")
+        def remove(engine_id: str, request: Request) -> JSONResponse:
+            try:
+                n = control(request).remove(engine_id)
+            except ValueError as e:
+                raise HTTPException(getattr(e, "http_status", 404), str(e)) from None
             return JSONResponse({"engine_id": engine_id, "handed_back": n})
 
         @app.post("/api/engines/{engine_id}/undrain")

@@ -132,7 +132,7 @@ class Dispatcher:
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
-        self.engines = list(engines)
+        self.engines = engines if isinstance(engines, list) else list(engines)  # the roster
         self.params = params
         self.grading = Grading(graders, decode, lifecycle)
         self.lifecycle = lifecycle

@@ -8,7 +8,9 @@ pushes a fresh entry, and entries whose load is no longer the engine's are dropp
 reach the top (lazy deletion; the heap is rebuilt when stale entries outnumber the engines
 4 to 1). The least-loaded engine is the top valid entry that the caller's predicate admits;
 the ones it refuses (drained, recovering) are put back. Same choice as ``min`` over the
-engines in order, in O(log E) per change.
+engines in order, in O(log E) per change. An engine that joins a live run takes the next
+index (:meth:`join`); one that leaves keeps its index as a tombstone whose load (``GONE``)
+no heap entry matches, so its entries fall away as stale (:meth:`leave`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 E = TypeVar("E")
+GONE = -1  # the load of a left engine: no heap entry (loads are >= 0) is ever valid for it
 
 
 class LoadIndex(Generic[E]):
@@ -30,12 +33,23 @@ class LoadIndex(Generic[E]):
     def __getitem__(self, engine: E) -> int:
         return self._load[self._pos[id(engine)]]
 
+    def join(self, engine: E) -> None:
+        """``engine`` may be picked from now on (last in engine order)."""
+        self._pos[id(engine)] = len(self._engines)
+        self._engines.append(engine)
+        self._load.append(0)
+        heapq.heappush(self._heap, (0, len(self._engines) - 1))
+
+    def leave(self, engine: E) -> None:
+        """``engine`` is never picked again (its requests have ended)."""
+        self._load[self._pos.pop(id(engine))] = GONE
+
     def add(self, engine: E, delta: int) -> None:
         i = self._pos[id(engine)]
         self._load[i] += delta
         heapq.heappush(self._heap, (self._load[i], i))
         if len(self._heap) > 4 * len(self._engines) + 64:
-            self._heap = [(load, i) for i, load in enumerate(self._load)]
+            self._heap = [(load, i) for i, load in enumerate(self._load) if load != GONE]
             heapq.heapify(self._heap)
 
     def least(self, admits: Callable[[E], bool]) -> E | None:

@@ -141,6 +141,13 @@ class DispatchQueue:
             w.fut.set_result(self._grant(self._placed(_usable(free, engines, w.avoid), w.place),
                                          work))
 
+    def forget(self, engine: Engine) -> None:
+        """``engine`` left the run (nothing held on it): drop what was kept of it."""
+        assert not self._busy.get(id(engine)), "an engine left with slots held"
+        self._busy.pop(id(engine), None)
+        self._work.pop(id(engine), None)
+        self.limits.pop(engine.engine_id, None)
+
     def num_held(self, engine: Engine) -> int:
         """Requests granted on ``engine`` and not released."""
         return self._busy.get(id(engine), 0)

@@ -9,6 +9,10 @@ quarantined and probing by its :class:`Breaker`, which :meth:`observe` feeds wit
 request's outcome), and, with prefix affinity, each group's home engine. A request retried
 after an engine fault names the engines to ``avoid``: it goes elsewhere while another engine
 may take it.
+
+The router's engine list is the run's roster, shared with weight sync, the supervisor and the
+meters: :meth:`join` and :meth:`leave` (called by ``runtime/fleet.py``, the one owner of a live
+run's membership) change it and the router's per-engine state together.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ class Router:
     def __init__(self, engines: Sequence[Engine], *, prefix_affinity: bool = False,
                  breaker: BreakerConfig | None = None,
                  now: Callable[[], float] = time.monotonic) -> None:
-        """``breaker``: ``rollout.breaker`` (None: its defaults); ``now``: the clock
-        quarantines are timed with."""
-        breaker = breaker or BreakerConfig()
-        self.engines = list(engines)
+        """``engines``: the run's roster, kept (not copied) when it is a list, so every
+        holder sees :meth:`join` and :meth:`leave`; ``breaker``: ``rollout.breaker`` (None:
+        its defaults); ``now``: the clock quarantines are timed with."""
+        self.breaker = breaker = breaker or BreakerConfig()
+        self.engines = engines if isinstance(engines, list) else list(engines)
         self.prefix_affinity = prefix_affinity
         self.load: LoadIndex[Engine] = LoadIndex(self.engines)  # requests in flight
         self.by_id = {e.engine_id: e for e in self.engines}
@@ -45,6 +50,25 @@ class Router:
                          for e in self.engines}
         self.now = now
         self.home: dict[str, str] = {}  # group id -> the engine that holds its prompt's prefix
+
+    def join(self, e: Engine) -> None:
+        """``e`` (a new engine id, serving the current version) takes requests from now on."""
+        assert e.engine_id not in self.by_id, f"engine id {e.engine_id} is taken"
+        self.engines.append(e)
+        self.by_id[e.engine_id] = e
+        self.breakers[e.engine_id] = Breaker(failures=self.breaker.failures,
+                                             quarantine_s=self.breaker.quarantine_s)
+        self.load.join(e)
+
+    def leave(self, e: Engine) -> None:
+        """``e`` (drained, no request in flight) is out of the run: forgotten everywhere."""
+        assert self.load[e] == 0, f"engine {e.engine_id} still has requests in flight"
+        self.engines.remove(e)
+        del self.by_id[e.engine_id], self.breakers[e.engine_id]
+        self.drained.discard(e.engine_id)
+        self.load.leave(e)
+        for group_id in [g for g, home in self.home.items() if home == e.engine_id]:
+            del self.home[group_id]
 
     def routing(self, e: Engine) -> Routing:
         """``e``'s routing state (``engine/states.py``): drained wins over the breaker's."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from rollstream.clock import Clock, WallClock
 from rollstream.engine.protocol import Engine, Restartable
@@ -25,10 +25,10 @@ POLL_S = 0.2
 
 
 class EngineSupervisor:
-    def __init__(self, engines: Sequence[Engine], sync: WeightSync, *,
+    def __init__(self, engines: list[Engine], sync: WeightSync, *,
                  on_restart: Callable[[str, float], None] | None = None,
                  clock: Clock | None = None) -> None:
-        self.engines = list(engines)
+        self.engines = engines  # the run's roster (runtime/fleet.py adds and removes)
         self.sync = sync
         self.on_restart = on_restart or (lambda engine_id, seconds: None)
         self.num_restarts = 0
@@ -37,7 +37,7 @@ class EngineSupervisor:
     async def run(self) -> None:
         """The supervision loop (a named task of the controller)."""
         while True:
-            for engine in self.engines:
+            for engine in list(self.engines):  # the roster may change while one revives
                 if isinstance(engine, Restartable) and engine.needs_restart():
                     await self._revive(engine)
             await asyncio.sleep(POLL_S)

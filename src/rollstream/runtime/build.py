@@ -31,6 +31,7 @@ from rollstream.rollout.lifecycle import Lifecycle
 from rollstream.rollout.rollout import Rollout, TaskStream
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.run_files import RunFiles
+from rollstream.runtime.autoscale import AutoscalePolicy, Autoscaler
 from rollstream.runtime.controller import (
     AfterStep,
     BeforeStop,
@@ -39,6 +40,7 @@ from rollstream.runtime.controller import (
     TrainerLike,
     TrainerTurn,
 )
+from rollstream.runtime.fleet import Fleet, MakeEngine
 from rollstream.runtime.placement import TimeShare, placed_train
 from rollstream.runtime.reconfigure import Reconfigure
 from rollstream.staleness import StalenessPolicy
@@ -207,6 +209,8 @@ class Loop:
     reconfigure: Reconfigure
     meter: RolloutMeter
     supervisor: EngineSupervisor | None  # None: nothing revives engines (simulated ones)
+    fleet: Fleet  # engines joining and leaving the run (``rollstream engines --add/--remove``)
+    autoscaler: Autoscaler | None  # runtime.autoscale (None: the roster changes by hand only)
     trainer_turn: TrainerTurn | None  # colocated placement: engines stop for a trainer step
     trainer: TrainerLike
     metrics: MetricsLike
@@ -219,14 +223,16 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
                metrics: MetricsLike, clock: Clock, params: SamplingParams,
                span: Callable[..., None] | None = None, start_step: int = 0,
                staleness: StalenessPolicy, harnesses: Mapping[str, Harness] | None = None,
-               reconfig_log: Path | None = None, supervise: bool = True) -> Loop:
+               reconfig_log: Path | None = None, supervise: bool = True,
+               make: MakeEngine | None = None) -> Loop:
     """Wire dispatcher, rollout and weight sync as ``cfg`` says (tests use this with their
     own engines and trainers at the process edges). ``staleness``: the run's policy, the one
     its trainer was given. ``harnesses``: what runs tasks that are not one engine request
     (:func:`build_harnesses`); ``reconfig_log``: where reconfigurations are recorded (the run
     directory's ``reconfig.jsonl``); ``supervise``: revive an engine whose loop died (the
     simulator's never die: its poll over hundreds of engines would be most of a simulation's
-    cost)."""
+    cost); ``make``: builds an engine that joins the run (:func:`engine_maker`; None: none
+    can). ``engines`` becomes the run's roster: engines join and leave it (runtime/fleet.py)."""
     lifecycle = Lifecycle(ledger, clock)
     dispatcher = Dispatcher(engines=engines, params=params, graders=graders, decode=decode,
                             lifecycle=lifecycle, clock=clock, span=span, seed=cfg.seed,
@@ -246,22 +252,31 @@ def build_loop(cfg: RunConfig, *, engines: list[Engine], trainer: TrainerLike, t
         metrics.record("phase", version, {"sync_s": sync_s, "sync_bytes": sync.num_bytes})
         rollout.on_version(version)
 
-    sync = WeightSync(engines, dispatcher, cfg.rollout.on_update, on_applied,
+    sync = WeightSync(dispatcher.engines, dispatcher, cfg.rollout.on_update, on_applied,
                       version=start_step, clock=clock)
 
     def on_restart(engine_id: str, seconds: float) -> None:
         log.info(f"engine {engine_id} restarted at version {sync.version} in {seconds:.1f} s")
         metrics.record("phase", sync.version, {"engine_restart_s": seconds})
 
-    supervisor = (EngineSupervisor(engines, sync, on_restart=on_restart, clock=clock)
+    supervisor = (EngineSupervisor(dispatcher.engines, sync, on_restart=on_restart, clock=clock)
                   if supervise else None)
     colocated = cfg.runtime.kind == "ray" and cfg.runtime.ray.placement == "colocated"
-    meter = RolloutMeter(engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
+    meter = RolloutMeter(dispatcher.engines, dispatcher.stats, lambda: len(dispatcher.in_flight),
                          lambda: {**rollout.stats(), **dispatcher.gauges()}, clock=clock)
     reconfigure = Reconfigure(cfg, dispatcher=dispatcher, rollout=rollout, tasks=tasks,
                               trainer=trainer, metrics=metrics, log_path=reconfig_log)
+    fleet = Fleet(dispatcher=dispatcher, sync=sync, make=make,
+                  on_change=lambda n: metrics.record("phase", sync.version, {"num_engines": n}))
+    scale = cfg.runtime.autoscale
+    if scale is not None and make is None:
+        raise ValueError("runtime.autoscale adds engines, but nothing can build one for this "
+                         "run (its engines were given to it): drop runtime.autoscale")
+    autoscaler = None if scale is None else Autoscaler(AutoscalePolicy(scale, clock), fleet,
+                                                       rollout.capacity)
     return Loop(lifecycle=lifecycle, dispatcher=dispatcher, rollout=rollout, sync=sync,
-                reconfigure=reconfigure, meter=meter, supervisor=supervisor,
+                reconfigure=reconfigure, meter=meter, supervisor=supervisor, fleet=fleet,
+                autoscaler=autoscaler,
                 trainer_turn=TimeShare(dispatcher, sync).trainer_turn if colocated else None,
                 trainer=trainer, metrics=metrics, clock=clock, start_step=start_step)
 
@@ -277,7 +292,7 @@ def build_controller(cfg: RunConfig, loop: Loop, *, after_step: AfterStep | None
         max_wall_s=cfg.max_wall_s, start_step=loop.start_step, supervisor=loop.supervisor,
         clock=loop.clock, reconfigure=loop.reconfigure, trainer_turn=loop.trainer_turn,
         after_step=after_step, before_stop=before_stop, train_pool=train_pool,
-        training=training)
+        training=training, autoscaler=loop.autoscaler)
 
 
 def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
@@ -288,12 +303,11 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     local engine's pass recorder reads) or one Ray actor each (``ray``, in the run's scale
     units, with the Ray they run on, which holds the units and which the run stops at the
     end)."""
-    from rollstream.engine.factory import build_engine, engine_kind
+    from rollstream.engine.factory import engine_kind
 
     if cfg.runtime.kind == "embedded":
-        return [build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{i}",
-                             version=version, training=training)
-                for i in range(cfg.engine.num_engines)], None
+        make = _make_here(cfg, weights, version=version, training=training)
+        return [make(i) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import RayCluster
     from rollstream.runtime.ray.units import ScaleUnits
 
@@ -306,4 +320,32 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
     except BaseException:
         cluster.stop()
         raise
-    return list(engines), cluster
+    return engines, cluster  # the list the transport's broadcast group reads: the roster
+
+
+def engine_maker(cfg: RunConfig, weights: Path, *, version: int, engines: list[Engine],
+                 training: Callable[[], bool] | None = None) -> MakeEngine | None:
+    """What builds the run's engine number ``index`` serving ``weights`` tagged ``version``,
+    as :func:`build_engines` built its first ones (``engines``): the engines that join the
+    run later (``runtime/fleet.py``). None where none can join: engines attached to servers
+    the run did not start (``engine.vllm.urls``), and vLLM engine actors (not built yet)."""
+    if cfg.engine.kind == "vllm" and (cfg.engine.vllm.urls or cfg.runtime.kind == "ray"):
+        return None
+    if cfg.runtime.kind == "ray":
+        from rollstream.runtime.ray.engines import RayEngine
+        from rollstream.runtime.ray.join import join_run_engines
+
+        assert isinstance(engines[0], RayEngine)
+        return join_run_engines(cfg, weights, version=version, like=engines[0])
+    return _make_here(cfg, weights, version=version, training=training)
+
+
+def _make_here(cfg: RunConfig, weights: Path, *, version: int,
+               training: Callable[[], bool] | None) -> MakeEngine:
+    """Engine ``index`` in this process (``runtime.kind: embedded``)."""
+    from rollstream.engine.factory import build_engine
+
+    def make(index: int) -> Engine:
+        return build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{index}",
+                            version=version, training=training)
+    return make

@@ -7,6 +7,7 @@ Named asyncio loops, joined by the rollout's buffer and admission capacity::
           | on_version(v)                            | load v (interrupt | continue | drain)
     WeightSync.run  <──── publish(v+1) ──── train loop: take(G) -> trainer.step -> on_trained
     EngineSupervisor.run: an engine whose loop died is revived at the current version
+    Autoscaler.run: engines join and leave by runtime.autoscale (runtime/autoscale.py)
 
 Modes are settings of this one loop (the staleness policy and the sync policy, both chosen
 when the run is built): ``sync`` is staleness 0 (one batch per version, exactly on-policy),
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollstream.clock import Clock, WallClock
-from rollstream.monitor.rollout_meter import RolloutMeter
+from rollstream.monitor.rollout_meter import RolloutMeter, busy_by_engine, busy_share
 from rollstream.rollout.rollout import Rollout, RolloutStopped
 from rollstream.rollout.supervisor import EngineSupervisor
 from rollstream.staleness import age
@@ -55,6 +56,11 @@ class MetricsLike(Protocol):
     def record(self, kind: str, step: int, values: dict[str, float]) -> None: ...
 
     def observe(self, name: str, value: float) -> None: ...
+
+
+class Loops(Protocol):
+    async def run(self) -> None:
+        """A loop of the run's (until cancelled)."""
 
 
 class Boundary(Protocol):
@@ -90,19 +96,21 @@ class Controller:
                  supervisor: EngineSupervisor | None = None, clock: Clock | None = None,
                  reconfigure: Boundary | None = None, trainer_turn: TrainerTurn | None = None,
                  train_pool: Executor | None = None,
-                 training: threading.Event | None = None) -> None:
+                 training: threading.Event | None = None,
+                 autoscaler: Loops | None = None) -> None:
         """``trainer_turn``: entered around each trainer step (colocated placement: the
         engines stop for it; runtime/placement.py); None: they run on. ``train_pool``: where
         trainer steps run (:func:`trainer_thread` if None; the simulator's costs virtual
         time), shut down when :meth:`run` ends. ``training``: set while a trainer step
         computes (the local engine's pass recorder reads it from its thread: passes that
         overlap training are binned apart, sim/calibrate.py). ``supervisor``: revives dead
-        engines; None: nothing does (simulated engines never die)."""
+        engines; None: nothing does (simulated engines never die). ``autoscaler``: adds and
+        removes engines as the run goes (runtime/autoscale.py); None: nothing does."""
         self.rollout, self.trainer, self.sync = rollout, trainer, sync
         self.meter, self.metrics = meter, metrics
         self.steps, self.groups_per_step, self.max_wall_s = steps, groups_per_step, max_wall_s
         self.start_step = start_step
-        self.supervisor = supervisor
+        self.supervisor, self.autoscaler = supervisor, autoscaler
         self.clock = clock or WallClock()  # times wait_s / train_s (virtual in `sim`)
         self.after_step, self.before_stop = after_step, before_stop
         self.reconfigure = reconfigure
@@ -126,6 +134,8 @@ class Controller:
                 loops = [tg.create_task(self.sync.run(), name="sync")]
                 if self.supervisor is not None:
                     loops.append(tg.create_task(self.supervisor.run(), name="supervisor"))
+                if self.autoscaler is not None:
+                    loops.append(tg.create_task(self.autoscaler.run(), name="autoscale"))
                 tg.create_task(self.rollout.admit_forever(), name="admit")
                 try:
                     await self._train_loop(result)
@@ -143,8 +153,8 @@ class Controller:
         """Run ``fn`` on the trainer's thread (between steps: checkpoints)."""
         return await asyncio.get_running_loop().run_in_executor(self.train_pool, fn, *args)
 
-    def _engines_busy_s(self) -> float:
-        return sum(e.stats().busy_s for e in self.rollout.dispatcher.engines)
+    def _engines_busy_s(self) -> dict[str, float]:
+        return busy_by_engine(e.stats() for e in self.rollout.dispatcher.engines)
 
     async def _train_loop(self, result: ControllerResult) -> None:
         loop = asyncio.get_running_loop()
@@ -175,7 +185,8 @@ class Controller:
                     out = await self.in_trainer(self.trainer.step, batch, step)
                 finally:
                     self.training.clear()
-            step_s, busy = self.clock.now() - t0 - wait_s, self._engines_busy_s() - busy0
+            step_s = self.clock.now() - t0 - wait_s
+            busy = busy_share(busy0, self._engines_busy_s(), step_s)  # engines may join, leave
             trained = await self.rollout.on_trained(batch, step, out)
             self.sync.publish(step + 1, self.trainer.state_dict())
             values = {**out.metrics, **_batch_stats(trained, step), **self.rollout.step_stats(),
@@ -183,8 +194,7 @@ class Controller:
                       # engines' busy share while the step computed (the trainer's
                       # contention with them: sim/calibrate.py); at most 1: an engine credits
                       # a pass when it ends, one begun before the step counts in full
-                      "engine_busy_in_train": min(1.0, busy / (
-                          step_s * len(self.rollout.dispatcher.engines))) if step_s > 0 else 0.0}
+                      "engine_busy_in_train": min(1.0, busy)}
             for s in trained:
                 if s.min_trained_version is not None:
                     self.metrics.observe("staleness", float(age(step, s.min_trained_version)))

@@ -36,6 +36,7 @@ from rollstream.runtime.build import (
     build_loop,
     build_trainer,
     build_workers,
+    engine_maker,
     prepare_run_dir,
     sampling_params,
 )
@@ -75,7 +76,7 @@ class Run:
     mix: TaskMix
     metrics: Metrics
     ledger: Ledger
-    engines: list[Engine]
+    engines: list[Engine]  # the roster: engines join and leave it (runtime/fleet.py)
     graders: GraderPool
     trainer: Trainer | FsdpTrainer
     loop: Loop
@@ -189,7 +190,9 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
                           ledger=ledger, metrics=metrics, clock=WallClock(),
                           params=sampling_params(cfg_now.sampling, stop), span=metrics.span,
                           start_step=version, staleness=staleness, harnesses=harnesses,
-                          reconfig_log=files.reconfig)
+                          reconfig_log=files.reconfig,
+                          make=engine_maker(cfg, weights, version=version, engines=engines,
+                                            training=training.is_set))
         if resume is not None:
             _load_trainer_state(trainer, resume)
             if cfg.model.lora is not None:
@@ -222,7 +225,7 @@ def _build_steps(cfg: RunConfig, files: RunFiles, loop: Loop, *,
         params=sampling_params(cfg.sampling, stop, temperature=cfg.eval.temperature),
         samples_per_task=cfg.eval.samples_per_task, metrics=loop.metrics,
         next_round=saved.get("eval_rounds", 0))
-    totals = TrainTotals(dispatcher=loop.dispatcher, engines=loop.dispatcher.engines,
+    totals = TrainTotals(dispatcher=loop.dispatcher, engines=loop.fleet.every_engine,
                          saved=saved.get("totals"))
     pool = trainer_thread()
     checkpoints = Checkpoints(cfg=cfg, run_dir=files.root, loop=loop, trainer=loop.trainer,

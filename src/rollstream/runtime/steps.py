@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,8 +78,10 @@ class TrainTotals:
     evaluation, whose tokens are not training's) to :meth:`stop`; with the held-out reward
     before training (``initial``) and each engine's work meanwhile (:attr:`work`)."""
 
-    def __init__(self, *, dispatcher: Dispatcher, engines: list[Engine],
+    def __init__(self, *, dispatcher: Dispatcher, engines: Callable[[], list[Engine]],
                  saved: Mapping[str, Any] | None = None) -> None:
+        """``engines``: every engine of the run so far, those that left it included
+        (``Fleet.every_engine``)."""
         saved = saved or {}
         self._dispatcher, self._engines = dispatcher, engines
         self._wall_s = float(saved.get("train_wall_s", 0.0))
@@ -95,7 +97,7 @@ class TrainTotals:
         self.initial = dict(initial)
         self._t0 = time.perf_counter()
         self._tokens0 = self._dispatcher.stats.generated_tokens  # the initial evaluation's
-        self._work0 = engine_work(self._engines)
+        self._work0 = engine_work(self._engines())
 
     def so_far(self) -> dict[str, Any]:
         return {"train_wall_s": self._wall_s + time.perf_counter() - self._t0,
@@ -107,7 +109,7 @@ class TrainTotals:
         if self.done is None:
             self.done = self.so_far()
             self.work = {k: {n: v - self._work0.get(k, {}).get(n, 0.0) for n, v in w.items()}
-                         for k, w in engine_work(self._engines).items()}
+                         for k, w in engine_work(self._engines()).items()}
 
 
 def save_model(trainer: Any, tokenizer: Any, folder: Path) -> Path:

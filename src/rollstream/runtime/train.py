@@ -235,7 +235,7 @@ async def _dashboard(run: Run) -> AsyncIterator[None]:
     from rollstream.runtime.control import EngineControl
 
     dashboard = Dashboard(run.metrics, run.files.root, run.cfg.monitor, control=EngineControl(
-        run.loop.dispatcher, asyncio.get_running_loop()))
+        run.loop.fleet, asyncio.get_running_loop()))
     log.info(f"dashboard: {dashboard.start()}")
     try:
         yield

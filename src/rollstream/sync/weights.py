@@ -40,12 +40,12 @@ same lock as the loads: a revived engine never serves a version the others have 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from rollstream.clock import Clock, WallClock
 from rollstream.config.schema import OnUpdate
-from rollstream.engine.protocol import Engine, Restartable
+from rollstream.engine.protocol import Engine, Joins, Restartable
 from rollstream.engine.states import EngineHealth
 from rollstream.sync.protocol import Header, is_adapter
 
@@ -67,7 +67,7 @@ class Gate(Protocol):
 class WeightSync:
     def __init__(
         self,
-        engines: Sequence[Engine],
+        engines: list[Engine],
         gate: Gate,
         policy: OnUpdate,
         on_applied: Callable[[int, float], Awaitable[None] | None],
@@ -77,7 +77,7 @@ class WeightSync:
     ) -> None:
         """``version``: the one the engines serve at start (their model folder's weights);
         ``clock`` times each sync (``sync_s``)."""
-        self.engines = list(engines)
+        self.engines = engines  # the run's roster (runtime/fleet.py adds and removes)
         self.gate = gate
         self.policy = policy
         self.on_applied = on_applied
@@ -149,6 +149,23 @@ class WeightSync:
         """Bytes of the tensors each engine was handed for the version it serves (0 before
         the first sync)."""
         return sum(t.numel() * t.element_size() for t in (self._tensors or {}).values())
+
+    async def admit(self, engine: Engine, join: Callable[[Engine], None]) -> None:
+        """A new engine (started from the run's first weights, tagged with their version)
+        loads the version the others serve, then ``join`` puts it in the roster; both under
+        the lock of loads, so it joins serving the current version and every later load
+        reaches it."""
+        load = engine.load_alone if isinstance(engine, Joins) else engine.load_weights
+        async with self._lock:
+            if self._tensors is not None:
+                await load(self.version, self._tensors)
+            join(engine)
+
+    async def release(self, engine: Engine, leave: Callable[[Engine], None]) -> None:
+        """``leave`` takes ``engine`` out of the roster between two loads (none is
+        half-done on it when it is closed)."""
+        async with self._lock:
+            leave(engine)
 
     async def revive(self, engine: Restartable) -> None:
         """Restart ``engine`` (its loop died) at the version the other engines serve."""

@@ -74,6 +74,7 @@
     S.config = p.config !== undefined ? p.config : S.config;
     S.summary = p.summary !== undefined ? p.summary : S.summary;
     S.tiles = p.tiles || S.tiles;
+    S.engines = p.engines || null;  // a live run's engines now (none in a report)
     S.numBad = p.num_bad_lines || 0;
   }
   function series(kind, name) {
@@ -289,6 +290,12 @@
       rows.map((r) => "<tr>" + r.map((c) => isNum(c) ? `<td class="n">${esc(fmt(c))}</td>` : `<td>${esc(c)}</td>`).join("") + "</tr>").join("") +
       "</table>";
   }
+  function drawEngines() {
+    $("engines-card").hidden = !S.engines;
+    if (!S.engines) return;
+    $("engines").innerHTML = table(["engine", "member", "health", "routing", "version", "in flight"],
+      S.engines.map((e) => [e.engine_id, e.member, e.health, e.routing, e.version, e.in_flight]));
+  }
   function drawLedger() {
     const L = S.ledger, el = $("ledger");
     if (!L || !L.num_samples) { el.innerHTML = `<p class="note">no ledger lines yet</p>`; return; }
@@ -411,6 +418,7 @@
     drawHist();
     drawMetric();
     drawTimeline();
+    drawEngines();
     drawLedger();
     drawSummary();
     $("config").textContent = S.config || "(config.yaml not found)";

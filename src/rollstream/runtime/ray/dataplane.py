@@ -216,6 +216,10 @@ class Episodes:
         self._kept: OrderedDict[str, tuple[int, array]] = OrderedDict()
         self._forget: list[int] = []  # stamps to tell the actor with the next call
 
+    def sharing(self) -> Episodes:
+        """An empty mirror of the same size for another proxy of the run, sharing ``holders``."""
+        return Episodes(self.max_tokens, self._holders)
+
     def plan(self, request: GenerateRequest, *, whole: bool = False) -> tuple[GenerateCall,
                                                                               list[int]]:
         """The call for ``request`` and the prompt tokens it sends (all of them when

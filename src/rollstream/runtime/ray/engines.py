@@ -68,7 +68,6 @@ from rollstream.sync.protocol import Destination, Payload
 if TYPE_CHECKING:
     import torch
 
-    from rollstream.config.runtime import RayConfig
     from rollstream.config.schema import RunConfig
     from rollstream.runtime.ray.units import ScaleUnits
     from rollstream.sync.protocol import Transport
@@ -275,7 +274,14 @@ class RayEngine:
         self._episodes.end(episode_id)
 
     async def close(self) -> None:
-        """Close the engine (pending requests return ABORT) and end its actor."""
+        """Close the engine (pending requests return ABORT), end its actor and free the weight
+        transport (the run's proxies share it: the run closes them all, no load follows)."""
+        await self.leave()
+        self._weights.close()
+
+    async def leave(self) -> None:
+        """``Joins``: close the engine and kill its actor (its CPUs go back to Ray); the
+        transport stays open for the run's other engines."""
         import ray
 
         self._closed = True
@@ -286,7 +292,23 @@ class RayEngine:
                 pass  # it died meanwhile: nothing left to close
         self._death = self._death or f"ray engine {self.engine_id} closed"
         ray.kill(self.actor, no_restart=True)
-        self._weights.close()  # shared by the run's proxies: no load comes after a close
+
+    async def load_alone(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """``Joins``: ``version`` to this actor alone, outside the transport's rounds (as a
+        replaced actor gets it), when it joins a live run."""
+        if self._death is not None:
+            raise RuntimeError(self._death)
+        await self._weights.revive(Payload.full(version, tensors),
+                                   Destination(engine_id=self.engine_id, actor=self.actor))
+        self._version = version
+
+    def sibling(self, engine_id: str, spawn: Callable[[int], Any], version: int) -> RayEngine:
+        """A new engine actor (``spawn``) and its proxy, sharing this one's weight transport
+        and record of episodes: one that joins the run."""
+        return RayEngine(engine_id=engine_id, spawn=spawn, weights=self._weights,
+                         version=version, max_restarts=self._max_restarts,
+                         episodes=self._episodes.sharing(),
+                         out_of_band_bytes=self._out_of_band_bytes)
 
     # ---- helpers -------------------------------------------------------------------------
     def _poll(self) -> None:
@@ -457,27 +479,6 @@ def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: 
     return engines
 
 
-def build_transport(cfg: RayConfig, dtype: str) -> Transport:
-    """The engine actors' weight transport, by ``runtime.ray.weight_sync``, sending deltas
-    in the engines' ``dtype`` unless ``runtime.ray.delta`` is false."""
-    from rollstream.sync.broadcast import Broadcast
-    from rollstream.sync.delta import DeltaSync
-    from rollstream.sync.object_store import ObjectStore
-    from rollstream.sync.shm import SharedMemory
-
-    inner: Transport
-    match cfg.weight_sync:
-        case "object_store":
-            inner = ObjectStore()
-        case "broadcast":
-            inner = Broadcast(cfg.bucket_bytes)
-        case "shared_memory":
-            inner = SharedMemory(cfg.bucket_bytes)
-        case _:
-            raise AssertionError(cfg.weight_sync)  # the config allows nothing else
-    return DeltaSync(inner, dtype=dtype, name=cfg.weight_sync) if cfg.delta else inner
-
-
 def _spawner(model_path: Path, cfg: LocalEngineConfig, engine_id: str, num_cpus: float,
              strategy: Any, plane: dict[str, int]) -> Callable[[int], Any]:
     return lambda version: spawn_actor(model_path, cfg, engine_id=engine_id, version=version,
@@ -489,6 +490,7 @@ def build_run_engines(cfg: RunConfig, model_path: Path, *, version: int, units: 
     """``engine.kind: local`` on Ray (engine/factory.py): the run's engine actors under its
     placement, with the weight transport and data plane ``runtime.ray`` sets."""
     from rollstream.runtime.placement import placed_engine
+    from rollstream.runtime.ray.transport import build_transport
 
     ray = cfg.runtime.ray
     return build_ray_engines(model_path, placed_engine(cfg), num_engines=cfg.engine.num_engines,
