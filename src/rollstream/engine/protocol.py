@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rollstream.engine.states import EngineHealth
+from rollstream.trajectory import Routing
 
 if TYPE_CHECKING:  # keep torch out of light imports
     import torch
@@ -106,6 +107,9 @@ class GenerateOutput:
     versions: list[int]  # [T] weight version that sampled each token
     finish_reason: FinishReason
     error: str | None = None
+    # mixture-of-experts models, engines that record it: the experts of every token of
+    # prompt_ids + token_ids as last computed (the last token's: Routing.none)
+    routing: Routing | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
