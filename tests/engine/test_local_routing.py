@@ -100,8 +100,8 @@ async def test_routing_survives_an_interrupt_and_a_resume_on_new_weights(tiny_mo
         await engine.interrupt(["a"])
         partial = await task
         assert partial.finish_reason is FinishReason.ABORT and partial.token_ids
-        _assert_routing(partial, prompt,
-                        hf_routing(_weights(tiny_moe_dir), tiny_moe_dir, prompt + partial.token_ids))
+        before = hf_routing(_weights(tiny_moe_dir), tiny_moe_dir, prompt + partial.token_ids)
+        _assert_routing(partial, prompt, before)
         new = _perturbed(tiny_moe_dir, 9)
         await engine.load_weights(1, new)
         resumed_prompt = prompt + partial.token_ids

@@ -12,9 +12,9 @@ the mean |engine logprob − trainer logprob| over the sampled tokens, and
 that the trainer's own router picks too. Both sides hold the same weights (version 0): the
 disagreement measured is the one precision makes (bfloat16 against float32). The ``stale``
 rows measure the same after the trainer took ``STALE_STEPS`` updates on these samples first
-(at ``train.lr``'s default), as in async k = 2 where samples are two versions old: there the mismatch
-holds the policy change too, which replay does not remove. No held-out reward is measured.
-A benchmark measures; it does not assert.
+(at ``train.lr``'s default), as in async k = 2 where samples are two versions old: there the
+mismatch holds the policy change too, which replay does not remove. No held-out reward is
+measured. A benchmark measures; it does not assert.
 """
 
 from __future__ import annotations
