@@ -33,7 +33,7 @@ BENCHES = {
     "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
     "models": "the model shapes users train: LoRA's adapter-only weight sync vs full weights "
-              "(bytes, seconds) on the embedded engine",
+              "(bytes, seconds) on the embedded engine; MoE routing replay vs a bf16 engine",
     "prefix": "the local engine's prefix cache vs none on groups of 8 sharing a long prompt: "
               "generated tok/s and its bound 1/(1 - p*h)",
     "pair": "partial rollout vs drain at k=1 and k=2 over many seeds: ratio with its 95% CI",

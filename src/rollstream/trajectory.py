@@ -187,6 +187,38 @@ class Task:
             raise ValueError(f"task {self.uid}: prompt_ids is empty")
 
 
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Routing:
+    """The experts each mixture-of-experts layer routed each token of a sequence to, as the
+    engine last computed them (routing replay, ``train.routing_replay``): ``experts`` is a
+    C-order ``[num_tokens, num_layers, top_k]`` array of expert ids, one byte each (two,
+    little-endian, with ``wide``: models of 255 experts or more), ``NONE`` (the type's largest
+    value) where a token was not computed: a sequence's last token, which no forward pass of
+    the engine took as input. Bytes, not lists: a 1k-token sample of a 24-layer top-8 model
+    holds 196k ids."""
+
+    num_layers: int  # layers with experts, in model order
+    top_k: int
+    experts: bytes
+    wide: bool = False
+
+    def __post_init__(self) -> None:
+        per_token = self.num_layers * self.top_k * (2 if self.wide else 1)
+        if self.num_layers < 1 or self.top_k < 1 or len(self.experts) % per_token:
+            raise ValueError(f"Routing needs num_layers, top_k >= 1 and whole tokens of "
+                             f"{per_token} bytes, got {self.num_layers}, {self.top_k} and "
+                             f"{len(self.experts)} bytes")
+
+    @property
+    def none(self) -> int:
+        """The id that marks a token not computed."""
+        return 0xFFFF if self.wide else 0xFF
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.experts) // (self.num_layers * self.top_k * (2 if self.wide else 1))
+
+
 @dataclass(slots=True, kw_only=True)
 class Segment:
     """A run of consecutive response tokens from one producer."""
@@ -274,6 +306,11 @@ class Sample:
     # not dispatched by a rollout); the trainer takes logprobs at the same temperature, so a
     # temperature reconfigured mid-run does not change the behaviour policy of older samples
     temperature: float | None = None
+    # mixture-of-experts models: the experts every token of prompt + response was routed to,
+    # as the engine last computed them (its latest request's output: a resumed request
+    # recomputes the whole sequence); None: not recorded (a dense model, an engine that does
+    # not record, an episode served as turn-samples)
+    routing: Routing | None = None
     # ``{group_id}/{sample_idx}``, built once: the dispatcher, ledger and predictor key by it
     # many times per request (group_id and sample_idx are fixed at construction)
     uid: str = field(init=False, repr=False, compare=False)
@@ -346,10 +383,15 @@ class Sample:
         return high
 
     def append_policy_tokens(
-        self, token_ids: list[int], logprobs: list[float], versions: list[int]
+        self, token_ids: list[int], logprobs: list[float], versions: list[int],
+        routing: Routing | None = None,
     ) -> None:
-        """Append engine output, merging into the last policy segment (token-exact TITO)."""
+        """Append engine output, merging into the last policy segment (token-exact TITO);
+        ``routing`` (of the request's prompt + output, which were prompt + response) replaces
+        the sample's."""
         append_policy_tokens(self.segments, token_ids, logprobs, versions)
+        if routing is not None and not self.contexts:
+            self.routing = routing
 
 
 def append_policy_tokens(segments: list[Segment], token_ids: list[int], logprobs: list[float],

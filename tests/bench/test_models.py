@@ -1,4 +1,5 @@
-"""``bench models --quick``: the LoRA rows on the demo's shape, bytes as the formula says."""
+"""``bench models --quick``: the LoRA rows on the demo's shape, bytes as the formula says;
+the MoE rows (routing replay against a bfloat16 engine) present and in range."""
 
 from __future__ import annotations
 
@@ -19,3 +20,7 @@ def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
     assert result["lora"]["demo/attention"]["adapter_bytes"] < every["adapter_bytes"]
     assert every["full_sync_s"] > 0 and every["adapter_sync_s"] > 0
     assert every["lowrank_step_s"] > 0 and every["merge_breakeven_steps"] > 0
+    moe = result["moe"]
+    assert 0 < moe["routing_agreement"] <= 1 and moe["mismatch_none"] > 0
+    assert result["mismatch_replay_vs_none"] == moe["mismatch_replay_vs_none"] > 0
+    assert 0 < moe["stale_routing_agreement"] <= 1 and moe["num_tokens"] > 0

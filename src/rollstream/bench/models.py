@@ -15,8 +15,9 @@ adapter's bytes / those of the weights it adapts, whose expected value is
 ``lowrank_step_s`` is what the term would add to one decode step of ``DECODE_ROWS`` rows (the
 two small matmuls ``(x A^T) B^T`` of every adapted layer, one thread, the matmuls alone), and
 ``merge_breakeven_steps`` = ``adapter_sync_s / lowrank_step_s``: with more decode steps than
-that per version, merging at load costs less. The mixture-of-experts section is not built (the kit has
-no MoE model yet). A benchmark measures; it does not assert.
+that per version, merging at load costs less. The mixture-of-experts section (``moe``) is
+:mod:`.models_moe`'s: routing replay against a bfloat16 engine. A benchmark measures; it
+does not assert.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]
 
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
+    from rollstream.bench.models_moe import bench_moe
     from rollstream.bench.weightsync import build_model
 
     load_start = os.getloadavg()[0]
@@ -129,13 +131,21 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
             folder = build_model(Path(tmp) / shape, **overrides)
             for target, modules in TARGETS.items():
                 rows[f"{shape}/{target}"] = bench_shape(folder, modules)
+        moe = bench_moe(build_model(Path(tmp) / "moe", arch="qwen2_moe", **SHAPES["demo"]),
+                        quick=quick)
     demo = rows["demo/all"]
     result = {"quick": quick, "rank": RANK, "num_syncs": NUM_SYNCS, "engine": "local",
               "lora": rows, "lora_sync_bytes_vs_full": demo["lora_sync_bytes_vs_full"],
               "lora_sync_s_vs_full": demo["lora_sync_s_vs_full"],
-              "moe": "not built: the kit has no MoE model yet",
+              "moe": moe,
+              "mismatch_replay_vs_none": moe["mismatch_replay_vs_none"],
+              "routing_agreement": moe["routing_agreement"],
               "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]}}
     _print_table(rows)
+    print(f"MoE, bfloat16 engine vs float32 trainer: mismatch {moe['mismatch_none']:.4f} "
+          f"without replay, {moe['mismatch_replay']:.4f} with (ratio "
+          f"{moe['mismatch_replay_vs_none']:.3f}); routing agreement "
+          f"{moe['routing_agreement']:.3f} over {moe['num_samples']} samples")
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result

@@ -84,6 +84,26 @@ class TrainConfig(Section):
     samples, prompts included), counted once per trained token: with token-mean aggregation the step's loss is the policy
     loss + this x the load-balancing loss, as transformers adds it to a language-model loss.
     0 = off; > 0 is an error for a model without experts."""
+    routing_replay: Literal["off", "replay"] = "off"
+    """Mixture-of-experts models: which experts the trainer's forward sends each token to.
+    ``off``: its own router's top-k. ``replay`` (R3): the experts the engine routed the token
+    to when it last computed it (``Sample.routing``, recorded by the embedded engine for
+    prompt, environment and sampled tokens), so that the trainer's logprobs are those of the
+    network the engine sampled from; the weights over the replayed experts are still the
+    trainer's router softmax at them (renormalised when the model's ``norm_topk_prob`` says
+    so), so the router keeps its gradient. Every forward of the policy replays: the
+    proximal-policy forward of decoupled PPO too, so its ratio to the behaviour logprobs
+    measures engine–trainer mismatch and its ratio to the updated policy measures policy
+    change only, not a change of routing. Tokens with no recorded routing (a sequence's last
+    token, an episode served as turn-samples) use the trainer's own routing; the reference
+    policy of a KL term routes by its own router. The load-balancing loss
+    (``router_aux_loss_coef``) is still computed from the router's logits and its own top-k:
+    under replay it balances what the router would choose, which is what the engines will
+    route by after the next weight sync. ``replay`` is an error for a model without experts,
+    with ``engine.kind: vllm`` (the vLLM client does not read routed experts),
+    ``runtime.kind: ray`` (engine actors do not return them yet), ``compile: true`` and
+    ``model.lora``. The step metric ``routing_agreement`` (every step, MoE models) is the
+    share of recorded (token, layer) top-k sets that the trainer's own router picks too."""
     lr: float = Field(2e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
@@ -156,3 +176,26 @@ def check_train(t: TrainConfig) -> None:
             f"train.advantage_std = {t.advantage_std} has no effect with train.advantage = "
             f"{t.advantage} (only grpo divides by the group std); drop advantage_std"
         )
+
+
+def check_routing_replay(t: TrainConfig, *, engine_kind: str, runtime_kind: str, lora: bool,
+                         experts: str | None) -> None:
+    """``train.routing_replay: replay`` against what cannot record or replay routing
+    (``experts``: the tiny model's arch, None for a model folder, which the trainer checks)."""
+    if t.routing_replay == "off":
+        return
+    if experts is not None and experts != "qwen2_moe":
+        raise ValueError(f"train.routing_replay = replay needs a mixture-of-experts model: "
+                         f"model.tiny.arch is {experts!r} (qwen2_moe has experts)")
+    for name, value, why in (
+            ("engine.kind", engine_kind if engine_kind == "vllm" else None,
+             "rollstream's vLLM client does not read routed experts"),
+            ("runtime.kind", runtime_kind if runtime_kind == "ray" else None,
+             "engine actors do not return routed experts"),
+            ("train.compile", "true" if t.compile else None,
+             "the replaying router hook is not compiled"),
+            ("model.lora", "set" if lora else None,
+             "LoRA on a mixture-of-experts model is not supported")):
+        if value is not None:
+            raise ValueError(f"train.routing_replay = replay is not supported with {name} = "
+                             f"{value} ({why}): set train.routing_replay: off or change {name}")

@@ -5,6 +5,8 @@ mask), an episode's turns (tool calls and their results: what a resumed episode 
 its environment's snapshot (what a resumed episode restores instead, when its environment
 can snapshot; absent from older checkpoints), the contexts where its chat template rewrote
 earlier turns (``contexts``, written only when there are some: older checkpoints have none),
+a mixture-of-experts sample's recorded routing (``routing``, its bytes in base64; absent
+when it has none),
 with the sample's status and what it has
 recorded so far, so that a restored sample continues exactly where the saved one stood:
 ``prompt + tokens so far`` is resubmitted with the versions of the saved tokens unchanged.
@@ -12,6 +14,7 @@ recorded so far, so that a restored sample continues exactly where the saved one
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from rollstream.trajectory import (
@@ -19,6 +22,7 @@ from rollstream.trajectory import (
     Context,
     EnvSnapshot,
     Group,
+    Routing,
     Sample,
     SampleStatus,
     Segment,
@@ -94,6 +98,9 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
         "env_snapshot": None if (e := s.env_snapshot) is None else {  # frozen: no copy
             "num_segments": e.num_segments, "state": e.state, "messages": e.messages},
     }
+    if (r := s.routing) is not None:  # frozen: no copy; bytes as base64
+        out["routing"] = {"num_layers": r.num_layers, "top_k": r.top_k, "wide": r.wide,
+                          "experts": base64.b64encode(r.experts).decode("ascii")}
     if s.contexts:
         out["contexts"] = [{"num_segments": c.num_segments, "token_ids": list(c.token_ids)}
                            for c in s.contexts]
@@ -116,7 +123,10 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                         messages=e["messages"]),
                     contexts=[Context(num_segments=c["num_segments"],
                                       token_ids=tuple(c["token_ids"]))
-                              for c in d.get("contexts", ())])
+                              for c in d.get("contexts", ())],
+                    routing=None if (r := d.get("routing")) is None else Routing(
+                        num_layers=r["num_layers"], top_k=r["top_k"], wide=r["wide"],
+                        experts=base64.b64decode(r["experts"])))
     if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
         sample.num_restored_tokens = sample.num_response_tokens
     return sample

@@ -9,6 +9,9 @@ Semantics every implementation honours (the contract tests in tests/engine check
   logprob of each, and the weight version that sampled each token. No text, no re-tokenizing.
   The logprob is taken under the distribution the token was drawn from: ``logits / T``
   truncated by top-k then top-p and renormalised (T = 0: ``log_softmax(logits)``).
+* A mixture-of-experts model's routing (``GenerateOutput.routing``, engines that record
+  it: the local one) holds the experts of every token of prompt + output as last computed
+  (the last token's marked not computed); it is what ``train.routing_replay`` replays.
 * ``interrupt(ids)`` (``None`` = every in-flight request) stops those requests at the next
   token boundary; their ``generate`` calls return at once with ``finish_reason=ABORT`` and the
   tokens produced so far. Resubmitting ``prompt + partial`` with ``max_new_tokens`` reduced by
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rollstream.engine.states import EngineHealth
+from rollstream.trajectory import Routing
 
 if TYPE_CHECKING:  # keep torch out of light imports
     import torch
@@ -106,6 +110,9 @@ class GenerateOutput:
     versions: list[int]  # [T] weight version that sampled each token
     finish_reason: FinishReason
     error: str | None = None
+    # mixture-of-experts models, engines that record it: the experts of every token of
+    # prompt_ids + token_ids as last computed (the last token's: Routing.none)
+    routing: Routing | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -306,7 +306,7 @@ class Dispatcher:
             if once is None:  # cancelled while it waited for an engine
                 return None
             out, out_of_time = once
-            sample.append_policy_tokens(out.token_ids, out.logprobs, out.versions)
+            sample.append_policy_tokens(out.token_ids, out.logprobs, out.versions, out.routing)
             done += len(out.token_ids)
             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) or out_of_time:
                 return TurnOutput(finish_reason=out.finish_reason, num_tokens=done,

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from rollstream.ops.truncation import truncate, truncates
+from rollstream.train.routing import routing_ids
 from rollstream.trajectory import Sample
 
 PAD_ID = 0  # any id works: padding is its own segment, outside every sample's attention
@@ -101,6 +102,9 @@ class MicroBatch:
     logp_behav: Tensor  # [B, T] float32: engine logprobs (0 at padding)
     versions: Tensor  # [B, T] long: policy version per token (-1 at padding)
     temperature: Tensor  # [R, K] float32: sampling temperature of the kept logits' sample
+    # [R, W, moe layers, top_k] long: the experts the engine routed each token to
+    # (Sample.routing), -1 where not recorded; [R, W, 0, 0] when no sample carries routing
+    experts: Tensor
 
     def to(self, device: str | torch.device) -> MicroBatch:
         return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -144,6 +148,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         raise ValueError("collate: rows must hold every sample exactly once")
     width = round_up(max(sum(lengths[b] for b in row) for row in rows), width_multiple)
     num_resp = max(len(r) for r in responses)
+    experts = _routing_rows(samples, rows, len(rows), width)
 
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -202,7 +207,30 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         logp_behav=logp_behav,
         versions=versions,
         temperature=temps[:, keep],
+        experts=experts,
     )
+
+
+def _routing_rows(samples: Sequence[Sample], rows: Sequence[Sequence[int]], num_rows: int,
+                  width: int) -> Tensor:
+    """``MicroBatch.experts``: each sample's recorded routing at its tokens' places (samples
+    laid out as turn-samples have none: their recorded sequence is not what a row holds)."""
+    recorded = [None if s.contexts or s.routing is None else routing_ids(s.routing)
+                for s in samples]
+    shapes = {tuple(ids.shape[1:]) for ids in recorded if ids is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"collate: samples carry routing of different shapes "
+                         f"(moe layers, top_k): {sorted(shapes)}")
+    out = torch.full((num_rows, width, *(shapes.pop() if shapes else (0, 0))), -1,
+                     dtype=torch.long)
+    for r, members in enumerate(rows):
+        offset = 0
+        for b in members:
+            n = sample_length(samples[b])
+            if (ids := recorded[b]) is not None:
+                out[r, offset : offset + min(n, len(ids))] = ids[:n]
+            offset += n
+    return out
 
 
 def padding_micro_batch() -> MicroBatch:
@@ -222,6 +250,7 @@ def padding_micro_batch() -> MicroBatch:
         logp_behav=torch.zeros(none, dtype=torch.float32),
         versions=torch.full(none, -1, dtype=torch.long),
         temperature=torch.ones((1, 1), dtype=torch.float32),
+        experts=torch.full((1, 1, 0, 0), -1, dtype=torch.long),
     )
 
 

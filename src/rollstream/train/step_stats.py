@@ -118,4 +118,8 @@ def step_metrics(sums: StepSums, *, num_samples: int, step_s: float,
         # with train.router_aux_loss_coef > 0: the load-balancing loss, per trained token
         **({"router_aux_loss": sums.ratio("router_aux", "update_tokens")}
            if "router_aux" in sums.values else {}),
+        # mixture of experts: share of recorded (token, layer) top-k sets the trainer's own
+        # router picks too, in the step's first forward (train/routing.py)
+        **({"routing_agreement": sums.ratio("routing_agree", "routing_tokens")}
+           if sums.values.get("routing_tokens") else {}),
     }

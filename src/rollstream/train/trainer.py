@@ -47,7 +47,8 @@ the tokens before IS masking (inside the support) so the correction cannot hide 
 it removes,
 ``entropy`` (mean ``-logp_prox``: a sampled-token estimate, free), ``num_tokens``,
 ``num_samples``, ``step_s``; with ``router_aux_loss_coef > 0``, ``router_aux_loss`` (a mixture
-of experts' load-balancing loss, mean per trained token over updates).
+of experts' load-balancing loss, mean per trained token over updates); for a mixture of
+experts, ``routing_agreement`` (``train.routing_replay``, :mod:`.routing`).
 
 Precision: parameters and AdamW state stay float32; ``dtype: bfloat16`` runs forward and
 backward under ``torch.autocast(bfloat16)`` (mixed precision keeps small updates from being
@@ -111,6 +112,7 @@ from rollstream.train.losses import (
     router_balance_loss,
 )
 from rollstream.train.precision import bf16_width_multiple, keep_float32
+from rollstream.train.routing import router_hooks
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
@@ -181,6 +183,8 @@ class Trainer:
         if cfg.router_aux_loss_coef > 0 and not self._experts:
             raise ValueError(f"train.router_aux_loss_coef = {cfg.router_aux_loss_coef} needs a "
                              f"mixture-of-experts model; {self.model_path} has no experts")
+        self._routes = router_hooks(self.model, replay=cfg.routing_replay == "replay",
+                                    compiled=cfg.compile, source=self.model_path)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -333,7 +337,9 @@ class Trainer:
         """[B, T] logprobs of ``mb``'s response tokens; with ``balance`` (a list) and
         ``router_aux_loss_coef > 0``, appends the micro-batch's load-balancing loss to it."""
         balance = balance if self.cfg.router_aux_loss_coef > 0 else None
-        with self._autocast():
+        routes = self._routes if model is self.model else None  # the reference: its own
+        with self._autocast(), (contextlib.nullcontext() if routes is None
+                                else routes.bind(mb.experts, mb.token_mask)):
             out = model(
                 input_ids=mb.input_ids,
                 position_ids=mb.position_ids,  # packed rows: no attention mask (batching)
@@ -391,6 +397,9 @@ class Trainer:
         for idx, mb in batches:
             balance: list[Tensor] = []
             logp = self._forward(self.model, mb, balance)
+            if self._routes is not None:  # the proximal forward's (train/routing.py)
+                sums.add(**dict(zip(("routing_agree", "routing_tokens"),
+                                    self._routes.take_counts())))
             p = self._targets(mb, logp.detach(), [advantages[i] for i in idx], step, sums)
             kept.update(kept_tokens([samples[i] for i in idx], p, step, self.staleness))
             loss_sum += self._backward(logp, p, 1.0, sums, balance)  # divided by norm below

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import Install
 from rollstream.engine.protocol import FinishReason, GenerateOutput, GenerateRequest
+from rollstream.trajectory import Routing
 
 
 @dataclass(slots=True, kw_only=True)
@@ -61,6 +62,7 @@ def output(
     logprobs: list[float] | None = None,
     versions: list[int] | None = None,
     error: str | None = None,
+    routing: Routing | None = None,
 ) -> GenerateOutput:
     return GenerateOutput(
         request_id=request_id,
@@ -69,6 +71,7 @@ def output(
         versions=versions or [],
         finish_reason=reason,
         error=error,
+        routing=routing,
     )
 
 

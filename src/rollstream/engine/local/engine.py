@@ -412,18 +412,17 @@ class LocalEngine:
             return
         seqs = [self._scheduler.running[r] for r in rows]
         results = self._runner.read(rows, [s.prompt_len for s in seqs])
+        routing = self._runner.routing(rows)  # of prompt + output (runner.ModelRunner.routing)
         if error is None:  # not a failure: interrupted rows and finished turns of episodes
             self._runner.store_ended(rows, seqs, results, reason is FinishReason.ABORT)
         self._rows_moving = True
         removed, src, dst = self._scheduler.release(rows)
-        for seq, (tokens, logprobs) in zip(removed, results, strict=True):
+        for seq, (tokens, logprobs), route in zip(removed, results, routing, strict=True):
             why = reason
             if reason is FinishReason.LENGTH and tokens[-1] in seq.request.params.stop_token_ids:
                 why = FinishReason.STOP
-            self._deliver(
-                seq,
-                output(seq.request_id, why, tokens, logprobs, seq.versions(len(tokens)), error),
-            )
+            self._deliver(seq, output(seq.request_id, why, tokens, logprobs,
+                                      seq.versions(len(tokens)), error, route))
         self._runner.release(len(rows), src, dst)  # delivered first: a failure here loses none
         self._rows_moving = False
 

@@ -163,11 +163,13 @@ def forward(
     rope: Rope,
     decode: DecodeRows | None = None,
     prompts: PackedPrompts | None = None,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One forward pass over decode rows and packed prompts together (either may be None):
     the matmuls of every layer run once over all their tokens, attention separately (decode
     rows over the cache, prompts over themselves). Returns logits [n + m, vocab]: the decode
-    rows' next tokens, then each prompt's last token (None when there are none).
+    rows' next tokens, then each prompt's last token (None when there are none); and, with
+    experts, the experts every input token was routed to, [n + T, moe layers, top_k] int64
+    (decode rows' inputs, then the packed prompt tokens; None for a dense model).
 
     Runs as one TorchScript call (:func:`_step`, scripted by ``jit.py``)."""
     if decode is None and prompts is None:
@@ -219,7 +221,7 @@ def _step(
     eps: float,
     top_k: int,
     norm_topk: bool,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One step (decode rows 0..n-1 and packed prompts, either may be absent): its tables
     (inputs, positions, rope, attention bias and mask, cache rows), every layer, and the logits
     of the decode rows and of the prompt tokens ``last``. Prompts attend over themselves, or,
@@ -264,6 +266,7 @@ def _step(
     # themselves under mask); keys and values go to the cache rows ``write`` first
     x = torch.embedding(embed, tokens[0] if len(tokens) == 1 else torch.cat(tokens))
     t, d, hidden = x.shape[0], head_dim, [x.shape[1]]
+    routes: list[torch.Tensor] = []  # per layer with experts: [t, top_k] expert ids
     for i in range(len(flat)):
         m, b = 6 * i, 4 * i  # (ln_attn, qkv, o, ln_mlp, gate_up, down), their biases
         a = torch.rms_norm(x, hidden, matrices[m], eps)
@@ -286,20 +289,22 @@ def _step(
         if len(experts) > 0 and experts[3 * i].numel() > 0:  # shared expert + routed ones
             route = torch.mm(a, experts[3 * i])  # [t, experts + 1]: router | shared gate
             shared = torch.mm(gated, matrices[m + 5]).mul_(torch.sigmoid(route[:, -1:]))
-            routed = _routed_experts(a, route[:, :-1], experts[3 * i + 1],
-                                     experts[3 * i + 2], top_k, norm_topk)
+            routed, chosen = _routed_experts(a, route[:, :-1], experts[3 * i + 1],
+                                             experts[3 * i + 2], top_k, norm_topk)
+            routes.append(chosen)
             x = x + routed.add_(shared)
         else:
             x = _residual(x, gated, matrices[m + 5], biases[b + 3])
+    routing = torch.stack(routes, dim=1) if len(routes) > 0 else None
     picks: list[torch.Tensor] = []
     if n > 0:
         picks.append(x[:n])
     if last is not None:
         picks.append(x.index_select(0, last))
     if len(picks) == 0:
-        return None
+        return None, routing
     x = picks[0] if len(picks) == 1 else torch.cat(picks)
-    return torch.mm(torch.rms_norm(x, hidden, norm, eps), lm_head_t).float()
+    return torch.mm(torch.rms_norm(x, hidden, norm, eps), lm_head_t).float(), routing
 
 
 def _routed_experts(
@@ -309,12 +314,14 @@ def _routed_experts(
     down: torch.Tensor,
     top_k: int,
     norm_topk: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over each token's top-k experts (by ``softmax(logits)``) of the expert's SiLU MLP
     of ``a`` times its routing weight; ``gate_up`` [experts, 2 x width, hidden], ``down``
-    [experts, hidden, width]. Tokens grouped by expert: one matmul pair per expert hit."""
+    [experts, hidden, width]. Tokens grouped by expert: one matmul pair per expert hit.
+    Returns the sum and the chosen experts [t, top_k]."""
     probs = torch.softmax(logits.float(), dim=-1)
     weight, chosen = torch.topk(probs, top_k, dim=-1)
+    picked = chosen
     if norm_topk:
         weight = weight / weight.sum(dim=-1, keepdim=True)
     weight = weight.to(a.dtype).view(-1)
@@ -333,7 +340,7 @@ def _routed_experts(
             y = torch.mm(h, down[e].t()).mul_(weight[start : start + count, None])
             out.index_add_(0, rows, y)
             start += count
-    return out
+    return out, picked
 
 
 def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

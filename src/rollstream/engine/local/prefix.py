@@ -51,6 +51,7 @@ import torch
 from rollstream.config.engine import PREFIX_BLOCK_TOKENS
 from rollstream.engine.local.jit import scripted
 from rollstream.engine.local.model import KVCache
+from rollstream.engine.local.routing import routing_table
 from rollstream.engine.local.weights import ModelSpec
 
 BLOCK_TOKENS = PREFIX_BLOCK_TOKENS  # tokens per cached block
@@ -77,6 +78,10 @@ class PrefixCache:
         self.num_blocks = budget_tokens // BLOCK_TOKENS
         self.pool = (KVCache.allocate(spec, self.num_blocks, BLOCK_TOKENS, device, dtype)
                      if self.num_blocks else None)
+        # mixture-of-experts models: each cached token's experts (a hit restores them with its
+        # keys and values, so a request's routing covers the tokens it did not compute)
+        self.experts = (routing_table(spec, (self.num_blocks, BLOCK_TOKENS), device)
+                        if self.num_blocks and spec.moe is not None else None)
         self.index: dict[Key, int] = {}  # key -> slot
         self.blocks: dict[int, Block] = {}  # slot -> block
         self.lru: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first

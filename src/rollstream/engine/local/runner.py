@@ -25,18 +25,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from rollstream.engine.local import model
-from rollstream.engine.local.model import KVCache, Rope, move_cache_rows
 from rollstream.engine.local.jit import scripted
+from rollstream.engine.local.model import KVCache, Rope, move_cache_rows
 from rollstream.engine.local.prefix import PrefixCache, copy_blocks
+from rollstream.engine.local.routing import (
+    copy_routing,
+    read_routing,
+    record_routing,
+    routing_table,
+)
 from rollstream.engine.local.sampler import Sampler, sample
 from rollstream.engine.local.scheduler import Sequence
 from rollstream.engine.local.weights import ModelSpec, Weights
+from rollstream.trajectory import Routing
 
 
 @dataclass(slots=True, kw_only=True)
@@ -53,20 +60,12 @@ class RowState:
     top_k: torch.Tensor  # [rows] int64 (vocab size = off)
     key: torch.Tensor  # [rows] int64 sampler seed key
     greedy: torch.Tensor  # [rows] bool
+    # [rows, max_seq_len, moe layers, top_k] uint8 (int16 from 255 experts on): the experts
+    # the token at that position was routed to when last computed (empty for a dense model)
+    experts: torch.Tensor
 
     def all(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.tokens,
-            self.logprobs,
-            self.length,
-            self.limit,
-            self.stop,
-            self.inv_temp,
-            self.top_p,
-            self.top_k,
-            self.key,
-            self.greedy,
-        )
+        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 class ModelRunner:
@@ -99,6 +98,7 @@ class ModelRunner:
             top_k=torch.zeros(max_rows, **i64),
             key=torch.zeros(max_rows, **i64),
             greedy=torch.zeros(max_rows, dtype=torch.bool, device=device),
+            experts=routing_table(spec, (max_rows, max_seq_len), device),
         )
         # numpy views of the token and logprob history (never reallocated; CPU only)
         self._host = ((self.rows.tokens.numpy(), self.rows.logprobs.numpy())
@@ -115,8 +115,7 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Start ``seqs`` in rows n..n+m-1, sample their first token; returns finished rows."""
         lo, hi = self.num_rows, self.num_rows + len(seqs)
-        logits = model.forward(self.spec, self.weights, self.cache, self.rope,
-                               prompts=self._admit(seqs))
+        logits = self._forward(None, self._admit(seqs))
         self._store_prompts(seqs, lo)
         self.num_rows = hi
         return self._sample_and_record(logits, lo, hi)
@@ -128,11 +127,28 @@ class ModelRunner:
         self.last_chunks = attention_chunks(self.length_host[:n])
         rows = model.DecodeRows(history=r.tokens, length=r.length, chunks=self.last_chunks)
         prompts = self._admit(new) if new else None
-        logits = model.forward(self.spec, self.weights, self.cache, self.rope, rows, prompts)
+        logits = self._forward(rows, prompts)
         if new:
             self._store_prompts(new, n)
         self.num_rows = n + len(new)
         return self._sample_and_record(logits, 0, self.num_rows)
+
+    def _forward(self, rows: model.DecodeRows | None,
+                 prompts: model.PackedPrompts | None) -> torch.Tensor | None:
+        """``model.forward``; the experts it chose go to its input tokens' positions."""
+        logits, routing = model.forward(self.spec, self.weights, self.cache, self.rope, rows,
+                                        prompts)
+        if routing is not None:
+            record_routing(self.rows.experts, routing, self.rows.length[:0 if rows is None
+                                                                         else self.num_rows],
+                           None if prompts is None else (prompts.rows, prompts.pos))
+        return logits
+
+    def routing(self, rows: list[int]) -> list[Routing | None]:
+        """The experts of every token ``rows`` hold (None each for a dense model): the last
+        token's marked not computed (no pass took it as input)."""
+        return [read_routing(self.rows.experts[row, : int(self.length_host[row])])
+                for row in rows]
 
     def _admit(self, seqs: list[Sequence]) -> model.PackedPrompts:
         """Write the prompts and sampling parameters of ``seqs`` into rows n..n+m-1 (not live
@@ -187,6 +203,8 @@ class ModelRunner:
         assert pool is not None
         t0 = time.perf_counter()
         copy_blocks(pool, ints[0], torch.zeros_like(ints[0]), self.cache, ints[1], ints[2])
+        if self.prefix.experts is not None:  # the cached tokens' routing comes with them
+            copy_routing(self.prefix.experts, ints[0], None, self.rows.experts, ints[1], ints[2])
         self.prefix.counts["prefix_copy_s"] += time.perf_counter() - t0
 
     def _store_prompts(self, seqs: list[Sequence], lo: int) -> None:
@@ -230,6 +248,8 @@ class ModelRunner:
         ints = self._to_device(np.array([[r for r, _ in src], [p for _, p in src], slots],
                                         dtype=np.int64))
         copy_blocks(self.cache, ints[0], ints[1], pool, ints[2], torch.zeros_like(ints[2]))
+        if self.prefix.experts is not None:
+            copy_routing(self.rows.experts, ints[0], ints[1], self.prefix.experts, ints[2], None)
         self.prefix.counts["prefix_copy_s"] += time.perf_counter() - t0
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -246,7 +266,7 @@ class ModelRunner:
                 lens = self.length_host[chunk] - 1  # the last is the input
                 packed = self._packed(np.array(chunk), lens, with_last=False)
                 packed.tokens = self.rows.tokens[packed.rows, packed.pos]
-                model.forward(self.spec, self.weights, self.cache, self.rope, prompts=packed)
+                self._forward(None, packed)
                 chunk = []
 
     @staticmethod

@@ -1,0 +1,82 @@
+"""``bench models``' mixture-of-experts section: how much of the engine–trainer mismatch
+routing replay removes where the two route differently.
+
+The kit's Qwen2-MoE at the demo's shape (``model.tiny.arch: qwen2_moe``, as built, no warm
+start) is served by a bfloat16 embedded engine, which samples ``NUM_GROUPS`` groups of
+``GROUP_SIZE`` responses (temperature 1, ``MAX_NEW_TOKENS`` tokens); a float32 trainer then
+takes one step on those same samples twice, with ``train.routing_replay: off`` and
+``replay``. Each step's first forward is the proximal policy, so its ``mismatch`` metric is
+the mean |engine logprob − trainer logprob| over the sampled tokens, and
+``mismatch_replay_vs_none`` = mismatch with replay / without (target ≤ 0.5).
+``routing_agreement`` is the ``off`` step's: the share of recorded (token, layer) top-k sets
+that the trainer's own router picks too. Both sides hold the same weights (version 0): the
+disagreement measured is the one precision makes (bfloat16 against float32). The ``stale``
+rows measure the same after the trainer took ``STALE_STEPS`` updates on these samples first
+(at ``train.lr``'s default), as in async k = 2 where samples are two versions old: there the
+mismatch holds the policy change too, which replay does not remove. No held-out reward is
+measured. A benchmark measures; it does not assert.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+NUM_GROUPS = 4
+GROUP_SIZE = 4
+MAX_NEW_TOKENS = 48
+STALE_STEPS = 2
+
+
+def bench_moe(folder: Path, *, quick: bool = False) -> dict[str, Any]:
+    """The MoE rows (module docstring) for the MoE model folder ``folder`` (``quick``: half
+    the groups, half the tokens)."""
+    from rollstream.config.schema import LocalEngineConfig, TrainConfig
+    from rollstream.engine.local import LocalEngine
+    from rollstream.engine.protocol import GenerateRequest, SamplingParams
+    from rollstream.staleness import StalenessPolicy
+    from rollstream.train.trainer import Trainer
+    from rollstream.trajectory import Group, SampleStatus, Task
+
+    groups = [Group.new(Task(uid=f"moe/{i}", source="bench", prompt_text="", reference="",
+                             prompt_ids=tuple((7 * i + j) % 60 + 3 for j in range(12 + i))),
+                        GROUP_SIZE) for i in range(NUM_GROUPS // (2 if quick else 1))]
+    samples = [s for g in groups for s in g.samples]
+    engine = LocalEngine(folder, LocalEngineConfig(max_slots=16, max_seq_len=128, threads=1,
+                                                   device="cpu", dtype="bfloat16"))
+    t0 = time.perf_counter()
+    try:
+        outs = engine.generate_many([GenerateRequest(
+            request_id=s.uid, prompt_ids=list(s.task.prompt_ids),
+            params=SamplingParams(temperature=1.0, seed=i,
+                                  max_new_tokens=MAX_NEW_TOKENS // (2 if quick else 1)))
+            for i, s in enumerate(samples)])
+    finally:
+        engine.shutdown()
+    generate_s = time.perf_counter() - t0
+    for i, (s, o) in enumerate(zip(samples, outs, strict=True)):
+        s.append_policy_tokens(o.token_ids, o.logprobs, o.versions, o.routing)
+        s.reward, s.status = float(i % 2), SampleStatus.GRADED
+    metrics = {}
+    for lag in (0, STALE_STEPS):
+        for mode in ("off", "replay"):
+            trainer = Trainer(TrainConfig(routing_replay=mode, updates_per_step=1), folder,
+                              staleness=StalenessPolicy(max_staleness=STALE_STEPS))
+            for step in range(lag):
+                trainer.step(groups, step)
+            metrics[f"{mode}{'/stale' if lag else ''}"] = trainer.step(groups, lag).metrics
+    stale = _rows(metrics["off/stale"], metrics["replay/stale"])
+    return {"engine_dtype": "bfloat16", "trainer_dtype": "float32",
+            "num_samples": len(samples), "num_tokens": sum(len(o.token_ids) for o in outs),
+            "generate_s": generate_s, **_rows(metrics["off"], metrics["replay"]),
+            **{f"stale_{k}": v for k, v in stale.items()}}
+
+
+def _rows(off: dict[str, float], replay: dict[str, float]) -> dict[str, float]:
+    return {"mismatch_none": off["mismatch"],
+            "mismatch_replay": replay["mismatch"],
+            "mismatch_kl_none": off["mismatch_kl"],
+            "mismatch_kl_replay": replay["mismatch_kl"],
+            "mismatch_replay_vs_none": replay["mismatch"] / off["mismatch"],
+            "routing_agreement": off["routing_agreement"]}
