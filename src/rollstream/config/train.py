@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, model_validator
+from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
 from rollstream.config.section import Section
 from rollstream.config.staleness import refuse_replaced_keys
@@ -93,6 +93,15 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(8192, ge=16)
     """Tokens computed per micro-batch (rows x row width; short samples share rows, so
     padding stays small whatever the budget); micro-batches accumulate gradients."""
+    shared_prefix: Literal["auto", "on", "off"] = "auto"
+    """Compute a prefix that several sequences of a micro-batch share once: a group's prompt,
+    the leading tokens of an episode's turn-samples (train/shared_prefix.py). The samples
+    of one prompt are packed into one micro-batch (cut into chunks only where they pass
+    ``micro_batch_tokens``), the prefix laid out once, each sample's rest after it under a
+    block attention mask: the flat layout's loss and gradients up to float rounding, with
+    fewer tokens computed. ``auto`` = shared where the prefix is at least 16 tokens long
+    and at least two sequences share it, flat with ``compile`` or ``router_aux_loss_coef >
+    0``; ``on`` = every shared prefix (an error with either of those); ``off`` = flat."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -130,6 +139,12 @@ class TrainConfig(Section):
     def _replaced_keys(cls, data):
         return refuse_replaced_keys("train", data)
 
+    @field_validator("shared_prefix", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        # YAML 1.1 reads a bare on / off as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 def check_train(t: TrainConfig) -> None:
     """Training settings that contradict each other."""
@@ -150,6 +165,13 @@ def check_train(t: TrainConfig) -> None:
         raise ValueError(
             f"train.compile = true is implemented for train.backend = local only (it is "
             f"{t.backend}); drop one"
+        )
+    if t.shared_prefix == "on" and (t.compile or t.router_aux_loss_coef > 0):
+        field = "compile = true" if t.compile else f"router_aux_loss_coef = {t.router_aux_loss_coef}"
+        raise ValueError(
+            f"train.shared_prefix = on contradicts train.{field} (a compiled forward is not "
+            "built for the shared layout's attention mask; the load-balancing loss would count "
+            "a shared prefix once, not once per sample); set shared_prefix auto or off"
         )
     if t.advantage_std != "sample" and t.advantage != "grpo":
         raise ValueError(

@@ -101,9 +101,11 @@ class MicroBatch:
     logp_behav: Tensor  # [B, T] float32: engine logprobs (0 at padding)
     versions: Tensor  # [B, T] long: policy version per token (-1 at padding)
     temperature: Tensor  # [R, K] float32: sampling temperature of the kept logits' sample
+    attention_mask: Tensor | None = None  # [R, 1, W, W] bool, where a unit shares a prefix
 
     def to(self, device: str | torch.device) -> MicroBatch:
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return MicroBatch(**{f.name: None if getattr(self, f.name) is None
+                             else getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def pieces(sample: Sample) -> list[tuple[list[int], list[int]]]:
@@ -123,8 +125,53 @@ def sample_length(sample: Sample) -> int:
     return sum(len(c) + len(r) for c, r in pieces(sample))
 
 
+Unit = tuple[Sequence[int], int]  # sample indices laid out back to back, tokens they share
+
+
+def _row_units(parts: list[list[tuple[list[int], list[int]]]], rows: Sequence[Sequence[int]],
+               shared: Sequence[Unit]) -> list[list[Unit]]:
+    """Per row, its units in order: each sample alone (no prefix) unless ``shared`` puts it in
+    a unit, whose members must follow each other in one row and whose every piece must start
+    with the unit's prefix and go on past it into its context."""
+    unit_of = {b: (tuple(members), prefix) for members, prefix in shared for b in members}
+    out: list[list[Unit]] = []
+    for members in rows:
+        units: list[Unit] = []
+        for b in members:
+            unit = unit_of.get(b, ((b,), 0))
+            if unit[0][0] == b:
+                units.append(unit)
+            elif not units or units[-1] != unit:
+                raise ValueError(f"collate: unit {unit[0]} is not consecutive in one row")
+        out.append(units)
+    for members, prefix in shared:
+        seqs = [(c, c + r) for b in members for c, r in parts[b]]
+        if prefix < 0 or any(len(c) <= prefix or s[:prefix] != seqs[0][1][:prefix]
+                             for c, s in seqs):
+            raise ValueError(f"collate: samples {list(members)} do not share {prefix} tokens "
+                             f"before each of their contexts' last token")
+    return out
+
+
+def unit_length(parts: list[list[tuple[list[int], list[int]]]], unit: Unit) -> int:
+    """Tokens a unit takes in a row: its prefix once, then every piece past it."""
+    members, prefix = unit
+    return prefix + sum(len(c) + len(r) - prefix for b in members for c, r in parts[b])
+
+
+def block_mask(block: Tensor, root: Tensor) -> Tensor:
+    """``[R, 1, W, W]`` bool: a token attends causally within its block and to the whole
+    block its own hangs from (``root``: a shared prefix, laid out before it; itself if none)."""
+    same = block[:, :, None] == block[:, None, :]
+    under = root[:, :, None] == block[:, None, :]
+    width = block.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=block.device).tril()
+    return ((same | under) & causal)[:, None]
+
+
 def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None, *,
-            temperature: float = 1.0, width_multiple: int = 1) -> MicroBatch:
+            temperature: float = 1.0, width_multiple: int = 1,
+            shared: Sequence[Unit] = ()) -> MicroBatch:
     """Lay out samples (each with at least one response token) as one micro-batch.
 
     ``rows``: indices into ``samples`` per row (every sample exactly once); by default rows as
@@ -132,40 +179,58 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     ``temperature``: of a sample that does not record its own (``Sample.temperature``).
     ``width_multiple``: the rows' width is rounded up to a multiple of it (more padding, fewer
     shapes: :mod:`rollstream.train.precision`).
+    ``shared``: units (sample indices consecutive in one row, prefix length) whose pieces
+    share their first tokens, laid out once (module docstring); with one, the micro-batch
+    carries its block attention mask.
     """
     parts = [pieces(s) for s in samples]
     responses = [[i for _, r in p for i in r] for p in parts]
     if any(not r for r in responses):
         raise ValueError("collate: every sample needs at least one response token")
-    lengths = [sum(len(c) + len(r) for c, r in p) for p in parts]
     if rows is None:
+        lengths = [unit_length(parts, ((b,), 0)) for b in range(len(samples))]
         rows = pack_rows(lengths, max(lengths))
     if sorted(b for row in rows for b in row) != list(range(len(samples))):
         raise ValueError("collate: rows must hold every sample exactly once")
-    width = round_up(max(sum(lengths[b] for b in row) for row in rows), width_multiple)
+    units = _row_units(parts, rows, shared)
+    width = round_up(max(sum(unit_length(parts, u) for u in row) for row in units),
+                     width_multiple)
     num_resp = max(len(r) for r in responses)
 
     input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     token_mask = torch.zeros((len(rows), width), dtype=torch.bool)
     temps = torch.ones((len(rows), width), dtype=torch.float32)
+    block = torch.zeros((len(rows), width), dtype=torch.long)  # contiguous causal runs
+    root = torch.zeros((len(rows), width), dtype=torch.long)  # the run each one hangs from
     # per sample: its row, and the row positions whose logits predict its response tokens
     where: list[tuple[int, Tensor]] = [(0, torch.zeros(0, dtype=torch.long))] * len(samples)
-    for r, members in enumerate(rows):
-        offset = 0
-        for b in members:
-            own = samples[b].temperature
-            predicting = []
-            for context, response in parts[b]:  # a turn-sample: positions from 0
-                n = len(context) + len(response)
-                input_ids[r, offset : offset + n] = torch.tensor(context + response)
-                position_ids[r, offset : offset + n] = torch.arange(n)
-                temps[r, offset : offset + n] = temperature if own is None else own
-                first = offset + len(context) - 1  # o + P - 1 ... o + P + n_r - 2
-                predicting.append(torch.arange(first, first + len(response)))
-                offset += n
-            where[b] = (r, torch.cat(predicting))
+    for r, row in enumerate(units):
+        offset, run = 0, 0
+        for members, prefix in row:
+            head = run
+            if prefix:  # the unit's shared tokens, once
+                context, response = parts[members[0]][0]
+                input_ids[r, offset : offset + prefix] = torch.tensor(context[:prefix])
+                position_ids[r, offset : offset + prefix] = torch.arange(prefix)
+                block[r, offset : offset + prefix] = root[r, offset : offset + prefix] = run
+                offset, run = offset + prefix, run + 1
+            for b in members:
+                own = samples[b].temperature
+                predicting = []
+                for context, response in parts[b]:  # a turn-sample: positions from 0
+                    n = len(context) + len(response) - prefix
+                    input_ids[r, offset : offset + n] = torch.tensor((context + response)[prefix:])
+                    position_ids[r, offset : offset + n] = torch.arange(prefix, prefix + n)
+                    temps[r, offset : offset + n] = temperature if own is None else own
+                    block[r, offset : offset + n] = run
+                    root[r, offset : offset + n] = head if prefix else run
+                    first = offset + len(context) - prefix - 1  # predicts the first response
+                    predicting.append(torch.arange(first, first + len(response)))
+                    offset, run = offset + n, run + 1
+                where[b] = (r, torch.cat(predicting))
         position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
+        block[r, offset:] = root[r, offset:] = run
         token_mask[r, :offset] = True
     # logits columns predicting a response token, in some row
     needed = torch.zeros(width, dtype=torch.bool)
@@ -202,6 +267,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         logp_behav=logp_behav,
         versions=versions,
         temperature=temps[:, keep],
+        attention_mask=block_mask(block, root) if shared else None,
     )
 
 

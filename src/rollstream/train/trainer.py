@@ -99,7 +99,6 @@ from rollstream.train.batching import (
     gather_logprobs,
     pack_micro_batches,
     padding_micro_batch,
-    sample_length,
 )
 from rollstream.train.losses import (
     anchor_fn,
@@ -111,6 +110,7 @@ from rollstream.train.losses import (
     router_balance_loss,
 )
 from rollstream.train.precision import bf16_width_multiple, keep_float32
+from rollstream.train.shared_prefix import micro_batch_layout, min_prefix, model_mask, plan_units
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
@@ -177,6 +177,7 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay)
         self._anchor = anchor_fn(self.loss)
+        self._min_prefix = min_prefix(cfg)
         self._experts = getattr(self.model.config, "num_experts", 0) or 0
         if cfg.router_aux_loss_coef > 0 and not self._experts:
             raise ValueError(f"train.router_aux_loss_coef = {cfg.router_aux_loss_coef} needs a "
@@ -312,8 +313,10 @@ class Trainer:
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[tuple[list[int], MicroBatch]]:
         """This process's micro-batches (all of them, here): sample indices and layout; a
-        padding micro-batch (:func:`padding_micro_batch`) has no index."""
-        lengths = [sample_length(s) for s in samples]
+        padding micro-batch (:func:`padding_micro_batch`) has no index. Shared prefixes are
+        laid out once (:mod:`.shared_prefix`)."""
+        units, lengths = plan_units(samples, min_tokens=self._min_prefix,
+                                    budget=self.cfg.micro_batch_tokens)
         out = []
         multiple = bf16_width_multiple(self.device) if self._bf16 else 1
         for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens,
@@ -321,11 +324,9 @@ class Trainer:
             if not rows:
                 out.append(([], padding_micro_batch().to(self.device)))
                 continue
-            idx = [i for row in rows for i in row]
-            at = {i: k for k, i in enumerate(idx)}  # sample index -> place in this micro-batch
-            local = [[at[i] for i in row] for row in rows]
+            idx, local, shared = micro_batch_layout(units, rows)
             out.append((idx, collate([samples[i] for i in idx], local, temperature=self.temperature,
-                                     width_multiple=multiple).to(self.device)))
+                                     width_multiple=multiple, shared=shared).to(self.device)))
         return out
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch,
@@ -336,7 +337,8 @@ class Trainer:
         with self._autocast():
             out = model(
                 input_ids=mb.input_ids,
-                position_ids=mb.position_ids,  # packed rows: no attention mask (batching)
+                position_ids=mb.position_ids,  # packed rows: no mask unless a prefix is shared
+                attention_mask=model_mask(mb.attention_mask, model),
                 logits_to_keep=mb.logits_to_keep,
                 use_cache=False,
                 **({} if balance is None else {"output_router_logits": True}),
