@@ -101,9 +101,12 @@ def test_ppo_clip_on_policy_trains_as_the_flat_layout(tiny_model_path):
     _assert_same_step(tiny_model_path, _cfg("token_mean"), _groups, SYNC)
 
 
+@pytest.mark.parametrize("budget", [8192, 48])  # the group's episodes together; each alone
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
-def test_an_episodes_turn_samples_share_their_leading_tokens(tiny_model_path, loss_agg):
-    _assert_same_step(tiny_model_path, _cfg(loss_agg, kl_coef=0.1), _episodes, STALE)
+def test_an_episodes_turn_samples_share_their_leading_tokens(tiny_model_path, loss_agg,
+                                                             budget):
+    _assert_same_step(tiny_model_path, _cfg(loss_agg, kl_coef=0.1, micro_batch_tokens=budget),
+                      _episodes, STALE)
 
 
 def test_logprobs_of_the_shared_layout_equal_the_flat_ones(tiny_model_path):

@@ -28,6 +28,15 @@ from exactly the context it was sampled in. Its ``[T]`` row of the loss tensors 
 sample's whole response, in order, so advantages, loss aggregation, IS and the kept-token
 counts treat it as the one sample it is: the loss is that of an append-only rendering of the
 same tokens, each under its own context.
+
+Shared prefixes (``collate``'s ``shared``; which and when: :mod:`.shared_prefix`). A *unit*
+of samples whose pieces all begin with the same ``L`` tokens is laid out as those tokens
+once (positions ``0 .. L-1``), then every piece's rest with positions from ``L``, and the
+micro-batch carries a block attention mask (``[R, 1, W, W]``, True = attend): each piece
+attends to its unit's prefix and causally to itself, every other run of tokens (a flat
+piece, the padding tail) causally to itself alone, so every token sees what it sees in the
+flat layout. ``L`` stays below each piece's context length, so the logit predicting a
+response token always lies in its own piece.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ One ``step`` (the unit that produces weight version ``step + 1``):
 1. advantages per group from its baseline rewards (:meth:`Group.baseline_rewards`: graded
    samples, plus FAILED ones as 0 with ``failed_reward: zero``); only samples with a reward
    and at least one response token are trained;
-2. pack samples into micro-batches by ``micro_batch_tokens``;
+2. pack samples into micro-batches by ``micro_batch_tokens``, a prompt several samples
+   share laid out once (``shared_prefix``, :mod:`.shared_prefix`);
 3. ``updates_per_step`` optimizer updates, each accumulating gradients over all micro-batches
    (loss = aggregation-weighted token losses / one step-wide normaliser, ``loss_agg``), then
    grad clip and AdamW.
