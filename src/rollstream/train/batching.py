@@ -178,6 +178,63 @@ def block_mask(block: Tensor, root: Tensor) -> Tensor:
     return ((same | under) & causal)[:, None]
 
 
+@dataclass(slots=True, kw_only=True)
+class _Layout:
+    """The ``[R, W]`` tensors of a micro-batch being laid out, row by row."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    token_mask: Tensor
+    temps: Tensor
+    block: Tensor  # contiguous causal runs of tokens, numbered in their row
+    root: Tensor  # the run each one also attends to (a shared prefix; else itself)
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> _Layout:
+        return cls(input_ids=torch.full((rows, width), PAD_ID, dtype=torch.long),
+                   position_ids=torch.zeros((rows, width), dtype=torch.long),
+                   token_mask=torch.zeros((rows, width), dtype=torch.bool),
+                   temps=torch.ones((rows, width), dtype=torch.float32),
+                   block=torch.zeros((rows, width), dtype=torch.long),
+                   root=torch.zeros((rows, width), dtype=torch.long))
+
+    def put(self, r: int, offset: int, tokens: list[int], first_position: int, run: int,
+            root: int, temperature: float = 1.0) -> int:
+        """Write one run of ``tokens`` at ``offset`` of row ``r``; returns its end."""
+        end = offset + len(tokens)
+        self.input_ids[r, offset:end] = torch.tensor(tokens)
+        self.position_ids[r, offset:end] = torch.arange(first_position, first_position + len(tokens))
+        self.temps[r, offset:end] = temperature
+        self.block[r, offset:end], self.root[r, offset:end] = run, root
+        return end
+
+    def row(self, r: int, units: list[Unit], parts: list[list[tuple[list[int], list[int]]]],
+            own: list[float | None], temperature: float) -> list[tuple[int, int, Tensor]]:
+        """Lay out row ``r``'s units; per sample (index, row, the positions whose logits
+        predict its response tokens)."""
+        offset, run, out = 0, 0, []
+        for members, prefix in units:
+            head = run
+            if prefix:  # the unit's shared tokens, once
+                offset = self.put(r, offset, parts[members[0]][0][0][:prefix], 0, run, run)
+                run += 1
+            for b in members:
+                predicting = []
+                for context, response in parts[b]:  # a turn-sample: positions from 0
+                    first = offset + len(context) - prefix - 1  # predicts its first response
+                    predicting.append(torch.arange(first, first + len(response)))
+                    offset = self.put(r, offset, (context + response)[prefix:], prefix, run,
+                                      head if prefix else run,
+                                      temperature if own[b] is None else own[b])
+                    run += 1
+                out.append((b, r, torch.cat(predicting)))
+        width = self.input_ids.shape[1]
+        self.position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own run
+        self.block[r, offset:] = self.root[r, offset:] = run
+        self.token_mask[r, :offset] = True
+        return out
+
+
 def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None, *,
             temperature: float = 1.0, width_multiple: int = 1,
             shared: Sequence[Unit] = ()) -> MicroBatch:
@@ -206,44 +263,16 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
                      width_multiple)
     num_resp = max(len(r) for r in responses)
 
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    token_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    temps = torch.ones((len(rows), width), dtype=torch.float32)
-    block = torch.zeros((len(rows), width), dtype=torch.long)  # contiguous causal runs
-    root = torch.zeros((len(rows), width), dtype=torch.long)  # the run each one hangs from
-    # per sample: its row, and the row positions whose logits predict its response tokens
-    where: list[tuple[int, Tensor]] = [(0, torch.zeros(0, dtype=torch.long))] * len(samples)
+    lay = _Layout.empty(len(rows), width)
+    own = [s.temperature for s in samples]
+    # per sample, in order: its index, row, and the positions whose logits predict its tokens
+    where: list[tuple[int, int, Tensor]] = []
     for r, row in enumerate(units):
-        offset, run = 0, 0
-        for members, prefix in row:
-            head = run
-            if prefix:  # the unit's shared tokens, once
-                context, response = parts[members[0]][0]
-                input_ids[r, offset : offset + prefix] = torch.tensor(context[:prefix])
-                position_ids[r, offset : offset + prefix] = torch.arange(prefix)
-                block[r, offset : offset + prefix] = root[r, offset : offset + prefix] = run
-                offset, run = offset + prefix, run + 1
-            for b in members:
-                own = samples[b].temperature
-                predicting = []
-                for context, response in parts[b]:  # a turn-sample: positions from 0
-                    n = len(context) + len(response) - prefix
-                    input_ids[r, offset : offset + n] = torch.tensor((context + response)[prefix:])
-                    position_ids[r, offset : offset + n] = torch.arange(prefix, prefix + n)
-                    temps[r, offset : offset + n] = temperature if own is None else own
-                    block[r, offset : offset + n] = run
-                    root[r, offset : offset + n] = head if prefix else run
-                    first = offset + len(context) - prefix - 1  # predicts the first response
-                    predicting.append(torch.arange(first, first + len(response)))
-                    offset, run = offset + n, run + 1
-                where[b] = (r, torch.cat(predicting))
-        position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
-        block[r, offset:] = root[r, offset:] = run
-        token_mask[r, :offset] = True
+        where += lay.row(r, row, parts, own, temperature)
+    where.sort(key=lambda w: w[0])
     # logits columns predicting a response token, in some row
     needed = torch.zeros(width, dtype=torch.bool)
-    for _, predicting in where:
+    for _, _, predicting in where:
         needed[predicting] = True
     keep = needed.nonzero()[:, 0]
     column = torch.full((width,), -1, dtype=torch.long)
@@ -255,8 +284,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     loss_mask = torch.zeros((len(samples), num_resp), dtype=torch.bool)
     logp_behav = torch.zeros((len(samples), num_resp), dtype=torch.float32)
     versions = torch.full((len(samples), num_resp), -1, dtype=torch.long)
-    for b, (sample, response) in enumerate(zip(samples, responses)):
-        r, predicting = where[b]
+    for (b, r, predicting), sample, response in zip(where, samples, responses, strict=True):
         n_r = len(response)
         logit_index[b, :n_r] = r * len(keep) + column[predicting]
         targets[b, :n_r] = torch.tensor(response)
@@ -265,9 +293,9 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         logp_behav[b, :n_r] = torch.tensor(sample.logprobs, dtype=torch.float32)
         versions[b, :n_r] = torch.tensor(sample.versions)
     return MicroBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        token_mask=token_mask,
+        input_ids=lay.input_ids,
+        position_ids=lay.position_ids,
+        token_mask=lay.token_mask,
         logits_to_keep=keep,
         logit_index=logit_index,
         targets=targets,
@@ -275,8 +303,8 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         loss_mask=loss_mask,
         logp_behav=logp_behav,
         versions=versions,
-        temperature=temps[:, keep],
-        attention_mask=block_mask(block, root) if shared else None,
+        temperature=lay.temps[:, keep],
+        attention_mask=block_mask(lay.block, lay.root) if shared else None,
     )
 
 
