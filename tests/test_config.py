@@ -159,6 +159,29 @@ def test_every_example_config_loads():
     assert load_config(EXAMPLES / "agent_openai.yaml").tasks.sources[0].harness == "openai"
 
 
+def test_the_long_prompt_example_reads_the_rows_its_script_writes(tmp_path, monkeypatch):
+    """examples/tick_fewshot.yaml's dataset is what examples/make_tick_fewshot.py writes:
+    few-shot instructions of 256 to about 1,030 tokens (one a character), answers of 20 to
+    125, all within the config's positions."""
+    import json
+    import runpy
+
+    script = runpy.run_path(str(EXAMPLES / "make_tick_fewshot.py"))
+    monkeypatch.setitem(script["main"].__globals__, "OUT", tmp_path / "rows.jsonl")
+    script["main"]()
+    committed = EXAMPLES / "data" / "tick_fewshot.jsonl"
+    assert (tmp_path / "rows.jsonl").read_text() == committed.read_text()
+    cfg = load_config(EXAMPLES / "tick_fewshot.yaml")
+    assert cfg.tasks.sources[0].path == "examples/data/tick_fewshot.jsonl"
+    rows = [json.loads(line) for line in committed.read_text().splitlines()]
+    instruction = [len(r["prompt"]) - len("T123#07=") for r in rows]
+    answers = [len(r["answer"]) for r in rows]
+    assert 256 <= min(instruction) and max(instruction) <= 1032
+    assert 20 <= min(answers) and max(answers) <= 125 <= cfg.sampling.max_new_tokens
+    longest = max(len(r["prompt"]) for r in rows) + cfg.sampling.max_new_tokens
+    assert longest <= min(cfg.model.tiny.max_position, cfg.engine.local.max_seq_len)
+
+
 def test_a_harness_on_a_single_turn_source_is_an_error():
     with pytest.raises(ConfigError, match="`harness` is read by dataset kinds and tally"):
         load_config(None, ["tasks.sources=[{kind: tick, harness: openai}]"])

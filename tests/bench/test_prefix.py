@@ -1,5 +1,6 @@
-"""``bench prefix --quick``: the cached engine prefills each group's prompt once, and the
-ratio and its bound come out beside each other."""
+"""``bench prefix --quick``: the cached engine prefills each group's prompt once, the
+shared-prefix trainer lays it out once, and each ratio and its bound come out beside each
+other."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def test_quick_prefix_bench_reports_the_ratio_and_its_bound(tmp_path):
     assert 0 < result["prefill_share_without_cache"] < 1
     assert result["bound"] == 1 / (1 - result["prefill_share_without_cache"]
                                    * result["hit_share"])
+    # the trainer: a group's prompt once (but its last token, in each sample), then each answer
+    groups, tokens = result["groups"], result["trainer_tokens"]
+    assert result["trainer_groups"] == groups
+    assert tokens["flat"] == result["prompt_tokens"] + result["generated_tokens"]
+    assert tokens["shared"] == (result["prompt_tokens"] // 8 - groups + 8 * groups
+                                + result["generated_tokens"])
+    assert result["shared_prefix_bound"] == tokens["flat"] / tokens["shared"]
+    assert result["shared_prefix_vs_flat_trainer_step_s"] > 0

@@ -38,6 +38,9 @@ CONFIGS = {
     "seq_mean_kl_masked_is": TrainConfig(
         micro_batch_tokens=24, updates_per_step=1, grad_clip=0.5, kl_coef=0.1,
         loss_agg="seq_mean_token_mean", is_correction=ISCorrectionConfig(mode="mask")),
+    # each group's prompt laid out once under a block attention mask, one group per micro-batch
+    "shared_prefix": TrainConfig(micro_batch_tokens=24, updates_per_step=1, grad_clip=1e6,
+                                 kl_coef=0.1, shared_prefix="on"),
 }
 MOE_CONFIGS = {  # a rank's padding micro-batch has a balance loss of 0 (no token), not NaN
     "token_mean_balance": TrainConfig(micro_batch_tokens=24, updates_per_step=2, grad_clip=1e6,

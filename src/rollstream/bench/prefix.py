@@ -19,6 +19,10 @@ over repeats of generated tokens/s with the cache ÷ without. Beside it the boun
 without the cache, read on a third engine with prefill passes of their own (``fuse_prefill:
 false``; fused, a prefill's time is inside a decode pass and cannot be read apart).
 
+Then the trainer on the last repeat's first groups, shared-prefix training against the flat
+layout (:mod:`rollstream.bench.prefix_train`): key ``shared_prefix_vs_flat_trainer_step_s``
+and its bound ``shared_prefix_bound``.
+
 A benchmark measures; it does not assert.
 """
 
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.bench.engine import THREADS, _time_requests
+from rollstream.bench.prefix_train import trainer_part
 from rollstream.bench.weightsync import build_model
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine.local import LocalEngine
@@ -75,6 +80,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
 
     torch.set_num_threads(THREADS)
     repeats = 1 if quick else 5
+    train_repeats = 1 if quick else 3
     load_before, t0 = list(os.getloadavg()), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp) / "model", max_position=1024 + 128)
@@ -100,6 +106,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         finally:
             for e in engines.values():
                 e.shutdown()
+        trained = trainer_part(folder, prompts, lengths, group_size=GROUP_SIZE, vocab=vocab,
+                               threads=THREADS, repeats=train_repeats)
     ratios = [c / n for c, n in zip(tok_s["cache"], tok_s["none"], strict=True)]
     cached = work["cache"]  # of the last repeat, as the bound's p and h
     h = cached["prefix_hit_tokens"] / max(cached["prefix_query_tokens"], 1.0)
@@ -120,6 +128,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         "prefix_copy_s": cached["prefix_copy_s"],
         "busy_s": {k: sum(w[x] for x in ("prefill_s", "sort_s", "decode_s"))
                    for k, w in work.items()},
+        **trained,
         "load_avg_before": load_before, "load_avg_after": list(os.getloadavg()),
         "cpus": len(os.sched_getaffinity(0)), "bench_wall_s": time.perf_counter() - t0,
     }
@@ -143,3 +152,11 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['prefill_share_without_cache']:.2f}, hit share h = {r['hit_share']:.2f}); "
         f"prefilled tokens {r['prefilled_tokens']['cache']:,.0f} with, "
         f"{r['prefilled_tokens']['none']:,.0f} without")
+    Console().print(
+        f"shared-prefix training ({r['trainer_groups']} groups of {r['group_size']}): seconds "
+        f"per step flat {min(r['trainer_step_s']['flat']):.1f}, shared "
+        f"{min(r['trainer_step_s']['shared']):.1f} (best); median ratio over "
+        f"{len(r['trainer_ratios'])} interleaved repeats "
+        f"[bold]{r['shared_prefix_vs_flat_trainer_step_s']:.2f}x[/bold] (bound, flat tokens / "
+        f"shared tokens: {r['trainer_tokens']['flat']:,} / {r['trainer_tokens']['shared']:,} "
+        f"= {r['shared_prefix_bound']:.2f}x)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, model_validator
+from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
 from rollstream.config.section import Section
 from rollstream.config.staleness import refuse_replaced_keys
@@ -113,6 +113,16 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(8192, ge=16)
     """Tokens computed per micro-batch (rows x row width; short samples share rows, so
     padding stays small whatever the budget); micro-batches accumulate gradients."""
+    shared_prefix: Literal["auto", "on", "off"] = "auto"
+    """Compute a prefix that several sequences of a micro-batch share once: a group's prompt,
+    the leading tokens of an episode's turn-samples (train/shared_prefix.py). The samples
+    of one prompt are packed into one micro-batch (cut into chunks only where they pass
+    ``micro_batch_tokens``), the prefix laid out once, each sample's rest after it under a
+    block attention mask: the flat layout's loss and gradients up to float rounding, with
+    fewer tokens computed. ``auto`` = shared where the prefix is at least 16 tokens long
+    and at least two sequences share it, flat with ``compile``, ``router_aux_loss_coef > 0``
+    or ``routing_replay: replay``; ``on`` = every shared prefix (an error with any of those);
+    ``off`` = flat."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -150,6 +160,12 @@ class TrainConfig(Section):
     def _replaced_keys(cls, data):
         return refuse_replaced_keys("train", data)
 
+    @field_validator("shared_prefix", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        # YAML 1.1 reads a bare on / off as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 def check_train(t: TrainConfig) -> None:
     """Training settings that contradict each other."""
@@ -171,11 +187,28 @@ def check_train(t: TrainConfig) -> None:
             f"train.compile = true is implemented for train.backend = local only (it is "
             f"{t.backend}); drop one"
         )
+    if t.shared_prefix == "on" and (why := flat_only(t)):
+        raise ValueError(f"train.shared_prefix = on contradicts train.{why}; set "
+                         "shared_prefix auto or off")
     if t.advantage_std != "sample" and t.advantage != "grpo":
         raise ValueError(
             f"train.advantage_std = {t.advantage_std} has no effect with train.advantage = "
             f"{t.advantage} (only grpo divides by the group std); drop advantage_std"
         )
+
+
+def flat_only(t: TrainConfig) -> str | None:
+    """Why ``t`` lays every sample out flat (None: a prefix may be shared): the setting and
+    the reason, for ``shared_prefix: on``'s refusal (``auto`` stays flat)."""
+    if t.compile:
+        return "compile = true (a compiled forward is not built for the shared layout's mask)"
+    if t.router_aux_loss_coef > 0:
+        return (f"router_aux_loss_coef = {t.router_aux_loss_coef} (the load-balancing loss "
+                "would count a shared prefix once, not once per sample)")
+    if t.routing_replay == "replay":
+        return ("routing_replay = replay (a prefix laid out once could replay one sample's "
+                "recorded routing only, and samples may have been routed by other versions)")
+    return None
 
 
 def check_routing_replay(t: TrainConfig, *, engine_kind: str, runtime_kind: str, lora: bool,

@@ -28,6 +28,15 @@ from exactly the context it was sampled in. Its ``[T]`` row of the loss tensors 
 sample's whole response, in order, so advantages, loss aggregation, IS and the kept-token
 counts treat it as the one sample it is: the loss is that of an append-only rendering of the
 same tokens, each under its own context.
+
+Shared prefixes (``collate``'s ``shared``; which and when: :mod:`.shared_prefix`). A *unit*
+of samples whose pieces all begin with the same ``L`` tokens is laid out as those tokens
+once (positions ``0 .. L-1``), then every piece's rest with positions from ``L``, and the
+micro-batch carries a block attention mask (``[R, 1, W, W]``, True = attend): each piece
+attends to its unit's prefix and causally to itself, every other run of tokens (a flat
+piece, the padding tail) causally to itself alone, so every token sees what it sees in the
+flat layout. ``L`` stays below each piece's context length, so the logit predicting a
+response token always lies in its own piece.
 """
 
 from __future__ import annotations
@@ -103,11 +112,14 @@ class MicroBatch:
     versions: Tensor  # [B, T] long: policy version per token (-1 at padding)
     temperature: Tensor  # [R, K] float32: sampling temperature of the kept logits' sample
     # [R, W, moe layers, top_k] long: the experts the engine routed each token to
-    # (Sample.routing), -1 where not recorded; [R, W, 0, 0] when no sample carries routing
+    # (Sample.routing), -1 where not recorded; [R, W, 0, 0] when no sample carries routing.
+    # Laid out flat: a shared prefix is never planned under routing replay (flat_only)
     experts: Tensor
+    attention_mask: Tensor | None = None  # [R, 1, W, W] bool, where a unit shares a prefix
 
     def to(self, device: str | torch.device) -> MicroBatch:
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return MicroBatch(**{f.name: None if getattr(self, f.name) is None
+                             else getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def pieces(sample: Sample) -> list[tuple[list[int], list[int]]]:
@@ -120,15 +132,110 @@ def pieces(sample: Sample) -> list[tuple[list[int], list[int]]]:
             for t in sample.turn_samples()]
 
 
-def sample_length(sample: Sample) -> int:
-    """Tokens a sample takes in a row: its turn-samples' contexts and responses."""
-    if not sample.contexts:
-        return len(sample.task.prompt_ids) + sample.num_response_tokens
-    return sum(len(c) + len(r) for c, r in pieces(sample))
+Unit = tuple[Sequence[int], int]  # sample indices laid out back to back, tokens they share
+
+
+def _row_units(parts: list[list[tuple[list[int], list[int]]]], rows: Sequence[Sequence[int]],
+               shared: Sequence[Unit]) -> list[list[Unit]]:
+    """Per row, its units in order: each sample alone (no prefix) unless ``shared`` puts it in
+    a unit, whose members must follow each other in one row and whose every piece must start
+    with the unit's prefix and go on past it into its context."""
+    unit_of = {b: (tuple(members), prefix) for members, prefix in shared for b in members}
+    out: list[list[Unit]] = []
+    for members in rows:
+        units: list[Unit] = []
+        for b in members:
+            unit = unit_of.get(b, ((b,), 0))
+            if unit[0][0] == b:
+                units.append(unit)
+            elif not units or units[-1] != unit:
+                raise ValueError(f"collate: unit {unit[0]} is not consecutive in one row")
+        out.append(units)
+    for members, prefix in shared:
+        seqs = [(c, c + r) for b in members for c, r in parts[b]]
+        if prefix < 0 or any(len(c) <= prefix or s[:prefix] != seqs[0][1][:prefix]
+                             for c, s in seqs):
+            raise ValueError(f"collate: samples {list(members)} do not share {prefix} tokens "
+                             f"before each of their contexts' last token")
+    return out
+
+
+def unit_length(parts: list[list[tuple[list[int], list[int]]]], unit: Unit) -> int:
+    """Tokens a unit takes in a row: its prefix once, then every piece past it."""
+    members, prefix = unit
+    return prefix + sum(len(c) + len(r) - prefix for b in members for c, r in parts[b])
+
+
+def block_mask(block: Tensor, root: Tensor) -> Tensor:
+    """``[R, 1, W, W]`` bool: a token attends causally within its block and to the whole
+    block its own hangs from (``root``: a shared prefix, laid out before it; itself if none)."""
+    same = block[:, :, None] == block[:, None, :]
+    under = root[:, :, None] == block[:, None, :]
+    width = block.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=block.device).tril()
+    return ((same | under) & causal)[:, None]
+
+
+@dataclass(slots=True, kw_only=True)
+class _Layout:
+    """The ``[R, W]`` tensors of a micro-batch being laid out, row by row."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    token_mask: Tensor
+    temps: Tensor
+    block: Tensor  # contiguous causal runs of tokens, numbered in their row
+    root: Tensor  # the run each one also attends to (a shared prefix; else itself)
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> _Layout:
+        return cls(input_ids=torch.full((rows, width), PAD_ID, dtype=torch.long),
+                   position_ids=torch.zeros((rows, width), dtype=torch.long),
+                   token_mask=torch.zeros((rows, width), dtype=torch.bool),
+                   temps=torch.ones((rows, width), dtype=torch.float32),
+                   block=torch.zeros((rows, width), dtype=torch.long),
+                   root=torch.zeros((rows, width), dtype=torch.long))
+
+    def put(self, r: int, offset: int, tokens: list[int], first_position: int, run: int,
+            root: int, temperature: float = 1.0) -> int:
+        """Write one run of ``tokens`` at ``offset`` of row ``r``; returns its end."""
+        end = offset + len(tokens)
+        self.input_ids[r, offset:end] = torch.tensor(tokens)
+        self.position_ids[r, offset:end] = torch.arange(first_position, first_position + len(tokens))
+        self.temps[r, offset:end] = temperature
+        self.block[r, offset:end], self.root[r, offset:end] = run, root
+        return end
+
+    def row(self, r: int, units: list[Unit], parts: list[list[tuple[list[int], list[int]]]],
+            own: list[float | None], temperature: float) -> list[tuple[int, int, Tensor]]:
+        """Lay out row ``r``'s units; per sample (index, row, the positions whose logits
+        predict its response tokens)."""
+        offset, run, out = 0, 0, []
+        for members, prefix in units:
+            head = run
+            if prefix:  # the unit's shared tokens, once
+                offset = self.put(r, offset, parts[members[0]][0][0][:prefix], 0, run, run)
+                run += 1
+            for b in members:
+                predicting = []
+                for context, response in parts[b]:  # a turn-sample: positions from 0
+                    first = offset + len(context) - prefix - 1  # predicts its first response
+                    predicting.append(torch.arange(first, first + len(response)))
+                    offset = self.put(r, offset, (context + response)[prefix:], prefix, run,
+                                      head if prefix else run,
+                                      temperature if own[b] is None else own[b])
+                    run += 1
+                out.append((b, r, torch.cat(predicting)))
+        width = self.input_ids.shape[1]
+        self.position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own run
+        self.block[r, offset:] = self.root[r, offset:] = run
+        self.token_mask[r, :offset] = True
+        return out
 
 
 def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = None, *,
-            temperature: float = 1.0, width_multiple: int = 1) -> MicroBatch:
+            temperature: float = 1.0, width_multiple: int = 1,
+            shared: Sequence[Unit] = ()) -> MicroBatch:
     """Lay out samples (each with at least one response token) as one micro-batch.
 
     ``rows``: indices into ``samples`` per row (every sample exactly once); by default rows as
@@ -136,45 +243,35 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     ``temperature``: of a sample that does not record its own (``Sample.temperature``).
     ``width_multiple``: the rows' width is rounded up to a multiple of it (more padding, fewer
     shapes: :mod:`rollstream.train.precision`).
+    ``shared``: units (sample indices consecutive in one row, prefix length) whose pieces
+    share their first tokens, laid out once (module docstring); with one, the micro-batch
+    carries its block attention mask.
     """
     parts = [pieces(s) for s in samples]
     responses = [[i for _, r in p for i in r] for p in parts]
     if any(not r for r in responses):
         raise ValueError("collate: every sample needs at least one response token")
-    lengths = [sum(len(c) + len(r) for c, r in p) for p in parts]
     if rows is None:
+        lengths = [unit_length(parts, ((b,), 0)) for b in range(len(samples))]
         rows = pack_rows(lengths, max(lengths))
     if sorted(b for row in rows for b in row) != list(range(len(samples))):
         raise ValueError("collate: rows must hold every sample exactly once")
-    width = round_up(max(sum(lengths[b] for b in row) for row in rows), width_multiple)
+    units = _row_units(parts, rows, shared)
+    width = round_up(max(sum(unit_length(parts, u) for u in row) for row in units),
+                     width_multiple)
+    experts = _routing_rows(samples, parts, units, width)
     num_resp = max(len(r) for r in responses)
-    experts = _routing_rows(samples, rows, len(rows), width)
 
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    token_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    temps = torch.ones((len(rows), width), dtype=torch.float32)
-    # per sample: its row, and the row positions whose logits predict its response tokens
-    where: list[tuple[int, Tensor]] = [(0, torch.zeros(0, dtype=torch.long))] * len(samples)
-    for r, members in enumerate(rows):
-        offset = 0
-        for b in members:
-            own = samples[b].temperature
-            predicting = []
-            for context, response in parts[b]:  # a turn-sample: positions from 0
-                n = len(context) + len(response)
-                input_ids[r, offset : offset + n] = torch.tensor(context + response)
-                position_ids[r, offset : offset + n] = torch.arange(n)
-                temps[r, offset : offset + n] = temperature if own is None else own
-                first = offset + len(context) - 1  # o + P - 1 ... o + P + n_r - 2
-                predicting.append(torch.arange(first, first + len(response)))
-                offset += n
-            where[b] = (r, torch.cat(predicting))
-        position_ids[r, offset:] = torch.arange(width - offset)  # the padding's own segment
-        token_mask[r, :offset] = True
+    lay = _Layout.empty(len(rows), width)
+    own = [s.temperature for s in samples]
+    # per sample, in order: its index, row, and the positions whose logits predict its tokens
+    where: list[tuple[int, int, Tensor]] = []
+    for r, row in enumerate(units):
+        where += lay.row(r, row, parts, own, temperature)
+    where.sort(key=lambda w: w[0])
     # logits columns predicting a response token, in some row
     needed = torch.zeros(width, dtype=torch.bool)
-    for _, predicting in where:
+    for _, _, predicting in where:
         needed[predicting] = True
     keep = needed.nonzero()[:, 0]
     column = torch.full((width,), -1, dtype=torch.long)
@@ -186,8 +283,7 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     loss_mask = torch.zeros((len(samples), num_resp), dtype=torch.bool)
     logp_behav = torch.zeros((len(samples), num_resp), dtype=torch.float32)
     versions = torch.full((len(samples), num_resp), -1, dtype=torch.long)
-    for b, (sample, response) in enumerate(zip(samples, responses)):
-        r, predicting = where[b]
+    for (b, r, predicting), sample, response in zip(where, samples, responses, strict=True):
         n_r = len(response)
         logit_index[b, :n_r] = r * len(keep) + column[predicting]
         targets[b, :n_r] = torch.tensor(response)
@@ -196,9 +292,9 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         logp_behav[b, :n_r] = torch.tensor(sample.logprobs, dtype=torch.float32)
         versions[b, :n_r] = torch.tensor(sample.versions)
     return MicroBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        token_mask=token_mask,
+        input_ids=lay.input_ids,
+        position_ids=lay.position_ids,
+        token_mask=lay.token_mask,
         logits_to_keep=keep,
         logit_index=logit_index,
         targets=targets,
@@ -206,30 +302,35 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
         loss_mask=loss_mask,
         logp_behav=logp_behav,
         versions=versions,
-        temperature=temps[:, keep],
+        temperature=lay.temps[:, keep],
         experts=experts,
+        attention_mask=block_mask(lay.block, lay.root) if shared else None,
     )
 
 
-def _routing_rows(samples: Sequence[Sample], rows: Sequence[Sequence[int]], num_rows: int,
-                  width: int) -> Tensor:
-    """``MicroBatch.experts``: each sample's recorded routing at its tokens' places (samples
-    laid out as turn-samples have none: their recorded sequence is not what a row holds)."""
+def _routing_rows(samples: Sequence[Sample], parts: list[list[tuple[list[int], list[int]]]],
+                  units: Sequence[Sequence[Unit]], width: int) -> Tensor:
+    """``MicroBatch.experts``: each sample's recorded routing at its tokens' places, as the
+    units lay them out (a shared prefix once, from its first sample's record; samples laid
+    out as turn-samples have none: their recorded sequence is not what a row holds)."""
     recorded = [None if s.contexts or s.routing is None else routing_ids(s.routing)
                 for s in samples]
     shapes = {tuple(ids.shape[1:]) for ids in recorded if ids is not None}
     if len(shapes) > 1:
         raise ValueError(f"collate: samples carry routing of different shapes "
                          f"(moe layers, top_k): {sorted(shapes)}")
-    out = torch.full((num_rows, width, *(shapes.pop() if shapes else (0, 0))), -1,
+    out = torch.full((len(units), width, *(shapes.pop() if shapes else (0, 0))), -1,
                      dtype=torch.long)
-    for r, members in enumerate(rows):
+    for r, row in enumerate(units):
         offset = 0
-        for b in members:
-            n = sample_length(samples[b])
-            if (ids := recorded[b]) is not None:
-                out[r, offset : offset + min(n, len(ids))] = ids[:n]
-            offset += n
+        for members, prefix in row:
+            for i, b in enumerate(members):
+                start = 0 if i == 0 else prefix  # the prefix is laid out once
+                n = sum(len(c) + len(rs) for c, rs in parts[b]) - start
+                if (ids := recorded[b]) is not None:
+                    piece = ids[start : start + n]
+                    out[r, offset : offset + len(piece)] = piece
+                offset += n
     return out
 
 

@@ -57,6 +57,12 @@ def router_hooks(model: torch.nn.Module, *, replay: bool, compiled: bool,
                        norm_topk=bool(getattr(model.config, "norm_topk_prob", False)))
 
 
+def bound(hooks: RouterHooks | None, experts: Tensor,
+          token_mask: Tensor) -> contextlib.AbstractContextManager[None]:
+    """``hooks.bind(experts, token_mask)``, or nothing to bind (a dense model, the reference)."""
+    return contextlib.nullcontext() if hooks is None else hooks.bind(experts, token_mask)
+
+
 class RouterHooks:
     """Forward hooks on a model's routers: agreement counts, and replay when asked."""
 

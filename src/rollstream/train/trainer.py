@@ -5,7 +5,8 @@ One ``step`` (the unit that produces weight version ``step + 1``):
 1. advantages per group from its baseline rewards (:meth:`Group.baseline_rewards`: graded
    samples, plus FAILED ones as 0 with ``failed_reward: zero``); only samples with a reward
    and at least one response token are trained;
-2. pack samples into micro-batches by ``micro_batch_tokens``;
+2. pack samples into micro-batches by ``micro_batch_tokens``, a prompt several samples
+   share laid out once (``shared_prefix``, :mod:`.shared_prefix`);
 3. ``updates_per_step`` optimizer updates, each accumulating gradients over all micro-batches
    (loss = aggregation-weighted token losses / one step-wide normaliser, ``loss_agg``), then
    grad clip and AdamW.
@@ -44,8 +45,7 @@ dropped by ``max_token_age``), ``support_masked_frac`` (share outside the traine
 truncated support), ``mismatch`` (mean ``|logp_behav - logp_prox|``) and
 ``mismatch_kl`` (mean ``logp_behav - logp_prox``, a k1 estimate of KL(behav || prox)), both over
 the tokens before IS masking (inside the support) so the correction cannot hide the mismatch
-it removes,
-``entropy`` (mean ``-logp_prox``: a sampled-token estimate, free), ``num_tokens``,
+it removes, ``entropy`` (mean ``-logp_prox``: a sampled-token estimate, free), ``num_tokens``,
 ``num_samples``, ``step_s``; with ``router_aux_loss_coef > 0``, ``router_aux_loss`` (a mixture
 of experts' load-balancing loss, mean per trained token over updates); for a mixture of
 experts, ``routing_agreement`` (``train.routing_replay``, :mod:`.routing`).
@@ -66,8 +66,8 @@ with its adapter disabled (no second model); :meth:`state_dict` is the adapter a
 sends it, and checkpoints are peft adapter folders.
 
 Compilation: ``compile: true`` compiles the policy module in place (``nn.Module.compile``,
-dynamic shapes, so micro-batches of any rows and width share a graph); the reference stays
-eager. The first forward of each kind (with and without gradients) compiles.
+dynamic shapes: micro-batches of any rows and width share a graph); the reference stays eager.
+The first forward of each kind (with and without gradients) compiles.
 
 Threads: ``threads > 0`` calls ``torch.set_num_threads`` (and a non-empty ``cpu_affinity``
 pins the thread with ``os.sched_setaffinity``) at the start of every public compute method,
@@ -100,7 +100,6 @@ from rollstream.train.batching import (
     gather_logprobs,
     pack_micro_batches,
     padding_micro_batch,
-    sample_length,
 )
 from rollstream.train.losses import (
     anchor_fn,
@@ -112,7 +111,8 @@ from rollstream.train.losses import (
     router_balance_loss,
 )
 from rollstream.train.precision import bf16_width_multiple, keep_float32
-from rollstream.train.routing import router_hooks
+from rollstream.train.routing import bound, router_hooks
+from rollstream.train.shared_prefix import micro_batch_layout, min_prefix, model_mask, plan_units
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
@@ -179,6 +179,7 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay)
         self._anchor = anchor_fn(self.loss)
+        self._min_prefix = min_prefix(cfg)
         self._experts = getattr(self.model.config, "num_experts", 0) or 0
         if cfg.router_aux_loss_coef > 0 and not self._experts:
             raise ValueError(f"train.router_aux_loss_coef = {cfg.router_aux_loss_coef} needs a "
@@ -316,8 +317,10 @@ class Trainer:
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[tuple[list[int], MicroBatch]]:
         """This process's micro-batches (all of them, here): sample indices and layout; a
-        padding micro-batch (:func:`padding_micro_batch`) has no index."""
-        lengths = [sample_length(s) for s in samples]
+        padding micro-batch (:func:`padding_micro_batch`) has no index. Shared prefixes are
+        laid out once (:mod:`.shared_prefix`)."""
+        units, lengths = plan_units(samples, min_tokens=self._min_prefix,
+                                    budget=self.cfg.micro_batch_tokens)
         out = []
         multiple = bf16_width_multiple(self.device) if self._bf16 else 1
         for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens,
@@ -325,11 +328,9 @@ class Trainer:
             if not rows:
                 out.append(([], padding_micro_batch().to(self.device)))
                 continue
-            idx = [i for row in rows for i in row]
-            at = {i: k for k, i in enumerate(idx)}  # sample index -> place in this micro-batch
-            local = [[at[i] for i in row] for row in rows]
+            idx, local, shared = micro_batch_layout(units, rows)
             out.append((idx, collate([samples[i] for i in idx], local, temperature=self.temperature,
-                                     width_multiple=multiple).to(self.device)))
+                                     width_multiple=multiple, shared=shared).to(self.device)))
         return out
 
     def _forward(self, model: torch.nn.Module, mb: MicroBatch,
@@ -338,11 +339,11 @@ class Trainer:
         ``router_aux_loss_coef > 0``, appends the micro-batch's load-balancing loss to it."""
         balance = balance if self.cfg.router_aux_loss_coef > 0 else None
         routes = self._routes if model is self.model else None  # the reference: its own
-        with self._autocast(), (contextlib.nullcontext() if routes is None
-                                else routes.bind(mb.experts, mb.token_mask)):
+        with self._autocast(), bound(routes, mb.experts, mb.token_mask):
             out = model(
                 input_ids=mb.input_ids,
-                position_ids=mb.position_ids,  # packed rows: no attention mask (batching)
+                position_ids=mb.position_ids,  # packed rows: no mask unless a prefix is shared
+                attention_mask=model_mask(mb.attention_mask, model),
                 logits_to_keep=mb.logits_to_keep,
                 use_cache=False,
                 **({} if balance is None else {"output_router_logits": True}),
