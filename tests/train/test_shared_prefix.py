@@ -132,8 +132,10 @@ def test_auto_leaves_short_prompts_flat(tiny_model_path):
     assert all(mb.attention_mask is None for _, mb in trainer._micro_batches(samples))
 
 
-@pytest.mark.parametrize("setting", [["train.compile=true"],
-                                     ["train.router_aux_loss_coef=0.01", "model.tiny.arch=qwen2_moe"]])
+@pytest.mark.parametrize("setting", [
+    ["train.compile=true"],
+    ["train.router_aux_loss_coef=0.01", "model.tiny.arch=qwen2_moe"],
+    ["train.routing_replay=replay", "model.tiny.arch=qwen2_moe"]])
 def test_on_refuses_what_it_cannot_share_with(setting):
     from rollstream.config import load_config
 
@@ -142,6 +144,26 @@ def test_on_refuses_what_it_cannot_share_with(setting):
         load_config(None, ["train.shared_prefix=on", *setting])
     load_config(None, setting)  # auto: flat there, no error
     assert load_config(None, ["train.shared_prefix=off"]).train.shared_prefix == "off"
+
+
+def test_recorded_routing_is_laid_out_as_the_shared_tokens_are():
+    """A prefix laid out once carries its first sample's recorded routing once, then each
+    sample's routing past the prefix, beside the very tokens it was recorded for (what
+    ``routing_agreement`` counts; replay itself keeps samples flat)."""
+    from rollstream.train.batching import collate
+    from rollstream.trajectory import Routing
+
+    samples = make_group("r", PROMPT_A, [[4, 5, 6], [8, 9]]).samples
+    seqs = [PROMPT_A + s.response_ids for s in samples]
+    for k, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+        s.routing = Routing(num_layers=1, top_k=1,
+                            experts=bytes((50 * k + i) % 200 for i in range(len(seq))))
+    prefix = len(PROMPT_A) - 1
+    mb = collate(samples, [[0, 1]], shared=[((0, 1), prefix)])
+    row = seqs[0] + seqs[1][prefix:]
+    assert mb.input_ids[0, : len(row)].tolist() == row
+    expected = list(samples[0].routing.experts) + list(samples[1].routing.experts)[prefix:]
+    assert mb.experts[0, : len(row), 0, 0].tolist() == expected
 
 
 def test_cli_trains_with_shared_prefixes(tmp_path):

@@ -201,7 +201,8 @@ class _Layout:
         """Write one run of ``tokens`` at ``offset`` of row ``r``; returns its end."""
         end = offset + len(tokens)
         self.input_ids[r, offset:end] = torch.tensor(tokens)
-        self.position_ids[r, offset:end] = torch.arange(first_position, first_position + len(tokens))
+        self.position_ids[r, offset:end] = torch.arange(first_position,
+                                                        first_position + len(tokens))
         self.temps[r, offset:end] = temperature
         self.block[r, offset:end], self.root[r, offset:end] = run, root
         return end
