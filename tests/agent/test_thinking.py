@@ -107,7 +107,7 @@ OPENING = [{"role": "user", "content": "go"}]
 class ScriptedModel(RandomEngine):
     """An engine that writes scripted turns: turn k of the episode of sample ``.../i`` (k:
     the model turns its prompt shows) is ``r{k}</think>a{i % 2}`` (``a0`` for an episode
-    of another name) and the end of its turn,
+    of another name, and for an unbound proxy session's, whose id is random) and the end of its turn,
     sampled by weight version k. Every request is recorded (what the model was served)."""
 
     def __init__(self) -> None:
@@ -117,8 +117,9 @@ class ScriptedModel(RandomEngine):
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         self.requests.append(request)
         k = TOKENIZER.decode(request.prompt_ids).count(f"{IM_START}assistant") - 1
-        last = str(request.episode_id)[-1]
-        answer = int(last) % 2 if last.isdigit() else 0  # a proxy session's: 0
+        episode = str(request.episode_id)  # a proxy session's, proxy/<random id>: a0
+        last = episode[-1]
+        answer = int(last) % 2 if last.isdigit() and not episode.startswith("proxy/") else 0
         ids = TOKENIZER.encode(f"r{k}{END_THINK}a{answer}") + [TOKENIZER.convert_tokens_to_ids(
             IM_END)]
         ids = ids[:request.params.max_new_tokens]
