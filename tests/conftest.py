@@ -8,17 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
-
-# One OpenMP thread per compute thread, in this process and every process the tests start
-# (runs, servers, workers), before torch is imported: the suite's models are tiny, and its
-# runs put an engine thread, a trainer thread and servers on the same 2 cores, where two
-# OpenMP threads each wait on one another. Measured 2026-12-06 on the 2-vCPU dev box with
-# another process busy: 20 warm-start steps of the tiny run's model took 1.6-2.2 s on one
-# thread and 13-21 s on two. Tests of thread settings set them explicitly; set
-# OMP_NUM_THREADS to run the suite otherwise.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
