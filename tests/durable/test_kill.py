@@ -194,6 +194,11 @@ def _agent_run(root: Path, cache: Path, steps: int, harness: str | None = None) 
     cfg["tasks"]["sources"] = [{"kind": "tally", "max_items": 4}
                                | ({"harness": harness} if harness else {})]
     cfg["engine"]["local"]["max_seq_len"] = 256
+    # nor a prefix cache: once it kept each turn's KV, a full suite run saw the engine finish
+    # every episode before each step ended (9 checkpoints, 32 live samples each, none between
+    # turns); the cache making the one slot faster is the likely cause, not a measured one.
+    # What is resumed here is the episode, not KV
+    cfg["engine"]["local"]["prefix_cache_tokens"] = 0
     cfg["sampling"]["max_new_tokens"] = 224
     cfg["agent"] = {"max_turns": 6, "max_turn_tokens": 16}
     cfg["rollout"]["filter_zero_variance"] = False
