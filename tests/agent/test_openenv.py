@@ -29,6 +29,7 @@ from rollstream.data.ledger import read_ledger
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import SampleStatus, Task
+from tests.agent.runs import two_step_run
 
 ROOT = Path(__file__).resolve().parents[2]
 GUESS_APP = "tests.agent.openenv_pkg.server.app:app"
@@ -258,17 +259,7 @@ def test_rollstream_train_runs_episodes_in_an_openenv_environment(tmp_path: Path
               "columns": {"answer": "target"}, "harness": "agent",
               "openenv": {"app": GUESS_APP, "observation_field": "hint",
                           "reset_columns": ["target"]}}
-    cfg = {
-        "name": "oe", "run_root": str(tmp_path / "runs"), "seed": 0,
-        "model": {"path": str(model_dir)},
-        "tasks": {"sources": [source], "num_eval": 0},
-        "agent": {"max_turns": 3, "max_turn_tokens": 6},
-        "engine": {"local": {"max_slots": 16, "max_seq_len": 256, "threads": 1}},
-        "sampling": {"max_new_tokens": 40},
-        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
-        "train": {"steps": 2, "groups_per_step": 4, "micro_batch_tokens": 1024, "threads": 1},
-        "monitor": {"progress": False, "report": False},
-    }
+    cfg = two_step_run(tmp_path, model_dir, "oe", [source], groups_per_step=4)
     (tmp_path / "oe.yaml").write_text(yaml.safe_dump(cfg))
     done = subprocess.run([sys.executable, "-m", "rollstream.cli", "train",
                            str(tmp_path / "oe.yaml")], cwd=ROOT, text=True,

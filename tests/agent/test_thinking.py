@@ -65,6 +65,7 @@ from rollstream.trajectory import (
     served_ids,
     turn_samples,
 )
+from tests.agent.runs import two_step_run
 from tests.rollout.fakes import RandomEngine
 
 THINK, END_THINK = "<think>", "</think>"
@@ -107,8 +108,8 @@ OPENING = [{"role": "user", "content": "go"}]
 class ScriptedModel(RandomEngine):
     """An engine that writes scripted turns: turn k of the episode of sample ``.../i`` (k:
     the model turns its prompt shows) is ``r{k}</think>a{i % 2}`` (``a0`` for an episode
-    of another name, and for an unbound proxy session's, whose id is random) and the end of its turn,
-    sampled by weight version k. Every request is recorded (what the model was served)."""
+    of another name, and for an unbound proxy session's, whose id is random) and the end of
+    its turn, sampled by weight version k. Every request is recorded (what the model was served)."""
 
     def __init__(self) -> None:
         super().__init__(seed=0, engine_id="scripted-0")
@@ -404,16 +405,6 @@ def test_an_sdk_agent_run_trains_split_episodes_and_audits_clean(tmp_path: Path,
 def _two_step_run(tmp_path: Path, model: Path, name: str, source: dict) -> dict:
     """A sync run of 2 steps x 2 groups of 2 on ``model`` whose one source (``source``, graded
     by exact match) reads ``tmp_path/rows.jsonl``."""
-    return {
-        "name": name, "run_root": str(tmp_path / "runs"), "seed": 0,
-        "model": {"path": str(model)},
-        "tasks": {"num_eval": 0, "sources": [{
-            **source, "kind": "jsonl", "path": str(tmp_path / "rows.jsonl"),
-            "reward": "exact_match"}]},
-        "agent": {"max_turns": 3, "max_turn_tokens": 6},
-        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
-        "sampling": {"max_new_tokens": 120},
-        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
-        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
-        "monitor": {"progress": False, "report": False},
-    }
+    return two_step_run(tmp_path, model, name, [{
+        **source, "kind": "jsonl", "path": str(tmp_path / "rows.jsonl"),
+        "reward": "exact_match"}], max_slots=8, max_new_tokens=120)

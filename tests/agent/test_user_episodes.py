@@ -23,6 +23,7 @@ from rollstream.data.ledger_row import LedgerRow
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import SampleStatus
+from tests.agent.runs import two_step_run
 from tests.agent.user_pkg import agents, envs, tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,17 +52,8 @@ def _sources(folder: Path, named: bool) -> list[dict]:
 
 
 def _config(tmp_path: Path, model_dir: Path, named: bool) -> dict:
-    return {
-        "name": "mine", "run_root": str(tmp_path / "runs"), "seed": 0,
-        "model": {"path": str(model_dir)},
-        "tasks": {"sources": _sources(tmp_path, named), "mix": "weighted", "num_eval": 0},
-        "agent": {"max_turns": 3, "max_turn_tokens": 6},
-        "engine": {"local": {"max_slots": 16, "max_seq_len": 256, "threads": 1}},
-        "sampling": {"max_new_tokens": 40},
-        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
-        "train": {"steps": 2, "groups_per_step": 6, "micro_batch_tokens": 1024, "threads": 1},
-        "monitor": {"progress": False, "report": False},
-    }
+    return two_step_run(tmp_path, model_dir, "mine", _sources(tmp_path, named),
+                        groups_per_step=6, mix="weighted")
 
 
 def _check_mixed_run(run: Path) -> None:

@@ -28,6 +28,7 @@ from rollstream.data.mix import TaskMix
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import Group, Sample, SampleStatus, SegmentKind
+from tests.agent.runs import two_step_run
 from tests.agent.test_proxy_harness import RENDERER, TOKENIZER, _dispatcher
 from tests.agent.user_pkg.vf_envs import score
 
@@ -227,19 +228,9 @@ def test_rollstream_train_trains_a_verifiers_environment_from_yaml(tmp_path: Pat
     """The config as a user writes it, run by ``rollstream train``, the environment named
     by its module as an installed hub environment is (``vf.load_environment``): its episodes
     train, two model turns each (the environment's ``max_turns``), graded by the rubric."""
-    cfg = {
-        "name": "vf", "run_root": str(tmp_path / "runs"), "seed": 0,
-        "model": {"path": str(model_dir)},
-        "tasks": {"num_eval": 0, "sources": [{
-            "name": "vf", "kind": "jsonl", "path": str(tmp_path / "vf.jsonl"),
-            "harness": "verifiers", "environment": ENVS}]},  # by module, as a hub one
-        "agent": {"max_turns": 3, "max_turn_tokens": 6},
-        "engine": {"local": {"max_slots": 8, "max_seq_len": 256, "threads": 1}},
-        "sampling": {"max_new_tokens": 40},
-        "rollout": {"group_size": 2, "mode": "sync", "filter_zero_variance": False},
-        "train": {"steps": 2, "groups_per_step": 2, "micro_batch_tokens": 1024, "threads": 1},
-        "monitor": {"progress": False, "report": False},
-    }
+    cfg = two_step_run(tmp_path, model_dir, "vf", [{
+        "name": "vf", "kind": "jsonl", "path": str(tmp_path / "vf.jsonl"),
+        "harness": "verifiers", "environment": ENVS}], max_slots=8)  # by module, as a hub one
     _source(tmp_path)  # writes vf.jsonl
     (tmp_path / "vf.yaml").write_text(yaml.safe_dump(cfg))
     done = subprocess.run([sys.executable, "-m", "rollstream.cli", "train",
