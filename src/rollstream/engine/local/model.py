@@ -321,13 +321,12 @@ def _routed_experts(
     Returns the sum and the chosen experts [t, top_k]."""
     probs = torch.softmax(logits.float(), dim=-1)
     weight, chosen = torch.topk(probs, top_k, dim=-1)
-    picked = chosen
     if norm_topk:
         weight = weight / weight.sum(dim=-1, keepdim=True)
     weight = weight.to(a.dtype).view(-1)
-    chosen = chosen.view(-1)
-    order = torch.sort(chosen, stable=True)[1]  # (token, k) pairs grouped by expert
-    counts: list[int] = torch.bincount(chosen, minlength=gate_up.shape[0]).tolist()
+    flat = chosen.view(-1)
+    order = torch.sort(flat, stable=True)[1]  # (token, k) pairs grouped by expert
+    counts: list[int] = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     token = torch.div(order, top_k, rounding_mode="floor")
     weight = weight.index_select(0, order)
     out = torch.zeros_like(a)
@@ -340,7 +339,7 @@ def _routed_experts(
             y = torch.mm(h, down[e].t()).mul_(weight[start : start + count, None])
             out.index_add_(0, rows, y)
             start += count
-    return out, picked
+    return out, chosen
 
 
 def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 prefix cache block) was routed to, and its reading into a :class:`Routing`.
 
 The runner writes the experts a forward pass chose at the positions of the pass's input
-tokens (``ModelRunner._record_routing``): prompts when prefilled, a sampled token when the
+tokens (``ModelRunner._forward``, through :func:`record_routing`): prompts when prefilled, a sampled token when the
 next decode step takes it as input, every position again when a weight load recomputes the
 cache. A prefix cache hit copies its blocks' experts into the row with their keys and
 values. So a row's table holds, for every token but the last, the routing under the weights
