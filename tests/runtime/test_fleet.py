@@ -60,13 +60,15 @@ def _until(check, timeout_s: float = 120.0):
 def _operate(run_dir: Path, seen: dict) -> None:
     """While the run trains: once the engines serve version >= 2, add an engine (the run
     waits after step ``HOLD_AT`` until it joined), wait for its requests, then remove the
-    first engine while it has requests in flight."""
+    first engine while it has requests in flight (slowed down, so that they still are when
+    the command reaches it)."""
     _until(lambda: (run_dir / DASHBOARD_URL).exists())
     _until(lambda: int(_rows(run_dir)["local-0"][3]) >= 2)
     seen["add"] = _cli("engines", str(run_dir), "--add", "1")
     seen["rows_after_add"] = _rows(run_dir)
     seen["weights_equal"] = _until(seen["engines_equal"], 10)  # a load may be under way
     seen["added"].set()
+    seen["slow"]("local-0")  # its requests now last long enough to be caught in flight
     _until(lambda: sum(s["engine_id"] == "local-1" for s in _spans(run_dir)) >= 3)
     seen["add_too_many"] = _cli("engines", str(run_dir), "--add", "17")
     seen["add_none"] = _cli("engines", str(run_dir), "--add", "0")
@@ -111,7 +113,19 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
     def thread_of(engine_id: str) -> threading.Thread:
         return fleets[0].dispatcher.router.by_id[engine_id]._thread
 
-    seen["engines_equal"], seen["thread_of"] = engines_equal, thread_of
+    def slow(engine_id: str) -> None:
+        """Each decode step of ``engine_id`` takes 30 ms more, so that a request on it is
+        still running when the remove command arrives (24 tokens: about 0.7 s)."""
+        engine = fleets[0].dispatcher.router.by_id[engine_id]
+        step = engine._step
+
+        def slow_step() -> None:
+            time.sleep(0.03)
+            step()
+
+        engine._step = slow_step
+
+    seen["engines_equal"], seen["thread_of"], seen["slow"] = engines_equal, thread_of, slow
     def operate() -> None:
         seen["error"] = _catch(_operate, run_dir, seen)
         seen["added"].set()  # a failed operation holds the run no longer
