@@ -167,8 +167,13 @@ class Rollout:
         return True
 
     async def _group_life(self, group: Group, params: SamplingParams | None = None) -> None:
-        await self.dispatcher.run_group(
-            group, params, on_graded=self._graded if self.early_stop.cfg.after else None)
+        try:
+            await self.dispatcher.run_group(
+                group, params, on_graded=self._graded if self.early_stop.cfg.after else None)
+        except asyncio.CancelledError:  # the loop's teardown (an error raised into it):
+            # no longer live, so that stop() does not wait for it; stop() records it ABORTED
+            self._stranded[group.group_id] = self.live.pop(group.group_id)
+            raise
         del self.live[group.group_id]
         self.dispatcher.forget(group.group_id)
         self.early_stop.ended(group)
