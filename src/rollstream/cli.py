@@ -33,10 +33,12 @@ BENCHES = {
     "engine": "local engine vs HF generate: fixed-length batches 1/16/64 and a long-tail mix",
     "modes": "sync / one_step / async (k=1,2,4) with and without partial rollout",
     "models": "the model shapes users train: LoRA's adapter-only weight sync vs full weights "
-              "(bytes, seconds) on the embedded engine; MoE routing replay vs a bf16 engine",
+              "(bytes, seconds) and a LoRA run vs a full one (trained samples/s) on the "
+              "embedded engine; MoE routing replay vs a bf16 engine",
     "prefix": "the local engine's prefix cache vs none on groups of 8 sharing a long prompt: "
               "generated tok/s and its bound 1/(1 - p*h); shared-prefix training vs flat: "
-              "trainer seconds per step and its bound",
+              "trainer seconds per step and its bound; an async run with both vs neither: "
+              "trained samples/s",
     "pair": "partial rollout vs drain at k=1 and k=2 over many seeds: ratio with its 95% CI",
     "peers": "rollstream async vs TRL's GRPOTrainer on the same model and task",
     "vllm": "local engine vs a real vLLM server; weight-sync time",

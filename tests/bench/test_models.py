@@ -1,9 +1,11 @@
-"""``bench models --quick``: the LoRA rows on the demo's shape, bytes as the formula says;
-the MoE rows (routing replay against a bfloat16 engine) present and in range."""
+"""``bench models --quick``: the LoRA rows on the demo's shape, bytes as the formula says, and
+a short LoRA training run against a full one; the MoE rows (routing replay against a bfloat16
+engine) present and in range."""
 
 from __future__ import annotations
 
 import json
+import math
 
 
 def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
@@ -24,3 +26,10 @@ def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
     assert 0 < moe["routing_agreement"] <= 1 and moe["mismatch_none"] > 0
     assert result["mismatch_replay_vs_none"] == moe["mismatch_replay_vs_none"] > 0
     assert 0 < moe["stale_routing_agreement"] <= 1 and moe["num_tokens"] > 0
+    # a LoRA run against a full one of the same shape: the adapter alone synced, equal samples
+    lora, full = result["lora_runs"]["runs"]["lora"], result["lora_runs"]["runs"]["full"]
+    assert 0 < lora["sync_bytes"] < full["sync_bytes"] * 0.12
+    assert lora["trained_samples"] == full["trained_samples"] > 0
+    ratio = result["lora_vs_full_samples_per_s"]
+    assert math.isfinite(ratio) and ratio > 0
+    assert ratio == lora["trained_samples_per_s"] / full["trained_samples_per_s"]

@@ -5,6 +5,7 @@ other."""
 from __future__ import annotations
 
 import json
+import math
 
 from rollstream.bench import prefix
 
@@ -29,3 +30,13 @@ def test_quick_prefix_bench_reports_the_ratio_and_its_bound(tmp_path):
                                 + result["generated_tokens"])
     assert result["shared_prefix_bound"] == tokens["flat"] / tokens["shared"]
     assert result["shared_prefix_vs_flat_trainer_step_s"] > 0
+    # the training runs: the cache on in one engine, off in the other, the same samples trained
+    both, neither = result["runs"]["both"], result["runs"]["neither"]
+    assert both["engine_work"]["prefix_hit_tokens"] > 0
+    assert neither["engine_work"].get("prefix_hit_tokens", 0) == 0
+    assert 0.5 < result["run_hit_share"] < 1
+    assert both["trained_samples"] == neither["trained_samples"] > 0
+    ratio = result["both_vs_neither_trained_samples_per_s"]
+    assert math.isfinite(ratio) and ratio > 0
+    assert ratio == both["trained_samples_per_s"] / neither["trained_samples_per_s"]
+    assert result["both_vs_neither_bound"] == max(result["bound"], result["shared_prefix_bound"])

@@ -15,7 +15,15 @@ adapter's bytes / those of the weights it adapts, whose expected value is
 ``lowrank_step_s`` is what the term would add to one decode step of ``DECODE_ROWS`` rows (the
 two small matmuls ``(x A^T) B^T`` of every adapted layer, one thread, the matmuls alone), and
 ``merge_breakeven_steps`` = ``adapter_sync_s / lowrank_step_s``: with more decode steps than
-that per version, merging at load costs less. The mixture-of-experts section (``moe``) is
+that per version, merging at load costs less. Then two short training runs of
+examples/tick_lora.yaml (async k = 2, groups of 8, tick) on the demo shape's folder (random
+weights, so every group is kept: ``rollout.filter_zero_variance=false``), ``RUN_SIZES``
+steps, groups per step and new tokens, placed as ``bench modes`` places a run: ``lora`` (the
+YAML's adapter, rank 8 on every linear layer) then ``full`` (``model.lora=null``), back to
+back (:mod:`.short_runs`); ``lora_vs_full_samples_per_s`` = trained samples/s of ``lora`` ÷
+``full``, each run's reading under ``lora_runs``. vLLM's side is not measured (its LoRA
+loading is not wired: ``model.lora`` runs on the embedded engine only). The
+mixture-of-experts section (``moe``) is
 :mod:`.models_moe`'s: routing replay against a bfloat16 engine. A benchmark measures; it
 does not assert.
 """
@@ -40,6 +48,9 @@ SHAPES: dict[str, dict[str, int]] = {
              "num_kv_heads": 4},
 }
 TARGETS = {"all": None, "attention": ("q_proj", "k_proj", "v_proj", "o_proj")}
+LORA_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_lora.yaml"
+RUN_SIZES = (20, 8, 64)
+"""The training runs' steps, groups per step and new tokens per sample."""
 
 
 def _nbytes(tensors: dict) -> int:
@@ -119,6 +130,23 @@ def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]
             "lora_sync_s_vs_full": adapter_s / full_s}
 
 
+def lora_runs(folder: Path, run_root: Path, *, quick: bool) -> dict[str, Any]:
+    """A short LoRA run against a full fine-tune of the same shape (module docstring)."""
+    from rollstream.bench.modes import bench_overrides
+    from rollstream.bench.short_runs import run_back_to_back, samples_per_s_ratio
+
+    steps, groups, new_tokens = (2, 2, 16) if quick else RUN_SIZES
+    common = [*bench_overrides(folder, run_root), f"train.steps={steps}",
+              f"train.groups_per_step={groups}", f"sampling.max_new_tokens={new_tokens}",
+              "rollout.filter_zero_variance=false", "tasks.num_eval=2",
+              "eval.samples_per_task=1", "model.lora.export_merged=false"]
+    runs = run_back_to_back(LORA_YAML, common, {"lora": [], "full": ["model.lora=null"]},
+                            bench="models")
+    return {"runs": runs, "steps": steps, "groups_per_step": groups,
+            "max_new_tokens": new_tokens,
+            "lora_vs_full_samples_per_s": samples_per_s_ratio(runs, "lora", "full")}
+
+
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
     from rollstream.bench.models_moe import bench_moe
     from rollstream.bench.weightsync import build_model
@@ -131,17 +159,27 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
             folder = build_model(Path(tmp) / shape, **overrides)
             for target, modules in TARGETS.items():
                 rows[f"{shape}/{target}"] = bench_shape(folder, modules)
+            if shape == "demo":
+                runs = lora_runs(folder, Path(tmp) / "runs", quick=quick)
         moe = bench_moe(build_model(Path(tmp) / "moe", arch="qwen2_moe", **SHAPES["demo"]),
                         quick=quick)
     demo = rows["demo/all"]
     result = {"quick": quick, "rank": RANK, "num_syncs": NUM_SYNCS, "engine": "local",
               "lora": rows, "lora_sync_bytes_vs_full": demo["lora_sync_bytes_vs_full"],
               "lora_sync_s_vs_full": demo["lora_sync_s_vs_full"],
+              "lora_runs": runs,
+              "lora_vs_full_samples_per_s": runs["lora_vs_full_samples_per_s"],
               "moe": moe,
               "mismatch_replay_vs_none": moe["mismatch_replay_vs_none"],
               "routing_agreement": moe["routing_agreement"],
               "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]}}
     _print_table(rows)
+    lora, full = runs["runs"]["lora"], runs["runs"]["full"]
+    print(f"training runs ({runs['steps']} steps of {runs['groups_per_step']} groups of 8, "
+          f"demo shape, every linear layer at rank {RANK}): trained samples/s "
+          f"{lora['trained_samples_per_s']:.1f} with LoRA, {full['trained_samples_per_s']:.1f} "
+          f"full (ratio {runs['lora_vs_full_samples_per_s']:.2f}); sync bytes "
+          f"{lora['sync_bytes'] / 1e6:.1f} MB vs {full['sync_bytes'] / 1e6:.1f} MB")
     print(f"MoE, bfloat16 engine vs float32 trainer: mismatch {moe['mismatch_none']:.4f} "
           f"without replay, {moe['mismatch_replay']:.4f} with (ratio "
           f"{moe['mismatch_replay_vs_none']:.3f}); routing agreement "

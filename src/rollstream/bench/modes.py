@@ -261,6 +261,8 @@ def run_config(cfg: RunConfig) -> dict[str, Any]:
         "aborted": counts["aborted"],
         "failed": counts["failed"],
         "interrupts": summary["interrupts"],
+        # bytes the weight syncs moved (an adapter's alone under model.lora)
+        "sync_bytes": sum(r.get("sync_bytes") or 0 for r in metrics if r.get("kind") == "phase"),
         "threads": meter.shares(),
         "runq_share": meter.runq_share(("engine", "trainer")),
         "load_after": os.getloadavg()[0],

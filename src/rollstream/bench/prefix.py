@@ -21,7 +21,10 @@ false``; fused, a prefill's time is inside a decode pass and cannot be read apar
 
 Then the trainer on the last repeat's first groups, shared-prefix training against the flat
 layout (:mod:`rollstream.bench.prefix_train`): key ``shared_prefix_vs_flat_trainer_step_s``
-and its bound ``shared_prefix_bound``.
+and its bound ``shared_prefix_bound``. Last, two short async training runs of
+examples/tick_fewshot.yaml on the same model, both settings on against both off
+(:mod:`rollstream.bench.prefix_run`): key ``both_vs_neither_trained_samples_per_s`` and its
+bound ``both_vs_neither_bound``, the larger of the two bounds above.
 
 A benchmark measures; it does not assert.
 """
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.bench.engine import THREADS, _time_requests
+from rollstream.bench.prefix_run import run_part
 from rollstream.bench.prefix_train import trainer_part
 from rollstream.bench.weightsync import build_model
 from rollstream.config.schema import LocalEngineConfig
@@ -108,10 +112,12 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
                 e.shutdown()
         trained = trainer_part(folder, prompts, lengths, group_size=GROUP_SIZE, vocab=vocab,
                                threads=THREADS, repeats=train_repeats)
+        ran = run_part(folder, Path(tmp) / "runs", max_seq_len=base["max_seq_len"], quick=quick)
     ratios = [c / n for c, n in zip(tok_s["cache"], tok_s["none"], strict=True)]
     cached = work["cache"]  # of the last repeat, as the bound's p and h
     h = cached["prefix_hit_tokens"] / max(cached["prefix_query_tokens"], 1.0)
     p = _prefill_share(work["separate"])
+    bound = 1.0 / (1.0 - p * h) if p * h < 1 else math.inf
     result = {
         "quick": quick, "threads": THREADS, "repeats": repeats, "rows": ROWS,
         "groups": len(prompts) // GROUP_SIZE, "group_size": GROUP_SIZE,
@@ -121,7 +127,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         "prefix_cache_vs_none_gen_tok_s": statistics.median(ratios),
         "ratios": ratios,
         "hit_share": h, "prefill_share_without_cache": p,
-        "bound": 1.0 / (1.0 - p * h) if p * h < 1 else math.inf,
+        "bound": bound,
         "prefilled_tokens": {k: w["prefill_tokens"] + w["fused_prefill_tokens"]  # last repeat
                              for k, w in work.items()},
         "prefix_evicted_tokens": cached["prefix_evicted_tokens"],
@@ -129,6 +135,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
         "busy_s": {k: sum(w[x] for x in ("prefill_s", "sort_s", "decode_s"))
                    for k, w in work.items()},
         **trained,
+        **ran,  # the training runs, both settings on against both off (prefix_run.py)
+        "both_vs_neither_bound": max(bound, trained["shared_prefix_bound"]),
         "load_avg_before": load_before, "load_avg_after": list(os.getloadavg()),
         "cpus": len(os.sched_getaffinity(0)), "bench_wall_s": time.perf_counter() - t0,
     }
@@ -160,3 +168,11 @@ def _print(r: dict[str, Any]) -> None:
         f"[bold]{r['shared_prefix_vs_flat_trainer_step_s']:.2f}x[/bold] (bound, flat tokens / "
         f"shared tokens: {r['trainer_tokens']['flat']:,} / {r['trainer_tokens']['shared']:,} "
         f"= {r['shared_prefix_bound']:.2f}x)")
+    both, neither = r["runs"]["both"], r["runs"]["neither"]
+    Console().print(
+        f"async training runs ({r['run_steps']} steps of {r['run_groups_per_step']} groups, "
+        f"examples/tick_fewshot.yaml): trained samples/s {both['trained_samples_per_s']:.2f} "
+        f"with the prefix cache and shared-prefix training, {neither['trained_samples_per_s']:.2f}"
+        f" with neither: [bold]{r['both_vs_neither_trained_samples_per_s']:.2f}x[/bold] (bound, "
+        f"the larger of the two above: {r['both_vs_neither_bound']:.2f}x; the run's hit share "
+        f"{r['run_hit_share']:.2f})")
