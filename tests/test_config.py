@@ -333,6 +333,8 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
      "runtime.ray.nodes.rewards = 'a b' is not a custom resource name"),
     (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.driver=x"],
      "runtime.ray.nodes.driver"),
+    (["runtime.ray.nodes.engines=rs_engines"],
+     "runtime.ray.nodes is read only with runtime.kind: ray (it is embedded)"),
 ])
 def test_runtime_settings_that_contradict_fail_at_load(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -55,8 +55,9 @@ class Nodes:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Nodes]:
-    """The module's 3-node cluster on 127.0.0.1, in a short temporary folder (Ray's Unix
-    sockets must fit ~100 characters); stopped, its processes and folder gone, at the end."""
+    """The module's 3-node cluster on 127.0.0.1 (its GCS and raylets listen there only), in
+    a short temporary folder (Ray's Unix sockets must fit ~100 characters); stopped, its
+    processes and folder gone, at the end."""
     import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster

@@ -159,14 +159,6 @@ class RayConfig(Section):
                 "runtime.ray.weight_sync = 'shared_memory' reaches actors on this host only, "
                 f"but runtime.ray.address = {self.address!r} joins a cluster: use broadcast "
                 "or object_store there")
-        roles = self.nodes.roles()
-        if roles and self.address is None:
-            role = next(iter(roles))
-            raise ValueError(
-                f"runtime.ray.nodes.{role} = {roles[role]!r} names nodes of a cluster, but "
-                "runtime.ray.address is null: the run's own local Ray is one node without "
-                "custom resources; set runtime.ray.address to the cluster's head, or drop "
-                "runtime.ray.nodes")
         if self.weight_sync == "object_store" and self.bucket_bytes != DEFAULT_BUCKET_BYTES:
             raise ValueError(
                 "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast "
@@ -249,7 +241,7 @@ def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig
                     f"{name} = {list(value)} contradicts runtime.ray.placement = "
                     "'disaggregated', which pins engines and trainer itself: drop one")
     _check_units(rt.ray, engine, train)
-    _check_nodes(rt.ray.nodes, engine, train)
+    _check_nodes(rt.ray, engine, train)
     fsdp = train.backend == "fsdp"
     ranks = train.fsdp.world_size if fsdp else 0
     need = engine.num_engines * rt.ray.engine_num_cpus + ranks * rt.ray.rank_num_cpus
@@ -318,8 +310,16 @@ def _check_units(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> No
                 f"allowed scale_units divide {' and '.join(f'{k} = {v}' for k, v in counts.items())}")
 
 
-def _check_nodes(nodes: RayNodesConfig, engine: EngineConfig, train: TrainConfig) -> None:
-    """The roles given nodes against the run's actors of those roles."""
+def _check_nodes(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> None:
+    """The roles given nodes against the Ray they need and the run's actors of those roles."""
+    nodes, roles = ray.nodes, ray.nodes.roles()
+    if roles and ray.address is None:
+        role = next(iter(roles))
+        raise ValueError(
+            f"runtime.ray.nodes.{role} = {roles[role]!r} names nodes of a cluster, but "
+            "runtime.ray.address is null: the run's own local Ray is one node without "
+            "custom resources; set runtime.ray.address to the cluster's head, or drop "
+            "runtime.ray.nodes")
     if nodes.trainer is not None and train.backend != "fsdp":
         raise ValueError(
             f"runtime.ray.nodes.trainer = {nodes.trainer!r} places fsdp rank actors, but "
