@@ -318,6 +318,23 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
      "more than runtime.ray.num_cpus = 2"),
     (["runtime.ray.scale_units=2"],
      "runtime.ray.scale_units is read only with runtime.kind: ray (it is embedded)"),
+    (["runtime.kind=ray", "runtime.ray.nodes.engines=rs_engines"],
+     ("runtime.ray.nodes.engines = 'rs_engines' names nodes of a cluster, but runtime.ray."
+      "address is null")),
+    (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.trainer=rs_t"],
+     ("runtime.ray.nodes.trainer = 'rs_t' places fsdp rank actors, but train.backend = "
+      "'local' trains in the driver process")),
+    (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.engines=rs_e",
+      "engine.kind=vllm"],
+     "runtime.ray.nodes.engines = 'rs_e' with engine.kind = 'vllm' is not built yet"),
+    (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.rewards=GPU"],
+     "runtime.ray.nodes.rewards = 'GPU' is not a custom resource name"),
+    (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.rewards=a b"],
+     "runtime.ray.nodes.rewards = 'a b' is not a custom resource name"),
+    (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.driver=x"],
+     "runtime.ray.nodes.driver"),
+    (["runtime.ray.nodes.engines=rs_engines"],
+     "runtime.ray.nodes is read only with runtime.kind: ray (it is embedded)"),
 ])
 def test_runtime_settings_that_contradict_fail_at_load(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -337,3 +354,9 @@ def test_runtime_ray_settings_load():
                              "train.fsdp.world_size=4", "runtime.ray.scale_units=2",
                              "runtime.ray.num_cpus=4", "runtime.ray.rank_num_cpus=0.5"])
     assert (cfg.runtime.ray.scale_units, cfg.runtime.ray.rank_num_cpus) == (2, 0.5)
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.ray.address=h:6379",
+                             "train.backend=fsdp", "runtime.ray.nodes.trainer=rs_trainer",
+                             "runtime.ray.nodes.engines=rs_engines",
+                             "runtime.ray.nodes.rewards=rs_rewards"])
+    assert cfg.runtime.ray.nodes.roles() == {"engines": "rs_engines", "trainer": "rs_trainer",
+                                             "rewards": "rs_rewards"}

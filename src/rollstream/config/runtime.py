@@ -5,6 +5,7 @@ says where engines, workers and fsdp ranks run (scale units) and which Ray they 
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -21,6 +22,52 @@ DEFAULT_EPISODE_CACHE_TOKENS = 1 << 22
 # 2.3-3.2x an inline round trip; above it Ray stores the payload in its object store anyway
 # and the explicit reference cost 5-16% more (docs/distributed.md, "Control and data planes")
 DEFAULT_OUT_OF_BAND_BYTES = 100 << 10
+
+
+# Ray's own resources: a role's node is named by a custom one the user gives its nodes
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# one resource name as `ray start --resources` takes it (a JSON key; kept to a shell-safe set)
+_RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+
+
+class RayNodesConfig(Section):
+    """Which nodes of a cluster each role's actors go to, each named by a custom resource
+    that those nodes were started with (``ray start --resources '{"rs_engines": 1}'``: a
+    mark, not a count; CPUs bound how many actors fit, as without it). A role left null
+    goes wherever its CPUs fit, as without this section. The driver (the process that runs
+    ``rollstream train``, with the controller and a ``train.backend: local`` trainer) runs on
+    the node it is started on, and harness workers stay on its node (the agent proxy listens on
+    127.0.0.1 there). Only with ``runtime.ray.address`` (the run's own local Ray is one node
+    without custom resources). docs/distributed.md, "Nodes per role"."""
+
+    engines: str | None = None
+    """The resource of the nodes that hold the engine actors: the run's scale units' engine
+    bundles reserve it, and engines that join a live run ask for it too."""
+    trainer: str | None = None
+    """The resource of the nodes that hold the fsdp rank actors (``train.backend: fsdp``; a
+    ``local`` trainer runs in the driver). When it differs from ``engines``, each scale unit's
+    ranks get a bundle of their own, so ranks and engines go to their own nodes."""
+    rewards: str | None = None
+    """The resource of the nodes that hold the reward worker actors (``reward.num_workers``)."""
+
+    @model_validator(mode="after")
+    def _custom_resources(self) -> RayNodesConfig:
+        for role in ("engines", "trainer", "rewards"):
+            name = getattr(self, role)
+            if name is None:
+                continue
+            if name in RAY_RESOURCES or name.startswith("node:") or \
+                    not _RESOURCE_NAME.fullmatch(name):
+                raise ValueError(
+                    f"runtime.ray.nodes.{role} = {name!r} is not a custom resource name: "
+                    "letters, digits, '_', '.', '-' (up to 64, not starting with a digit), "
+                    f"none of Ray's own ({', '.join(RAY_RESOURCES)}, node:...)")
+        return self
+
+    def roles(self) -> dict[str, str]:
+        """Each role that has a node resource -> that resource."""
+        return {role: name for role in ("engines", "trainer", "rewards")
+                if (name := getattr(self, role)) is not None}
 
 
 class RayConfig(Section):
@@ -45,7 +92,8 @@ class RayConfig(Section):
     (one node's worth of the run), so a cluster is described as N units. Each unit holds
     ``engine.num_engines / scale_units`` engines and ``train.fsdp.world_size / scale_units``
     ranks (both must divide evenly); the run reserves one Ray placement group with a bundle
-    per unit (its actors' CPUs), units spread over nodes. docs/distributed.md."""
+    per unit (its actors' CPUs; two, its engines' and its ranks', when ``nodes`` gives them
+    different nodes), units spread over nodes. docs/distributed.md."""
     worker_num_cpus: float = Field(0.0, ge=0)
     """Logical CPUs each reward worker actor (``reward.num_workers`` of them) and harness
     worker actor (``agent.harness_workers``) reserves. 0: none; they mostly wait, and a
@@ -87,6 +135,13 @@ class RayConfig(Section):
     bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1 << 20)
     """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (a larger tensor goes
     alone); bounds the extra memory of a sync to about one bucket per process."""
+    nodes: RayNodesConfig = RayNodesConfig()
+    """Which of a cluster's nodes each role (engines, fsdp ranks, reward workers) goes to,
+    each named by a custom resource those nodes were started with (``ray start --resources
+    '{"rs_engines": 1}'``: a mark, not a count). A role left null goes wherever its CPUs fit.
+    The driver runs where it is started, harness workers on its node. Only with ``address``.
+    Unlike ``placement`` (this host's cores), it chooses nodes. docs/distributed.md, "Nodes
+    per role"."""
 
     @model_validator(mode="after")
     def _local_settings_need_a_local_ray(self) -> RayConfig:
@@ -186,6 +241,7 @@ def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig
                     f"{name} = {list(value)} contradicts runtime.ray.placement = "
                     "'disaggregated', which pins engines and trainer itself: drop one")
     _check_units(rt.ray, engine, train)
+    _check_nodes(rt.ray, engine, train)
     fsdp = train.backend == "fsdp"
     ranks = train.fsdp.world_size if fsdp else 0
     need = engine.num_engines * rt.ray.engine_num_cpus + ranks * rt.ray.rank_num_cpus
@@ -252,6 +308,30 @@ def _check_units(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> No
                 f"{field} = {count} does not split into runtime.ray.scale_units = "
                 f"{ray.scale_units} equal units: each unit holds an equal share: "
                 f"allowed scale_units divide {' and '.join(f'{k} = {v}' for k, v in counts.items())}")
+
+
+def _check_nodes(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> None:
+    """The roles given nodes against the Ray they need and the run's actors of those roles."""
+    nodes, roles = ray.nodes, ray.nodes.roles()
+    if roles and ray.address is None:
+        role = next(iter(roles))
+        raise ValueError(
+            f"runtime.ray.nodes.{role} = {roles[role]!r} names nodes of a cluster, but "
+            "runtime.ray.address is null: the run's own local Ray is one node without "
+            "custom resources; set runtime.ray.address to the cluster's head, or drop "
+            "runtime.ray.nodes")
+    if nodes.trainer is not None and train.backend != "fsdp":
+        raise ValueError(
+            f"runtime.ray.nodes.trainer = {nodes.trainer!r} places fsdp rank actors, but "
+            f"train.backend = {train.backend!r} trains in the driver process, on the node the "
+            "run is started on: set train.backend: fsdp or drop runtime.ray.nodes.trainer")
+    if nodes.engines is not None and engine.kind == "vllm":
+        raise ValueError(
+            f"runtime.ray.nodes.engines = {nodes.engines!r} with engine.kind = 'vllm' is not "
+            "built yet (a vLLM engine actor's server binds 127.0.0.1 and reloads weights "
+            "from the driver's shared memory, so it runs on the driver's node: "
+            "runtime/ray/vllm.py): use engine.kind: local, or drop "
+            "runtime.ray.nodes.engines")
 
 
 def _check_autoscale(rt: RuntimeConfig, engine: EngineConfig) -> None:

@@ -152,14 +152,19 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> N
 def build_workers(cfg: RunConfig, size: int, role: str) -> Workers:
     """The pool of ``size`` workers a ``role`` (``reward``, ``harness``) runs its blocking
     calls in: processes this one spawns (``runtime.kind: embedded``) or Ray actors (``ray``;
-    harness actors on the driver's node, where the agent proxy listens on 127.0.0.1). The one
-    place that picks them; the grader pool and the harness only see :class:`Workers`."""
+    reward actors on ``runtime.ray.nodes.rewards``' nodes where set, harness actors on the
+    driver's node, where the agent proxy listens on 127.0.0.1). The one place that picks
+    them; the grader pool and the harness only see :class:`Workers`."""
     if cfg.runtime.kind == "embedded":
         return ProcessWorkers(size, role=role)
+    from rollstream.runtime.ray.nodes import role_resources
     from rollstream.runtime.ray.workers import RayWorkers
 
+    harness = role == "harness"
     return RayWorkers(size, role=role, num_cpus=cfg.runtime.ray.worker_num_cpus,
-                      on_driver_node=role == "harness")
+                      on_driver_node=harness,
+                      resources={} if harness else role_resources(cfg.runtime.ray.nodes,
+                                                                  "rewards"))
 
 
 def build_harnesses(cfg: RunConfig, tokenizer: Any, sandbox: Any = None) -> dict[str, Harness]:
@@ -309,11 +314,13 @@ def build_engines(cfg: RunConfig, weights: Path, *, version: int, run_dir: Path,
         make = _make_here(cfg, weights, version=version, training=training)
         return [make(i) for i in range(cfg.engine.num_engines)], None
     from rollstream.runtime.ray.cluster import RayCluster
+    from rollstream.runtime.ray.nodes import check_cluster_has
     from rollstream.runtime.ray.units import ScaleUnits
 
     build_on_ray = engine_kind(cfg.engine.kind).ray_builder()
     cluster = RayCluster.start(cfg.runtime.ray, log_dir=RunFiles(run_dir).ray_logs)
     try:
+        check_cluster_has(cfg.runtime.ray.nodes)
         cluster.units = ScaleUnits.reserve(cfg)
         engines = build_on_ray(cfg, weights, version=version, units=cluster.units,
                                run_dir=run_dir)

@@ -116,13 +116,16 @@ class EngineActor:
 
 def spawn_actor(model_path: Path, cfg: LocalEngineConfig, *, engine_id: str, version: int,
                 num_cpus: float, strategy: Any = None,
+                resources: dict[str, float] | None = None,
                 episode_cache_tokens: int = DEFAULT_EPISODE_CACHE_TOKENS,
                 out_of_band_bytes: int = DEFAULT_OUT_OF_BAND_BYTES) -> Any:
     """An engine actor; ``strategy``: its Ray scheduling strategy (its scale unit's bundle,
-    ``units.py``; None: where Ray places it)."""
+    ``units.py``, which holds its node's resources too; None: where Ray places it, on a node
+    with ``resources``: its role's, ``nodes.py``)."""
     import ray
 
     remote = ray.remote(EngineActor).options(num_cpus=num_cpus, max_concurrency=1000,
-                                             scheduling_strategy=strategy)
+                                             scheduling_strategy=strategy,
+                                             resources=resources or {})
     return remote.remote(str(model_path), cfg, engine_id, version, episode_cache_tokens,
                          out_of_band_bytes)

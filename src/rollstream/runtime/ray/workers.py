@@ -28,7 +28,8 @@ Ray job (Ray ends the actors a driver owns when it exits), which is what Process
 death signal does for its processes. Each actor reserves ``num_cpus`` (``runtime.ray.
 worker_num_cpus``, 0 by default: reward and harness workers mostly wait, and a reservation
 would take CPUs from the engine actors, which Ray places by theirs). ``on_driver_node`` pins
-the actors to the driver's node: the harness's agents reach the proxy on 127.0.0.1.
+the actors to the driver's node: the harness's agents reach the proxy on 127.0.0.1;
+``resources`` (``runtime.ray.nodes.rewards``) sends reward actors to their nodes.
 
 Results and arguments travel through Ray's object store: a function reaches the actor by
 reference (module + name), so, as with ProcessWorkers, it must be importable there (on a
@@ -42,7 +43,7 @@ import concurrent.futures
 import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollstream.reward.workers import Link, WorkerDied, WorkerPool
@@ -128,14 +129,19 @@ class RayWorkers(WorkerPool):
     (module docstring). ``role`` names them in errors (``reward``, ``harness``)."""
 
     def __init__(self, size: int, role: str = "reward", *, num_cpus: float = 0.0,
-                 on_driver_node: bool = False) -> None:
+                 on_driver_node: bool = False,
+                 resources: Mapping[str, float] | None = None) -> None:
+        """``resources``: custom resources each actor asks for (its role's nodes,
+        ``nodes.py``)."""
         super().__init__(size, role)
         self.num_cpus, self.on_driver_node = num_cpus, on_driver_node
+        self.resources = dict(resources or {})
 
     def _spawn(self, loop: asyncio.AbstractEventLoop) -> Link:
         import ray
 
-        options: dict[str, Any] = {"num_cpus": self.num_cpus, "max_restarts": 0}
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "max_restarts": 0,
+                                   "resources": self.resources}
         if self.on_driver_node:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

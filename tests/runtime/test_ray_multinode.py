@@ -1,0 +1,166 @@
+"""Runs on a multi-node Ray (``runtime.ray.address`` with ``runtime.ray.nodes``): one
+3-node ``ray.cluster_utils.Cluster`` on this host for the module, each node its own raylet and
+object store (sized explicitly), custom resources per role:
+
+    head      2 CPUs   the driver's node (the run joins the cluster from this process); room
+                       for an engine, where Ray's SPREAD puts one of two free bundles
+    node 1    1 CPU    rs_engines, rs_rewards
+    node 2    1 CPU    rs_engines
+
+A short run with two engines in two scale units trains with its engine actors on nodes 1
+and 2 (neither the driver's) and its reward workers on node 1, by the node ids Ray's actor
+table records, and its ledger audits clean; weights reach the engines through the object
+store, whose copies cross from the driver's node's store to each engine node's. A run whose
+role names a resource no node has fails before any actor starts, naming the setting. The
+fixture stops the nodes it started (never ``ray stop``: that would end every Ray on the
+machine). Nodes on one host share ``/dev/shm`` and the file system, so what this cannot
+show is a transport that only works on one host (docs/distributed.md, "Nodes per role")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rollstream.bench.tiny_run import tiny_run_config
+from rollstream.config import load_config
+from rollstream.config.runtime import MIN_OBJECT_STORE_BYTES
+from rollstream.runtime.ray.units import ScaleUnits
+from rollstream.runtime.train import run_training
+from tests.runtime.test_ray import STEPS, _check_ledger, _descendants
+
+pytestmark = pytest.mark.ray
+ENGINES, REWARDS = "rs_engines", "rs_rewards"
+# (CPUs, custom resources) of the head, node 1, node 2
+NODES = ((2, {}), (1, {ENGINES: 1, REWARDS: 1}), (1, {ENGINES: 1}))
+
+
+def _parity(task, text: str) -> float:
+    """A sync reward (so it runs in the reward worker actors) with variance in every group,
+    whatever the untrained model writes."""
+    return float(len(text) % 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Nodes:
+    address: str  # the head's GCS, what runtime.ray.address names
+    ids: tuple[str, ...]  # the node ids, in NODES' order
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Nodes]:
+    """The module's 3-node cluster on 127.0.0.1 (its GCS and raylets listen there only), in
+    a short temporary folder (Ray's Unix sockets must fit ~100 characters); stopped, its
+    processes and folder gone, at the end."""
+    import ray
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    assert not ray.is_initialized(), "another test's Ray is still up: the runs would use it"
+    before = _descendants()
+    temp_dir = tempfile.mkdtemp(prefix="rs-mn-")
+    common = {"node_ip_address": "127.0.0.1", "temp_dir": temp_dir,
+              "object_store_memory": MIN_OBJECT_STORE_BYTES}
+    with pytest.MonkeyPatch.context() as patch:
+        # as RayCluster.start: without it Ray advertises the head's GCS on the machine's
+        # routable address, where nothing listens
+        patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        nodes = Cluster(shutdown_at_exit=True)
+        try:
+            ids = tuple(nodes.add_node(num_cpus=cpus, resources=resources, **common,
+                                       **({"include_dashboard": False} if i == 0 else {})
+                                       ).node_id
+                        for i, (cpus, resources) in enumerate(NODES))
+            nodes.wait_for_nodes()
+            yield Nodes(address=nodes.address, ids=ids)
+        finally:
+            ray.shutdown()  # the runs joined the cluster: this process is still connected
+            nodes.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    assert _descendants() - before == set(), "a node's process outlived the cluster"
+
+
+def _config(tmp_path: Path, cache: Path, address: str, name: str, *extra: str):
+    cfg = tiny_run_config(name, tmp_path, steps=STEPS, checkpoint_every=0, cache_dir=cache,
+                          max_slots=8)
+    cfg["model"]["warm_start"]["steps"] = 0  # the run need not learn: _parity grades it
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(cfg))
+    return load_config(path, ["runtime.kind=ray", f"runtime.ray.address={address}",
+                              "engine.num_engines=2", "runtime.ray.scale_units=2",
+                              "reward.num_workers=1", *extra])
+
+
+def _actor_nodes() -> dict[str, tuple[str, str]]:
+    """Every actor of the cluster, dead or alive: id -> (class name, node id), from Ray's
+    actor table (the node an actor ran on stays recorded after it died)."""
+    from ray._private.state import actors
+
+    return {aid: (a["ActorClassName"], a["Address"]["NodeID"]) for aid, a in actors().items()}
+
+
+def test_engines_and_rewards_run_on_their_nodes_and_the_ledger_audits_clean(
+        cluster, tmp_path, tiny_run_cache):
+    import ray
+
+    head, node1, node2 = cluster.ids
+    cfg = _config(tmp_path, tiny_run_cache, cluster.address, "nodes",
+                  f"runtime.ray.nodes.engines={ENGINES}", f"runtime.ray.nodes.rewards={REWARDS}")
+    summary = run_training(cfg, rewards={"tick": _parity})
+    assert ray.get_runtime_context().get_node_id() == head  # the driver's node
+    assert summary["steps"] == STEPS and not summary["unfinished_samples"]
+    rows = _check_ledger(tmp_path / "nodes")
+    assert sum(r.status == "trained" for r in rows) == summary["trained_samples"] > 0
+    placed = Counter(_actor_nodes().values())
+    # one engine actor on each engine node (a unit's bundle holds an engine node's only
+    # CPU); none on the driver's (without the role, one of them was there: 6 of 6 times in a
+    # script of this cluster's bundles, 2026-12-07); no replacement was needed
+    assert placed[("EngineActor", node1)] == placed[("EngineActor", node2)] == 1, placed
+    assert sum(n for (cls, _), n in placed.items() if cls == "EngineActor") == 2, placed
+    workers = {node for (cls, node) in placed if cls == "WorkerActor"}
+    assert workers == {node1}, placed  # the reward workers ran on the rewards node only
+
+
+def test_a_role_no_node_has_fails_the_run_before_any_actor_naming_the_setting(
+        cluster, tmp_path, tiny_run_cache):
+    import ray
+
+    before = set(_actor_nodes()) if ray.is_initialized() else set()
+    cfg = _config(tmp_path, tiny_run_cache, cluster.address, "missing",
+                  "runtime.ray.nodes.engines=rs_gpu_nodes")
+    with pytest.raises(ValueError, match=r"runtime.ray.nodes.engines = 'rs_gpu_nodes': no "
+                       r"node of the cluster has that resource \(its custom resources: "
+                       rf"{ENGINES}, {REWARDS}\)"):
+        run_training(cfg, rewards={"tick": _parity})
+    assert set(_actor_nodes()) == before
+
+
+@pytest.mark.parametrize(("overrides", "bundles", "engine_bundles", "rank_bundles"), [
+    # today's units: a unit's engines and ranks in one bundle
+    ([], [{"CPU": 2.0}] * 2, [0, 1], [0, 1]),
+    # engines and ranks on different nodes: a bundle each per unit
+    ([f"runtime.ray.nodes.engines={ENGINES}", "runtime.ray.nodes.trainer=rs_trainer"],
+     [{"CPU": 1.0, ENGINES: 0.001}, {"CPU": 1.0, "rs_trainer": 0.001}] * 2, [0, 2], [1, 3]),
+    # only the engines placed: the ranks go apart, anywhere
+    ([f"runtime.ray.nodes.engines={ENGINES}"],
+     [{"CPU": 1.0, ENGINES: 0.001}, {"CPU": 1.0}] * 2, [0, 2], [1, 3]),
+    # both on the same nodes: together again, on those nodes
+    ([f"runtime.ray.nodes.engines={ENGINES}", f"runtime.ray.nodes.trainer={ENGINES}"],
+     [{"CPU": 2.0, ENGINES: 0.001}] * 2, [0, 1], [0, 1]),
+])
+def test_scale_units_give_each_role_its_nodes_bundle(overrides, bundles, engine_bundles,
+                                                     rank_bundles, monkeypatch):
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.ray.address=head:6379",
+                             "runtime.ray.scale_units=2", "engine.num_engines=2",
+                             "train.backend=fsdp", "train.fsdp.world_size=2", *overrides])
+    units = ScaleUnits.of(cfg)
+    assert units.bundles() == bundles
+    monkeypatch.setattr(ScaleUnits, "_in", lambda self, bundle: bundle)
+    assert [units.engine(i) for i in range(2)] == engine_bundles
+    assert [units.rank(r) for r in range(2)] == rank_bundles
