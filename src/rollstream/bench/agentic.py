@@ -288,7 +288,7 @@ async def _proxy_overhead(engine: LocalEngine, renderer: ChatRenderer, calls: in
 
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
-    n, concurrency, seed = (16, 8, 0) if quick else (128, 32, 0)
+    n, concurrency, seed = (8, 8, 0) if quick else (128, 32, 0)
     repeats = REPEATS_QUICK if quick else REPEATS_FULL
     with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp:
         folder = build_tiny_model(TinyModelConfig(), build_char_tokenizer(), Path(tmp) / "m")
