@@ -183,6 +183,52 @@ def test_hf_generate_on_the_export_equals_the_engine_on_training_ids(exported: P
         assert by_hf == _engine_greedy(exported, trained, stop, 24), text
 
 
+def _perturbed(folder: Path, out: Path) -> Path:
+    """``folder`` with noise on every weight: a model whose greedy tokens part from it."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    gen = torch.Generator().manual_seed(0)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({k: v + 0.5 * v.std() * torch.randn(v.shape, generator=gen)
+                   if v.is_floating_point() and v.numel() > 1 else v
+                   for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    return out
+
+
+def test_the_model_check_parts_where_hf_generate_parts_and_fails_there(
+        exported: Path, tmp_path: Path, monkeypatch) -> None:
+    """The check's HF side (one forward pass along the engine's tokens) finds the first
+    position where ``generate`` parts from the engine, with ``generate``'s logits there; and
+    the check fails naming it when the engine reads other weights than HF."""
+    from rollstream.models import folder_check
+
+    other = _perturbed(exported, tmp_path / "other")
+    stop = json.loads((exported / "generation_config.json").read_text())["eos_token_id"]
+    prompts = [[5, 6, 7], build_char_tokenizer().encode("T517#07= 517/07 518/06\n")]
+    theirs = folder_check._engine_greedy(other, prompts, 24, stop, 0)
+    ours = folder_check._hf_greedy(exported, prompts, theirs, stop, 0)
+    model = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    parted = 0
+    for prompt, engine, (tokens, logits) in zip(prompts, theirs, ours, strict=True):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=len(engine),
+                                 do_sample=False, eos_token_id=stop, pad_token_id=stop[0],
+                                 output_logits=True, return_dict_in_generate=True)
+        by_hf = gen.sequences[0, len(prompt):].tolist()
+        pos = next(j for j, (a, b) in enumerate(zip(by_hf, engine)) if a != b)
+        parted += 1
+        assert tokens[:pos + 1] == by_hf[:pos + 1] and tokens[pos] != engine[pos]
+        torch.testing.assert_close(logits[:pos + 1], torch.stack(
+            [x[0] for x in gen.logits[:pos + 1]]), rtol=1e-4, atol=1e-4)
+    assert parted == len(prompts)
+    monkeypatch.setattr(folder_check, "_engine_greedy",  # an engine that reads other weights
+                        lambda *_: theirs)
+    with pytest.raises(FolderCheckError, match="at generated token .* not a tie"):
+        check_model(exported, prompts)
+
+
 def test_export_cli_takes_a_step_and_a_dtype(exported: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
     run = exported.parent / "run"

@@ -9,8 +9,9 @@ TRL, an evaluation harness) read it as training saw it. Two checks, both loud
   special token, chat-template renderings with and without tools) exactly as the tokenizer the
   run trained with, renders the same chat template and has the same special ids.
 * :func:`check_model` (on the final checkpoint and on ``rollstream export``): the greedy tokens
-  of a few prompts from ``AutoModelForCausalLM.generate`` equal those of the embedded engine
-  on the same weights. Both run in float32 (a bfloat16 folder is upcast: the check is about
+  of a few prompts from ``AutoModelForCausalLM`` (its argmax along the engine's tokens, one
+  forward pass each: :func:`_hf_greedy`) equal those of the embedded engine on the same
+  weights. Both run in float32 (a bfloat16 folder is upcast: the check is about
   the folder, not about two kernels' bfloat16 rounding). Where they part, the position must
   be a near tie (top-2 logit gap under :data:`TIE_GAP` in the HF logits); such ties are
   returned, anything else raises.
@@ -217,8 +218,16 @@ def check_model(folder: Path, prompts: Sequence[Sequence[int]], *,
 
 def _hf_greedy(folder: Path, prompts: Sequence[Sequence[int]], lengths: Sequence[list[int]],
                stop: Sequence[int], threads: int) -> list[tuple[list[int], Any]]:
-    """HF ``generate``'s greedy tokens per prompt (as many as the engine gave) and its logits
-    [T, vocab] (float32, on the CPU), on the engine's default device."""
+    """``AutoModelForCausalLM``'s greedy token at each position of the engine's tokens
+    (``lengths``: the engine's tokens per prompt; at least one) and its logits [T, vocab]
+    (float32, on the CPU), on the engine's default device.
+
+    One forward pass over the prompt and the engine's tokens per prompt, not ``generate``'s
+    token by token: up to the first token where the two decoders part, greedy decoding's
+    context is the engine's, so the argmax at each position is the token ``generate`` would
+    pick, and the first position where it differs from the engine's is where ``generate``
+    would part, with the same logits (within float rounding, which :data:`TIE_GAP` covers).
+    Past that position the tokens are not ``generate``'s, and nothing reads them."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -232,14 +241,11 @@ def _hf_greedy(folder: Path, prompts: Sequence[Sequence[int]], lengths: Sequence
     try:
         out = []
         for prompt, theirs in zip(prompts, lengths, strict=True):
+            ids = [*prompt, *theirs[:-1]]  # the last engine token predicts nothing read
             with torch.no_grad():
-                gen = model.generate(torch.tensor([list(prompt)], device=device),
-                                     max_new_tokens=len(theirs) or 1, do_sample=False,
-                                     eos_token_id=list(stop) or None, output_logits=True,
-                                     pad_token_id=stop[0] if stop else None,
-                                     return_dict_in_generate=True)
-            out.append((gen.sequences[0, len(prompt):].tolist(),
-                        torch.stack([x[0] for x in gen.logits]).float().cpu()))
+                logits = model(torch.tensor([ids], device=device)).logits[0]
+            logits = logits[len(prompt) - 1:].float().cpu()  # one row per engine token
+            out.append((logits.argmax(-1).tolist(), logits))
         return out
     finally:
         torch.set_num_threads(before)
