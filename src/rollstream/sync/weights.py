@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rollstream.clock import Clock, WallClock
@@ -125,6 +125,7 @@ class WeightSync:
         self._idle = asyncio.Event()
         self._idle.set()
         self.moved: dict[str, Moved] = {}  # engine id -> what its loads moved
+        self._plain: SyncRecord | None = None  # the last version's tensors, as handed over
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self._pending = (version, {k: v.detach().clone() for k, v in tensors.items()})
@@ -228,8 +229,11 @@ class WeightSync:
         """Note what ``engine``'s load of ``version`` moved (:attr:`moved`)."""
         rec = engine.last_sync() if isinstance(engine, ReportsSync) else None
         if rec is None or rec.version != version:
-            rec = SyncRecord.of(version, engine.engine_id, transport_of(engine), tensors,
-                                time.perf_counter() - t0)
+            plain = self._plain  # the tensors' bytes and dtype, counted once per version
+            if plain is None or plain.version != version:
+                plain = self._plain = SyncRecord.of(version, "", IN_PROCESS, tensors, 0.0)
+            rec = replace(plain, engine_id=engine.engine_id, transport=transport_of(engine),
+                          seconds=time.perf_counter() - t0)
         moved = self.moved.setdefault(engine.engine_id, Moved(last=rec))
         moved.last, moved.total_bytes, moved.loads = \
             rec, moved.total_bytes + rec.num_bytes, moved.loads + 1

@@ -91,6 +91,8 @@ class RayEngine:
         """``actor``: one ``spawn(version)`` made already (None: spawn it now); ``episodes``:
         the mirror of its actor's histories (None: one of the default size, holders of its
         own); ``out_of_band_bytes``: prompts above it go by reference (as the actor's)."""
+        import ray
+
         self.engine_id = engine_id
         self._spawn, self._weights, self._max_restarts = spawn, weights, max_restarts
         self.num_restarts, self._version, self._closed = 0, version, False
@@ -106,13 +108,12 @@ class RayEngine:
         self._peek: Any = None  # the peek in flight, and time.monotonic() it was sent
         self._peek_at = 0.0
         self._stream_polls: asyncio.Task | None = None
-        import ray
-
         self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
         self.weight_transport = weights.name  # ``ReportsSync``: runtime.ray.weight_sync's
         self.actor = actor if actor is not None else spawn(version)
         self._pending: Any = self.actor.stats.remote()
-        node = self.actor.node.remote()
+        node = self.actor.node.remote()  # where Ray placed it (``Placed``)
+        self.wire.call()
         self.wire.call()
         self._last = self._read(self._pending, wait=True)
         self._node: Node = ray.get(node)
@@ -238,8 +239,10 @@ class RayEngine:
 
     def last_sync(self) -> SyncRecord | None:
         """``ReportsSync``: the delta sync's record of the last load (None: sent as given)."""
-        last = getattr(self._weights, "last", {})  # a DeltaSync's
-        return last.get(self.engine_id)
+        from rollstream.sync.delta import DeltaSync
+
+        weights = self._weights
+        return weights.last.get(self.engine_id) if isinstance(weights, DeltaSync) else None
 
     def node(self) -> Node:
         """``Placed``: the node its actor runs on (asked when it was spawned)."""
