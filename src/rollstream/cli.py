@@ -246,12 +246,19 @@ def _talk(base: str, token: str, act: dict[str, str | int | None]) -> None:
             print(f"{verb.removesuffix('e')}ed {arg}{extra}")
         rows = _answer(client.get("/api/engines"))
         print(f"{'engine':12s} {'health':10s} {'routing':11s} {'version':>7s} "
-              f"{'in flight':>9s} {'member':8s}")
+              f"{'in flight':>9s} {'member':8s} {'node':12s}")
         for row in rows:
             why = "; ".join(w for w in (row["health_reason"], row["routing_reason"]) if w)
             print(f"{row['engine_id']:12s} {row['health']:10s} {row['routing']:11s} "
-                  f"{row['version']:7d} {row['in_flight']:9d} {row['member']:8s}"
-                  + (f"  {why}" if why else ""))
+                  f"{row['version']:7d} {row['in_flight']:9d} {row['member']:8s} "
+                  f"{_node(row):12s}" + (f"  {why}" if why else ""))
+
+
+def _node(row: dict[str, Any]) -> str:
+    """An engine's node for the table: the first 8 hex digits of Ray's node id (``local``
+    without Ray; ``-``: a joining engine's, not known yet); GET /api/nodes has the whole id."""
+    node = row.get("node_id")
+    return "-" if node is None else node[:8]
 
 
 def _answer(r: Any) -> Any:

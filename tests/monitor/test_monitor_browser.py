@@ -68,15 +68,32 @@ def assert_drawn(dom: str) -> None:
     assert "max_staleness" in dom  # resolved config
 
 
+NODE_A, NODE_B = "a1" * 28, "b2" * 28  # Ray's node ids: 56 hex digits
+
+
 class Roster:
-    """A live run's engines as ``runtime/control.py`` reports them: one joining, one leaving."""
+    """A live run's engines as ``runtime/control.py`` reports them: one joining, one leaving,
+    on two nodes of a Ray cluster."""
 
     def engines(self) -> list[dict]:
         row = {"health": "up", "health_reason": None, "version": 7, "routing": "routed",
-               "routing_reason": None, "in_flight": 3, "member": "serving"}
+               "routing_reason": None, "in_flight": 3, "member": "serving",
+               "node_id": NODE_A, "node_address": "10.0.0.1", "node_hostname": "gpu-a",
+               "transport": "broadcast", "sync_version": 7, "sync_kind": "delta",
+               "sync_bytes_last": 1_500_000, "sync_dtype": "bfloat16",
+               "sync_bytes_total": 9_000_000, "syncs": 7}
         return [{**row, "engine_id": "local-0", "member": "leaving", "routing": "drained"},
-                {**row, "engine_id": "local-1"},
-                {**row, "engine_id": "local-2", "member": "joining", "in_flight": 0}]
+                {**row, "engine_id": "local-1", "node_id": NODE_B, "node_address": "10.0.0.2",
+                 "node_hostname": "gpu-b"},
+                {**row, "engine_id": "local-2", "member": "joining", "in_flight": 0,
+                 "node_id": None, "node_address": None, "node_hostname": None,
+                 "transport": None, "sync_version": None, "sync_kind": None,
+                 "sync_bytes_last": 0, "sync_dtype": None, "sync_bytes_total": 0, "syncs": 0}]
+
+    def nodes(self) -> list[dict]:
+        from rollstream.runtime.nodes import nodes_view
+
+        return nodes_view(self.engines())
 
 
 def test_live_dashboard_renders_in_chromium(tmp_path: Path) -> None:
@@ -95,6 +112,17 @@ def test_live_dashboard_renders_in_chromium(tmp_path: Path) -> None:
         assert [tuple(re.findall(r"<td[^>]*>([^<]*)</td>", row)[:2]) for row in
                 re.findall(r"<tr>(.*?)</tr>", engines)[1:]] == \
             [("local-0", "leaving"), ("local-1", "serving"), ("local-2", "joining")]
+        assert [re.findall(r"<td[^>]*>([^<]*)</td>", row)[-1] for row in
+                re.findall(r"<tr>(.*?)</tr>", engines)[1:]] == ["a1a1a1a1", "b2b2b2b2", "–"]
+        cluster = re.search(r'<div id="cluster">(.*?)</div>', res.stdout, re.S).group(1)
+        assert [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in
+                re.findall(r"<tr>(.*?)</tr>", cluster)[1:]] == [
+            [NODE_A, "10.0.0.1", "gpu-a", "local-0 leaving up/drained v7", "broadcast",
+             "bfloat16", "v7", "1.500 MB", "9.000 MB"],
+            [NODE_B, "10.0.0.2", "gpu-b", "local-1 serving up/routed v7", "broadcast",
+             "bfloat16", "v7", "1.500 MB", "9.000 MB"],
+            ["(joining)", "–", "–", "local-2 joining up/routed v7", "–", "–", "–",
+             "0.000 MB", "0.000 MB"]]
 
         shot = tmp_path / "dashboard.png"
         res = chromium(url, tmp_path / "profile", f"--screenshot={shot}")
@@ -117,6 +145,7 @@ def test_report_renders_offline_in_chromium(tmp_path: Path) -> None:
     assert "report ·" in res.stdout
     assert_drawn(res.stdout)
     assert '<div class="card" id="engines-card" hidden="">' in res.stdout, "no live engines"
+    assert '<div class="card" id="cluster-card" hidden="">' in res.stdout, "nor their nodes"
 
 
 def test_dashboard_before_any_data(tmp_path: Path) -> None:

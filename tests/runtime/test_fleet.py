@@ -16,9 +16,12 @@ import io
 import itertools
 import json
 import re
+import socket
 import threading
 import time
 from pathlib import Path
+
+import httpx
 
 import rollstream
 from rollstream.cli import main
@@ -66,6 +69,8 @@ def _operate(run_dir: Path, seen: dict) -> None:
     _until(lambda: int(_rows(run_dir)["local-0"][3]) >= 2)
     seen["add"] = _cli("engines", str(run_dir), "--add", "1")
     seen["rows_after_add"] = _rows(run_dir)
+    url = (run_dir / DASHBOARD_URL).read_text().strip()
+    seen["poll"] = httpx.get(url + "api/poll", timeout=30).json()  # one snapshot
     seen["weights_equal"] = _until(seen["engines_equal"], 10)  # a load may be under way
     seen["added"].set()
     seen["slow"]("local-0")  # its requests now last long enough to be caught in flight
@@ -148,6 +153,8 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
     assert rc == 0 and "added local-1" in out, out
     rows = seen["rows_after_add"]
     assert rows["local-1"][5] == "serving" and rows["local-1"][3] == rows["local-0"][3]
+    assert rows["local-0"][6] == rows["local-1"][6] == "local", "the NODE column"
+    _check_cluster(seen["poll"])
     assert seen["weights_equal"], "the joining engine holds the weights the others serve"
     joined_at = int(rows["local-1"][3])
     first = min((s for s in _spans(run_dir) if s["engine_id"] == "local-1"),
@@ -167,6 +174,26 @@ def test_engines_join_and_leave_a_live_local_run(tmp_path: Path, kit_model: Path
                       steps=STEPS)
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_missing"] == audit["steps_repeated"] == 0, audit
+
+
+def _check_cluster(poll: dict) -> None:
+    """The dashboard's nodes view of an embedded run: one node, this host, with every
+    engine; each engine's last sync moved the bytes the run's ``sync_bytes`` metric records
+    (a full version, in process), the node the sum of its engines'."""
+    [node] = poll["nodes"]
+    engines = {e["engine_id"]: e for e in poll["engines"]}
+    assert node["node_id"] == "local" and node["address"] is None, node
+    assert node["hostname"] == socket.gethostname()
+    assert [e["engine_id"] for e in node["engines"]] == sorted(engines) == ["local-0", "local-1"]
+    assert node["transports"] == ["in_process"] and node["dtypes"] == ["float32"], node
+    per_sync = {m["sync_bytes"] for m in poll["metrics"] if m.get("sync_bytes") is not None}
+    assert len(per_sync) == 1 and (num_bytes := per_sync.pop()) > 0, per_sync  # one model
+    for e in engines.values():
+        assert e["sync_bytes_last"] == num_bytes and e["sync_kind"] == "full", e
+        assert e["sync_bytes_total"] == e["syncs"] * num_bytes > 0, e
+    at_last = [e for e in engines.values() if e["sync_version"] == node["sync_version"]]
+    assert node["sync_bytes_last"] == len(at_last) * num_bytes > 0, node
+    assert node["sync_bytes_total"] == sum(e["sync_bytes_total"] for e in engines.values())
 
 
 def _catch(fn, *args) -> str | None:

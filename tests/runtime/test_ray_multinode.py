@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,13 +106,77 @@ def _actor_nodes() -> dict[str, tuple[str, str]]:
     return {aid: (a["ActorClassName"], a["Address"]["NodeID"]) for aid, a in actors().items()}
 
 
+def _watch_dashboard(run_dir: Path, monkeypatch) -> dict:
+    """After the run's second step: the dashboard's ``/api/poll`` once every engine loaded
+    a synced version, and each engine's actor id (the run's fleet, spied on)."""
+    import asyncio
+
+    import httpx
+
+    from rollstream.run_files import RunFiles
+    from rollstream.runtime import fleet as fleet_module
+    from rollstream.runtime import steps as steps_module
+
+    seen: dict = {}
+    real_init, real_after = fleet_module.Fleet.__init__, steps_module.BetweenSteps.__call__
+
+    def spy_init(self, **kwargs):
+        real_init(self, **kwargs)
+        seen["fleet"] = self
+
+    def poll() -> dict:
+        url = RunFiles(run_dir).dashboard_url.read_text().strip()
+        deadline = time.monotonic() + 60
+        while True:
+            page = httpx.get(url + "api/poll", timeout=30).json()
+            if all(e["sync_version"] is not None for e in page["engines"]):
+                return page
+            assert time.monotonic() < deadline, page["engines"]
+            time.sleep(0.1)
+
+    async def after(self, step, values):
+        await real_after(self, step, values)
+        if step == 1:
+            seen["poll"] = await asyncio.to_thread(poll)
+            seen["actors"] = {e.engine_id: e.actor._actor_id.hex()
+                              for e in seen["fleet"].engines}
+
+    monkeypatch.setattr(fleet_module.Fleet, "__init__", spy_init)
+    monkeypatch.setattr(steps_module.BetweenSteps, "__call__", after)
+    return seen
+
+
+def _check_cluster_view(seen: dict, engine_nodes: set[str], dtype: str) -> None:
+    """The dashboard reports each engine on the node Ray placed its actor on (Ray's actor
+    table), the nodes view one row per engine node, and what the object store moved."""
+    table = _actor_nodes()
+    poll, actors = seen["poll"], seen["actors"]
+    engines = {e["engine_id"]: e for e in poll["engines"]}
+    assert set(engines) == set(actors) == {"ray-0", "ray-1"}
+    for engine_id, e in engines.items():
+        assert e["node_id"] == table[actors[engine_id]][1], (engine_id, e, table)
+        assert e["node_address"] == "127.0.0.1" and e["transport"] == "object_store", e
+    nodes = {n["node_id"]: n for n in poll["nodes"]}
+    assert set(nodes) == engine_nodes, nodes
+    full = {m["sync_bytes"] for m in poll["metrics"] if m.get("sync_bytes") is not None}
+    for node_id, n in nodes.items():
+        [e] = n["engines"]  # one engine per engine node
+        row = engines[e["engine_id"]]
+        assert row["node_id"] == node_id and n["transports"] == ["object_store"], n
+        assert n["dtypes"] == [dtype] and n["sync_bytes_last"] == row["sync_bytes_last"] > 0
+        if row["sync_kind"] == "full":  # a delta moves less than the metric's full version
+            assert row["sync_bytes_last"] in full, (row, full)
+        assert n["sync_bytes_total"] == row["sync_bytes_total"] >= row["sync_bytes_last"]
+
+
 def test_engines_and_rewards_run_on_their_nodes_and_the_ledger_audits_clean(
-        cluster, tmp_path, tiny_run_cache):
+        cluster, tmp_path, tiny_run_cache, monkeypatch):
     import ray
 
     head, node1, node2 = cluster.ids
-    cfg = _config(tmp_path, tiny_run_cache, cluster.address, "nodes",
+    cfg = _config(tmp_path, tiny_run_cache, cluster.address, "nodes", "monitor.dashboard=true",
                   f"runtime.ray.nodes.engines={ENGINES}", f"runtime.ray.nodes.rewards={REWARDS}")
+    seen = _watch_dashboard(tmp_path / "nodes", monkeypatch)
     summary = run_training(cfg, rewards={"tick": _parity})
     assert ray.get_runtime_context().get_node_id() == head  # the driver's node
     assert summary["steps"] == STEPS and not summary["unfinished_samples"]
@@ -125,6 +190,7 @@ def test_engines_and_rewards_run_on_their_nodes_and_the_ledger_audits_clean(
     assert sum(n for (cls, _), n in placed.items() if cls == "EngineActor") == 2, placed
     workers = {node for (cls, node) in placed if cls == "WorkerActor"}
     assert workers == {node1}, placed  # the reward workers ran on the rewards node only
+    _check_cluster_view(seen, {node1, node2}, cfg.engine.local.dtype)
 
 
 def test_a_role_no_node_has_fails_the_run_before_any_actor_naming_the_setting(

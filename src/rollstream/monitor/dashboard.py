@@ -6,6 +6,7 @@ Routes (all JSON unless noted):
     GET /api/poll          metric lines and spans after the given cursors, plus state, ledger
                            summary, config and summary.json: ?metrics_since=N&spans_since=M;
                            of a live run, also its engines' states (as GET /api/engines)
+                           and its nodes (as GET /api/nodes)
     GET /api/state         Metrics.latest() (or the run directory's equivalent)
     GET /api/metrics       metric lines: ?since=N -> {"lines", "next"}
     GET /api/timeline      timeline spans: ?since=N -> {"spans", "next"}
@@ -18,9 +19,18 @@ Operating a live run (when it was given an ``EngineControl``; 404 otherwise), wi
 token as ``Authorization: Bearer TOKEN`` (401 otherwise):
 
     GET  /api/engines                      [{engine_id, health, health_reason, version,
-                                             routing, routing_reason, in_flight, member}]
+                                             routing, routing_reason, in_flight, member,
+                                             node_id, node_address, node_hostname,
+                                             transport, sync_version, sync_kind,
+                                             sync_bytes_last, sync_dtype, sync_bytes_total,
+                                             syncs}]
                                            (states: rollstream/engine/states.py; member:
-                                           joining, serving or leaving)
+                                           joining, serving or leaving; node and weight
+                                           syncs: rollstream/runtime/nodes.py)
+    GET  /api/nodes                        [{node_id, address, hostname, engines: [{engine_id,
+                                             health, version, routing, member}], transports,
+                                             dtypes, sync_version, sync_bytes_last,
+                                             sync_bytes_total}]: the engines by node
     POST /api/engines/{engine_id}/drain    preempt it: {"engine_id", "handed_back": n}
     POST /api/engines/{engine_id}/undrain  route to it again
     POST /api/engines/add?count=N          N engines join (at most runtime/fleet.py's MAX_ADD),
@@ -70,6 +80,8 @@ class Control(Protocol):
     """What the dashboard may do to a live run (``rollstream.runtime.control``)."""
 
     def engines(self) -> list[dict[str, Any]]: ...
+
+    def nodes(self) -> list[dict[str, Any]]: ...
 
     def drain(self, engine_id: str) -> int: ...
 
@@ -141,8 +153,9 @@ class Dashboard:
                            metrics_since=metrics_since, spans_since=spans_since)
             if self.metrics is not None:
                 data["state"] = self.metrics.latest()
-            if self.control is not None:  # each engine's state, read only (the page's table)
+            if self.control is not None:  # each engine's state, read only (the page's tables)
                 data["engines"] = self.control.engines()
+                data["nodes"] = self.control.nodes()
             return JSONResponse(data)
 
         @app.get("/api/state")
@@ -191,6 +204,10 @@ class Dashboard:
         @app.get("/api/engines")
         def engines(request: Request) -> JSONResponse:
             return JSONResponse(control(request).engines())
+
+        @app.get("/api/nodes")
+        def nodes(request: Request) -> JSONResponse:
+            return JSONResponse(control(request).nodes())
 
         @app.post("/api/engines/{engine_id}/drain")
         def drain(engine_id: str, request: Request) -> JSONResponse:

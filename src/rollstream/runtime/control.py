@@ -34,6 +34,12 @@ class EngineControl:
             return self._fleet.table()
         return self._call(read())
 
+    def nodes(self) -> list[dict[str, Any]]:
+        """The engines by node, with their weight syncs (``Fleet.nodes``)."""
+        async def read() -> list[dict[str, Any]]:
+            return self._fleet.nodes()
+        return self._call(read())
+
     def drain(self, engine_id: str) -> int:
         """Take ``engine_id`` out of routing; returns the requests it handed back
         (ValueError: no such engine)."""

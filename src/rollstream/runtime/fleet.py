@@ -30,7 +30,8 @@ from typing import Any
 from rollstream.engine.protocol import Closeable, Engine, Joins
 from rollstream.engine.states import EngineHealth
 from rollstream.rollout.dispatcher import Dispatcher
-from rollstream.sync.weights import WeightSync
+from rollstream.runtime.nodes import engine_node, node_columns, nodes_view
+from rollstream.sync.weights import WeightSync, transport_of
 
 log = logging.getLogger(__name__)
 MAX_ADD = 16  # engines one call may add
@@ -145,14 +146,34 @@ class Fleet:
     def table(self) -> list[dict[str, Any]]:
         """The router's table (``Router.table``) with each engine's membership: ``serving``,
         ``leaving`` (draining, then closing), and a row for each engine ``joining`` (built,
-        loading the current version)."""
-        rows = [{**row, "member": "leaving" if row["engine_id"] in self.leaving else "serving"}
+        loading the current version); and each engine's node and weight syncs
+        (``runtime/nodes.py``, :meth:`_synced`)."""
+        by_id = self.dispatcher.router.by_id
+        rows = [{**row, "member": "leaving" if row["engine_id"] in self.leaving else "serving",
+                 **node_columns(engine_node(e := by_id[row["engine_id"]])), **self._synced(e)}
                 for row in self.dispatcher.engine_table()]
         return rows + [{"engine_id": engine_id, "health": EngineHealth.RECOVERING.value,
                         "health_reason": "joining: loading the current version",
                         "version": self.sync.version, "routing": "drained",
-                        "routing_reason": None, "in_flight": 0, "member": "joining"}
+                        "routing_reason": None, "in_flight": 0, "member": "joining",
+                        **node_columns(None), **self._synced(None)}
                        for engine_id in sorted(self.joining)]
+
+    def _synced(self, engine: Engine | None) -> dict[str, Any]:
+        """What weight syncs moved to ``engine`` (``WeightSync.moved``): its transport, and
+        of its last load the version, kind, bytes and dtype; its bytes and loads in total."""
+        moved = None if engine is None else self.sync.moved.get(engine.engine_id)
+        last = moved.last if moved is not None else None
+        return {"transport": None if engine is None else transport_of(engine),
+                "sync_version": last and last.version, "sync_kind": last and last.kind,
+                "sync_bytes_last": last.num_bytes if last else 0,
+                "sync_dtype": last and last.dtype,
+                "sync_bytes_total": moved.total_bytes if moved else 0,
+                "syncs": moved.loads if moved else 0}
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The engine table by node (``runtime/nodes.py``'s :func:`nodes_view`)."""
+        return nodes_view(self.table())
 
 
 async def _close(engine: Engine) -> None:

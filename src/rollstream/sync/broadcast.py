@@ -110,6 +110,8 @@ class Broadcast:
     """:class:`~rollstream.sync.protocol.Transport` over one gloo group of this process and
     the live engine actors (module docstring)."""
 
+    name = "broadcast"
+
     def __init__(self, bucket_bytes: int, timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """``timeout_s``: how long a rendezvous or one bucket's broadcast waits for every
         member (a member that died mid-round stalls that round this long)."""

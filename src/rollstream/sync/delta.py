@@ -34,7 +34,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollstream.sync.protocol import Destination, Header, Payload, Transport
+from rollstream.sync.protocol import (
+    Destination,
+    Header,
+    Payload,
+    SyncRecord,
+    Transport,
+    payload_bytes,
+)
+
+__all__ = ["DeltaSync", "SyncRecord", "apply", "encode", "payload_bytes", "receive"]
 
 if TYPE_CHECKING:
     import torch
@@ -43,24 +52,6 @@ log = logging.getLogger(__name__)
 IDX, VAL = ".@idx", ".@val"  # suffixes of a sparse tensor's indices and values
 MAX_CHANGED = 0.5  # above this share of changed elements a version goes full
 TOTAL_KEYS = ("weight_loads_full", "weight_loads_delta", "weight_bytes")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SyncRecord:
-    """One payload sent to one engine."""
-
-    version: int
-    engine_id: str
-    transport: str  # "object_store", "broadcast", "shared_memory"
-    kind: str  # "full" or "delta"
-    num_bytes: int  # the payload's tensor bytes
-    dtype: str  # the engine dtype the values are in
-    full_bytes: int  # what the full version is, in that dtype
-    seconds: float
-
-
-def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +152,7 @@ class DeltaSync:
         self.inner, self.dtype, self.name = inner, dtype, name
         self.held: dict[str, int] = {}  # engine id -> the version it installed from here
         self.records: deque[SyncRecord] = deque(maxlen=1024)  # the latest sends (bounded)
+        self.last: dict[str, SyncRecord] = {}  # engine id -> its latest send
         self._totals: dict[str, dict[str, float]] = {}  # engine id -> totals() of it
         self._current: _Version | None = None
 
@@ -203,6 +195,7 @@ class DeltaSync:
                             full_bytes=payload_bytes(full.tensors),
                             seconds=time.perf_counter() - t0)
         self.records.append(record)
+        self.last[to.engine_id] = record
         totals = self._totals.setdefault(to.engine_id, dict.fromkeys(TOTAL_KEYS, 0.0))
         totals[f"weight_loads_{record.kind}"] += 1
         totals["weight_bytes"] += record.num_bytes

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 class ObjectStore:
     """:class:`~rollstream.sync.protocol.Transport` through the object store."""
 
+    name = "object_store"
+
     def __init__(self) -> None:
         self._tensors: Mapping[str, torch.Tensor] | None = None  # held: `is` stays valid
         self._ref: Any = None

@@ -109,6 +109,38 @@ class Destination:
     actor: Any  # a Ray actor handle
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncRecord:
+    """One payload sent to one engine: what a weight sync moved to it."""
+
+    version: int
+    engine_id: str
+    transport: str  # a Transport's name, or IN_PROCESS (weights.py)
+    kind: str  # "full", "delta" or "adapter"
+    num_bytes: int  # the payload's tensor bytes
+    dtype: str  # the dtype the values are in (several joined by "+")
+    full_bytes: int  # what the full version is, in that dtype
+    seconds: float
+
+    @classmethod
+    def of(cls, version: int, engine_id: str, transport: str,
+           tensors: Mapping[str, torch.Tensor], seconds: float) -> SyncRecord:
+        """A record of ``tensors`` moved as they are (no delta, no cast)."""
+        num_bytes = payload_bytes(tensors)
+        return cls(version=version, engine_id=engine_id, transport=transport,
+                   kind="adapter" if is_adapter(tensors) else "full", num_bytes=num_bytes,
+                   dtype=dtype_name(tensors), full_bytes=num_bytes, seconds=seconds)
+
+
+def payload_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def dtype_name(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The tensors' dtype without its module ("float32"); several joined by "+"."""
+    return "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}))
+
+
 class Delivery(Protocol):
     """What a transport hands a destination for one payload: the payload itself (object
     store), a broadcast round's bucket plan, a shared-memory folder. The destination calls
@@ -124,6 +156,8 @@ class Transport(Protocol):
     """Carries payloads from this process to destinations. Sends of one payload's tensors
     (the same mapping: weight sync hands every engine the same one) to several destinations
     form one round, so a version travels once for all of them; rounds never overlap."""
+
+    name: str  # as ``runtime.ray.weight_sync`` names it: the dashboard's and the log's word
 
     async def send(self, payload: Payload, to: Destination) -> None:
         """Install ``payload`` at ``to`` (raises the destination's errors)."""

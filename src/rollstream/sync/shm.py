@@ -155,6 +155,8 @@ class SharedMemory:
     """:class:`~rollstream.sync.protocol.Transport`: each version written once under
     /dev/shm, read by every destination (module docstring)."""
 
+    name = "shared_memory"
+
     def __init__(self, bucket_bytes: int) -> None:
         self.store = WeightStore(root=SHM_ROOT / "rollstream-ray"
                                  / f"{os.getpid()}-{uuid.uuid4().hex[:8]}",

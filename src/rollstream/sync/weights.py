@@ -28,7 +28,11 @@ Payload kinds: the tensors are a whole state dict, or a LoRA adapter alone (the 
 kind of ``protocol.py``, told apart by its names; a LoRA trainer publishes only its adapter):
 the engine merges an adapter onto its base weights, so version ``v`` serves adapter ``v``.
 :attr:`WeightSync.header` describes the version the engines serve and :attr:`num_bytes` what
-one engine was handed for it (the run's ``sync_bytes`` metric).
+one engine was handed for it (the run's ``sync_bytes`` metric). What each load moved to each
+engine (:attr:`WeightSync.moved`: transport, kind, bytes and dtype of its last load, and its
+totals; the dashboard's engine table and nodes view) is the engine's own account where its
+weights travel over a transport (:class:`ReportsSync`: a delta, a cast to the engine's dtype),
+else the tensors as handed over, :data:`IN_PROCESS`.
 
 WeightSync talks to the engines and to a small :class:`Gate` (pause / resume / wait until
 idle, which the dispatcher implements); it knows nothing else of the rollout. DEAD engines
@@ -40,17 +44,47 @@ same lock as the loads: a revived engine never serves a version the others have 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rollstream.clock import Clock, WallClock
 from rollstream.config.schema import OnUpdate
 from rollstream.engine.protocol import Engine, Joins, Restartable
 from rollstream.engine.states import EngineHealth
-from rollstream.sync.protocol import Header, is_adapter
+from rollstream.sync.protocol import Header, SyncRecord, is_adapter
 
 if TYPE_CHECKING:
     import torch
+
+IN_PROCESS = "in_process"  # an engine handed the tensors in this process (the embedded one)
+
+
+@runtime_checkable
+class ReportsSync(Protocol):
+    """An engine whose weights travel over a transport (engine actors, vLLM servers)."""
+
+    weight_transport: str  # the transport's name (``Transport.name``)
+
+    def last_sync(self) -> SyncRecord | None:
+        """What its last load moved when the transport changed the tensors (a delta, a
+        cast to the engine's dtype); None: the tensors as handed over."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Moved:
+    """What weight loads moved to one engine: its last load, and the totals so far."""
+
+    last: SyncRecord
+    total_bytes: int = 0
+    loads: int = 0
+
+
+def transport_of(engine: Engine) -> str:
+    """The name of the transport that carries ``engine``'s weights."""
+    return engine.weight_transport if isinstance(engine, ReportsSync) else IN_PROCESS
+
 
 class Gate(Protocol):
     """What weight sync needs of the dispatcher."""
@@ -90,6 +124,8 @@ class WeightSync:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.moved: dict[str, Moved] = {}  # engine id -> what its loads moved
+        self._plain: SyncRecord | None = None  # the last version's tensors, as handed over
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self._pending = (version, {k: v.detach().clone() for k, v in tensors.items()})
@@ -158,7 +194,9 @@ class WeightSync:
         load = engine.load_alone if isinstance(engine, Joins) else engine.load_weights
         async with self._lock:
             if self._tensors is not None:
+                t0 = time.perf_counter()
                 await load(self.version, self._tensors)
+                self._record(engine, self.version, self._tensors, t0)
             join(engine)
 
     async def release(self, engine: Engine, leave: Callable[[Engine], None]) -> None:
@@ -170,15 +208,35 @@ class WeightSync:
     async def revive(self, engine: Restartable) -> None:
         """Restart ``engine`` (its loop died) at the version the other engines serve."""
         async with self._lock:
+            t0 = time.perf_counter()
             await engine.restart(self.version, self._tensors)
+            if self._tensors is not None and isinstance(engine, Engine):
+                self._record(engine, self.version, self._tensors, t0)
 
-    @staticmethod
-    async def _load(engine: Engine, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def _load(self, engine: Engine, version: int,
+                    tensors: Mapping[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         try:
             await engine.load_weights(version, tensors)
         except Exception:
             if _serves(engine):
                 raise  # a live engine that cannot load weights is a bug, not a fault
+            return
+        self._record(engine, version, tensors, t0)
+
+    def _record(self, engine: Engine, version: int, tensors: Mapping[str, torch.Tensor],
+                t0: float) -> None:
+        """Note what ``engine``'s load of ``version`` moved (:attr:`moved`)."""
+        rec = engine.last_sync() if isinstance(engine, ReportsSync) else None
+        if rec is None or rec.version != version:
+            plain = self._plain  # the tensors' bytes and dtype, counted once per version
+            if plain is None or plain.version != version:
+                plain = self._plain = SyncRecord.of(version, "", IN_PROCESS, tensors, 0.0)
+            rec = replace(plain, engine_id=engine.engine_id, transport=transport_of(engine),
+                          seconds=time.perf_counter() - t0)
+        moved = self.moved.setdefault(engine.engine_id, Moved(last=rec))
+        moved.last, moved.total_bytes, moved.loads = \
+            rec, moved.total_bytes + rec.num_bytes, moved.loads + 1
 
 
 def _serves(engine: Engine) -> bool:

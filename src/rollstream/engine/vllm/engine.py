@@ -95,7 +95,10 @@ class _Inflight:
 
 
 class VllmEngine:
-    """Implements :class:`rollstream.engine.protocol.Engine` and ``Closeable``."""
+    """Implements :class:`rollstream.engine.protocol.Engine`, ``Closeable`` and weight
+    sync's ``ReportsSync`` (its weights reach the server through shared memory, as given)."""
+
+    weight_transport = "shared_memory"
 
     def __init__(self, server: ServerProcess, *, engine_id: str, version: int,
                  checkpoint: CheckpointSpec, store: WeightStore, capacity: int,
@@ -161,6 +164,9 @@ class VllmEngine:
                            num_running=running, num_waiting=submitted + len(inflight) - running,
                            capacity=self._capacity, generated_tokens=self._generated_tokens,
                            busy_s=busy, health=health, health_reason=why)
+
+    def last_sync(self) -> None:
+        """``ReportsSync``: the server reloads the tensors as they were handed over."""
 
     @property
     def num_restarts(self) -> int:

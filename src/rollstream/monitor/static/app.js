@@ -75,6 +75,7 @@
     S.summary = p.summary !== undefined ? p.summary : S.summary;
     S.tiles = p.tiles || S.tiles;
     S.engines = p.engines || null;  // a live run's engines now (none in a report)
+    S.nodes = p.nodes || null;  // the same engines by node
     S.numBad = p.num_bad_lines || 0;
   }
   function series(kind, name) {
@@ -293,8 +294,22 @@
   function drawEngines() {
     $("engines-card").hidden = !S.engines;
     if (!S.engines) return;
-    $("engines").innerHTML = table(["engine", "member", "health", "routing", "version", "in flight"],
-      S.engines.map((e) => [e.engine_id, e.member, e.health, e.routing, e.version, e.in_flight]));
+    $("engines").innerHTML = table(["engine", "member", "health", "routing", "version", "in flight", "node"],
+      S.engines.map((e) => [e.engine_id, e.member, e.health, e.routing, e.version, e.in_flight,
+        e.node_id === null ? "–" : e.node_id.slice(0, 8)]));
+  }
+  function mb(n) { return (n / 1e6).toFixed(n >= 1e7 ? 1 : 3) + " MB"; }
+  function drawCluster() {
+    $("cluster-card").hidden = !S.nodes;
+    if (!S.nodes) return;
+    $("cluster").innerHTML = table(["node", "address", "host", "engines", "transport", "dtype",
+      "last sync", "bytes last sync", "bytes in total"],
+      S.nodes.map((n) => [n.node_id === null ? "(joining)" : n.node_id, n.address || "–",
+        n.hostname || "–",
+        n.engines.map((e) => `${e.engine_id} ${e.member} ${e.health}/${e.routing} v${e.version}`).join("; "),
+        n.transports.join(", ") || "–", n.dtypes.join(", ") || "–",
+        n.sync_version === null ? "–" : "v" + n.sync_version, mb(n.sync_bytes_last),
+        mb(n.sync_bytes_total)]));
   }
   function drawLedger() {
     const L = S.ledger, el = $("ledger");
@@ -419,6 +434,7 @@
     drawMetric();
     drawTimeline();
     drawEngines();
+    drawCluster();
     drawLedger();
     drawSummary();
     $("config").textContent = S.config || "(config.yaml not found)";

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine.protocol import EngineStats, FinishReason, GenerateRequest
+from rollstream.runtime.nodes import Node, this_node
 from rollstream.runtime.ray.dataplane import (
     GenerateCall,
     GenerateReply,
@@ -94,6 +95,10 @@ class EngineActor:
         checks of weight sync while no load is pending (the local engine keeps its weights
         to itself; its module is at its size budget)."""
         return {k: v.clone() for k, v in self.engine._weights.hf_views.items()}
+
+    async def node(self) -> Node:
+        """The node this actor runs on, as Ray reports it."""
+        return this_node()
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()

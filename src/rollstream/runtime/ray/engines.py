@@ -59,11 +59,15 @@ from rollstream.engine.protocol import (
     GenerateRequest,
 )
 from rollstream.engine.states import EngineHealth
+from rollstream.runtime.nodes import Node
 from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
 from rollstream.runtime.ray.engine_actor import spawn_actor
+from rollstream.runtime.ray.errors import actor_errors as _actor_errors
+from rollstream.runtime.ray.errors import lost_errors as _lost_errors
+from rollstream.runtime.ray.errors import task_errors as _task_errors
 from rollstream.runtime.ray.peeks import STREAM_PEEK_S, Peeked
 from rollstream.runtime.ray.wire import WireMeter
-from rollstream.sync.protocol import Destination, Payload
+from rollstream.sync.protocol import Destination, Payload, SyncRecord
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +91,8 @@ class RayEngine:
         """``actor``: one ``spawn(version)`` made already (None: spawn it now); ``episodes``:
         the mirror of its actor's histories (None: one of the default size, holders of its
         own); ``out_of_band_bytes``: prompts above it go by reference (as the actor's)."""
+        import ray
+
         self.engine_id = engine_id
         self._spawn, self._weights, self._max_restarts = spawn, weights, max_restarts
         self.num_restarts, self._version, self._closed = 0, version, False
@@ -103,10 +109,14 @@ class RayEngine:
         self._peek_at = 0.0
         self._stream_polls: asyncio.Task | None = None
         self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
+        self.weight_transport = weights.name  # ``ReportsSync``: runtime.ray.weight_sync's
         self.actor = actor if actor is not None else spawn(version)
         self._pending: Any = self.actor.stats.remote()
+        node = self.actor.node.remote()  # where Ray placed it (``Placed``)
+        self.wire.call()
         self.wire.call()
         self._last = self._read(self._pending, wait=True)
+        self._node: Node = ray.get(node)
         self._pending = None
 
     # ---- the engine protocol -------------------------------------------------------------
@@ -227,6 +237,17 @@ class RayEngine:
         self._poll()
         return None if self._death is not None or self._closed else self.actor
 
+    def last_sync(self) -> SyncRecord | None:
+        """``ReportsSync``: the delta sync's record of the last load (None: sent as given)."""
+        from rollstream.sync.delta import DeltaSync
+
+        weights = self._weights
+        return weights.last.get(self.engine_id) if isinstance(weights, DeltaSync) else None
+
+    def node(self) -> Node:
+        """``Placed``: the node its actor runs on (asked when it was spawned)."""
+        return self._node
+
     def _sync_totals(self) -> dict[str, float]:
         """Weight loads by kind and their bytes, when the transport sends deltas."""
         from rollstream.sync.delta import DeltaSync
@@ -257,7 +278,7 @@ class RayEngine:
             if tensors is not None:
                 await self._weights.revive(Payload.full(version, tensors),
                                            Destination(engine_id=self.engine_id, actor=actor))
-            self._last = await actor.stats.remote()
+            self._last, self._node = await actor.stats.remote(), await actor.node.remote()
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
@@ -405,28 +426,6 @@ class _Totals:
         self.tokens += max(st.generated_tokens, delivered)
         self.busy_s += st.busy_s
         self.work = {k: self.work.get(k, 0.0) + v for k, v in st.work.items()}
-
-
-def _actor_errors() -> tuple[type[BaseException], ...]:
-    """The errors of a call whose actor died or is unreachable (ActorDiedError and
-    ActorUnavailableError are RayActorErrors)."""
-    from ray.exceptions import RayActorError
-
-    return (RayActorError,)
-
-
-def _task_errors() -> tuple[type[BaseException], ...]:
-    """The errors of a call that raised inside a live actor."""
-    from ray.exceptions import RayTaskError
-
-    return (RayTaskError,)
-
-
-def _lost_errors() -> tuple[type[BaseException], ...]:
-    """The errors of fetching an object whose owner (the actor that sent it) died."""
-    from ray.exceptions import ObjectLostError
-
-    return (ObjectLostError,)
 
 
 def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -> GenerateOutput:

@@ -28,4 +28,4 @@ def build_transport(cfg: RayConfig, dtype: str) -> Transport:
             inner = SharedMemory(cfg.bucket_bytes)
         case _:
             raise AssertionError(cfg.weight_sync)  # the config allows nothing else
-    return DeltaSync(inner, dtype=dtype, name=cfg.weight_sync) if cfg.delta else inner
+    return DeltaSync(inner, dtype=dtype, name=inner.name) if cfg.delta else inner
