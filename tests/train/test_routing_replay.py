@@ -167,3 +167,5 @@ def test_replay_is_refused_where_it_cannot_work(tiny_model_path: Path, tmp_path:
         with pytest.raises(ValueError, match=f"not supported with {field}"):
             load_config(None, [*moe, extra])
     assert load_config(None, moe).train.routing_replay == "replay"
+    ray = load_config(None, [*moe, "runtime.kind=ray"])  # engine actors send routing back
+    assert ray.train.routing_replay == "replay" and ray.runtime.kind == "ray"

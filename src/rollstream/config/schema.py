@@ -272,7 +272,7 @@ class RunConfig(Section):
                 "train.router_aux_loss_coef > 0 needs a mixture-of-experts model: "
                 f"model.tiny.arch is {self.model.tiny.arch!r} (qwen2_moe has experts)")
         check_routing_replay(self.train, engine_kind=self.engine.kind,
-                             runtime_kind=self.runtime.kind, lora=self.model.lora is not None,
+                             lora=self.model.lora is not None,
                              experts=None if self.model.path else self.model.tiny.arch)
         tiny, vllm = self.model.tiny, self.engine.vllm
         if self.model.path is None and self.engine.kind == "vllm" and \

@@ -211,7 +211,7 @@ def flat_only(t: TrainConfig) -> str | None:
     return None
 
 
-def check_routing_replay(t: TrainConfig, *, engine_kind: str, runtime_kind: str, lora: bool,
+def check_routing_replay(t: TrainConfig, *, engine_kind: str, lora: bool,
                          experts: str | None) -> None:
     """``train.routing_replay: replay`` against what cannot record or replay routing
     (``experts``: the tiny model's arch, None for a model folder, which the trainer checks)."""
@@ -223,8 +223,6 @@ def check_routing_replay(t: TrainConfig, *, engine_kind: str, runtime_kind: str,
     for name, value, why in (
             ("engine.kind", engine_kind if engine_kind == "vllm" else None,
              "rollstream's vLLM client does not read routed experts"),
-            ("runtime.kind", runtime_kind if runtime_kind == "ray" else None,
-             "engine actors do not return routed experts"),
             ("train.compile", "true" if t.compile else None,
              "the replaying router hook is not compiled"),
             ("model.lora", "set" if lora else None,

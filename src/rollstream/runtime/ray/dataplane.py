@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollstream.engine.protocol import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from rollstream.trajectory import Routing
 
 _STAMPS = itertools.count(1)  # histories' stamps: unique among this process's proxies
 
@@ -49,15 +50,19 @@ _STAMPS = itertools.count(1)  # histories' stamps: unique among this process's p
 class Tokens:
     """Token ids (int32), their logprobs (float32 where that is exact, else float64) and their
     versions as (version, count) runs (int64): 8 bytes a token plus the runs, where the
-    pickled lists cost ~15."""
+    pickled lists cost ~15. A reply's also carries a mixture-of-experts model's routing
+    (``GenerateOutput.routing``: bytes already, of the whole prompt + output), so that it
+    travels with the tokens, out of band when they do."""
 
     ids: bytes
     logprobs: bytes
     runs: bytes
+    routing: Routing | None = None
 
     @property
     def nbytes(self) -> int:
-        return len(self.ids) + len(self.logprobs) + len(self.runs)
+        routed = 0 if self.routing is None else len(self.routing.experts)
+        return len(self.ids) + len(self.logprobs) + len(self.runs) + routed
 
     def unpack(self) -> tuple[list[int], list[float], list[int]]:
         ids = array("i", self.ids).tolist()
@@ -67,7 +72,8 @@ class Tokens:
         return ids, lps, versions
 
 
-def pack(token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> Tokens:
+def pack(token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+         routing: Routing | None = None) -> Tokens:
     single = array("f", logprobs)
     lps = single if single.tolist() == list(logprobs) else array("d", logprobs)
     runs: list[int] = []
@@ -77,7 +83,7 @@ def pack(token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence
         else:
             runs += [v, 1]
     return Tokens(ids=array("i", token_ids).tobytes(), logprobs=lps.tobytes(),
-                  runs=array("q", runs).tobytes())
+                  runs=array("q", runs).tobytes(), routing=routing)
 
 
 def pack_ids(token_ids: Sequence[int]) -> bytes:
@@ -144,7 +150,7 @@ def output(request_id: str, reply: GenerateReply, tokens: Tokens) -> GenerateOut
     ids, lps, versions = tokens.unpack()
     return GenerateOutput(request_id=request_id, token_ids=ids, logprobs=lps,
                           versions=versions, finish_reason=reply.finish_reason,
-                          error=reply.error)
+                          error=reply.error, routing=tokens.routing)
 
 
 # ---- the actor's side -------------------------------------------------------------------

@@ -56,7 +56,7 @@ class EngineActor:
                                                          prompt_ids=ids, params=call.params))
         if out.finish_reason is not FinishReason.ERROR:
             self._histories.keep(call.stamp, ids + out.token_ids)
-        tokens = pack(out.token_ids, out.logprobs, out.versions)
+        tokens = pack(out.token_ids, out.logprobs, out.versions, out.routing)
         return GenerateReply(out.finish_reason, out.error,
                              offload(tokens, self._out_of_band_bytes))
 
