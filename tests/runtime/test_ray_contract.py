@@ -28,7 +28,9 @@ async def test_an_engine_actor_returns_the_routing_of_every_token(
         request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_moe_dir: Path) -> None:  # noqa: F811
     """Routing replay on Ray: a mixture-of-experts model's engine actor returns the experts
     every token of prompt + output was routed to, as the local engine does on its own, also
-    for an episode's next turn sent as the tokens added to the history the actor keeps."""
+    for an episode's next turn sent as the tokens added to the history the actor keeps. And
+    the actor's engine keeps the episode's turn in its prefix cache as the local one does:
+    the next turn prefills only what follows the first turn's whole blocks."""
     from rollstream.config.schema import LocalEngineConfig
     from rollstream.engine import GenerateRequest, SamplingParams
     from rollstream.engine.local import LocalEngine
@@ -44,15 +46,18 @@ async def test_an_engine_actor_returns_the_routing_of_every_token(
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
     try:
         first = [5, 17, 33, 2, 60]
-        turns = []
-        for engine in (actor, local):
+        turns, hits = [], []
+        for engine, stats in ((actor, actor.actor.stats.remote), (local, local.stats)):
             a = await engine.generate(GenerateRequest(request_id="t1", prompt_ids=first,
                                                       params=greedy, episode_id="e"))
             second = [*first, *a.token_ids, 9, 40, 41]
             b = await engine.generate(GenerateRequest(request_id="t2", prompt_ids=second,
                                                       params=greedy, episode_id="e"))
             turns.append((a, b))
+            work = stats()
+            hits.append((await work if engine is actor else work).work["prefix_hit_tokens"])
         assert actor.wire.reused_tokens > 0, "the second turn extended the actor's history"
+        assert hits[0] == hits[1] >= 16, hits  # the first turn's whole block, kept
     finally:
         await actor.close()
         await local.close()

@@ -27,7 +27,10 @@ call for it starts (a call in flight holds none), keep a new one only when a cal
 and evict the oldest past ``runtime.ray.episode_cache_tokens``; the actor also drops the
 stamps the proxy tells it (episodes that ended or moved to another engine) with its next
 call. So the actor never builds a prompt from a history other than the one the driver
-compared against, and a history it lacks costs one more call, never a wrong prompt.
+compared against, and a history it lacks costs one more call, never a wrong prompt. The
+call also names its episode, so that the actor's engine keeps the turn's keys and values in
+its prefix cache as the embedded engine does, and the episodes that ended or moved away, so
+that it demotes theirs (``end_episode``).
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ class GenerateCall:
     base: int  # the stamp of the history the tokens extend; 0: they are the whole prompt
     stamp: int  # keep prompt + output under this stamp; 0: keep nothing
     forget: tuple[int, ...] = ()  # stamps the actor may drop
+    episode_id: str | None = None  # the request's: its engine keeps the turn's cache for it
+    ended: tuple[str, ...] = ()  # episodes this actor's engine serves no more (end_episode)
 
 
 @dataclass(slots=True, frozen=True)
@@ -221,6 +226,7 @@ class Episodes:
         self._holders = holders if holders is not None else {}
         self._kept: OrderedDict[str, tuple[int, array]] = OrderedDict()
         self._forget: list[int] = []  # stamps to tell the actor with the next call
+        self._ended: list[str] = []  # episodes whose cached turns its engine may demote
 
     def sharing(self) -> Episodes:
         """An empty mirror of the same size for another proxy of the run, sharing ``holders``."""
@@ -247,7 +253,9 @@ class Episodes:
                 else:
                     self._forget.append(old)
         forget, self._forget = tuple(self._forget), []
-        return GenerateCall(request.request_id, request.params, base, stamp, forget), ids
+        ended, self._ended = tuple(self._ended), []
+        return GenerateCall(request.request_id, request.params, base, stamp, forget,
+                            eid, ended), ids
 
     def done(self, request: GenerateRequest, call: GenerateCall,
              out: GenerateOutput | None) -> None:
@@ -273,14 +281,16 @@ class Episodes:
 
     def end(self, episode_id: str) -> None:
         """The episode sends no more requests: the actor that holds it (this proxy's or
-        another's) may forget it."""
+        another's) may forget it, and the engines that served it demote its cached turns."""
         holder = self._holders.pop(episode_id, None)
         self._release(episode_id)
         if holder is not None and holder is not self:
             holder._release(episode_id)
 
     def _release(self, episode_id: str) -> None:
-        """Drop the episode's mirror; its actor drops its history with the next call."""
+        """Drop the episode's mirror; its actor drops its history, and its engine demotes the
+        episode's cached turns, with the next call."""
+        self._ended.append(episode_id)
         held = self._drop(episode_id)
         if held is not None:
             self._forget.append(held[0])
@@ -292,6 +302,7 @@ class Episodes:
                 del self._holders[eid]
         self._kept.clear()
         self._forget.clear()
+        self._ended.clear()
         self.num_tokens = 0
 
     def _evict(self) -> int:

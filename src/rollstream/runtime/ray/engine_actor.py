@@ -49,11 +49,14 @@ class EngineActor:
     async def generate(self, call: GenerateCall, prompt: bytes) -> GenerateReply | None:
         """One request: ``prompt`` (packed ids; Ray fetched them if they came by reference)
         after the history ``call.base``. None: this actor does not hold that history."""
+        for episode_id in call.ended:
+            self.engine.end_episode(episode_id)
         ids = self._histories.prompt(call, unpack_ids(prompt))
         if ids is None:
             return None
-        out = await self.engine.generate(GenerateRequest(request_id=call.request_id,
-                                                         prompt_ids=ids, params=call.params))
+        out = await self.engine.generate(GenerateRequest(
+            request_id=call.request_id, prompt_ids=ids, params=call.params,
+            episode_id=call.episode_id))
         if out.finish_reason is not FinishReason.ERROR:
             self._histories.keep(call.stamp, ids + out.token_ids)
         tokens = pack(out.token_ids, out.logprobs, out.versions, out.routing)
