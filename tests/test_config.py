@@ -277,8 +277,8 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
     (["runtime.kind=ray", "runtime.ray.weight_sync=nccl"],
      "runtime.ray.weight_sync"),
     (["runtime.kind=ray", "runtime.ray.bucket_bytes=1048576"],
-     "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast or "
-     "shared_memory (it is object_store)"),
+     "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast, "
+     "shared_memory or auto (it is object_store)"),
     (["runtime.kind=ray", "runtime.ray.weight_sync=broadcast", "runtime.ray.bucket_bytes=1000"],
      "runtime.ray.bucket_bytes"),
     (["runtime.kind=ray", "runtime.ray.weight_sync=shared_memory",

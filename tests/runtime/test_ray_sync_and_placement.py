@@ -364,3 +364,44 @@ def test_a_delta_crosses_each_path_into_the_full_versions_bits(actors, path):
     for state in served:
         for name, t in v3.items():
             assert torch.equal(state[name].view(torch.int32), t.view(torch.int32)), name
+
+
+def test_auto_gives_each_actor_the_transport_of_its_node(actors):
+    """``weight_sync: auto`` (``sync/per_node.py``): actors on the driver's node read each
+    version from shared memory, actors on another node get it through the object store and
+    nothing is written to shared memory for them; each proxy reports the transport of its
+    actor's node, and the delta sync's records name it. The module's actors run on this one
+    node, so the other-node case is the same actors seen by a transport whose own node is
+    another one (the choice is the destination's node id against the transport's)."""
+    from rollstream.config.runtime import RayConfig
+    from rollstream.runtime.nodes import this_node
+    from rollstream.runtime.ray.engines import RayEngine
+    from rollstream.runtime.ray.transport import build_transport
+    from rollstream.sync.per_node import PerNode
+
+    model, owners = actors
+    here = this_node().node_id
+    tensors = _perturbed(model, 11)
+    for node, want in ((here, "shared_memory"), ("f" * len(here), "object_store")):
+        sync = build_transport(RayConfig(weight_sync="auto"), "float32")
+        per_node = sync.inner
+        assert isinstance(per_node, PerNode) and per_node.here == here
+        per_node.here = node  # as a transport on that node would see these actors
+        engines = [RayEngine(engine_id=o.engine_id, spawn=o._spawn, weights=sync, version=0,
+                             max_restarts=0, actor=o.actor) for o in owners]
+
+        async def main(engines=engines) -> list[dict[str, torch.Tensor]]:
+            await asyncio.gather(*(e.load_weights(201, tensors) for e in engines))
+            return [await e.actor.state_dict.remote() for e in engines]
+
+        try:
+            served = asyncio.run(main())
+            written = per_node.near.store.latest
+            assert [e.weight_transport for e in engines] == [want] * 2
+            assert {r.transport for r in sync.records} == {want}
+            assert (written is not None) == (want == "shared_memory"), written
+            for state in served:
+                assert all(torch.equal(state[k], t) for k, t in tensors.items())
+        finally:
+            sync.close()
+        assert not per_node.near.store.root.exists()

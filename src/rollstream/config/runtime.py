@@ -99,12 +99,14 @@ class RayConfig(Section):
     worker actor (``agent.harness_workers``) reserves. 0: none; they mostly wait, and a
     reservation would take CPUs the engine actors are placed by. Set it on a cluster to have
     Ray spread CPU-heavy rewards by their CPUs."""
-    weight_sync: Literal["object_store", "broadcast", "shared_memory"] = "object_store"
+    weight_sync: Literal["object_store", "broadcast", "shared_memory", "auto"] = "object_store"
     """How new weights reach the engine actors: ``object_store`` (one ``ray.put`` per version,
     a reference per actor), ``broadcast`` (a gloo process group of the driver and the actors,
     the weights in buckets of ``bucket_bytes``), ``shared_memory`` (written once under
     /dev/shm in buckets, read by each actor; actors on this host only, so not with
-    ``address``). A revived actor gets the current version through the object store."""
+    ``address``), ``auto`` (by each actor's node: shared memory to those on the driver's
+    node, the object store to the others; the dashboard names each engine's). A revived
+    actor gets the current version through the object store."""
     delta: bool = True
     """True: an engine actor that holds the previous version gets only what changed, in
     its dtype (``engine.local.dtype``): the changed elements' indices and values, or whole
@@ -133,8 +135,9 @@ class RayConfig(Section):
     their reference (shared memory on one host, Ray's object transfer across hosts); smaller
     ones ride the call. 0: every payload out of band."""
     bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1 << 20)
-    """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (a larger tensor goes
-    alone); bounds the extra memory of a sync to about one bucket per process."""
+    """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (and ``auto``'s shared
+    memory; a larger tensor goes alone); bounds the extra memory of a sync to about one bucket
+    per process."""
     nodes: RayNodesConfig = RayNodesConfig()
     """Which of a cluster's nodes each role (engines, fsdp ranks, reward workers) goes to,
     each named by a custom resource those nodes were started with (``ray start --resources
@@ -161,8 +164,8 @@ class RayConfig(Section):
                 "or object_store there")
         if self.weight_sync == "object_store" and self.bucket_bytes != DEFAULT_BUCKET_BYTES:
             raise ValueError(
-                "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast "
-                "or shared_memory (it is object_store): set one or drop bucket_bytes")
+                "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast, "
+                "shared_memory or auto (it is object_store): set one or drop bucket_bytes")
         return self
 
 

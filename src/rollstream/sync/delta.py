@@ -189,8 +189,10 @@ class DeltaSync:
         t0 = time.perf_counter()
         await (self.inner.revive if revive else self.inner.send)(payload, to)
         self.held[to.engine_id] = payload.version
+        name_for = getattr(self.inner, "name_for", None)  # per destination (auto)
         record = SyncRecord(version=payload.version, engine_id=to.engine_id,
-                            transport=self.name, kind=payload.header.kind,
+                            transport=self.name if name_for is None else name_for(to),
+                            kind=payload.header.kind,
                             num_bytes=payload_bytes(payload.tensors), dtype=self.dtype,
                             full_bytes=payload_bytes(full.tensors),
                             seconds=time.perf_counter() - t0)

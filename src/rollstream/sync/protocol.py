@@ -107,6 +107,7 @@ class Destination:
 
     engine_id: str
     actor: Any  # a Ray actor handle
+    node_id: str | None = None  # Ray's id of the node the actor runs on (None: not known)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,9 +8,8 @@ over it.
       (dataplane.py: the tokens an episode added since its last call, packed; a payload
        above runtime.ray.out_of_band_bytes by reference through the object store, both ways)
     RayEngine.interrupt ------ actor.interrupt.remote --> LocalEngine.interrupt
-    RayEngine.load_weights --- the run's weight transport (sync/): one ray.put per
-                               version, a gloo broadcast in buckets, or shared memory,
-                               to actor.install
+    RayEngine.load_weights --- the run's weight transport (sync/; by node with auto) --->
+                               actor.install
     RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
                                (and every PEEK_S one actor.peek.remote: the partial tokens
                                sampled since the last peek; what streamed requests hear)
@@ -18,10 +17,9 @@ over it.
      in stats().work)
 
 Everything the protocol promises (token-boundary interrupts, per-token versions, partial
-tokens on abort, bad requests failing alone) is the local engine's, unchanged: the proxy only
-awaits the actor's ObjectRefs. ``stats()`` is synchronous in the protocol, so it never waits
-on the actor: it answers from the last reply (requests in flight are counted on this side,
-so a request is visible the moment it is sent) and asks for a fresh one.
+tokens on abort, bad requests failing alone) is the local engine's, unchanged. ``stats()``
+never waits on the actor: it answers from the last reply (requests in flight counted on this
+side) and asks for a fresh one.
 
 Faults. An actor that dies (its process was killed, or its node left) makes the proxy DEAD
 for that actor: in-flight calls return ABORT with ``error`` naming the engine and the cause
@@ -36,9 +34,8 @@ call (``rollout/breaker.py``). While restarts are left (``engine.local.max_resta
 proxy is RECOVERING and :meth:`RayEngine.restart` (the rollout's supervisor, through weight
 sync) replaces the actor with a new one at the current weights; then UP again.
 
-A request with ``on_tokens`` streams through the same peeks, made every ``STREAM_PEEK_S``
-while it is in flight (``peeks.py``).
-"""
+A request with ``on_tokens`` streams through the same peeks, every ``STREAM_PEEK_S``
+(``peeks.py``)."""
 
 from __future__ import annotations
 
@@ -52,12 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
 from rollstream.config.schema import LocalEngineConfig
-from rollstream.engine.protocol import (
-    EngineStats,
-    FinishReason,
-    GenerateOutput,
-    GenerateRequest,
-)
+from rollstream.engine.protocol import EngineStats, FinishReason, GenerateOutput, GenerateRequest
 from rollstream.engine.states import EngineHealth
 from rollstream.runtime.nodes import Node
 from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
@@ -67,14 +59,13 @@ from rollstream.runtime.ray.errors import lost_errors as _lost_errors
 from rollstream.runtime.ray.errors import task_errors as _task_errors
 from rollstream.runtime.ray.peeks import STREAM_PEEK_S, Peeked
 from rollstream.runtime.ray.wire import WireMeter
-from rollstream.sync.protocol import Destination, Payload, SyncRecord
+from rollstream.sync.protocol import Destination, Payload, SyncRecord, Transport
 
 if TYPE_CHECKING:
     import torch
 
     from rollstream.config.schema import RunConfig
     from rollstream.runtime.ray.units import ScaleUnits
-    from rollstream.sync.protocol import Transport
 
 log = logging.getLogger(__name__)
 PEEK_S = 0.2  # how often the driver copies the running requests' tokens while it polls
@@ -109,7 +100,7 @@ class RayEngine:
         self._peek_at = 0.0
         self._stream_polls: asyncio.Task | None = None
         self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
-        self.weight_transport = weights.name  # ``ReportsSync``: runtime.ray.weight_sync's
+        self.weight_transport = weights.name  # ``ReportsSync``: the transport it gets
         self.actor = actor if actor is not None else spawn(version)
         self._pending: Any = self.actor.stats.remote()
         node = self.actor.node.remote()  # where Ray placed it (``Placed``)
@@ -118,6 +109,7 @@ class RayEngine:
         self._last = self._read(self._pending, wait=True)
         self._node: Node = ray.get(node)
         self._pending = None
+        self._placed()
 
     # ---- the engine protocol -------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -208,8 +200,7 @@ class RayEngine:
         if self._death is not None:
             raise RuntimeError(self._death)
         try:
-            await self._weights.send(Payload.full(version, tensors),
-                                     Destination(engine_id=self.engine_id, actor=actor))
+            await self._weights.send(Payload.full(version, tensors), self._destination(actor))
         except (RuntimeError, *_actor_errors()) as e:  # a dead local engine raises RuntimeError
             self._fault(actor, e)
             raise RuntimeError(self._death or f"ray engine {self.engine_id}: {e}") from e
@@ -248,6 +239,14 @@ class RayEngine:
         """``Placed``: the node its actor runs on (asked when it was spawned)."""
         return self._node
 
+    def _destination(self, actor: Any) -> Destination:
+        return Destination(engine_id=self.engine_id, actor=actor, node_id=self._node.node_id)
+
+    def _placed(self) -> None:  # the actor's node is known: its transport (auto picks by node)
+        pick = getattr(getattr(self._weights, "inner", self._weights), "name_for", None)
+        if pick is not None:  # a delta sync's inner transport's, or the transport's own
+            self.weight_transport = pick(self._destination(self.actor))
+
     def _sync_totals(self) -> dict[str, float]:
         """Weight loads by kind and their bytes, when the transport sends deltas."""
         from rollstream.sync.delta import DeltaSync
@@ -275,14 +274,16 @@ class RayEngine:
         self._before.add(self._last, self._delivered_tokens)
         actor = self._spawn(version)
         try:
+            self._node = await actor.node.remote()
             if tensors is not None:
                 await self._weights.revive(Payload.full(version, tensors),
-                                           Destination(engine_id=self.engine_id, actor=actor))
-            self._last, self._node = await actor.stats.remote(), await actor.node.remote()
+                                           self._destination(actor))
+            self._last = await actor.stats.remote()
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
         self.actor, self._pending, self._peek, self._delivered_tokens = actor, None, None, 0
+        self._placed()
         self._peek_entries = None
         self._episodes.reset()  # the new actor holds no history
         self._version, self._death = version, None
@@ -295,8 +296,8 @@ class RayEngine:
         self._episodes.end(episode_id)
 
     async def close(self) -> None:
-        """Close the engine (pending requests return ABORT), end its actor and free the weight
-        transport (the run's proxies share it: the run closes them all, no load follows)."""
+        """Close the engine (pending requests ABORT), end its actor, free the weight transport
+        (shared by the run's proxies: the run closes them all, no load follows)."""
         await self.leave()
         self._weights.close()
 
@@ -320,7 +321,7 @@ class RayEngine:
         if self._death is not None:
             raise RuntimeError(self._death)
         await self._weights.revive(Payload.full(version, tensors),
-                                   Destination(engine_id=self.engine_id, actor=self.actor))
+                                   self._destination(self.actor))
         self._version = version
 
     def sibling(self, engine_id: str, spawn: Callable[[int], Any], version: int) -> RayEngine:

@@ -26,6 +26,12 @@ def build_transport(cfg: RayConfig, dtype: str) -> Transport:
             inner = Broadcast(cfg.bucket_bytes)
         case "shared_memory":
             inner = SharedMemory(cfg.bucket_bytes)
+        case "auto":  # by node: shared memory on this one, the object store to the others
+            from rollstream.runtime.nodes import this_node
+            from rollstream.sync.per_node import PerNode
+
+            inner = PerNode(near=SharedMemory(cfg.bucket_bytes), far=ObjectStore(),
+                            here=this_node().node_id)
         case _:
             raise AssertionError(cfg.weight_sync)  # the config allows nothing else
     return DeltaSync(inner, dtype=dtype, name=inner.name) if cfg.delta else inner
