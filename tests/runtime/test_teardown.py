@@ -13,7 +13,7 @@ import textwrap
 from rollstream.data.ledger import read_ledger
 
 RUN = textwrap.dedent("""
-    import selectors, sys, threading, time
+    import asyncio, faulthandler, selectors, sys, threading, time
     from pathlib import Path
     from rollstream.config import load_config
     from rollstream.runtime.train import run_training
@@ -27,10 +27,19 @@ RUN = textwrap.dedent("""
     select = selectors.EpollSelector.select
 
     def select_or_raise(self, timeout=None):  # where a signal handler's raise lands most:
-        if raise_now.is_set():               # the loop waiting on its selector
-            raise_now.clear()
+        if raise_now.is_set() and threading.current_thread() is threading.main_thread():
+            raise_now.clear()                # the run's loop waiting on its selector
+            loops.append(asyncio.get_event_loop())
             raise Boom("raised into the event loop")
         return select(self, 0.05 if timeout is None else min(timeout, 0.05))
+
+    def tasks_left() -> None:  # what the teardown still waits for, if it hangs
+        for t in asyncio.all_tasks(loops[0]):
+            c, chain = t.get_coro(), []
+            while c is not None and getattr(c, "cr_frame", None) is not None:
+                chain.append(f"{c.cr_code.co_name}:{c.cr_frame.f_lineno}")
+                c = c.cr_await
+            print("task left:", t.get_name(), " > ".join(chain), file=sys.stderr, flush=True)
 
     selectors.EpollSelector.select = select_or_raise
 
@@ -39,7 +48,11 @@ RUN = textwrap.dedent("""
         while not (metrics.is_file() and '"kind":"train"' in metrics.read_text()):
             time.sleep(0.05)
         raise_now.set()
+        time.sleep(30)  # still running: say where it hangs, then end it
+        loops[0].call_soon_threadsafe(tasks_left)
+        faulthandler.dump_traceback_later(5, exit=True)
 
+    loops = []
     cfg = load_config(None, [
         f"model.path={model}", f"run_root={root}", "name=boom", "train.steps=1000",
         "monitor.progress=false", "monitor.report=false",
