@@ -47,8 +47,7 @@ class Replacement:
 
         if self.actor is None:
             ray.kill(old, no_restart=True)  # frees the bundle's CPUs if it still lives
-            self.actor, self._since, self._reported = self._spawn(version), time.monotonic(), \
-                False
+            self.actor, self._since, self._reported = self._spawn(version), time.monotonic(), False
             self._answer = self.actor.stats.remote()
             log.warning("ray engine %s: a replacement actor is asked for", self.engine_id)
         if ray.wait([self._answer], timeout=0)[0]:
