@@ -5,6 +5,7 @@ outlives the run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -122,6 +123,12 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(
         return built
 
     async def spy_generate(self, request):
+        # a run goes on while a replacement starts (runtime/ray/replacement.py): the other
+        # engine answers only once it serves, so the run outlives its start (60 s at most)
+        for _ in range(1200):
+            if not killed.is_set() or self is proxies[0] or proxies[0].num_restarts:
+                break
+            await asyncio.sleep(0.05)
         out = await generate(self, request)
         if out.error and "died" in out.error:
             cut.append(out)

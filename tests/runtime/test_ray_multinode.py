@@ -11,27 +11,39 @@ A short run with two engines in two scale units trains with its engine actors on
 and 2 (neither the driver's) and its reward workers on node 1, by the node ids Ray's actor
 table records, and its ledger audits clean; weights reach the engines through the object
 store, whose copies cross from the driver's node's store to each engine node's. A run whose
-role names a resource no node has fails before any actor starts, naming the setting. The
+role names a resource no node has fails before any actor starts, naming the setting. An
+engine node removed mid-stream (``Cluster.remove_node``) cuts its engine's requests, which go
+on from their peeked tokens on the other engine; with no node left with room for its unit,
+its replacement waits and says so while the run finishes on the other engine, its ledger
+clean; a node with the removed one's resources then takes its place. The
 fixture stops the nodes it started (never ``ray stop``: that would end every Ray on the
 machine). Nodes on one host share ``/dev/shm`` and the file system, so what this cannot
 show is a transport that only works on one host (docs/distributed.md, "Nodes per role")."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
+import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.config import load_config
 from rollstream.config.runtime import MIN_OBJECT_STORE_BYTES
+from rollstream.data.ledger import read_jsonl
 from rollstream.runtime.ray.units import ScaleUnits
 from rollstream.runtime.train import run_training
 from tests.runtime.test_ray import STEPS, _check_ledger, _descendants
@@ -48,10 +60,25 @@ def _parity(task, text: str) -> float:
     return float(len(text) % 2)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class Nodes:
     address: str  # the head's GCS, what runtime.ray.address names
-    ids: tuple[str, ...]  # the node ids, in NODES' order
+    ids: list[str]  # the node ids, in NODES' order
+    cluster: Any  # the ray.cluster_utils.Cluster
+    nodes: list[Any]  # its nodes, in NODES' order
+    common: dict[str, Any]  # what every node was started with
+
+    def lose(self, i: int) -> None:
+        """Node ``i`` leaves the cluster: its raylet and every process on it end."""
+        self.cluster.remove_node(self.nodes[i])
+
+    def restore(self, i: int) -> None:
+        """A new node with node ``i``'s resources takes its place (and its index)."""
+        cpus, resources = NODES[i]
+        self.nodes[i] = self.cluster.add_node(num_cpus=cpus, resources=resources,
+                                              **self.common)
+        self.cluster.wait_for_nodes()
+        self.ids[i] = self.nodes[i].node_id
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +101,12 @@ def cluster() -> Iterator[Nodes]:
         patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         nodes = Cluster(shutdown_at_exit=True)
         try:
-            ids = tuple(nodes.add_node(num_cpus=cpus, resources=resources, **common,
-                                       **({"include_dashboard": False} if i == 0 else {})
-                                       ).node_id
-                        for i, (cpus, resources) in enumerate(NODES))
+            started = [nodes.add_node(num_cpus=cpus, resources=resources, **common,
+                                      **({"include_dashboard": False} if i == 0 else {}))
+                       for i, (cpus, resources) in enumerate(NODES)]
             nodes.wait_for_nodes()
-            yield Nodes(address=nodes.address, ids=ids)
+            yield Nodes(address=nodes.address, ids=[n.node_id for n in started],
+                        cluster=nodes, nodes=started, common=common)
         finally:
             ray.shutdown()  # the runs joined the cluster: this process is still connected
             nodes.shutdown()
@@ -205,6 +232,101 @@ def test_a_role_no_node_has_fails_the_run_before_any_actor_naming_the_setting(
                        rf"{ENGINES}, {REWARDS}\)"):
         run_training(cfg, rewards={"tick": _parity})
     assert set(_actor_nodes()) == before
+
+
+def test_an_engine_node_lost_mid_stream_loses_and_duplicates_nothing(
+        cluster, tmp_path, tiny_run_cache, monkeypatch, caplog):
+    import ray
+    from ray._private.state import actors
+
+    from rollstream.rollout.rollout import Rollout
+    from rollstream.runtime.ray import engines, peeks, replacement
+
+    _, node1, node2 = cluster.ids
+    proxies, cut, on_node2 = [], [], []
+    lost, reported = threading.Event(), threading.Event()
+    build, generate, merge, waiting = engines.build_ray_engines, engines.RayEngine.generate, \
+        peeks.Peeked.merge, replacement.Replacement.waiting
+    take = Rollout.take
+
+    def spy_build(*args, **kwargs):
+        proxies.extend(built := build(*args, **kwargs))
+        return built
+
+    def spy_waiting(self):
+        if (why := waiting(self)) is not None:
+            reported.set()
+        return why
+
+    async def spy_take(self, n, step):
+        # from the loss until the replacement's wait is reported, the trainer waits (60 s at
+        # most; the engines go on generating), so the run outlives the report
+        for _ in range(1200):
+            if not lost.is_set() or reported.is_set():
+                break
+            await asyncio.sleep(0.05)
+        return await take(self, n, step)
+
+    async def spy_generate(self, request):
+        out = await generate(self, request)
+        if out.error and "died" in out.error:
+            cut.append(out)
+        return out
+
+    def spy_merge(self, entries, tokens, inflight):
+        # node 2 leaves in the driver's loop, right as a peek brought one of its engine's
+        # requests its first 8 of 64 tokens: mid-generation, not done
+        merge(self, entries, tokens, inflight)
+        if lost.is_set():
+            return
+        if not on_node2:
+            where = _actor_nodes()
+            on_node2.extend(p for p in proxies if where[p.actor._actor_id.hex()][1] == node2)
+        if self is on_node2[0]._peeked and \
+                any(0 < len(o.token_ids) <= 8 for o in self.partial.values()):
+            # its process is frozen first: the node's orderly end takes long enough for every
+            # running request to finish (the cut ones then had no tokens: 1 of 4 tries)
+            pid = actors()[on_node2[0].actor._actor_id.hex()]["Pid"]
+            os.kill(pid, signal.SIGSTOP)
+            cluster.lose(2)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # gone with its node, frozen or not
+            lost.set()
+
+    monkeypatch.setattr(engines, "build_ray_engines", spy_build)
+    monkeypatch.setattr(engines.RayEngine, "generate", spy_generate)
+    monkeypatch.setattr(peeks.Peeked, "merge", spy_merge)
+    monkeypatch.setattr(replacement.Replacement, "waiting", spy_waiting)
+    monkeypatch.setattr(Rollout, "take", spy_take)
+    monkeypatch.setattr(engines, "PEEK_S", 0.02)  # as test_ray's kill: catch the first 8
+    monkeypatch.setattr(replacement, "REPORT_AFTER_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="rollstream.runtime.ray")
+    cfg = _config(tmp_path, tiny_run_cache, cluster.address, "lost",
+                  f"runtime.ray.nodes.engines={ENGINES}", f"runtime.ray.nodes.rewards={REWARDS}")
+    before = set(_actor_nodes()) if ray.is_initialized() else set()
+    try:
+        summary = run_training(cfg, rewards={"tick": _parity})
+    finally:
+        if lost.is_set():
+            cluster.restore(2)  # the module's other tests find the cluster they expect
+    assert lost.is_set()
+    assert summary["steps"] == STEPS and not summary["unfinished_samples"]
+    # the requests the loss cut returned the tokens the driver had peeked...
+    assert any(o.token_ids for o in cut), cut
+    rows = _check_ledger(tmp_path / "lost")  # ...and their samples kept exactly those
+    assert not any(r.status == "failed" for r in rows)
+    # no node had room for the lost engine's unit (node 1's CPU holds the other unit, the
+    # head has no rs_engines): its replacement waited, said so, and the run went on with the
+    # other engine; two engine actors at the start, on nodes 1 and 2, and the replacement
+    # asked for, never placed (Ray records a pending actor under its owner's node)
+    lost_id = on_node2[0].engine_id
+    assert f"ray engine {lost_id}: its replacement has waited" in caplog.text
+    assert on_node2[0].num_restarts == 0
+    assert not any("engine_restart_s" in m for m in read_jsonl(tmp_path / "lost" /
+                                                               "metrics.jsonl"))
+    placed = Counter(node for aid, (cls, node) in _actor_nodes().items()
+                     if cls == "EngineActor" and aid not in before)
+    assert sum(placed.values()) == 3 and placed[node1] == placed[node2] == 1, placed
 
 
 @pytest.mark.parametrize(("overrides", "bundles", "engine_bundles", "rank_bundles"), [

@@ -267,13 +267,15 @@ def payload_round_trips(sizes: Sequence[int], trials: int) -> dict[str, Any]:
 async def restart_seconds(folder: Path, trials: int) -> dict[str, Any]:
     """Kill the engine actor ``trials`` times, each time serving a new version v: seconds
     until the proxy noticed (its stats poll), until :meth:`RayEngine.restart` returned (a new
-    actor with the model folder's weights, then v's tensors, as the rollout's supervisor has
-    weight sync do it), and until a request on the new actor returned tokens of version v."""
+    actor placed, with the model folder's weights, then v's tensors, as the rollout's
+    supervisor has weight sync do it), and until a request on the new actor returned tokens of
+    version v."""
     import ray
     from safetensors.torch import load_file
 
     from rollstream.config.schema import LocalEngineConfig
     from rollstream.engine.protocol import GenerateRequest, SamplingParams
+    from rollstream.engine.states import EngineHealth
     from rollstream.runtime.ray.engines import build_ray_engines
 
     state = load_file(folder / "model.safetensors")
@@ -287,9 +289,11 @@ async def restart_seconds(folder: Path, trials: int) -> dict[str, Any]:
             await engine.load_weights(version, tensors)
             t0 = time.perf_counter()
             ray.kill(engine.actor, no_restart=True)
-            while not engine.needs_restart():
+            while engine.stats().health is EngineHealth.UP:
                 await asyncio.sleep(0.001)
             t_detect = time.perf_counter()
+            while not engine.needs_restart():  # its replacement is placed
+                await asyncio.sleep(0.001)
             await engine.restart(version, tensors)
             t_up = time.perf_counter()
             served = await engine.generate(GenerateRequest(

@@ -31,8 +31,9 @@ reported the same way (its requests came back with all their partial tokens thro
 actor). A call that raises inside a live actor returns ABORT with the cause and the peeked
 tokens too, but the engine stays UP: whether to keep routing to it is the router's breaker's
 call (``rollout/breaker.py``). While restarts are left (``engine.local.max_restarts``) the
-proxy is RECOVERING and :meth:`RayEngine.restart` (the rollout's supervisor, through weight
-sync) replaces the actor with a new one at the current weights; then UP again.
+proxy is RECOVERING and asks Ray for a new actor at once; once it is placed (``replacement.py``:
+maybe on another node, maybe later) :meth:`RayEngine.restart` (the rollout's supervisor,
+through weight sync) gives it the current weights; then UP again.
 
 A request with ``on_tokens`` streams through the same peeks, every ``STREAM_PEEK_S``
 (``peeks.py``)."""
@@ -58,6 +59,7 @@ from rollstream.runtime.ray.errors import actor_errors as _actor_errors
 from rollstream.runtime.ray.errors import lost_errors as _lost_errors
 from rollstream.runtime.ray.errors import task_errors as _task_errors
 from rollstream.runtime.ray.peeks import STREAM_PEEK_S, Peeked
+from rollstream.runtime.ray.replacement import Replacement, Totals
 from rollstream.runtime.ray.wire import WireMeter
 from rollstream.sync.protocol import Destination, Payload, SyncRecord, Transport
 
@@ -93,7 +95,8 @@ class RayEngine:
             Episodes(DEFAULT_EPISODE_CACHE_TOKENS)
         self._out_of_band_bytes = out_of_band_bytes
         self._peek_entries: tuple[tuple[str, int, int], ...] | None = None  # its tokens' wait
-        self._before = _Totals()  # counters of the actors this one replaced
+        self._before = Totals()  # counters of the actors this one replaced
+        self._replacing = Replacement(engine_id=engine_id, spawn=spawn)
         self._delivered_tokens = 0  # tokens returned by the current actor's calls
         self._peeked = Peeked()  # in flight: its tokens at the last peek, its listener
         self._peek: Any = None  # the peek in flight, and time.monotonic() it was sent
@@ -195,9 +198,12 @@ class RayEngine:
             self._fault(actor, e)
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """RuntimeError with the cause when the actor is dead or fails to install them."""
+        """RuntimeError with the cause when the actor is dead or fails to install them; none
+        while a replacement is on its way (it gets the version it is restarted at)."""
         actor = self.actor
         if self._death is not None:
+            if self._may_restart():
+                return
             raise RuntimeError(self._death)
         try:
             await self._weights.send(Payload.full(version, tensors), self._destination(actor))
@@ -210,9 +216,11 @@ class RayEngine:
         self._poll()
         last, n = self._last, len(self._inflight)
         running = min(n, last.num_running)
-        health = EngineHealth.UP
+        health, reason = EngineHealth.UP, self._death
         if self._death is not None:
-            health = EngineHealth.RECOVERING if self.needs_restart() else EngineHealth.DEAD
+            health = EngineHealth.RECOVERING if self._may_restart() else EngineHealth.DEAD
+            waiting = self._replacing.waiting()
+            reason = f"{reason}; {waiting}" if waiting else reason
         before = self._before  # wire's counters: the proxy's, across its actors
         return replace(
             last, engine_id=self.engine_id, version=self._version, num_running=running,
@@ -221,7 +229,7 @@ class RayEngine:
             busy_s=before.busy_s + last.busy_s,
             work={**{k: before.work.get(k, 0.0) + v for k, v in last.work.items()},
                   **self.wire.totals(), **self._sync_totals()},
-            health=health, health_reason=self._death)
+            health=health, health_reason=reason)
 
     def live_actor(self) -> Any:
         """The actor while it serves (None once it died or was closed)."""
@@ -256,23 +264,26 @@ class RayEngine:
 
     # ---- restarts and close --------------------------------------------------------------
     def needs_restart(self) -> bool:
-        """The actor died (or its engine did) and another may replace it (RECOVERING)."""
+        """The actor died (or its engine did) and its replacement is placed: restart it."""
+        return self._may_restart() and self._replacing.placed(self.actor, self._version)
+
+    def _may_restart(self) -> bool:
+        """The actor died and another may replace it (RECOVERING)."""
         self._poll()
         return self._death is not None and not self._closed and \
             self.num_restarts < self._max_restarts
 
     async def restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
-        """Replace the dead actor with a new one serving ``version`` (its model folder's
-        weights, then ``tensors`` unless None); UP when this returns."""
+        """The placed replacement (:meth:`needs_restart`) serves ``version`` (its model
+        folder's weights, then ``tensors`` unless None); UP when this returns."""
         import ray
 
         if not self.needs_restart():
             raise RuntimeError(f"ray engine {self.engine_id} cannot restart: "
                                f"{self._death or 'it is running'}")
         self.num_restarts += 1
-        ray.kill(self.actor, no_restart=True)  # frees its CPUs for the new one
         self._before.add(self._last, self._delivered_tokens)
-        actor = self._spawn(version)
+        actor = self._replacing.take()
         try:
             self._node = await actor.node.remote()
             if tensors is not None:
@@ -307,6 +318,7 @@ class RayEngine:
         import ray
 
         self._closed = True
+        self._replacing.drop()
         if self._death is None:
             try:
                 await self.actor.close.remote()
@@ -415,18 +427,6 @@ class RayEngine:
             self._death = f"ray engine {self.engine_id} died: {cause}"
             self._pending = self._peek = self._peek_entries = None
             log.error("%s", self._death)
-
-
-class _Totals:
-    """Counters of replaced actors, so an engine's totals stay monotonic across restarts."""
-
-    def __init__(self) -> None:
-        self.tokens, self.busy_s, self.work = 0, 0.0, {}
-
-    def add(self, st: EngineStats, delivered: int) -> None:
-        self.tokens += max(st.generated_tokens, delivered)
-        self.busy_s += st.busy_s
-        self.work = {k: self.work.get(k, 0.0) + v for k, v in st.work.items()}
 
 
 def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -> GenerateOutput:
