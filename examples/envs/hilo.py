@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.agent.environment import ModelTurn, Observation
+from rollstream.agent.tools import ToolRunner
 from rollstream.trajectory import ToolCall
 
 ROWS = Path(__file__).parents[1] / "data" / "hilo.jsonl"
@@ -54,7 +55,7 @@ class HigherLower:
 
     gives_reward = True  # the episode's reward is the game's
 
-    def __init__(self, *, row: dict, tools, max_guesses: int = 8) -> None:
+    def __init__(self, *, row: dict, tools: ToolRunner, max_guesses: int = 6) -> None:
         self.prompt, self.target = str(row["prompt"]), int(row["target"])
         self.tools, self.max_guesses = tools, max_guesses
 
