@@ -52,7 +52,7 @@ TICK = {"tasks": {"sources": [{"kind": "tick", "max_items": 6}]}}
 TALLY = {"agent": {"max_turns": 4, "max_turn_tokens": 16}}
 RAY_LOCAL = "train examples/tick.yaml runtime.kind=ray engine.num_engines=2"
 SHAPES = {"tick.yaml": [SMALLEST, TICK], "agent.yaml": [SMALLEST, TALLY],
-          "agent_openai.yaml": [SMALLEST, TALLY],
+          "agent_openai.yaml": [SMALLEST, TALLY], "agent_env.yaml": [SMALLEST],
           "sim/kimi_k2_512.yaml": [{"steps": 1}], "sim/agentic_drift_32.yaml": [{"steps": 1}]}
 
 # a command (its first words, as on the page) -> why a test cannot run it as written
@@ -232,9 +232,10 @@ def test_the_getting_started_pages_run_as_written(tmp_path: Path, tiny_run_cache
                    "train examples/tick.yaml train.checkpoint_every=10 --resume",
                    "train examples/agent_openai.yaml", "export runs/tick-demo --out out",
                    "sim examples/sim/agentic_drift_32.yaml", "import my_pkg.envs",
-                   "train guess.yaml"):
+                   "train guess.yaml", "train examples/agent_env.yaml"):
         assert needed in ran, ran
-    for run in ("tick-demo", "mine", "my-run", "agent-demo", "agent-openai-demo", "guess"):
+    for run in ("tick-demo", "mine", "my-run", "agent-demo", "agent-openai-demo", "guess",
+                "agent-env-demo"):
         summary = json.loads((work / "runs" / run / "summary.json").read_text())
         assert summary["steps"] == 2, (run, summary)
     assert (work / "runs" / "tick-demo" / "report.html").is_file()

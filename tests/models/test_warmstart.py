@@ -212,3 +212,29 @@ def test_a_warm_start_on_bad_rows_scores_a_failing_reward_0(tmp_path: Path) -> N
     report = json.loads((folder / "warmstart.json").read_text())
     assert report["greedy_accuracy_by_source"] == {"tick": 1.0, "ds": 0.0}, report
     assert report["sampled_accuracy_by_source"] == {"tick": 1.0, "ds": 0.0}, report
+
+
+def test_a_rows_answer_ends_with_eos_or_with_the_turn_end_when_a_harness_runs_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """The agent loop stops a model turn at the chat template's end-of-turn token, not at eos:
+    an agent source's row answer is demonstrated ending there, a single-turn row's at eos;
+    and the cache keys the two apart."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"higher than {n}", "answer": str(n + 1),
+                                        "target": n + 3}) + "\n" for n in range(10, 90)))
+    tokenizer = build_char_tokenizer()
+    trained: list[list[tuple[list[int], list[bool]]]] = []
+    monkeypatch.setattr(ws, "_train_step", lambda model, opt, batch, pad_id: trained.append(
+        batch) or 0.0)
+    plain = SourceConfig(kind="jsonl", path=str(rows))
+    agent = SourceConfig(kind="jsonl", path=str(rows), harness="agent",
+                         environment="tests.agent.user_pkg.envs:SyncCountdown")
+    for source in (plain, agent):
+        ws.warm_start(init_tiny_model(TINY, tokenizer), TasksConfig(sources=(source,)),
+                      WarmStartConfig(steps=1, tokens_per_step=64), tokenizer,
+                      max_position=TINY.max_position)
+    ends = [{ids[-1] for ids, _ in batch} for batch in trained]
+    assert ends == [{tokenizer.eos_token_id}, {tokenizer.convert_tokens_to_ids("<|im_end|>")}]
+    assert all(targets[-1] for batch in trained for _, targets in batch)
+    keys = {ws.cache_key(_cfg(tmp_path), TasksConfig(sources=(s,))) for s in (plain, agent)}
+    assert len(keys) == 2

@@ -8,7 +8,10 @@ with the same config returns at once. The folder is written under a temporary na
 renamed into place, so a crash never leaves a half-written cache entry behind.
 
 Each training sequence is ``prompt_ids + response_ids`` with the response being the
-demonstration's tokens followed by the eos id; the loss covers response tokens only.
+demonstration's tokens followed by the eos id (the end-of-turn token of the chat template for
+an episode's first answer, a dataset row's of an agent source, where the agent loop stops a
+turn; a generated agent source demonstrates whole conversations); the loss covers response
+tokens only.
 Demonstrations are drawn from the training split of the mix under a shifted seed (so RL does
 not replay the warm-start stream); the held-out split is never seen. ``warmstart.json``
 records sampled (temperature 1) and greedy accuracy on the eval tasks and the wall time;
@@ -105,6 +108,12 @@ def cache_key(model_cfg: ModelConfig, tasks_cfg: TasksConfig) -> str:
             "sources": {"__all__": {"harness", "max_oversample", "max_in_flight",
                                     "max_in_flight_per_task"}}}),
     }
+    # except that a row's answer ends a turn when a harness runs it (warm_start): keyed only
+    # then, so that every other config keeps its cache entry
+    answers_end_turns = [i for i, src in enumerate(tasks_cfg.sources)
+                         if src.episodic and src.kind != "tally"]
+    if answers_end_turns:
+        payload["answers_end_turns"] = answers_end_turns
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -180,7 +189,8 @@ def warm_start(
             source = mix.source(task.source)
             demo = source.demonstration(task, rng, cfg.noise)
             if isinstance(demo, str):
-                response = [*tokenizer.encode(demo, add_special_tokens=False), eos]
+                end = eos if task.harness == SINGLE_TURN else turn_end(tokenizer)
+                response = [*tokenizer.encode(demo, add_special_tokens=False), end]
                 ids = [*task.prompt_ids, *response]
                 targets = [False] * len(task.prompt_ids) + [True] * len(response)
             else:  # an agent episode: the model's turns are the targets
@@ -199,6 +209,15 @@ def warm_start(
             log.info("warm start step %d/%d loss %.4f", step + 1, cfg.steps, last_loss)
     model.eval()
     return {"num_train_tokens": num_tokens, "final_loss": round(last_loss, 4)}
+
+
+def turn_end(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token that ends a model turn under the tokenizer's chat template: what a dataset
+    episode's first answer (its row's answer) is demonstrated with, since the agent loop stops
+    a turn there and not at eos."""
+    from rollstream.agent.chat import ChatRenderer
+
+    return ChatRenderer(tokenizer).stop_token_ids([{"role": "user", "content": "?"}])[0]
 
 
 def _lr_factor(step: int, total: int) -> float:
