@@ -97,5 +97,10 @@ def test_a_resumed_lora_run_samples_and_trains_as_the_run_that_never_stopped(
     b = _weights(runs / "resumed", "adapter_model.safetensors")
     assert a and a.keys() == b.keys() and all("lora_" in name for name in a)
     assert max(w.abs().max().item() for name, w in a.items() if "lora_B" in name) > 1e-4
+    # atol 1e-4, a thirtieth of the adapter's lr (3e-3, ten times the full model's): a CI-as-run
+    # of the whole suite (2026-12-07) once saw 8 of 256 elements of an adapter matrix part by
+    # up to 2.5e-5 with every sample equal (float noise that Adam's normalised step carries to
+    # elements whose gradient is near 0), while a step trained otherwise moves an element by
+    # up to about the lr (Adam's step size)
     for name, w in a.items():
-        torch.testing.assert_close(b[name], w, rtol=0, atol=1e-5)
+        torch.testing.assert_close(b[name], w, rtol=0, atol=1e-4)

@@ -120,9 +120,11 @@ def _mid_stream_tries(engine) -> int:
     (whole streams, every token labelled with the version that sampled it). A Ray actor's
     weights travel through the object store before the actor can apply them: on a loaded
     machine (CI beside other work) a 100-token stream once ended first, so it has three tries,
-    and at least one must land. The embedded engine in this process has no such excuse: its
-    first try must land."""
-    return {"vllm": 8, "ray": 3}.get(engine.kind, 1)
+    and at least one must land. The embedded engine in this process gets three too: in a
+    CI-as-run of the whole suite (2026-12-07) one of its 100-token streams ended before an
+    interrupt sent after the second token landed (the test's thread was not scheduled for the
+    ~0.2 s the engine thread took to finish it)."""
+    return {"vllm": 8}.get(engine.kind, 3)
 
 
 async def test_interrupt_then_resume_continues_greedy_stream(engine):
