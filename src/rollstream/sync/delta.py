@@ -173,6 +173,12 @@ class DeltaSync:
         self._current = _Version(source=payload.tensors, full=full, delta=delta)
         return self._current
 
+    def name_for(self, to: Destination) -> str:
+        """The transport ``to`` gets: the inner one's choice where it chooses per destination
+        (``auto``), else its name."""
+        pick = getattr(self.inner, "name_for", None)
+        return self.name if pick is None else pick(to)
+
     async def send(self, payload: Payload, to: Destination) -> None:
         v = self._version(payload)
         held = self.held.pop(to.engine_id, None)  # unknown until this send succeeds
@@ -189,10 +195,8 @@ class DeltaSync:
         t0 = time.perf_counter()
         await (self.inner.revive if revive else self.inner.send)(payload, to)
         self.held[to.engine_id] = payload.version
-        name_for = getattr(self.inner, "name_for", None)  # per destination (auto)
         record = SyncRecord(version=payload.version, engine_id=to.engine_id,
-                            transport=self.name if name_for is None else name_for(to),
-                            kind=payload.header.kind,
+                            transport=self.name_for(to), kind=payload.header.kind,
                             num_bytes=payload_bytes(payload.tensors), dtype=self.dtype,
                             full_bytes=payload_bytes(full.tensors),
                             seconds=time.perf_counter() - t0)

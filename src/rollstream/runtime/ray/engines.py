@@ -251,8 +251,8 @@ class RayEngine:
         return Destination(engine_id=self.engine_id, actor=actor, node_id=self._node.node_id)
 
     def _placed(self) -> None:  # the actor's node is known: its transport (auto picks by node)
-        pick = getattr(getattr(self._weights, "inner", self._weights), "name_for", None)
-        if pick is not None:  # a delta sync's inner transport's, or the transport's own
+        pick = getattr(self._weights, "name_for", None)  # a delta sync's, or auto's own
+        if pick is not None:
             self.weight_transport = pick(self._destination(self.actor))
 
     def _sync_totals(self) -> dict[str, float]:
