@@ -62,6 +62,8 @@ def test_a_source_without_history_is_predicted_at_the_default_and_forget_drops_a
 class _Stats:
     capacity: int
     health: EngineHealth = EngineHealth.UP
+    num_running: int = 0
+    num_waiting: int = 0
 
 
 @dataclass

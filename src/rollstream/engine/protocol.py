@@ -192,6 +192,18 @@ class KeepsEpisodes(Protocol):
 
 
 @runtime_checkable
+class HoldsPrefixes(Protocol):
+    """An engine that can say how much of a prompt it holds cached now (the local engine's
+    prefix cache), so that the router sends an episode's next turn, or a resumed sample, where
+    most of it is cached (``rollout/routing.py``). Asked from the caller's thread; a hint,
+    never needed for correctness (a prefix evicted meanwhile is computed again)."""
+
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """The tokens at the start of ``prompt_ids`` whose keys and values the engine holds:
+        what a request with this prompt would not prefill."""
+
+
+@runtime_checkable
 class Restartable(Protocol):
     """An engine the rollout restarts when its serving loop died (the local engine, an engine
     actor of the Ray runtime; a vLLM engine restarts its server itself)."""

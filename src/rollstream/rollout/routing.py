@@ -6,9 +6,17 @@ an engine's queue is not visible through the protocol) in a :class:`LoadIndex`, 
 least-loaded engine is found without a scan of every engine (``rollout/loads.py``), each
 engine's routing state (``engine/states.py``: drained by preemption, :meth:`Dispatcher.drain`;
 quarantined and probing by its :class:`Breaker`, which :meth:`observe` feeds with every
-request's outcome), and, with prefix affinity, each group's home engine. A request retried
-after an engine fault names the engines to ``avoid``: it goes elsewhere while another engine
-may take it.
+request's outcome), and, with prefix affinity, each group's home engine and the engines each
+sample's requests ran on. A request retried after an engine fault names the engines to
+``avoid``: it goes elsewhere while another engine may take it.
+
+Prefix affinity weighs real cache: a sample continuing (an episode's next turn, a resumed
+partial sample) goes to the engine that holds most of its next prompt now, as the engines
+that can say report it (``HoldsPrefixes.cached_tokens``: the tokens that request would not
+prefill there), among the ones its requests ran on and its group's home. When that engine has
+no room (its sequences, the KV rows, taken: by the router's requests or any other client's)
+the request *spills* to the next holder with room, else to the least loaded engine, rather
+than waiting behind it, and is counted in :attr:`Router.num_spills`.
 
 The router's engine list is the run's roster, shared with weight sync, the supervisor and the
 meters: :meth:`join` and :meth:`leave` (called by ``runtime/fleet.py``, the one owner of a live
@@ -50,6 +58,10 @@ class Router:
                          for e in self.engines}
         self.now = now
         self.home: dict[str, str] = {}  # group id -> the engine that holds its prompt's prefix
+        # with prefix affinity: sample uid -> the engines its requests ran on, oldest first
+        # (until :meth:`end`: the sample's run is over)
+        self.ran: dict[str, list[str]] = {}
+        self.num_spills = 0  # requests sent away from the engine holding most of their prefix
 
     def join(self, e: Engine) -> None:
         """``e`` (a new engine id, serving the current version) takes requests from now on."""
@@ -69,6 +81,9 @@ class Router:
         self.load.leave(e)
         for group_id in [g for g, home in self.home.items() if home == e.engine_id]:
             del self.home[group_id]
+        for engines in self.ran.values():
+            if e.engine_id in engines:
+                engines.remove(e.engine_id)
 
     def routing(self, e: Engine) -> Routing:
         """``e``'s routing state (``engine/states.py``): drained wins over the breaker's."""
@@ -101,7 +116,7 @@ class Router:
             (lambda e: e.engine_id not in avoid and self.admits(e)) if avoid else self.admits)
         if least is None and avoid:
             least = self.load.least(self.admits)
-        return None if least is None else self.route(least, sample)
+        return None if least is None else self.route(least, sample, avoid)
 
     def pick_near(self, home: Engine | None) -> Engine | None:
         """The engine for the next request of a conversation whose prefix ``home`` holds (None
@@ -114,10 +129,17 @@ class Router:
 
     def keeps(self, home: Engine, least: Engine) -> bool:
         """Whether a request whose prefix ``home`` holds stays there instead of going to
-        ``least`` (the least-loaded routable engine): ``home`` is routable and has room, a free
-        sequence and at most ``AFFINITY_SLACK`` requests more than ``least``."""
-        return self.admits(home) and self.load[home] < home.stats().capacity and \
+        ``least`` (the least-loaded routable engine): ``home`` is routable and :meth:`has_room`,
+        with at most ``AFFINITY_SLACK`` requests more than ``least``."""
+        return self.admits(home) and self.has_room(home) and \
             self.load[home] <= self.load[least] + AFFINITY_SLACK
+
+    def has_room(self, e: Engine) -> bool:
+        """Whether ``e`` has a free sequence (a KV row): it holds fewer requests than its
+        capacity, counting the router's own in flight and what the engine reports running and
+        waiting (requests of other clients too: the agent proxy's, another run's)."""
+        st = e.stats()
+        return max(self.load[e], st.num_running + st.num_waiting) < st.capacity
 
     def may_come_back(self) -> bool:
         """Whether an engine that takes no request now may later: one RECOVERING, or one
@@ -137,37 +159,92 @@ class Router:
             if breaker.failed(now, out.error or ""):
                 log.warning("engine %s quarantined: %s", e.engine_id, breaker.reason)
 
-    def route(self, least: Engine, sample: Sample) -> Engine:
+    def route(self, least: Engine, sample: Sample, avoid: Collection[str] = ()) -> Engine:
         """``least`` (the least-loaded routable engine); with prefix affinity the engine that
-        holds the sample's prefix instead (the one its episode's last turn ran on, else the
-        one its group's first sample went to) while it :meth:`keeps` it. Otherwise the sample
-        goes to ``least``, and its group is re-pinned there."""
+        holds the sample's prefix instead (:meth:`homes`, the first not in ``avoid`` that
+        :meth:`keeps` it). Otherwise the sample goes to ``least``, and its group is re-pinned
+        there."""
         if not self.prefix_affinity:
             return least
-        home = self._home(sample)
-        if home is not None and self.keeps(home, least):
-            return home
-        self.home[sample.group_id] = least.engine_id
-        return least
+
+        def spare() -> Engine | None:  # the least loaded with a free sequence, to spill to
+            return self.load.least(lambda e: e.engine_id not in avoid and self.admits(e)
+                                   and self.has_room(e))
+
+        return self._choose(sample, least, lambda home: home.engine_id not in avoid
+                            and self.keeps(home, least), spare)
 
     def place(self, sample: Sample, least: Engine, free: Collection[Engine]) -> Engine:
         """With a dispatch queue: of the engines with a free slot (``free``; ``least``, the
         queue's choice among them), the one that holds the sample's prefix (as
-        :meth:`route`) while it is among them; otherwise ``least``, and the group is
-        re-pinned there."""
+        :meth:`route`) while it is among them and :meth:`has_room`; otherwise ``least``, and
+        the group is re-pinned there."""
         if not self.prefix_affinity:
             return least
-        home = self._home(sample)
-        if home is not None and home in free:
-            return home
-        self.home[sample.group_id] = least.engine_id
-        return least
 
-    def _home(self, sample: Sample) -> Engine | None:
-        """The engine that holds ``sample``'s prefix: the one its episode's (or partial
-        sample's) last request ran on, else the one its group was pinned to."""
-        episode = sample.engine_id if sample.segments else None
-        return self.by_id.get(episode or self.home.get(sample.group_id, ""))
+        def spare() -> Engine | None:
+            return min((e for e in free if self.has_room(e)), key=self.load.__getitem__,
+                       default=None)
+
+        return self._choose(sample, least, lambda home: home in free and self.has_room(home),
+                            spare)
+
+    def _choose(self, sample: Sample, least: Engine, room: Callable[[Engine], bool],
+                spare: Callable[[], Engine | None]) -> Engine:
+        """The first of ``sample``'s :meth:`homes` with ``room``; else ``least``, or, when
+        ``least`` is full, the ``spare`` engine with a free sequence (None: none has one, the
+        request waits on ``least``), the group re-pinned there. A continuing sample that
+        leaves its first home spills (counted)."""
+        homes = self.homes(sample)
+        chosen = next((home for home in homes if room(home)), None)
+        if chosen is None:
+            chosen = least if self.has_room(least) else spare() or least
+            self.home[sample.group_id] = chosen.engine_id
+        if sample.segments and homes and chosen is not homes[0]:
+            self.num_spills += 1
+            log.debug("sample %s spilled from %s (no room, or out of routing) to %s", sample.uid,
+                      homes[0].engine_id, chosen.engine_id)
+        ran = self.ran.setdefault(sample.uid, [])
+        if chosen.engine_id in ran:
+            ran.remove(chosen.engine_id)
+        ran.append(chosen.engine_id)
+        return chosen
+
+    def homes(self, sample: Sample) -> list[Engine]:
+        """The engines that hold ``sample``'s prefix, best first. A sample with tokens (an
+        episode's next turn, a resumed sample): the engines that can say (:meth:`held`) and
+        hold some of its next prompt, most first (ties: the latest it ran on), after its last
+        engine when that one cannot say (it is assumed to hold it). A fresh sample: its
+        group's home (its first sample's prefill may not have run yet: nothing to count)."""
+        group_home = self.by_id.get(self.home.get(sample.group_id, ""))
+        if not sample.segments:
+            return [] if group_home is None else [group_home]
+        held = self.held(sample)
+        homes = [self.by_id[i] for i, n in sorted(held.items(), key=lambda kv: -kv[1]) if n > 0]
+        last = self.by_id.get(sample.engine_id or "")
+        if last is not None and last.engine_id not in held:
+            homes.insert(0, last)
+        return homes
+
+    def held(self, sample: Sample) -> dict[str, int]:
+        """What each engine that may hold ``sample``'s next prompt (one its requests ran on,
+        the latest first, then its group's home) holds of it now, by engine id, for the
+        engines that can say (``HoldsPrefixes``): the tokens that request would not
+        prefill there."""
+        candidates = [*reversed(self.ran.get(sample.uid, ())), sample.engine_id or "",
+                      self.home.get(sample.group_id, "")]
+        prompt: list[int] | None = None
+        out: dict[str, int] = {}
+        for engine_id in candidates:
+            count = getattr(self.by_id.get(engine_id), "cached_tokens", None)
+            if count is not None and engine_id not in out:
+                prompt = sample.served_ids() if prompt is None else prompt
+                out[engine_id] = count(prompt)
+        return out
+
+    def end(self, sample: Sample) -> None:
+        """``sample``'s run is over: forget the engines it ran on."""
+        self.ran.pop(sample.uid, None)
 
     def engine(self, engine_id: str) -> Engine:
         engine = self.by_id.get(engine_id)

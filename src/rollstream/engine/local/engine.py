@@ -90,18 +90,12 @@ from rollstream.engine.states import EngineHealth
 
 log = logging.getLogger(__name__)
 class LocalEngine:
-    """Implements ``Engine``, ``Closeable`` and ``KeepsEpisodes`` (engine/protocol.py)."""
+    """Implements ``Engine``, ``Closeable``, ``KeepsEpisodes`` and ``HoldsPrefixes``
+    (engine/protocol.py)."""
 
-    def __init__(
-        self,
-        model_path: Path,
-        cfg: LocalEngineConfig,
-        *,
-        engine_id: str = "local-0",
-        version: int = 0,
-        seed: int = 0,
-        training: Callable[[], bool] | None = None,
-    ) -> None:
+    def __init__(self, model_path: Path, cfg: LocalEngineConfig, *, engine_id: str = "local-0",
+                 version: int = 0, seed: int = 0,
+                 training: Callable[[], bool] | None = None) -> None:
         """``training``: whether a trainer step computes now, read once per pass
         (:class:`PassTimes`); None: never."""
         self.engine_id = engine_id
@@ -224,6 +218,10 @@ class LocalEngine:
     def end_episode(self, episode_id: str) -> None:
         """``KeepsEpisodes``: the episode's turns in the prefix cache become first to evict."""
         self._post(EndEpisode(episode_id=episode_id))
+
+    def cached_tokens(self, prompt_ids: Seq[int]) -> int:
+        """``HoldsPrefixes``: of ``prompt_ids``, the tokens the prefix cache holds now."""
+        return self._runner.prefix.held(prompt_ids)
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Install a full HF-named state dict between two steps. The caller must not modify

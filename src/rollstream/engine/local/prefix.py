@@ -107,6 +107,13 @@ class PrefixCache:
             slots.append(parent := slot)
         return slots
 
+    def held(self, tokens: Sequence[int]) -> int:
+        """The tokens at the start of ``tokens`` cached now: what a request with this prompt
+        would find and not prefill (:meth:`match`'s blocks; ``prefix_hit_tokens`` counts the
+        same at admission). Only reads, each lookup one dict access, so another thread may
+        ask (``LocalEngine.cached_tokens``: an answer as of some step)."""
+        return len(self.match(tokens)) * BLOCK_TOKENS
+
     def next_key(self, tokens: Sequence[int], hit: list[int]) -> Key | None:
         """The key of the first whole block of ``tokens`` after ``hit`` (None: there is no
         whole block left): two prompts of one step with the same next key would compute the
