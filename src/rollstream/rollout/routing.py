@@ -191,14 +191,18 @@ class Router:
 
     def _choose(self, sample: Sample, least: Engine, room: Callable[[Engine], bool],
                 spare: Callable[[], Engine | None]) -> Engine:
-        """The first of ``sample``'s :meth:`homes` with ``room``; else ``least``, or, when
-        ``least`` is full, the ``spare`` engine with a free sequence (None: none has one, the
-        request waits on ``least``), the group re-pinned there. A continuing sample that
-        leaves its first home spills (counted)."""
+        """The first of ``sample``'s :meth:`homes` with ``room``; else ``least``, the group
+        re-pinned there. A continuing sample that leaves its first home spills (counted), to
+        ``least`` or, when only the engine's own count fills ``least`` (other clients'
+        requests), to the ``spare`` engine with a free sequence (the router's own counts
+        full everywhere: no engine has one, so none is looked for)."""
         homes = self.homes(sample)
         chosen = next((home for home in homes if room(home)), None)
         if chosen is None:
-            chosen = least if self.has_room(least) else spare() or least
+            chosen = least
+            if sample.segments and self.load[least] < least.stats().capacity and \
+                    not self.has_room(least):
+                chosen = spare() or least
             self.home[sample.group_id] = chosen.engine_id
         if sample.segments and homes and chosen is not homes[0]:
             self.num_spills += 1
