@@ -31,8 +31,8 @@ GROUPS = 4
 """Groups per trainer step."""
 
 
-def _batch(prompts: list[list[int]], lengths: list[int], group_size: int, vocab: int,
-           seed: int) -> list[Group]:
+def random_groups(prompts: list[list[int]], lengths: list[int], group_size: int, vocab: int,
+                  seed: int) -> list[Group]:
     """Groups of ``group_size`` consecutive requests (one prompt each), answered at random."""
     rng = random.Random(seed)
     groups = []
@@ -57,7 +57,7 @@ def _tokens(trainer: Trainer, groups: list[Group]) -> int:
 def trainer_part(folder: Path, prompts: list[list[int]], lengths: list[int], *,
                  group_size: int, vocab: int, threads: int, repeats: int) -> dict[str, Any]:
     """Seconds per trainer step, flat and shared, on one batch (module docstring)."""
-    groups = _batch(prompts, lengths, group_size, vocab, seed=0)[:GROUPS]
+    groups = random_groups(prompts, lengths, group_size, vocab, seed=0)[:GROUPS]
     trainers = {mode: Trainer(TrainConfig(shared_prefix=mode, updates_per_step=1,
                                           threads=threads), folder,
                               staleness=StalenessPolicy(max_staleness=0))
