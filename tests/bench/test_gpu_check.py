@@ -21,10 +21,10 @@ KEYS = {
 def test_the_gpu_check_runs_on_cpu_at_a_tiny_shape(tmp_path: Path) -> None:
     summary = main(["--device", "cpu", "--tiny", "--out", str(tmp_path)])
     parts = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert set(parts) == {"env", "model", *KEYS, "summary"}
-    assert parts["summary"] == json.loads(json.dumps(summary))
+    assert set(parts) == {"env", "model", *KEYS, "gpu_check"}
+    assert parts["gpu_check"] == json.loads(json.dumps(summary))
     for name, part in parts.items():
-        if name != "summary":
+        if name != "gpu_check":
             assert part["status"] == "ok", (name, part)
             assert part["part_s"] > 0
     for name, keys in KEYS.items():

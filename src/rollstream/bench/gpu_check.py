@@ -13,6 +13,7 @@ Parts, in order, each writing ``DIR/<part>.json`` when it ends (``status``: ``ok
 ``skipped`` with the ``reason``, or ``error`` with it; the others still run):
 
 * ``env``: the device, torch, Python, and which of the imports below are missing.
+* ``model``: the model folder written (in a temporary folder, not ``DIR``).
 * ``engine_vs_hf``: a batch through the embedded engine, generated tokens/s, against HF
   ``model.generate`` on the same prompts and lengths (``engine_vs_hf_tok_s``).
 * ``trainer``: trainer steps on groups of 8 sharing a prompt, trained tokens/s, flat and with
@@ -21,7 +22,7 @@ Parts, in order, each writing ``DIR/<part>.json`` when it ends (``status``: ``ok
   off (``prefix_cache_vs_none_gen_tok_s``, the hit share).
 * ``rollout``: partial rollout against drain across weight updates
   (``partial_vs_drain_tok_s``; :mod:`rollstream.bench.gpu_rollout`).
-* ``summary``: every part's status and key numbers, the device and the wall time.
+* ``gpu_check.json`` at the end: every part's status and key numbers, the device, the wall time.
 
 Needs torch with CUDA (the machine's own). The engine parts need numpy, pydantic, pyyaml and
 safetensors; HF ``generate`` and the trainer need transformers too. A part whose imports are
@@ -404,7 +405,7 @@ def _no_device(device: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run every part (module docstring); the summary, also written to ``DIR/summary.json``."""
+    """Run every part (module docstring); the summary, also written to ``DIR/gpu_check.json``."""
     ap = argparse.ArgumentParser(prog="python -m rollstream.bench.gpu_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the parts' JSON")
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "parts": {name: {"status": r["status"], "part_s": r["part_s"],
                                 **{k: r[k] for k in KEYS if k in r}}
                          for name, r in parts.items()}}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
