@@ -1,5 +1,6 @@
 """An optional GPU check: the embedded engine and the trainer on one CUDA device at
-Qwen2.5-0.5B's shape, with random weights and random token ids, in under 5 minutes.
+Qwen2.5-0.5B's shape, with random weights and random token ids, sized for under 5 minutes on
+one H100 (an estimate until it has run on one; ``--budget-s`` bounds it whatever the speed).
 
     PYTHONPATH=src python -m rollstream.bench.gpu_check --out DIR            # on a GPU
     PYTHONPATH=src python -m rollstream.bench.gpu_check --out DIR --device cpu --tiny
