@@ -69,7 +69,8 @@ async def serve(engine: LocalEngine, work: list[tuple[list[int], int]], *, rows:
         got: list[int] = []
         async with admit:
             while len(got) < n:
-                await gate.wait()
+                while not gate.is_set():  # a waiter woken by a set may resume after a clear
+                    await gate.wait()
                 running += 1
                 idle.clear()
                 try:
