@@ -142,6 +142,11 @@ class RayConfig(Section):
     """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (and ``auto``'s shared
     memory; a larger tensor goes alone); bounds the extra memory of a sync to about one bucket
     per process."""
+    broadcast_backend: Literal["gloo", "nccl"] = "gloo"
+    """The process group of ``weight_sync: broadcast``: ``gloo`` (buckets in CPU memory, any
+    machine) or ``nccl`` (buckets in GPU memory, GPU to GPU: the driver and every engine actor
+    need a CUDA device; refused at load where this machine has none). The bucket plan is the
+    same for both (sync/buckets.py)."""
     nodes: RayNodesConfig = RayNodesConfig()
     """Which of a cluster's nodes each role (engines, fsdp ranks, reward workers) goes to,
     each named by a custom resource those nodes were started with (``ray start --resources
@@ -166,11 +171,33 @@ class RayConfig(Section):
                 "runtime.ray.weight_sync = 'shared_memory' reaches actors on this host only, "
                 f"but runtime.ray.address = {self.address!r} joins a cluster: use broadcast "
                 "or object_store there")
+        if self.broadcast_backend == "nccl":
+            _check_nccl(self.weight_sync)
         if self.weight_sync == "object_store" and self.bucket_bytes != DEFAULT_BUCKET_BYTES:
             raise ValueError(
                 "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast, "
                 "shared_memory or auto (it is object_store): set one or drop bucket_bytes")
         return self
+
+
+def _check_nccl(weight_sync: str) -> None:
+    """``broadcast_backend: nccl`` needs the broadcast and a CUDA device (torch is imported
+    only for this question: the config loads without it otherwise)."""
+    if weight_sync != "broadcast":
+        raise ValueError(
+            "runtime.ray.broadcast_backend = 'nccl' is read only with runtime.ray.weight_sync: "
+            f"broadcast (it is {weight_sync}): set weight_sync: broadcast or drop it")
+    import importlib.util
+
+    cuda = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        raise ValueError(
+            "runtime.ray.broadcast_backend = 'nccl' needs CUDA, and this machine has no CUDA "
+            "device (torch.cuda.is_available() is False): use gloo (allowed: gloo, nccl)")
 
 
 class AutoscaleConfig(Section):
