@@ -11,7 +11,7 @@ Ray's rewrite of 127.0.0.1 to the machine's routable address turned off (the ``r
 command line has no switch for it: a joining node given 127.0.0.1 looks for the head on the
 routable address, where nothing listens). Ray's token authentication is on, as
 ``ray start`` turns it on whenever ``~/.ray/auth_token`` exists: the test makes sure the token
-exists (``ray get-auth-token --generate``) and starts every process with
+exists (``ray get-auth-token --generate`` where it does not) and starts every process with
 ``RAY_AUTH_MODE=token``. At the end the test stops only the two process groups it started
 (never ``ray stop``: that would end every Ray on the machine) and checks none of their
 processes is left.
@@ -118,7 +118,8 @@ def shell_cluster(monkeypatch) -> Iterator[ShellCluster]:
     from ray._raylet import Config
 
     assert not ray.is_initialized(), "another test's Ray is still up: the run would use it"
-    subprocess.run(_ray("get-auth-token", "--generate"), check=True, capture_output=True)
+    if not (Path.home() / ".ray" / "auth_token").exists():  # Ray's default token file
+        subprocess.run(_ray("get-auth-token", "--generate"), check=True, capture_output=True)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # this process's (the driver's) too:
     Config.initialize("")  # Ray reads it once, so it is read again
     temp_dir = Path(tempfile.mkdtemp(prefix="rs-rst-"))  # short: Ray's Unix sockets
