@@ -420,3 +420,59 @@ def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_st
     finally:
         engine.shutdown()
     assert not written.path.parent.exists()  # the node's copies went with the server
+
+
+def test_node_weights_follow_the_server_s_actor_across_nodes_bit_for_bit(cluster, tmp_path):
+    """The store behind a Ray vLLM engine, without vLLM (its actors' weight calls need no
+    server): a version for an actor on node 1 is written there by that actor, equal bit for
+    bit to what was sent; the server restarted by an actor on node 2 gets it again from the
+    object store (the dead actor's folder removed), and one on the driver's node gets it in
+    the driver's own store."""
+    import ray
+    import torch
+    from ray._private.state import actors
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rollstream.runtime.ray.vllm import ServerActor
+    from rollstream.runtime.ray.vllm_weights import NodeWeights
+    from rollstream.sync.protocol import Payload
+    from rollstream.sync.shm import WeightStore, read_folder
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, log_to_driver=False)
+    head, node1, node2 = cluster.ids
+
+    def actor_on(node: str):
+        return ray.remote(ServerActor).options(num_cpus=0, scheduling_strategy=(
+            NodeAffinitySchedulingStrategy(node_id=node, soft=False))).remote(None)
+
+    tensors = {"w": torch.randn(64, 8).to(torch.bfloat16), "b": torch.arange(7.0)}
+    server = type("Server", (), {})()
+    server.node_id, server.actor = node1, actor_on(node1)
+    weights = NodeWeights(server, WeightStore(root=tmp_path / "driver"))
+    try:
+        first = weights.write(Payload.full(1, tensors))
+        pid = actors()[server.actor._actor_id.hex()]["Pid"]
+        assert weights.transport == "object_store"
+        assert first.path.parent.name.startswith(f"node-{pid}-")
+        assert not weights.local.root.exists()
+        got = read_folder(first.path).tensors
+        assert all(torch.equal(got[k].view(torch.uint8), t.view(torch.uint8))
+                   for k, t in tensors.items())
+        ray.kill(server.actor)  # a restart: a new actor, on node 2
+        server.node_id, server.actor = node2, actor_on(node2)
+        again = weights.latest
+        pid = actors()[server.actor._actor_id.hex()]["Pid"]
+        assert again.version == 1 and again.path.parent.name.startswith(f"node-{pid}-")
+        assert not first.path.parent.exists()  # the dead actor's folder
+        got = read_folder(again.path).tensors
+        assert all(torch.equal(got[k], t) for k, t in tensors.items())
+        ray.kill(server.actor)  # restarted on the driver's node: the driver's own store
+        server.node_id, server.actor = head, actor_on(head)
+        local = weights.latest
+        assert local.path.parent == weights.local.root and not again.path.parent.exists()
+        assert weights.write(Payload.full(2, tensors)).path.parent == weights.local.root
+        assert weights.transport == "shared_memory"
+    finally:
+        ray.kill(server.actor)
+        weights.clear()

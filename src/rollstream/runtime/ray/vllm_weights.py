@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -96,13 +97,25 @@ class NodeWeights:
             return written
         import ray
 
+        _forget(written)  # its actor is gone (a restart); blocking, as the restart is
         if self._near():
+            self._written = None
             return self.local.write(ray.get(self._payload))
         written = ray.get(self.server.actor.write_weights.remote(self._payload))
         self._written = (self.server.actor, written)
         return written
 
     def clear(self) -> None:
-        """The driver's copies (an actor's are cleared when it stops)."""
+        """The driver's copies, and the folder of a dead actor (a live one clears its own
+        when it stops)."""
         self.local.clear()
+        if self._written is not None:
+            _forget(self._written[1])
         self._payload, self._written = None, None
+
+
+def _forget(written: WrittenWeights) -> None:
+    """Remove the node folder ``written`` lies in, if it is on this host: an actor killed with
+    its node's processes (``ray.kill``, a lost node) cannot remove it itself. On a node of
+    another host the path does not exist here (the folder names a pid and a random id)."""
+    shutil.rmtree(written.path.parent, ignore_errors=True)
