@@ -253,11 +253,14 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
      "engine.vllm.urls = ['http://127.0.0.1:8000'] attaches to running servers, but "
      "runtime.kind: ray launches each engine's server from an actor"),
     (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.weight_sync=broadcast"],
-     "runtime.ray.weight_sync is read only by local engine actors, but engine.kind = 'vllm'"),
+     "runtime.ray.weight_sync = 'broadcast' is read only by local engine actors, but "
+     "engine.kind = 'vllm' (its engines stream over HTTP and reload weights from shared "
+     "memory): drop runtime.ray.weight_sync (or set it to auto: by node, the server's actor "
+     "writes them on its node)"),
     (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.episode_cache_tokens=0"],
-     "runtime.ray.episode_cache_tokens is read only by local engine actors"),
+     "runtime.ray.episode_cache_tokens = 0 is read only by local engine actors"),
     (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.delta=false"],
-     "runtime.ray.delta is read only by local engine actors"),
+     "runtime.ray.delta = False is read only by local engine actors"),
     (["runtime.kind=ray", "engine.kind=vllm", "runtime.ray.placement=disaggregated"],
      "runtime.ray.placement = 'disaggregated' pins the local engine's threads to cores; a "
      "vLLM server places its own processes"),
@@ -326,7 +329,9 @@ def test_rollstream_config_prints_every_setting_with_its_default_and_docstring(c
       "'local' trains in the driver process")),
     (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.engines=rs_e",
       "engine.kind=vllm"],
-     "runtime.ray.nodes.engines = 'rs_e' with engine.kind = 'vllm' is not built yet"),
+     "runtime.ray.nodes.engines = 'rs_e' with engine.kind = 'vllm' places vLLM servers on "
+     "other nodes, whose weights their actors must write on their node: set "
+     "runtime.ray.weight_sync: auto (it is object_store)"),
     (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.rewards=GPU"],
      "runtime.ray.nodes.rewards = 'GPU' is not a custom resource name"),
     (["runtime.kind=ray", "runtime.ray.address=h:6379", "runtime.ray.nodes.rewards=a b"],
@@ -360,3 +365,8 @@ def test_runtime_ray_settings_load():
                              "runtime.ray.nodes.rewards=rs_rewards"])
     assert cfg.runtime.ray.nodes.roles() == {"engines": "rs_engines", "trainer": "rs_trainer",
                                              "rewards": "rs_rewards"}
+    # vLLM servers on other nodes: their actors write the weights on their node
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.ray.address=h:6379",
+                             "engine.kind=vllm", "runtime.ray.weight_sync=auto",
+                             "runtime.ray.nodes.engines=rs_engines"])
+    assert (cfg.engine.kind, cfg.runtime.ray.weight_sync) == ("vllm", "auto")

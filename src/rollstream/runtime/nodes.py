@@ -2,9 +2,10 @@
 cluster view (``Fleet.table`` and ``Fleet.nodes``; docs/monitoring.md, "Cluster").
 
 An engine's node is the one Ray reports for its actor (:class:`Placed`: the engine actors of
-``runtime.kind: ray``); every other engine is on the driver's node: the embedded runtime's,
-and a vLLM server, which on Ray runs on the driver's node only and, attached by
-``engine.vllm.urls``, reloads weights from this host's ``/dev/shm``, so runs on this host.
+``runtime.kind: ray``); every other engine is reported on the driver's node: the embedded
+runtime's, and a vLLM server (on Ray its actor may run on another node of this host with
+``weight_sync: auto``, not shown here; attached by ``engine.vllm.urls``, it reloads weights
+from this host's ``/dev/shm``, so runs on this host).
 Without Ray there is one node, named :data:`LOCAL`, with no Ray address. The weights' side of a row (transport, bytes, dtype)
 is weight sync's record (``WeightSync.moved``), so the bytes here are the ones the run's
 ``sync_bytes`` metric and the delta sync's log count.

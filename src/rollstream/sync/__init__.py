@@ -7,7 +7,8 @@
     delta.py         versioned delta sync: wraps a transport to engine actors; an engine
                      that holds the previous version gets only what changed, in its dtype
     object_store.py  to engine actors through Ray's object store (and every path's fallback)
-    broadcast.py     to engine actors over one gloo group, in byte buckets
+    broadcast.py     to engine actors over one gloo (or NCCL, CUDA) group, in byte buckets
+    buckets.py       the bucket plan, and packing a bucket on a device and unpacking it
     shm.py           safetensors buckets in /dev/shm: the store, its reader, and the
                      transport to engine actors on this host
     vllm.py          vLLM's reload path: write to shared memory, pause, reload in place,

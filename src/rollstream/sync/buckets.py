@@ -1,5 +1,11 @@
 """Tensors packed into buckets of a bounded size: the unit a broadcast sends and a
-shared-memory file holds, so a sync's extra memory is one bucket however large the model."""
+shared-memory file holds, so a sync's extra memory is one bucket however large the model.
+
+:func:`plan_buckets` decides where each tensor goes; :func:`pack_bucket` fills a bucket's
+flat byte buffer on a device and :func:`unpack_bucket` gives its tensors back as views of it.
+The plan does not depend on the device: a broadcast over gloo (CPU buffers) and over NCCL
+(CUDA buffers) sends the same buckets, so the CPU tests of the plan and of packing hold for
+both."""
 
 from __future__ import annotations
 
@@ -47,3 +53,28 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tupl
     if entries:
         buckets.append(Bucket(num_bytes=size, entries=tuple(entries)))
     return tuple(buckets)
+
+
+def pack_bucket(tensors: Mapping[str, torch.Tensor], bucket: Bucket,
+                device: str = "cpu") -> torch.Tensor:
+    """``bucket``'s flat byte buffer on ``device``, each of its tensors copied in at its
+    offset (the gaps that align them are left unset: no reader looks at them)."""
+    import torch
+
+    buf = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=device)
+    for e in bucket.entries:
+        t = tensors[e.name].detach().to(device).contiguous().reshape(-1)
+        buf[e.offset:e.offset + e.num_bytes].copy_(t.view(torch.uint8))
+    return buf
+
+
+def unpack_bucket(buf: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """The tensors of a filled bucket, as views of ``buf`` (on its device)."""
+    import math
+
+    out = {}
+    for e in bucket.entries:
+        flat = buf[e.offset:e.offset + e.num_bytes].view(e.dtype)
+        assert flat.numel() == math.prod(e.shape), e
+        out[e.name] = flat.view(e.shape)
+    return out

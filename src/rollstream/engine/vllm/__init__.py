@@ -18,6 +18,7 @@ import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rollstream.config.schema import EngineConfig
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
@@ -37,13 +38,17 @@ __all__ = ["BUCKET_BYTES", "SyncTiming", "VllmEngine", "VllmServer", "VllmServer
 def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: str = "vllm-0",
                       version: int = 0, port: int | None = None,
                       log_dir: str | Path | None = None,
-                      host: Callable[[VllmServer], ServerProcess] | None = None) -> VllmEngine:
+                      host: Callable[[VllmServer], ServerProcess] | None = None,
+                      weights: Callable[[Any, WeightStore], WeightStore] | None = None
+                      ) -> VllmEngine:
     """A started engine serving ``model_path`` with its weights labelled ``version``.
 
     Blocks until the server answers /health (launching takes ~30 s on CPU with
     ``enforce_eager``). ``port`` fixes the launch port (default: a free one). ``host``: who
     launches a server this process would launch (None: this process; ``runtime.kind: ray``
-    hands it to an actor, ``rollstream.runtime.ray.vllm``).
+    hands it to an actor, ``rollstream.runtime.ray.vllm``). ``weights(server, store)``: the
+    store the engine writes each version to, given its server and this process's shared
+    memory store (None: that store; Ray's may write on the server's node instead).
     """
     vcfg = cfg.vllm
     path = Path(model_path).resolve()
@@ -64,6 +69,8 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: s
     store = WeightStore(root=SHM_ROOT / "rollstream-vllm"
                         / f"{engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     atexit.register(store.clear)
+    if weights is not None:
+        store = weights(server, store)
     return VllmEngine(server, engine_id=engine_id, version=version, checkpoint=checkpoint,
                       store=store, capacity=_max_num_seqs(vcfg.extra_args),
                       startup_timeout_s=vcfg.startup_timeout_s)

@@ -4,7 +4,9 @@
 ``engines.py``'s. A local Ray is bound to 127.0.0.1 with the dashboard off. Its session folder
 lives under a short temporary path (Ray's Unix sockets must fit ~100 characters, which a run
 directory may not) and its logs are moved into the run directory's ``ray-logs`` at the end.
-A process that already called ``ray.init`` (the Python API, tests) keeps its Ray: the run
+A cluster address on loopback (``127.0.0.1:PORT``, a cluster started with ``ray start`` on
+this host, docs/distributed.md "One host") is joined on loopback too. A process that already
+called ``ray.init`` (the Python API, tests) keeps its Ray: the run
 uses it and leaves it running.
 """
 
@@ -52,13 +54,12 @@ class RayCluster:
         if ray.is_initialized():
             return cls(owned=False)
         if cfg.address is not None:
+            if _on_loopback(cfg.address):
+                _keep_loopback()
             ray.init(address=cfg.address, log_to_driver=False)
             return cls(owned=False)
-        from ray._private import ray_constants
-
-        # Without this Ray resolves 127.0.0.1 to the machine's routable address and listens
-        # there; a run's private Ray has no business on the network.
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        # a run's private Ray has no business on the network
+        _keep_loopback()
         temp_dir = Path(tempfile.mkdtemp(prefix="rs-ray-"))
         ray.init(address="local", num_cpus=cfg.num_cpus or os.cpu_count(),
                  object_store_memory=cfg.object_store_bytes, include_dashboard=False,
@@ -83,6 +84,23 @@ class RayCluster:
             shutil.copytree(logs, self.log_dir, ignore_dangling_symlinks=True)
         _remove(self.temp_dir)
         self.owned = False
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether a cluster address (``host:port``, or Ray's ``auto``) names this host's
+    loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def _keep_loopback() -> None:
+    """Keep Ray on 127.0.0.1 in this process. Without this Ray takes 127.0.0.1 (a local
+    Ray's node address, or a cluster address on loopback) for the machine's routable address,
+    and listens, or looks for the cluster, there: a cluster started on loopback
+    (docs/distributed.md, "One host") is then not found."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _remove(folder: Path, timeout_s: float = 10.0) -> None:

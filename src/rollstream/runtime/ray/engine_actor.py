@@ -67,14 +67,14 @@ class EngineActor:
         await self.engine.interrupt(request_ids)
 
     async def join_weight_group(self, host: str, port: int, prefix: str, rank: int,
-                                world: int, timeout_s: float) -> None:
-        """Join the driver's broadcast group (``weight_sync: broadcast``), leaving any older
-        one."""
+                                world: int, timeout_s: float, backend: str = "gloo") -> None:
+        """Join the driver's broadcast group (``weight_sync: broadcast``, over ``backend``),
+        leaving any older one."""
         from rollstream.sync.broadcast import join_group
 
         self._group = None
         self._group = await asyncio.to_thread(join_group, host, port, prefix, rank, world,
-                                              timeout_s)
+                                              timeout_s, backend)
 
     async def install(self, delivery: Delivery) -> None:
         """Install the version a weight transport delivered (``sync/``): the payload itself,

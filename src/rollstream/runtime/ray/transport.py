@@ -23,7 +23,7 @@ def build_transport(cfg: RayConfig, dtype: str) -> Transport:
         case "object_store":
             inner = ObjectStore()
         case "broadcast":
-            inner = Broadcast(cfg.bucket_bytes)
+            inner = Broadcast(cfg.bucket_bytes, backend=cfg.broadcast_backend)
         case "shared_memory":
             inner = SharedMemory(cfg.bucket_bytes)
         case "auto":  # by node: shared memory on this one, the object store to the others

@@ -15,12 +15,16 @@ dead server: the engine's health watch sees it within a poll, cuts the streams, 
 restart launches a new actor, which serves the latest synced weights.
 
 Data plane: tokens travel over the server's HTTP streams, not through Ray; Ray carries only
-the actor's lifecycle calls. Weights reach the server as they do embedded: safetensors
-buckets in this host's ``/dev/shm`` that the server's worker reloads in place. Hence one
-host only: the server binds 127.0.0.1 (servers here never listen on the network) and reads
-the driver's shared memory, and an actor that Ray places on another node is refused with
-that reason. What a cluster would need (the server on the node's address, weights written
-by the actor on its node) is not built.
+the actor's lifecycle calls and, for a server on another node, its weights. Weights reach a
+server on the driver's node as they do embedded: safetensors buckets in this host's
+``/dev/shm`` that the server's worker reloads in place. With ``runtime.ray.weight_sync:
+auto`` a server may run on another node: its actor takes each version from Ray's object
+store and writes the buckets to its own node's shared memory for the reload
+(``vllm_weights.py``). The server binds 127.0.0.1 (servers here never listen on the
+network) and the driver streams from it over HTTP, so its node must be on the driver's host
+(a node of the same address: a test cluster's); carrying the streams across hosts (through
+the actor) is not built, and a server placed on another host is refused with that reason,
+as is one on another node without ``weight_sync: auto``.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ from rollstream.engine.vllm.server import (
     stop_group,
 )
 from rollstream.run_files import RunFiles
+from rollstream.runtime.ray.vllm_weights import NodeStore, NodeWeights
 
 if TYPE_CHECKING:
     from rollstream.config.schema import EngineConfig, RunConfig
     from rollstream.engine.vllm import VllmEngine
     from rollstream.runtime.ray.units import ScaleUnits
+    from rollstream.sync.protocol import Payload
+    from rollstream.sync.shm import WeightStore, WrittenWeights
 
 STOP_TIMEOUT_S = 30.0  # an actor's stop: the server's grace period and then some
 
@@ -57,9 +64,11 @@ class ServerActor:
     def __init__(self, spec: VllmServer) -> None:
         self.server = spec
         self._done = threading.Event()
+        self._weights: NodeStore | None = None  # this node's copies (a server elsewhere)
 
-    def start(self) -> tuple[str, str, int]:
-        """The server's URL, this actor's node id and the server's process group."""
+    def start(self) -> tuple[str, str, str, int]:
+        """The server's URL, this actor's node id and address, the server's process
+        group."""
         import ray
 
         started, failed = threading.Event(), []
@@ -79,7 +88,18 @@ class ServerActor:
         if failed:
             raise failed[0]
         assert self.server.proc is not None
-        return self.server.url, ray.get_runtime_context().get_node_id(), self.server.proc.pid
+        return (self.server.url, ray.get_runtime_context().get_node_id(),
+                ray.util.get_node_ip_address(), self.server.proc.pid)
+
+    def write_weights(self, payload: Payload) -> WrittenWeights:
+        """Write a version to this node's shared memory, for the server's reload."""
+        if self._weights is None:
+            self._weights = NodeStore()
+        return self._weights.write(payload)
+
+    def prune_weights(self) -> None:
+        if self._weights is not None:
+            self._weights.prune()
 
     def wait_ready(self, timeout_s: float) -> None:
         asyncio.run(self.server.wait_ready(timeout_s))
@@ -91,23 +111,30 @@ class ServerActor:
 
     def stop(self, grace_s: float) -> None:
         self.server.stop(grace_s)
+        if self._weights is not None:
+            self._weights.clear()
         self._done.set()
 
 
 class ActorServer:
     """The driver's handle of a server an actor launched (``ServerProcess``). Each
     :meth:`start` (the first, and the engine's restarts) spawns a fresh actor reserving
-    ``num_cpus``, placed by ``strategy`` (its scale unit's bundle; None: where Ray likes)."""
+    ``num_cpus``, placed by ``strategy`` (its scale unit's bundle; None: where Ray likes).
+    ``per_node`` (``weight_sync: auto``): the actor may run on another node of this host,
+    which then writes the weights (:meth:`weights`)."""
 
     launched = True
 
-    def __init__(self, spec: VllmServer, *, num_cpus: float, strategy: Any) -> None:
+    def __init__(self, spec: VllmServer, *, num_cpus: float, strategy: Any,
+                 per_node: bool = False) -> None:
         import ray
 
         self.spec = spec
         self._remote = ray.remote(ServerActor).options(
             num_cpus=num_cpus, max_concurrency=4, scheduling_strategy=strategy)
+        self.per_node = per_node
         self.url = ""
+        self.node_id = ""  # where the current actor runs
         self.actor: Any = None
         self._pgid = 0
         self._shm_before: frozenset[str] = frozenset()
@@ -121,17 +148,33 @@ class ActorServer:
         self._exit, self._probe = None, None
         self.actor = self._remote.remote(self.spec)
         try:
-            self.url, node, self._pgid = ray.get(self.actor.start.remote())
+            self.url, self.node_id, address, self._pgid = ray.get(self.actor.start.remote())
         except BaseException:
             self.stop()
             raise
-        if node != ray.get_runtime_context().get_node_id():
+        if (why := self._elsewhere(address)) is not None:
             self.stop()
-            raise VllmServerError(
-                f"Ray placed the vLLM server of {self.spec.log_path} on another node ({node}): "
-                "vLLM engines on runtime.kind: ray serve on 127.0.0.1 and read weights from "
-                "this host's shared memory, so they run on the driver's node only (a "
-                "multi-node vLLM runtime is not built)")
+            raise VllmServerError(f"Ray placed the vLLM server of {self.spec.log_path} on "
+                                  f"another node ({self.node_id}, {address}): {why}")
+
+    def _elsewhere(self, address: str) -> str | None:
+        """Why the server cannot serve from the node its actor runs on (None: it can)."""
+        import ray
+
+        if self.node_id == ray.get_runtime_context().get_node_id():
+            return None
+        if not self.per_node:
+            return ("it would read weights from this node's shared memory; set "
+                    "runtime.ray.weight_sync: auto to have its actor write them on its node")
+        if address != ray.util.get_node_ip_address():
+            return ("the driver streams tokens from the server's 127.0.0.1 over HTTP, so it "
+                    "must be on the driver's host (streams across hosts are not built)")
+        return None
+
+    def weights(self, local: WeightStore) -> NodeWeights:
+        """The engine's weight store: ``local`` (the driver's) while the server runs on this
+        node, its actor's node's shared memory otherwise (``vllm_weights.py``)."""
+        return NodeWeights(self, local)
 
     async def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -185,19 +228,21 @@ class ActorServer:
 
 
 def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,
-                           num_cpus: float, units: ScaleUnits | None,
-                           log_dir: Path) -> list[VllmEngine]:
+                           num_cpus: float, units: ScaleUnits | None, log_dir: Path,
+                           per_node: bool = False, strategy: Any = None) -> list[VllmEngine]:
     """``cfg.num_engines`` vLLM engines ``ray-vllm-<i>``, each serving ``model_path`` at
-    ``version`` from a server its actor launched (in ``units.engine(i)``, ``num_cpus``
-    each), started together."""
+    ``version`` from a server its actor launched (in ``units.engine(i)``, else placed by
+    ``strategy``; ``num_cpus`` each), started together. ``per_node``: ``ActorServer``'s."""
     from rollstream.engine.vllm import build_vllm_engine
 
     def build(i: int) -> VllmEngine:
-        strategy = units.engine(i) if units is not None else None
+        placed = units.engine(i) if units is not None else strategy
         return build_vllm_engine(cfg, model_path, engine_id=f"ray-vllm-{i}", version=version,
                                  log_dir=log_dir,
                                  host=lambda spec: ActorServer(spec, num_cpus=num_cpus,
-                                                               strategy=strategy))
+                                                               strategy=placed,
+                                                               per_node=per_node),
+                                 weights=lambda server, local: server.weights(local))
 
     with ThreadPoolExecutor(cfg.num_engines) as pool:
         futures = [pool.submit(build, i) for i in range(cfg.num_engines)]
@@ -217,7 +262,9 @@ def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,
 def build_run_engines(cfg: RunConfig, model_path: Path, *, version: int, units: ScaleUnits,
                       run_dir: Path) -> list[VllmEngine]:
     """``engine.kind: vllm`` on Ray (engine/factory.py): the run's servers, their logs under
-    the run directory's ``vllm-logs``."""
+    the run directory's ``vllm-logs``; with ``runtime.ray.weight_sync: auto`` a server may run
+    on another node of this host, its actor writing the weights there."""
     return build_ray_vllm_engines(cfg.engine, model_path, version=version,
                                   num_cpus=cfg.runtime.ray.engine_num_cpus, units=units,
-                                  log_dir=RunFiles(run_dir).vllm_logs)
+                                  log_dir=RunFiles(run_dir).vllm_logs,
+                                  per_node=cfg.runtime.ray.weight_sync == "auto")
