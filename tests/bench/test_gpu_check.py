@@ -15,6 +15,7 @@ KEYS = {
                 "shared_prefix_vs_flat_trainer_step_s"),
     "prefix": ("prefix_cache_vs_none_gen_tok_s", "hit_share"),
     "rollout": ("partial_tok_s", "drain_tok_s", "partial_vs_drain_tok_s"),
+    "broadcast": ("broadcast_s", "broadcast_exact"),
 }
 
 
@@ -35,6 +36,7 @@ def test_the_gpu_check_runs_on_cpu_at_a_tiny_shape(tmp_path: Path) -> None:
     rollout = parts["rollout"]
     assert rollout["tokens"] > 0 and all(v > 0 for v in rollout["prefilled_tokens"].values())
     assert rollout["updates_done"] == {"partial": 2.0, "drain": 2.0}  # every update came
+    assert (parts["broadcast"]["backend"], parts["broadcast"]["broadcast_exact"]) == ("gloo", 1.0)
     assert not list(tmp_path.rglob("*.safetensors"))  # the model folder is not left in --out
 
 

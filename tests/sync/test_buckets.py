@@ -1,7 +1,8 @@
 """The broadcast's buckets (sync/buckets.py), for both its backends: gloo's rounds and NCCL's
 plan the same buckets and differ only in the device they are packed on; packing and
 unpacking gives back every tensor bit for bit, views of the bucket. The CUDA path itself (an
-NCCL group, buckets in GPU memory) runs only where a GPU is."""
+NCCL group, buckets in GPU memory) is a part of the optional GPU check
+(``python -m rollstream.bench.gpu_check``, its ``broadcast`` part)."""
 
 from __future__ import annotations
 
@@ -79,25 +80,3 @@ def test_nccl_loads_where_cuda_is_and_the_run_s_transport_uses_it(monkeypatch):
     transport = build_transport(cfg.runtime.ray, "float32")
     assert isinstance(transport, Broadcast)
     assert (transport.backend, transport.device) == ("nccl", "cuda")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
-def test_an_nccl_round_moves_the_buckets_through_gpu_memory_bit_for_bit():
-    """One rank (a single GPU: NCCL takes one device per rank), so the broadcast is its own
-    source; what this checks is the CUDA path: buckets packed in GPU memory, sent through an
-    NCCL group, unpacked there, equal to the tensors bit for bit."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from rollstream.sync.broadcast import make_group
-
-    tensors = _tensors()
-    plan = plan_buckets(tensors, BUCKET)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
-    group = make_group(store, "t", 0, 1, "127.0.0.1", 30.0, backend="nccl")
-    send_buckets(group, tensors, plan, "cuda")
-    out = receive_buckets(group, plan, "cuda")
-    for name, t in tensors.items():
-        assert out[name].device.type == "cuda"
-        assert torch.equal(out[name].cpu().view(torch.uint8), t.view(torch.uint8)), name

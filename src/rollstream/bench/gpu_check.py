@@ -23,6 +23,10 @@ Parts, in order, each writing ``DIR/<part>.json`` when it ends (``status``: ``ok
   off (``prefix_cache_vs_none_gen_tok_s``, the hit share).
 * ``rollout``: partial rollout against drain across weight updates
   (``partial_vs_drain_tok_s``; :mod:`rollstream.bench.gpu_rollout`).
+* ``broadcast``: one round of the weight broadcast's buckets (``sync/broadcast.py``) from one
+  rank to another through NCCL, packed and unpacked in GPU memory, checked bit for bit
+  against the model's weights (``broadcast_exact``); it needs two GPUs (NCCL takes one per
+  rank: skipped on one, saying so); on CPU the same round through gloo.
 * ``gpu_check.json`` at the end: every part's status and key numbers, the device, the wall time.
 
 Needs torch with CUDA (the machine's own). The engine parts need numpy, pydantic, pyyaml and
@@ -373,6 +377,52 @@ def rollout_part(check: Check) -> dict[str, Any]:
         engine.shutdown()
 
 
+def broadcast_part(check: Check) -> dict[str, Any]:
+    """One round of the broadcast transport's buckets between two ranks, each in a thread of
+    this process: NCCL on two GPUs (it takes a device per rank, so one GPU cannot hold a
+    round), gloo on CPU. The receiver's weights must equal the model's bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from rollstream.sync.broadcast import make_group, receive_buckets, send_buckets
+    from rollstream.sync.buckets import plan_buckets
+
+    if check.device != "cpu" and torch.cuda.device_count() < 2:
+        return {"status": "skipped", "reason": "an NCCL round needs two GPUs (one per rank); "
+                f"torch sees {torch.cuda.device_count()}"}
+    assert check.folder is not None
+    tensors = load_file(check.folder / "model.safetensors")
+    backend = "gloo" if check.device == "cpu" else "nccl"
+    devices = ("cpu", "cpu") if backend == "gloo" else ("cuda:0", "cuda:1")
+    plan = plan_buckets(tensors, 64 << 20)
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
+
+    def rank(r: int) -> dict[str, torch.Tensor] | None:
+        if backend == "nccl":
+            torch.cuda.set_device(devices[r])
+        store = server if r == 0 else \
+            dist.TCPStore("127.0.0.1", server.port, 2, False, timedelta(seconds=60))
+        group = make_group(store, "gpu-check", r, 2, "127.0.0.1", 60.0, backend=backend)
+        if r == 0:
+            send_buckets(group, tensors, plan, devices[0])
+            return None
+        return receive_buckets(group, plan, devices[1])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        _, out = list(pool.map(rank, (0, 1)))
+    seconds = time.perf_counter() - t0
+    assert out is not None
+    exact = all(torch.equal(out[k].cpu().view(torch.uint8), t.view(torch.uint8))
+                for k, t in tensors.items())
+    return {"backend": backend, "buckets": len(plan), "broadcast_s": seconds,
+            "broadcast_exact": float(exact)}
+
+
 def model_part(check: Check) -> dict[str, Any]:
     assert check.folder is not None  # where to write it: a temporary folder, not --out
     write_model(check.folder, check.shape, check.dtype, check.device)
@@ -386,11 +436,12 @@ PARTS: tuple[tuple[str, tuple[str, ...], Callable[[Check], dict[str, Any]]], ...
     ("trainer", TRAINER_NEEDS, trainer_part),
     ("prefix", ENGINE_NEEDS, prefix_part),
     ("rollout", ENGINE_NEEDS, rollout_part),
+    ("broadcast", ("torch", "safetensors"), broadcast_part),
 )
 KEYS = ("engine_tok_s", "hf_tok_s", "engine_vs_hf_tok_s", "trainer_tok_s",
         "shared_prefix_trainer_tok_s", "shared_prefix_vs_flat_trainer_step_s",
         "prefix_cache_vs_none_gen_tok_s", "hit_share", "partial_tok_s", "drain_tok_s",
-        "partial_vs_drain_tok_s", "device_name", "torch", "missing", "reason", "error",
+        "partial_vs_drain_tok_s", "broadcast_s", "broadcast_exact", "device_name", "torch", "missing", "reason", "error",
         "hf_skipped")  # what the summary repeats of each part
 
 
