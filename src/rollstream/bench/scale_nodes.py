@@ -31,6 +31,7 @@ lost one's replacement waits: no node has room for its unit) and ends at its ste
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -71,16 +72,19 @@ def on_nodes(common: Sequence[str], order: Sequence[str], operated_steps: int) -
         start_s = time.perf_counter() - t0
         runs: dict[str, list[dict[str, Any]]] = {}
         for i, row in enumerate(order):
+            load = os.getloadavg()[0]
             cfg, _ = _train(common, [*row_overrides(nodes.address, ROW_ENGINES[row]),
                                      f"name={row}-{i}"])
-            runs.setdefault(row, []).append(row_numbers(cfg.run_dir, collect(cfg)))
+            runs.setdefault(row, []).append({**row_numbers(cfg.run_dir, collect(cfg)),
+                                             "load_before": load})
         operated = operated_run(nodes, common, operated_steps)
     rows = {row: {**max(r, key=lambda x: x["samples_per_s"]), "runs": r}
             for row, r in runs.items()}
     by_round = [a["samples_per_s"] / b["samples_per_s"]
                 for a, b in zip(runs[ON_NODES], runs[ONE_NODE], strict=True)]
-    return {"nodes": [{"num_cpus": s.num_cpus, "resources": s.resources,
-                       "object_store_bytes": s.object_store_bytes} for s in NODES],
+    return {"nodes": [{"node_id": node_id, "num_cpus": s.num_cpus, "resources": s.resources,
+                       "object_store_bytes": s.object_store_bytes}
+                      for node_id, s in zip(nodes.ids, NODES, strict=False)],
             "note": NOTE, "rows": rows, "cluster_start_s": start_s,
             "wall_s": time.perf_counter() - t0,
             "multinode_vs_single_node_samples_per_s":
