@@ -40,6 +40,12 @@ divided by trained samples and by generated samples (every training sample that 
 ledger: trained, filtered, dropped). A continuing request (a sample resumed after an
 interrupt) sends only the tokens its actor does not hold (``episode_reused_tokens``).
 
+**Multi-node rows** (``scale_nodes.py``), on a 3-node Ray cluster of this host between the
+training rows and the in-process part: ``multinode_vs_single_node_samples_per_s`` (engines on
+other nodes than the driver's against every actor on the driver's node: on one host, process
+and object-store overhead, not a network), and a run an engine joins (``engine_join_s``) and
+an engine node leaves (``node_loss_lost_samples``, by the ledger audit).
+
 A benchmark measures; it does not assert. The machine is shared: the JSON records the load
 average before and after.
 """
