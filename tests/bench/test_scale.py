@@ -1,11 +1,16 @@
 """Smoke test of ``rollstream bench scale --quick`` on a tiny model: the embedded row and the
 disaggregated Ray rows (token payloads on the calls, and all out of band) train, and the JSON has the scale-out keys with positive, finite values
-(a smoke run: its numbers mean nothing, so no target is checked). Its Ray is stopped after."""
+(a smoke run: its numbers mean nothing, so no target is checked). The multi-node rows train on
+a 3-node cluster, and on the operated run an engine joins and an engine node leaves; that run
+is held at two step boundaries until the operator is done (a tiny run's 5 steps end before an
+engine actor starts). Its Rays are stopped after."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import threading
 
 import pytest
 
@@ -23,11 +28,55 @@ def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
-def test_quick_scale_bench_writes_every_key(tmp_path, tiny_run_cache):
+def _hold_until_operated(monkeypatch) -> None:
+    """The operated run waits after its first step until the engine it is given serves, and
+    after its third until the node is removed (the operator measures the first token in
+    between, while the run generates the next steps' groups): its 5 steps outlast the
+    operator."""
+    from rollstream.bench import scale_nodes
+    from rollstream.runtime import steps as steps_module
+
+    operating = threading.Event()  # the operated run is the one that started the operator
+    done = {"add": threading.Event(), "lose": threading.Event()}
+    real_after, real_operate = steps_module.BetweenSteps.__call__, scale_nodes._operate
+
+    def operate(*args):
+        operating.set()
+        try:
+            real_operate(*args)
+        finally:  # a failed operator (the bench reports it) holds the run no longer
+            for event in done.values():
+                event.set()
+
+    def marking(name):
+        real = getattr(scale_nodes.Operator, name)
+
+        def marked(self, *args):
+            try:
+                return real(self, *args)
+            finally:
+                done[name].set()
+        return marked
+
+    async def after(self, step, values):
+        await real_after(self, step, values)
+        if operating.is_set() and step in (0, 2):
+            await asyncio.to_thread(done["add" if step == 0 else "lose"].wait, 120)
+
+    monkeypatch.setattr(scale_nodes, "_operate", operate)
+    for name in done:
+        monkeypatch.setattr(scale_nodes.Operator, name, marking(name))
+    monkeypatch.setattr(steps_module.BetweenSteps, "__call__", after)
+
+
+def test_quick_scale_bench_writes_every_key(tmp_path, tiny_run_cache, monkeypatch):
     import ray
 
-    from rollstream.bench.scale import DISAGGREGATED, EMBEDDED, OUT_OF_BAND, main
+    from rollstream.bench.scale import DISAGGREGATED, EMBEDDED, OUT_OF_BAND, QUICK, main
+    from rollstream.bench.scale_nodes import ON_NODES, ONE_NODE
     from rollstream.bench.weightsync import PATHS
+
+    _hold_until_operated(monkeypatch)
 
     out = tmp_path / "scale.json"
     result = main(json_out=out, quick=True, run_root=tmp_path / "runs",
@@ -72,4 +121,21 @@ def test_quick_scale_bench_writes_every_key(tmp_path, tiny_run_cache):
     assert _positive(written["actor_restart_s"]) and len(restart["trials"]) == 1
     trial = restart["trials"][0]
     assert trial["detect_s"] + trial["replace_s"] <= trial["actor_restart_s"]
+    # the multi-node rows: both trained, the ratio is theirs
+    nodes = written["nodes"]
+    assert set(nodes["rows"]) == {ON_NODES, ONE_NODE} and "not a network" in nodes["note"]
+    for label, row in nodes["rows"].items():
+        assert row["trained_samples"] == 2 * 2 * 4 and _positive(row["samples_per_s"]), label
+    assert written["multinode_vs_single_node_samples_per_s"] == pytest.approx(
+        nodes["rows"][ON_NODES]["samples_per_s"] / nodes["rows"][ONE_NODE]["samples_per_s"])
+    # the operated run: an engine joined and served, then a node with an engine left while
+    # the run went on to its last step, and the ledger audit counts what was lost: nothing
+    op = nodes["operated"]
+    assert "error" not in op, op
+    assert op["steps"] == QUICK.operated_steps and op["lost_at_step"] < op["steps"], op
+    assert op["engines_on_lost_node"] and op["joined"]["engine_id"] == "ray-2", op
+    assert 0 < op["engine_join_serving_s"] <= written["engine_join_s"], op
+    assert written["node_loss_lost_samples"] == op["audit"]["lost_samples"] == 0, op
+    assert written["node_loss_duplicated_samples"] == 0, op
+    assert op["audit"]["steps_missing"] == op["audit"]["steps_repeated"] == 0, op
     assert not ray.is_initialized()

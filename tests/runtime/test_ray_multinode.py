@@ -476,3 +476,87 @@ def test_node_weights_follow_the_server_s_actor_across_nodes_bit_for_bit(cluster
     finally:
         ray.kill(server.actor)
         weights.clear()
+
+
+TRAINER = "rs_trainer"
+TRAINER_STEPS = 6
+
+
+def test_a_lost_trainer_node_restarts_the_ranks_on_another_from_the_checkpoint(
+        cluster, tmp_path, monkeypatch):
+    """Two 1-CPU nodes with the trainer's resource join the cluster; the fsdp ranks (one
+    unit's bundle: both ranks on one node) run on one of them. After the step-2 checkpoint
+    that node leaves: the run finds its ranks dead, resumes from the checkpoint by itself and
+    its new ranks run on the other trainer node. After the step-4 checkpoint that one leaves
+    too: no node is left for the ranks, and the run stops saying so, naming the node and the
+    checkpoint. A third node joins and ``resume=true`` finishes the run there; every step
+    trained once, no sample lost or repeated."""
+    import ray
+
+    from rollstream.runtime import steps as steps_module
+    from rollstream.runtime.ray import ranks as ray_ranks
+    from rollstream.runtime.train import RunStopped
+    from tests.train.fsdp_runs import assert_resumed_whole, tiny_fsdp_run
+
+    first = len(cluster.nodes)
+
+    def add_trainer_node() -> str:
+        cluster.nodes.append(cluster.cluster.add_node(num_cpus=1, resources={TRAINER: 1},
+                                                      **cluster.common))
+        cluster.cluster.wait_for_nodes()
+        return cluster.nodes[-1].node_id
+
+    trainer_nodes = [add_trainer_node() for _ in range(2)]
+    launched: list = []
+    init, real_after = ray_ranks.RayRanks.__init__, steps_module.BetweenSteps.__call__
+    lost: list[str] = []
+    run_dir = tmp_path / "trainer"
+
+    def spy(self, *args, **kwargs):  # each start's ranks: the nodes Ray ran them on
+        init(self, *args, **kwargs)
+        launched.append(sorted({p["node"] for p in ray.get([a.placement.remote()
+                                                            for a in self.actors])}))
+
+    def lose_the_ranks_node(step: int) -> None:
+        checkpoint = run_dir / "checkpoints" / f"step_{step:06d}" / "state.json"
+        deadline = time.monotonic() + 60
+        while not checkpoint.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [node] = launched[-1]
+        lost.append(node)
+        cluster.cluster.remove_node(next(n for n in cluster.nodes if n.node_id == lost[-1]))
+
+    async def after(self, step, values):
+        await real_after(self, step, values)
+        if (step, len(lost)) in ((1, 0), (3, 1)):  # after the step-2, then step-4 checkpoint
+            await asyncio.to_thread(lose_the_ranks_node, step + 1)
+
+    monkeypatch.setattr(ray_ranks.RayRanks, "__init__", spy)
+    monkeypatch.setattr(steps_module.BetweenSteps, "__call__", after)
+    cfg = load_config(None, tiny_fsdp_run(
+        tmp_path, "trainer", mode="async", steps=TRAINER_STEPS, extra=(
+            "train.checkpoint_every=2", "train.fsdp.max_restarts=2", "monitor.report=false",
+            "runtime.kind=ray", f"runtime.ray.address={cluster.address}",
+            "runtime.ray.rank_num_cpus=0.5", f"runtime.ray.nodes.engines={ENGINES}",
+            f"runtime.ray.nodes.trainer={TRAINER}")))
+    try:
+        with pytest.raises(RunStopped) as stopped:
+            run_training(cfg)
+        spare = add_trainer_node()
+        summary = run_training(cfg.model_copy(update={"resume": True}))
+    finally:
+        for node in cluster.nodes[first:]:
+            if node.node_id not in lost:
+                cluster.cluster.remove_node(node)
+        del cluster.nodes[first:]
+    # both ranks ran on one node each time (one bundle): the first trainer node, the other
+    # one after its loss (the automatic restart), then the node that joined (the resume)
+    assert launched == [[lost[0]], [lost[1]], [spare]]
+    assert sorted(lost) == sorted(trainer_nodes)
+    message = str(stopped.value)
+    assert f"its actor on node {lost[1]} died" in message, message
+    assert (f"its ranks cannot start again: runtime.ray.nodes.trainer = '{TRAINER}': no node "
+            "of the cluster has that resource") in message, message
+    assert "The newest checkpoint is step 4" in message and "--resume" in message, message
+    assert summary["steps"] == TRAINER_STEPS and summary["resumed_from_step"] == 4, summary
+    assert_resumed_whole(run_dir, TRAINER_STEPS)

@@ -11,7 +11,10 @@ engine dtype, two engine actors of that dtype; per path, the versions go once wi
 ``delta: true`` (the first version full in the engine's dtype, then deltas where at most
 half of the elements changed). Timed as ``weightsync.py`` times a sync (both engines'
 ``load_weights``, gathered, engines idle), the first version left out. Bytes are the tensor
-bytes each engine received per sync. A benchmark measures; it does not assert.
+bytes each engine received per sync. :func:`cross_node` times the two paths an engine on
+another node can take (object store, broadcast), full and delta, to bfloat16 engines on the
+second node of a 2-node cluster on this host (which shares the host's memory and loopback: no
+network is crossed). A benchmark measures; it does not assert.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ async def _syncs(engines: list, versions: list[dict], first: int) -> list[float]
     return times[1:]
 
 
-async def bench_dtype(folder: Path, dtype: str, versions: list[dict]) -> dict[str, Any]:
-    """Every path, off and auto, to two engine actors of ``dtype``."""
+async def bench_dtype(folder: Path, dtype: str, versions: list[dict],
+                      paths: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Each of ``paths`` (None: every path), off and auto, to two engine actors of
+    ``dtype``."""
     from rollstream.bench.sync_paths import PATHS, proxies
     from rollstream.config.schema import LocalEngineConfig
     from rollstream.runtime.ray.engines import build_ray_engines
@@ -69,7 +74,7 @@ async def bench_dtype(folder: Path, dtype: str, versions: list[dict]) -> dict[st
     out: dict[str, Any] = {}
     version = 1
     try:
-        for path in PATHS:
+        for path in paths or PATHS:
             row: dict[str, Any] = {}
             for mode in ("full", "delta"):
                 transport, engines = proxies(owners, path, mode == "delta", dtype)
@@ -104,6 +109,34 @@ def bench_delta(folder: Path, quick: bool = False) -> dict[str, Any]:
         for dtype in DTYPES[:1] if quick else DTYPES:
             rows[f"{dtype} lr {lr:g}"] = asyncio.run(bench_dtype(folder, dtype, versions))
     return {"steps": NUM_STEPS, "rows": rows}
+
+
+CROSS_NODE = ("object_store", "broadcast")  # the paths an engine on another node can take
+CROSS_NODE_LR = LRS[-1]
+
+
+def cross_node(folder: Path) -> dict[str, Any]:
+    """Full and delta sync to two bfloat16 engine actors on another node: a 2-node cluster
+    on this host (``bench/cluster.py``) whose head, where this process runs, has no CPU for
+    them; versions of AdamW at :data:`CROSS_NODE_LR`, paths :data:`CROSS_NODE`."""
+    from ray._private.state import actors
+
+    from rollstream.bench.cluster import LocalCluster, NodeSpec
+    from rollstream.config.runtime import RayConfig
+    from rollstream.runtime.ray.cluster import RayCluster
+
+    versions = trained_versions(folder, CROSS_NODE_LR)
+    store = 512 << 20  # the bigger model's versions (100 MB in float32) fit
+    with LocalCluster.start([NodeSpec(num_cpus=0, object_store_bytes=store),
+                             NodeSpec(num_cpus=2, object_store_bytes=store)]) as nodes:
+        RayCluster.start(RayConfig(address=nodes.address))  # joined: stop() leaves it
+        rows = asyncio.run(bench_dtype(folder, "bfloat16", versions, CROSS_NODE))
+        # where Ray ran the engine actors (its actor table keeps dead actors' nodes)
+        engine_nodes = sorted({a["Address"]["NodeID"] for a in actors().values()
+                               if a["ActorClassName"] == "EngineActor"})
+    return {"lr": CROSS_NODE_LR, "steps": NUM_STEPS, "dtype": "bfloat16", "paths": rows,
+            "engine_nodes": engine_nodes, "driver_node": nodes.ids[0],
+            "engines_off_the_driver_node": nodes.ids[0] not in engine_nodes}
 
 
 def print_delta(model: str, result: dict) -> None:

@@ -40,6 +40,12 @@ divided by trained samples and by generated samples (every training sample that 
 ledger: trained, filtered, dropped). A continuing request (a sample resumed after an
 interrupt) sends only the tokens its actor does not hold (``episode_reused_tokens``).
 
+**Multi-node rows** (``scale_nodes.py``), on a 3-node Ray cluster of this host between the
+training rows and the in-process part: ``multinode_vs_single_node_samples_per_s`` (engines on
+other nodes than the driver's against every actor on the driver's node: on one host, process
+and object-store overhead, not a network), and a run an engine joins (``engine_join_s``) and
+an engine node leaves (``node_loss_lost_samples``, by the ledger audit).
+
 A benchmark measures; it does not assert. The machine is shared: the JSON records the load
 average before and after.
 """
@@ -59,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.bench.sampling import DEMO_YAML
+from rollstream.bench.scale_nodes import ON_NODES, ONE_NODE, headline, on_nodes, print_nodes
 
 EMBEDDED, DISAGGREGATED, COLOCATED = "embedded", "ray_disaggregated", "ray_colocated"
 OUT_OF_BAND = "ray_out_of_band"
@@ -87,26 +94,30 @@ class Sizes:
     restart_trials: int
     payload_bytes: tuple[int, ...]  # payload sizes timed inline and out of band
     payload_trials: int
+    node_rounds: int  # rounds of the multi-node rows (bench/scale_nodes.py)
+    operated_steps: int  # steps of the run an engine joins and a node leaves
     extra: tuple[str, ...] = ()
 
 
 FULL = Sizes(steps=12, num_eval=32, samples_per_task=4,
              rows=(EMBEDDED, DISAGGREGATED, COLOCATED, OUT_OF_BAND),
              rounds=2, bigger_model=True, restart_trials=3,
-             payload_bytes=tuple(1 << k for k in range(8, 23, 2)), payload_trials=50)
+             payload_bytes=tuple(1 << k for k in range(8, 23, 2)), payload_trials=50,
+             node_rounds=2, operated_steps=12)
 # a smoke run: a test's barely trained model solves nothing; keep every group
 QUICK = Sizes(steps=2, num_eval=4, samples_per_task=1, rows=(EMBEDDED, DISAGGREGATED, OUT_OF_BAND),
               rounds=1,
               bigger_model=False, restart_trials=1, payload_bytes=(1 << 10, 1 << 20),
-              payload_trials=3,
+              payload_trials=3, node_rounds=1, operated_steps=5,
               extra=("train.groups_per_step=2", "rollout.group_size=4", "reward.num_workers=1",
                      "rollout.filter_zero_variance=false"))
 
 
-def run_order(sizes: Sizes) -> list[str]:
+def run_order(sizes: Sizes, rows: Sequence[str] | None = None,
+              rounds: int | None = None) -> list[str]:
     """Rows in run order: A B C, then C B A, ... (one round with --quick)."""
-    return [row for i in range(sizes.rounds)
-            for row in (sizes.rows if i % 2 == 0 else tuple(reversed(sizes.rows)))]
+    rows, rounds = tuple(rows or sizes.rows), rounds or sizes.rounds
+    return [row for i in range(rounds) for row in (rows if i % 2 == 0 else rows[::-1])]
 
 
 def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | None = None,
@@ -134,7 +145,9 @@ def main(json_out: Path | None = None, quick: bool = False, *, run_root: Path | 
         done = run_pair(common, {label: ROWS[row]}, bench="scale")[label]
         runs.setdefault(row, []).append({**row_numbers(run_root / label, done),
                                          "load_before": load})
-    in_process = on_ray(folder, sizes)
+    nodes = on_nodes(common, run_order(sizes, (ON_NODES, ONE_NODE), sizes.node_rounds),
+                     sizes.operated_steps)
+    in_process = {**on_ray(folder, sizes), "nodes": nodes}
     rows = {row: {**max(r, key=lambda x: x["samples_per_s"]), "runs": r}
             for row, r in runs.items()}
     result = summarise(rows, in_process, quick=quick, sizes=sizes, folder=folder,
@@ -356,6 +369,8 @@ def summarise(rows: dict[str, dict[str, Any]], on_ray: dict[str, Any], *, quick:
                                                if row != EMBEDDED},
         "payload_round_trips": on_ray["payloads"],
         "actor_restart_s": restart["actor_restart_s"],
+        # the multi-node rows (bench/scale_nodes.py)
+        **headline(on_ray["nodes"]), "nodes": on_ray["nodes"],
         "actor_restart": restart,
         "targets": {"ray_vs_embedded_samples_per_s_ge_1":
                     rows[DISAGGREGATED]["samples_per_s"] >= emb["samples_per_s"]},
@@ -423,5 +438,6 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"actor restart: {rs['actor_restart_s']:.2f} s kill to serving (detect "
           f"{rs['detect_s']:.3f} s, replace {rs['replace_s']:.2f} s; median of "
           f"{len(rs['trials'])})")
+    print_nodes(result)
     print(f"load average before {result['machine']['load_before']}, after "
           f"{result['machine']['load_after']}")

@@ -13,8 +13,11 @@ median per path, seconds per MB, and the ratio to the object store are reported 
 travel better than seconds on this shared machine; its load average is reported too). Then,
 per model, full versus delta sync per path and engine dtype (``delta.py``: bytes and
 seconds per sync of AdamW-trained versions, ``delta_bytes_vs_full``; on the bigger model
-and with --quick, bfloat16 engines at one learning rate only). A benchmark measures; it
-does not assert.
+and with --quick, bfloat16 engines at one learning rate only). Then, per model, full and
+delta sync to two bfloat16 engine actors on another node of a 2-node cluster on this host
+(``delta.cross_node``), and ``per_sync``: seconds and MB per sync through shared memory, and
+cross-node full and delta through the object store, with ``delta_bytes_vs_full``. A
+benchmark measures; it does not assert.
 """
 
 from __future__ import annotations
@@ -85,22 +88,28 @@ async def bench_model(folder: Path) -> dict[str, Any]:
 
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
-    from rollstream.bench.delta import bench_delta, print_delta
+    from rollstream.bench.delta import bench_delta, cross_node, print_delta
     from rollstream.config.runtime import RayConfig
     from rollstream.runtime.ray.cluster import RayCluster
 
     load_start = os.getloadavg()[0]
     models = {"tiny": {}} if quick else {"tiny": {}, "bigger": BIGGER}
     result: dict[str, Any] = {"quick": quick, "num_syncs": NUM_SYNCS, "num_actors": 2,
-                              "models": {}, "delta": {}}
+                              "models": {}, "delta": {}, "cross_node": {}, "per_sync": {}}
     cluster = RayCluster.start(RayConfig(num_cpus=2, object_store_bytes=1 << 30))
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            folders: dict[str, Path] = {}
             for name, overrides in models.items():
                 folder = build_model(Path(tmp) / name, **overrides)
                 result["models"][name] = {"config": overrides or "TinyModelConfig defaults",
                                           **asyncio.run(bench_model(folder))}
                 result["delta"][name] = bench_delta(folder, quick or name != "tiny")
+                folders[name] = folder
+            cluster.stop()
+            for name, folder in folders.items():  # engines on another node of a cluster
+                result["cross_node"][name] = cross_node(folder)
+                result["per_sync"][name] = per_sync(result, name)
     finally:
         cluster.stop()
     result["loadavg_1m"] = {"start": load_start, "end": os.getloadavg()[0]}
@@ -110,6 +119,24 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result
+
+
+def per_sync(result: dict[str, Any], model: str) -> dict[str, Any]:
+    """Seconds and MB per sync to bfloat16 engines: through shared memory (engines on the
+    driver's node, ``delta.py``'s rows), and full and delta through the object store to
+    engines on another node (``delta.cross_node``); the cross-node delta's bytes over the
+    full sync's."""
+    from rollstream.bench.delta import CROSS_NODE_LR
+
+    def sync(row: dict[str, Any]) -> dict[str, float]:
+        return {"s": row["median_s"], "mb": row["median_bytes"] / 1e6}
+
+    local = result["delta"][model]["rows"][f"bfloat16 lr {CROSS_NODE_LR:g}"]["shared_memory"]
+    cross = result["cross_node"][model]["paths"]["object_store"]
+    return {"engine_dtype": "bfloat16", "lr": CROSS_NODE_LR, "cross_node_path": "object_store",
+            "shared_memory": sync(local["full"]), "shared_memory_delta": sync(local["delta"]),
+            "cross_node_full": sync(cross["full"]), "cross_node_delta": sync(cross["delta"]),
+            "delta_bytes_vs_full": cross["delta_bytes_vs_full"]}
 
 
 def _print_table(result: dict) -> None:
@@ -125,4 +152,11 @@ def _print_table(result: dict) -> None:
             table.add_row(name, f"{m['num_bytes'] / 1e6:.1f}", path, f"{row['median_s']:.4f}",
                           f"{row['s_per_mb']:.4f}", f"{row['vs_object_store']:.2f}")
     Console().print(table)
+    for name, p in result["per_sync"].items():
+        print(f"{name}, bfloat16 engines, per sync (s / MB): shared memory "
+              f"{p['shared_memory']['s']:.4f} / {p['shared_memory']['mb']:.3f}; cross-node "
+              f"full {p['cross_node_full']['s']:.4f} / {p['cross_node_full']['mb']:.3f}; "
+              f"cross-node delta {p['cross_node_delta']['s']:.4f} / "
+              f"{p['cross_node_delta']['mb']:.3f}; delta_bytes_vs_full "
+              f"{p['delta_bytes_vs_full']:.3f}")
     print(f"load average (1 min): {result['loadavg_1m']}")

@@ -35,7 +35,9 @@ class FsdpConfig(Section):
     """Times a run resumes from its newest durable checkpoint (``train.checkpoint_every``)
     after a rank process died (killed, crashed, out of memory): the step being computed is
     lost, every rank is started again and the run continues as ``resume=true`` would, in the
-    same command. A rank that raised an error is not restarted (it would raise again)."""
+    same command. A rank that raised an error is not restarted (it would raise again). On
+    Ray the new ranks go where the scale units find room: with ``runtime.ray.nodes.trainer``,
+    another node of that role when theirs left the cluster (none left: the run stops)."""
 
 
 class TrainConfig(Section):

@@ -19,7 +19,8 @@ Operating a live run (when it was given an ``EngineControl``; 404 otherwise), wi
 token as ``Authorization: Bearer TOKEN`` (401 otherwise):
 
     GET  /api/engines                      [{engine_id, health, health_reason, version,
-                                             routing, routing_reason, in_flight, member,
+                                             routing, routing_reason, in_flight,
+                                             generated_tokens, member,
                                              node_id, node_address, node_hostname,
                                              transport, sync_version, sync_kind,
                                              sync_bytes_last, sync_dtype, sync_bytes_total,

@@ -259,8 +259,8 @@ class Router:
 
     def table(self) -> list[dict[str, object]]:
         """Each engine as the operator sees it: id, health (and why), the weight version it
-        serves, its routing state (and, quarantined or probing, why), and the requests in
-        flight on it."""
+        serves, its routing state (and, quarantined or probing, why), the requests in
+        flight on it and the tokens it generated (its stats' ``generated_tokens``)."""
         rows = []
         for e in self.engines:
             st, routing = e.stats(), self.routing(e)
@@ -268,5 +268,6 @@ class Router:
             rows.append({"engine_id": e.engine_id, "health": st.health.value,
                          "health_reason": st.health_reason, "version": st.version,
                          "routing": routing.value, "routing_reason": why,
-                         "in_flight": self.load[e]})
+                         "in_flight": self.load[e],
+                         "generated_tokens": st.generated_tokens})
         return rows

@@ -155,7 +155,8 @@ class Fleet:
         return rows + [{"engine_id": engine_id, "health": EngineHealth.RECOVERING.value,
                         "health_reason": "joining: loading the current version",
                         "version": self.sync.version, "routing": "drained",
-                        "routing_reason": None, "in_flight": 0, "member": "joining",
+                        "routing_reason": None, "in_flight": 0, "generated_tokens": 0,
+                        "member": "joining",
                         **node_columns(None), **self._synced(None)}
                        for engine_id in sorted(self.joining)]
 

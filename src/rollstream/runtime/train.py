@@ -87,9 +87,15 @@ def run_training(cfg: RunConfig, *,
             if restarts >= cfg.train.fsdp.max_restarts:
                 raise RunStopped(f"{died}; train.fsdp.max_restarts = "
                                  f"{cfg.train.fsdp.max_restarts} restarts used") from e
-            if durable.latest(run_dir) is None:
+            newest = durable.latest(run_dir)
+            if newest is None:
                 raise RunStopped(f"{died} before the run's first durable checkpoint: nothing to "
                                  "resume from (train.checkpoint_every)") from e
+            if (missing := _missing_nodes(cfg)) is not None:
+                raise RunStopped(
+                    f"{died}; its ranks cannot start again: {missing}. The newest checkpoint "
+                    f"is step {newest.step}: once such a node is up, run the same command with "
+                    "--resume (resume=true) to continue from it") from e
             restarts += 1
             log.warning(f"trainer: {died}: resuming from the newest checkpoint (restart "
                         f"{restarts} of {cfg.train.fsdp.max_restarts})")
@@ -98,6 +104,25 @@ def run_training(cfg: RunConfig, *,
     if summary["stalled"]:
         raise RunStopped(summary["stop_reason"])
     return summary
+
+
+def _missing_nodes(cfg: RunConfig) -> str | None:
+    """Why a Ray run's resume could not place its actors: a role of ``runtime.ray.nodes``
+    whose every node left the cluster (the trainer's, whose loss ended the run); None when
+    each role has a live node, or the run has no roles (its Ray places actors anywhere)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if cfg.runtime.kind != "ray" or not cfg.runtime.ray.nodes.roles() or ray is None or \
+            not ray.is_initialized():
+        return None
+    from rollstream.runtime.ray.nodes import check_cluster_has
+
+    try:
+        check_cluster_has(cfg.runtime.ray.nodes)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _rank_death(exc: BaseException) -> BaseException | None:

@@ -31,12 +31,17 @@ def role_resources(nodes: RayNodesConfig, role: Role) -> dict[str, float]:
 
 
 def check_cluster_has(nodes: RayNodesConfig) -> None:
-    """ValueError naming the setting when no node of the cluster this process is connected
-    to has a role's resource: Ray would wait for such a node forever (or until the scale
-    units' reservation times out), so the run fails before any actor starts."""
+    """ValueError naming the setting when no live node of the cluster this process is
+    connected to has a role's resource: Ray would wait for such a node forever (or until the
+    scale units' reservation times out), so the run fails before any actor starts, and a run
+    whose trainer node left does not restart its ranks (runtime/train.py)."""
     import ray
 
-    have = ray.cluster_resources()
+    have: dict[str, float] = {}
+    for node in ray.nodes():  # the nodes Ray reports alive: one that left is not counted
+        if node.get("Alive"):
+            for key, amount in node.get("Resources", {}).items():
+                have[key] = have.get(key, 0.0) + amount
     for role, name in nodes.roles().items():
         if have.get(name, 0) <= 0:
             custom = sorted(k for k in have

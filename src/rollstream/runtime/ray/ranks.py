@@ -14,10 +14,12 @@ bound before the store takes it, since the store itself would listen on every ad
 gloo uses the network interface that holds each rank's node address.
 
 Faults: a call whose actor died (``ray.kill``, its process killed, its node gone) raises
-:class:`~rollstream.train.fsdp.TrainerRankDied` with Ray's account of the death; a rank that
-raised raises its traceback (after waiting ``DEATH_GRACE_S`` for a peer's death that would
-explain it). Actors are not restarted by Ray (``max_restarts=0``): a rank's shard cannot be
-rebuilt alone, so the run resumes from its checkpoint (runtime/train.py).
+:class:`~rollstream.train.fsdp.TrainerRankDied` with Ray's account of the death and the node
+the rank ran on; a rank that raised raises its traceback (after waiting ``DEATH_GRACE_S`` for a
+peer's death that would explain it). Actors are not restarted by Ray (``max_restarts=0``): a
+rank's shard cannot be rebuilt alone, so the run resumes from its checkpoint
+(runtime/train.py), its new ranks placed where the run's scale units find room (another node
+of ``runtime.ray.nodes.trainer`` when theirs left the cluster).
 """
 
 from __future__ import annotations
@@ -113,9 +115,12 @@ class RayRanks:
             num_cpus=num_cpus, max_restarts=0,
             scheduling_strategy=units.rank(r) if units is not None else None,
         ).remote(r, world_size) for r in range(world_size)]
+        self.nodes: list[str | None] = [None] * world_size  # each rank's node, once started
         try:
             host, port = self._gather([self.actors[0].open_store.remote()])
             self._gather([a.start.remote(host, port, device, kwargs) for a in self.actors])
+            self.nodes = [p["node"] for p in ray.get([a.placement.remote()
+                                                      for a in self.actors])]
         except BaseException:
             self.kill()
             raise
@@ -145,15 +150,14 @@ class RayRanks:
             try:
                 results[rank] = ray.get(ref)
             except RayActorError as e:
-                raise TrainerRankDied(rank, None, _death(e)) from e
+                raise TrainerRankDied(rank, None, _death(e, self.nodes[rank])) from e
             except RayTaskError as e:
                 # after a peer's death a rank fails in its collective: the death is the cause
                 self._raise_death(pending)
                 raise rank_failed(rank, str(e)) from None
         return results[0]
 
-    @staticmethod
-    def _raise_death(pending: dict[Any, int]) -> None:
+    def _raise_death(self, pending: dict[Any, int]) -> None:
         """:class:`TrainerRankDied` if a pending call's actor died, waiting up to
         ``DEATH_GRACE_S`` for it to show."""
         import ray
@@ -166,12 +170,15 @@ class RayRanks:
             try:
                 ray.get(ref)
             except RayActorError as e:
-                raise TrainerRankDied(pending[ref], None, _death(e)) from e
+                rank = pending[ref]
+                raise TrainerRankDied(rank, None, _death(e, self.nodes[rank])) from e
             except Exception:  # noqa: BLE001 - another rank's error: the first one is reported
                 pass
 
 
-def _death(e: BaseException) -> str:
-    """Ray's account of an actor's death, on one line."""
+def _death(e: BaseException, node: str | None) -> str:
+    """Ray's account of an actor's death, on one line, with the node it ran on (a node that
+    left the cluster takes its ranks with it)."""
     text = " ".join(str(e).split())
-    return f"its actor died: {text[:300]}"
+    where = f" on node {node}" if node is not None else ""
+    return f"its actor{where} died: {text[:300]}"
