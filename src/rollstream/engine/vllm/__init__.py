@@ -19,12 +19,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from rollstream.config.schema import EngineConfig
+from rollstream.config.schema import EngineConfig, LoraConfig
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.engine import VllmEngine
 from rollstream.engine.vllm.server import ServerProcess, VllmServer, VllmServerError, cpu_build
 from rollstream.sync.shm import BUCKET_BYTES, SHM_ROOT, WeightStore
 from rollstream.sync.vllm import SyncTiming
+from rollstream.sync.vllm_lora import LoraSlot
 
 CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM's default for the API server on CPU
 # vLLM 0.32's CPU attention kernels; other head sizes crash the worker on the first request
@@ -37,13 +38,17 @@ __all__ = ["BUCKET_BYTES", "SyncTiming", "VllmEngine", "VllmServer", "VllmServer
 def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: str = "vllm-0",
                       version: int = 0, port: int | None = None,
                       log_dir: str | Path | None = None,
-                      host: Callable[[VllmServer], ServerProcess] | None = None) -> VllmEngine:
+                      host: Callable[[VllmServer], ServerProcess] | None = None,
+                      lora: LoraConfig | None = None) -> VllmEngine:
     """A started engine serving ``model_path`` with its weights labelled ``version``.
 
     Blocks until the server answers /health (launching takes ~30 s on CPU with
     ``enforce_eager``). ``port`` fixes the launch port (default: a free one). ``host``: who
     launches a server this process would launch (None: this process; ``runtime.kind: ray``
-    hands it to an actor, ``rollstream.runtime.ray.vllm``).
+    hands it to an actor, ``rollstream.runtime.ray.vllm``). ``lora``: the run's
+    ``model.lora``; the server then serves one LoRA adapter slot (``sync/vllm_lora.py``),
+    and an attached server must run with LoRA enabled (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+    --enable-lora --max-lora-rank`` >= the rank).
     """
     vcfg = cfg.vllm
     path = Path(model_path).resolve()
@@ -58,15 +63,19 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: s
         _check_cpu_head_dim(checkpoint.head_dim, path)
         logs = Path(log_dir) if log_dir is not None else Path(".cache/vllm/logs")
         server = VllmServer(cfg=vcfg, model_path=path, port=port,
-                            log_path=logs.resolve() / f"{engine_id}-{os.getpid()}.log")
+                            log_path=logs.resolve() / f"{engine_id}-{os.getpid()}.log",
+                            lora_rank=None if lora is None else lora.rank)
         if host is not None:
             server = host(server)
     store = WeightStore(root=SHM_ROOT / "rollstream-vllm"
                         / f"{engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     atexit.register(store.clear)
+    slot = None if lora is None else LoraSlot.create(
+        rank=lora.rank, targets=lora.target_modules, folder=store.root / "zero-adapter",
+        shapes=checkpoint.shapes)
     return VllmEngine(server, engine_id=engine_id, version=version, checkpoint=checkpoint,
                       store=store, capacity=_max_num_seqs(vcfg.extra_args),
-                      startup_timeout_s=vcfg.startup_timeout_s)
+                      startup_timeout_s=vcfg.startup_timeout_s, lora=slot)
 
 
 def _check_cpu_head_dim(head_dim: int, path: Path) -> None:
