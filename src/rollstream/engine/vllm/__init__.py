@@ -30,6 +30,7 @@ from rollstream.sync.vllm_lora import LoraSlot
 CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM's default for the API server on CPU
 # vLLM 0.32's CPU attention kernels; other head sizes crash the worker on the first request
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # vLLM's per-token expert output
 
 __all__ = ["BUCKET_BYTES", "SyncTiming", "VllmEngine", "VllmServer", "VllmServerError",
            "build_vllm_engine"]
@@ -61,6 +62,7 @@ def build_vllm_engine(cfg: EngineConfig, model_path: str | Path, *, engine_id: s
         server = VllmServer(cfg=vcfg, attach_url=vcfg.urls[index])
     else:
         _check_cpu_head_dim(checkpoint.head_dim, path)
+        _check_cpu_routed_experts(vcfg.extra_args)
         logs = Path(log_dir) if log_dir is not None else Path(".cache/vllm/logs")
         server = VllmServer(cfg=vcfg, model_path=path, port=port,
                             log_path=logs.resolve() / f"{engine_id}-{os.getpid()}.log",
@@ -84,6 +86,18 @@ def _check_cpu_head_dim(head_dim: int, path: Path) -> None:
     if head_dim not in CPU_HEAD_DIMS:
         raise ValueError(f"model {path} has head_dim {head_dim}; vLLM's CPU attention supports "
                          f"{list(CPU_HEAD_DIMS)} (use hidden_size / num_attention_heads >= 32)")
+
+
+def _check_cpu_routed_experts(extra_args: tuple[str, ...]) -> None:
+    """vLLM 0.32's CPU build cannot return routed experts (docs/moe.md): refused here, with
+    why, instead of a server that exits at start."""
+    if cpu_build() and ROUTED_EXPERTS_FLAG in {a.split("=", 1)[0] for a in extra_args}:
+        raise ValueError(
+            f"engine.vllm.extra_args has {ROUTED_EXPERTS_FLAG}, which vLLM's CPU build "
+            "cannot serve: it needs Model Runner V2 (the server exits with 'AuxOutput "
+            "Connector requires Model Runner V2'), and Model Runner V2 needs Triton's GPU "
+            "kernels ('Model Runner V2 requires Triton.'); drop the flag (routing replay "
+            "runs on engine.kind: local, docs/moe.md)")
 
 
 def _engine_index(engine_id: str) -> int:
