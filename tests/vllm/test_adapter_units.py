@@ -241,3 +241,46 @@ def test_routed_experts_are_refused_on_vllms_cpu_build(tmp_path):
         extra_args=("--enable-return-routed-experts",)))
     with pytest.raises(ValueError, match=r"engine.vllm.extra_args .*Model Runner V2"):
         build_vllm_engine(cfg, path, log_dir=tmp_path / "logs")
+
+
+async def test_a_lora_engines_server_gets_its_adapter_slot_back_on_restore(tmp_path):
+    """On every (re)started server, before anything else: the slot registered (an attached
+    server that has it already keeps it), its zero adapter loaded (the worker learns the
+    slot's id), then the latest version, then its label; a server that cannot serve LoRA is
+    refused with what it needs."""
+    import httpx
+
+    from rollstream.sync.vllm import VllmReload
+
+    path = make_tiny_model(tmp_path / "m", hidden_size=128)
+    slot = LoraSlot.create(rank=8, targets=("q_proj",), folder=tmp_path / "zero",
+                           shapes=CheckpointSpec.from_folder(path).shapes)
+    store = WeightStore(root=tmp_path / "store")
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 128),
+               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(128, 8)}
+    latest = store.write(Payload(header=Header.describe(3, "adapter", adapter),
+                                 tensors=adapter))
+    posts, answer = [], {"status": 200, "text": ""}
+
+    async def post(route, **kwargs):  # the server's HTTP edge
+        posts.append((route, kwargs.get("json")))
+        resp = httpx.Response(answer["status"] if route == "/v1/load_lora_adapter" else 200,
+                              text=answer["text"], request=httpx.Request("POST", route))
+        resp.raise_for_status()
+        return resp
+
+    reload = VllmReload(engine_id="vllm-0", version=3, store=store, health=None, post=post,
+                        streams=lambda: (), lora=slot)
+    for status, text in ((200, ""), (400, "The lora adapter 'x' has already been loaded.")):
+        posts.clear()
+        answer.update(status=status, text=text)
+        await reload.restore(latest)
+        assert [(r, (j or {}).get("kwargs", j)) for r, j in posts] == [
+            ("/v1/load_lora_adapter", {"lora_name": "rollstream-lora",
+                                       "lora_path": str(slot.zero_path)}),
+            ("/collective_rpc", {"name": "rollstream-lora", "path": str(slot.zero_path)}),
+            ("/collective_rpc", {"name": "rollstream-lora", "path": str(latest.path)}),
+            ("/update_weight_version", {"new_version": "3"})]
+    answer.update(status=404, text="Not Found")
+    with pytest.raises(RuntimeError, match="cannot serve model.lora.*--enable-lora"):
+        await reload.restore(latest)
