@@ -16,8 +16,9 @@ the version that sampled it, exactly as for full weights.
 Why not ``/v1/load_lora_adapter`` with ``load_inplace`` for every version: vLLM 0.32 keeps
 that flag on the request object the API server hands each new request, and its worker
 reloads an adapter whose request carries it from disk at every step (``LRUCacheWorkerLoRA
-Manager.add_adapter``), from the path registered when the request was submitted: a request
-sent at version v would load v's folder back over v+1 at each step.
+Manager.add_adapter``, called for each scheduled step's adapters; read in its source, not
+run), from the path registered when the request was submitted: a request sent at version v
+would load v's folder back over v+1 at each step.
 
 The folder (:func:`write_peft_folder`): ``adapter_config.json`` with ``lora_alpha = r`` (scale
 1: the payload's B has the scale multiplied in) and ``adapter_model.safetensors`` under peft's
