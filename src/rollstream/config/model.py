@@ -76,6 +76,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 name."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32's ``--max-lora-rank`` takes (a server serves adapters up to it)."""
+
+
 class LoraConfig(Section):
     rank: int = Field(8, ge=1)
     """Rank r of each adapter pair (A: r x d_in, B: d_out x r)."""
@@ -117,9 +121,9 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """Train a LoRA adapter on the frozen model instead of every weight (needs the ``lora``
     extra: peft). Weight sync then moves the adapter alone and the engines merge it onto
-    their base weights; checkpoints hold the adapter in PEFT's format (docs/lora.md).
-    Embedded engines only for now (``engine.kind: local``, ``runtime.kind: embedded``,
-    ``train.backend: local``), dense models only."""
+    their base weights (vLLM: loads it into its one adapter slot); checkpoints hold the
+    adapter in PEFT's format (docs/lora.md). ``runtime.kind: embedded`` and
+    ``train.backend: local`` only for now, dense models only."""
 
     @model_validator(mode="after")
     def _check_lora_arch(self) -> ModelConfig:
@@ -133,16 +137,21 @@ class ModelConfig(Section):
 def check_lora(lora: LoraConfig | None, *, engine_kind: str, runtime_kind: str,
                train_backend: str, train_compile: bool) -> None:
     """``model.lora`` against the settings that cannot take an adapter yet: the adapter is
-    applied by the embedded engine (merged onto its base weights) and trained by the local
-    trainer; vLLM's LoRA loading, engine actors on Ray and FSDP ranks are not wired."""
+    applied by engines in this process (the embedded one merges it onto its base weights,
+    vLLM loads it into its adapter slot) and trained by the local trainer; engine actors on
+    Ray and FSDP ranks are not wired."""
     if lora is None:
         return
-    for name, value, allowed in (("engine.kind", engine_kind, "local"),
-                                 ("runtime.kind", runtime_kind, "embedded"),
-                                 ("train.backend", train_backend, "local")):
-        if value != allowed:
-            raise ValueError(f"model.lora is implemented for {name} = {allowed} only (it is "
-                             f"{value}): drop model.lora or set {name}: {allowed}")
+    for name, value, allowed in (("engine.kind", engine_kind, ("local", "vllm")),
+                                 ("runtime.kind", runtime_kind, ("embedded",)),
+                                 ("train.backend", train_backend, ("local",))):
+        if value not in allowed:
+            raise ValueError(f"model.lora is implemented for {name} = {' or '.join(allowed)} "
+                             f"only (it is {value}): drop model.lora or set {name}: "
+                             f"{allowed[0]}")
+    if engine_kind == "vllm" and lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ValueError(f"model.lora.rank {lora.rank}: vLLM serves LoRA ranks up to "
+                         f"{VLLM_LORA_RANKS[-1]} (engine.kind vllm)")
     if train_compile:
         raise ValueError("model.lora with train.compile = true is not supported (the adapter "
                          "wrapper is not compiled): drop one")

@@ -102,7 +102,9 @@ class TrainConfig(Section):
     (``router_aux_loss_coef``) is still computed from the router's logits and its own top-k:
     under replay it balances what the router would choose, which is what the engines will
     route by after the next weight sync. ``replay`` is an error for a model without experts,
-    with ``engine.kind: vllm`` (the vLLM client does not read routed experts),
+    with ``engine.kind: vllm`` (vLLM's CPU build cannot return routed experts: its
+    ``--enable-return-routed-experts`` needs Model Runner V2, which needs Triton's GPU kernels;
+    the vLLM client does not read them),
     ``runtime.kind: ray`` (engine actors do not return them yet), ``compile: true`` and
     ``model.lora``. The step metric ``routing_agreement`` (every step, MoE models) is the
     share of recorded (token, layer) top-k sets that the trainer's own router picks too."""
@@ -224,7 +226,8 @@ def check_routing_replay(t: TrainConfig, *, engine_kind: str, lora: bool,
                          f"model.tiny.arch is {experts!r} (qwen2_moe has experts)")
     for name, value, why in (
             ("engine.kind", engine_kind if engine_kind == "vllm" else None,
-             "rollstream's vLLM client does not read routed experts"),
+             "vLLM's CPU build cannot return routed experts, and rollstream's vLLM client "
+             "does not read them: docs/moe.md"),
             ("train.compile", "true" if t.compile else None,
              "the replaying router hook is not compiled"),
             ("model.lora", "set" if lora else None,

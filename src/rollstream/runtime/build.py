@@ -354,5 +354,5 @@ def _make_here(cfg: RunConfig, weights: Path, *, version: int,
 
     def make(index: int) -> Engine:
         return build_engine(cfg.engine, weights, engine_id=f"{cfg.engine.kind}-{index}",
-                            version=version, training=training)
+                            version=version, training=training, lora=cfg.model.lora)
     return make

@@ -17,7 +17,8 @@ scale already multiplied into B, so version ``v`` serves ``M.weight = base + B @
 base is the weights the engine last loaded in full, its folder's at start: each adapter
 version replaces the previous one, it never adds to it). The transports move any kind
 unchanged, since they move tensors and this header, but no receiver of theirs applies an
-adapter yet (:data:`KINDS`): it reaches the embedded engine in process. An adapter is never
+adapter yet (:data:`KINDS`): it reaches the embedded engine in process, and the vLLM engine,
+which hands it to its server as a PEFT folder (``vllm_lora.py``). An adapter is never
 delta-encoded: every one of its elements moves each step, and it is already the small payload.
 """
 
@@ -34,8 +35,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; e
 PROTOCOL = 1  # the layout of a header and of the transports' deliveries
 PayloadKind = Literal["full", "delta", "adapter"]
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")  # an adapter payload's names
-# what the transports' receivers apply (engine actors, vLLM's reload): an adapter reaches the
-# embedded engine alone, in process (weights.py), so a transport refuses one, never half-applies it
+PEFT_PREFIX = "base_model.model."  # what peft puts before the base model's module names
+# what the transports' receivers apply (engine actors, vLLM's full reload): an adapter reaches
+# the engines of this process alone (weights.py; vLLM's through vllm_lora.py), so a transport
+# refuses one, never half-applies it
 KINDS: tuple[str, ...] = tuple(k for k in get_args(PayloadKind) if k != "adapter")
 
 

@@ -2,7 +2,8 @@
 processes that install it: engine actors on this host (:class:`SharedMemory`) and the vLLM
 server's worker (``sync/vllm.py``, ``engine/vllm/worker_ext.py``).
 
-``WeightStore.write(payload)`` writes the payload's tensors as ``bucket-000.safetensors``,
+``WeightStore.write(payload)`` writes an ``adapter`` payload as a PEFT folder for vLLM's LoRA
+loader (``vllm_lora.py``), any other the payload's tensors as ``bucket-000.safetensors``,
 ``bucket-001.safetensors``, ... under a new folder of ``/dev/shm/rollstream-<who>/...``, each
 file carrying the payload's header fields in its metadata (:meth:`Header.metadata`; a
 reader refuses another protocol or kind). Each bucket holds at most :data:`BUCKET_BYTES`
@@ -41,8 +42,10 @@ from rollstream.sync.protocol import (
     Header,
     Payload,
     PayloadKind,
+    check,
     read_metadata,
 )
+from rollstream.sync.vllm_lora import write_peft_folder
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +63,7 @@ class WrittenWeights:
     num_bytes: int
     num_buckets: int
     write_s: float
+    kind: PayloadKind = "full"  # "adapter": a PEFT folder (sync/vllm_lora.py), not buckets
 
 
 @dataclass(slots=True, kw_only=True)
@@ -79,6 +83,11 @@ class WeightStore:
         t0 = time.perf_counter()
         path = self.root / f"v{version}-{time.monotonic_ns()}"
         path.mkdir(parents=True)
+        if payload.header.kind == "adapter":  # what vLLM's LoRA loader reads: a PEFT folder
+            written = WrittenWeights(version=version, path=path, kind="adapter",
+                                     num_bytes=write_peft_folder(path, tensors), num_buckets=1,
+                                     write_s=time.perf_counter() - t0)
+            return self._keep(written)
         plan = plan_buckets(tensors, self.bucket_bytes)
         seen: set[int] = set()
         for i, planned in enumerate(plan):
@@ -91,9 +100,11 @@ class WeightStore:
                 bucket[entry.name] = t
             save_file(bucket, str(path / f"bucket-{i:03d}.safetensors"), meta)
         num_bytes = sum(e.num_bytes for planned in plan for e in planned.entries)
-        written = WrittenWeights(version=version, path=path, num_bytes=num_bytes,
-                                 num_buckets=len(plan),
-                                 write_s=time.perf_counter() - t0)
+        return self._keep(WrittenWeights(version=version, path=path, num_bytes=num_bytes,
+                                         num_buckets=len(plan),
+                                         write_s=time.perf_counter() - t0))
+
+    def _keep(self, written: WrittenWeights) -> WrittenWeights:
         if self.latest is not None:
             self._older.append(self.latest.path)
         self.latest = written
@@ -173,6 +184,7 @@ class SharedMemory:
 
     def _write(self, payload: Payload) -> Path:
         t0 = time.perf_counter()
+        check(payload.header.protocol, payload.header.kind)  # its readers apply KINDS only
         written = self.store.write(payload)
         self.store.prune()  # rounds are sequential: no actor reads an older version now
         log.info("weights v%d: %d bytes written to %s in %.3f s", payload.version,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollstream.sync.protocol import ADAPTER_SUFFIXES
+from rollstream.sync.protocol import ADAPTER_SUFFIXES, PEFT_PREFIX
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from rollstream.config.model import LoraConfig
 
 ADAPTER = "default"  # peft's name of the one adapter
-PREFIX = "base_model.model."  # what peft puts before the base model's module names
 
 
 def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: Path) -> PeftModel:
@@ -62,7 +61,7 @@ def sync_tensors(model: PeftModel) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
             continue
-        hf_name = name.removeprefix(PREFIX)
+        hf_name = name.removeprefix(PEFT_PREFIX)
         out[hf_name + a_end] = module.lora_A[ADAPTER].weight.detach()
         out[hf_name + b_end] = module.lora_B[ADAPTER].weight.detach() * module.scaling[ADAPTER]
     return out

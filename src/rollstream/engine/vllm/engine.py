@@ -25,9 +25,16 @@ until a reload during the stream resumes the server; the tokens received before 
 side of the reload, are dropped from the partial output (resubmitted, they are sampled
 again). See ``wire.py``.
 
+LoRA (built with ``lora``): the server holds one adapter slot that every request names, and
+``load_weights`` of an adapter reloads that slot in place under the same pause as a full
+reload, so the version rules above hold unchanged (``sync/vllm_lora.py``).
+
 Prefix cache: requests carry ``cache_salt = "rollstream-v{version}"``, so a prompt sent after a
-reload never reuses KV blocks computed with older weights (no cache flush needed; requests
-in flight across a reload keep their KV, as in the local engine).
+reload never reuses KV blocks computed with older weights. Requests in flight across a reload
+do not keep their KV, unlike the local engine's: vLLM 0.32's ``/pause`` clears the KV cache
+(its ``clear_cache`` default) and preempts them, so on ``/resume`` they recompute it with the
+new weights (tests/vllm/test_lora.py: the tokens after an adapter load mid-stream are the new
+adapter's greedy continuation of the whole sequence).
 
 Interrupts and pauses travel through vLLM's API server. On a saturated machine it was seen
 to lag generation by seconds (and to deliver whole streams in one burst at their end); an
@@ -67,9 +74,10 @@ from rollstream.engine.vllm.checkpoint import CheckpointSpec
 from rollstream.engine.vllm.health import HEALTH_TIMEOUT_S, ServerHealth
 from rollstream.engine.vllm.server import LOGPROBS_MODE, ServerProcess, VllmServerError
 from rollstream.engine.vllm.wire import GENERATE_PATH, StreamState, request_body
-from rollstream.sync.protocol import Payload
+from rollstream.sync.protocol import Header, Payload, is_adapter
 from rollstream.sync.shm import WeightStore, WrittenWeights
 from rollstream.sync.vllm import SyncTiming, VllmReload
+from rollstream.sync.vllm_lora import ADAPTER_NAME, LoraSlot
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +110,8 @@ class VllmEngine:
 
     def __init__(self, server: ServerProcess, *, engine_id: str, version: int,
                  checkpoint: CheckpointSpec, store: WeightStore, capacity: int,
-                 startup_timeout_s: float, health_period_s: float = 5.0) -> None:
+                 startup_timeout_s: float, health_period_s: float = 5.0,
+                 lora: LoraSlot | None = None) -> None:
         self.engine_id = engine_id
         self.server = server
         self._checkpoint, self._store, self._capacity = checkpoint, store, capacity
@@ -111,7 +120,8 @@ class VllmEngine:
                                     probe=self._healthy, drop_streams=self._drop_streams,
                                     restart=self._restart)
         self._sync = VllmReload(engine_id=engine_id, version=version, store=store,
-                                health=self._health, post=self._post, streams=self._streams)
+                                health=self._health, post=self._post, streams=self._streams,
+                                lora=lora)
         self._max_model_len = 0
         self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
@@ -148,9 +158,19 @@ class VllmEngine:
         await self._call(self._interrupt(None if request_ids is None else set(request_ids)))
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Install a full HF-named state dict; tokens sampled afterwards carry ``version``.
+        """Install a full HF-named state dict, or (an engine built with ``lora``) a LoRA
+        adapter (``sync/vllm_lora.py``); tokens sampled afterwards carry ``version``.
         In-flight requests freeze during the reload and continue on the new weights."""
-        payload = Payload.full(version, dict(self._checkpoint.check(tensors)))
+        lora = self._sync.lora
+        if is_adapter(tensors):
+            if lora is None:
+                raise ValueError(f"vllm engine {self.engine_id} got a LoRA adapter but was "
+                                 "built without model.lora (its server serves no adapter)")
+            lora.check(tensors, self._checkpoint.shapes)
+            payload = Payload(header=Header.describe(version, "adapter", tensors),
+                              tensors=tensors)
+        else:
+            payload = Payload.full(version, dict(self._checkpoint.check(tensors)))
         await self._call(self._sync.load(payload))
 
     def stats(self) -> EngineStats:
@@ -309,6 +329,8 @@ class VllmEngine:
         body["sampling_params"]["stop_token_ids"] = [
             t for t in st.request.params.stop_token_ids if 0 <= t < self._checkpoint.vocab_size]
         body["cache_salt"] = f"rollstream-v{self._sync.version}"
+        if self._sync.lora is not None:  # the one adapter slot, whatever version it holds
+            body["model"] = ADAPTER_NAME
         failure: httpx.TransportError | None = None
         refused: str | None = None  # the server's fault, answered at once: HTTP 5xx
         try:

@@ -26,6 +26,8 @@ agreement with a float32 trainer; ``extra_args`` may override it); on the CPU bu
 ``--no-enable-chunked-prefill`` with a step budget that holds the longest prompt
 (:func:`_unchunked_prefill`). ``VLLM_SERVER_DEV_MODE=1`` enables ``/pause``,
 ``/resume``, ``/abort_requests``, ``/collective_rpc`` and ``/update_weight_version``.
+A LoRA engine's server (``lora_rank`` set) also gets ``--enable-lora --max-lora-rank R
+--max-loras 1`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (``sync/vllm_lora.py``).
 ``VLLM_CACHE_ROOT`` defaults to ``.cache/vllm`` (persistent, so compiled graphs are reused).
 
 Errors are reported with what went wrong: the port is taken, the model folder is not a model
@@ -54,6 +56,7 @@ from typing import Literal, Protocol
 import httpx
 
 from rollstream.config.schema import VllmEngineConfig
+from rollstream.sync.vllm_lora import max_lora_rank
 
 WORKER_EXTENSION = "rollstream.engine.vllm.worker_ext.RollstreamWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"  # the only vLLM logprobs mode that may serve training
@@ -169,6 +172,7 @@ class VllmServer:
     attach_url: str | None = None
     port: int | None = None  # launched servers: None = pick a free one
     log_path: Path | None = None  # launched servers: where stdout/stderr go
+    lora_rank: int | None = None  # launched servers: serve LoRA adapters up to this rank
     url: str = ""
     # where vLLM keeps compiled graphs, resolved where the server is configured (an actor
     # that launches it runs in Ray's working directory)
@@ -196,6 +200,9 @@ class VllmServer:
             args += ["--dtype", model_dtype(self.model_path)]
         if self.cfg.enforce_eager:
             args.append("--enforce-eager")
+        if self.lora_rank is not None:
+            args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(self.lora_rank)),
+                     "--max-loras", "1"]
         return args + _unchunked_prefill(self.cfg) + list(self.cfg.extra_args)
 
     def start(self) -> None:
@@ -211,6 +218,8 @@ class VllmServer:
         check_port_free(port)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CACHE_ROOT", str(self.cache_root))
+        if self.lora_rank is not None:  # /v1/load_lora_adapter registers the adapter slot
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._shm_before = frozenset(glob.glob(SHM_PATTERN))

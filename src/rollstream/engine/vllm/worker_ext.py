@@ -22,6 +22,10 @@ callable through ``POST /collective_rpc``. What it provides:
   CPU kernels' weight repacking (calling ``model.load_weights`` directly is wrong on CPU).
   Tensors are read lazily from memory-mapped files, one at a time, so peak extra memory is
   one tensor, not the model.
+* ``rollstream_load_adapter(name, path)`` loads a LoRA version's PEFT folder into the one
+  adapter slot the server holds (``sync/vllm_lora.py``), in place: the adapter keeps its id,
+  so requests in flight that name it continue on the new version. A full reload drops the
+  worker's loaded adapters; the next call puts the slot back under its id.
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ class RollstreamWorkerExtension:
         t0 = time.perf_counter()
         reload = self.reload_weights  # type: ignore[attr-defined]  # the worker's method
         reload(weights_iterator=iter_folder(weights_dir))
+        return {"load_s": time.perf_counter() - t0}
+
+    def rollstream_load_adapter(self, name: str, path: str) -> dict[str, float]:
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        ids = self.list_loras()  # type: ignore[attr-defined]  # the worker's method
+        # the id the API server gave the slot when it was registered; a full reload drops
+        # the loaded adapters, so it is remembered from the first load, right after that
+        lora_id = getattr(self, "_rollstream_lora_id", None)
+        if lora_id is None and len(ids) == 1:
+            (lora_id,) = ids
+        if lora_id is None or not ids <= {lora_id}:
+            raise RuntimeError(f"rollstream: expected the one registered LoRA adapter, found "
+                               f"{ids} (remembered {lora_id})")
+        self._rollstream_lora_id = lora_id
+        self.add_lora(LoRARequest(  # type: ignore[attr-defined]
+            lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=True))
         return {"load_s": time.perf_counter() - t0}
 
     def rollstream_logprobs_mode(self) -> dict[str, str]:
