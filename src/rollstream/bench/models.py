@@ -22,7 +22,7 @@ steps, groups per step and new tokens, placed as ``bench modes`` places a run: `
 YAML's adapter, rank 8 on every linear layer) then ``full`` (``model.lora=null``), back to
 back (:mod:`.short_runs`); ``lora_vs_full_samples_per_s`` = trained samples/s of ``lora`` ÷
 ``full``, each run's reading under ``lora_runs``. vLLM's sync (``lora_vllm``, on the demo
-shape's every-layer adapter; not with ``--quick``) is :mod:`.models_vllm`'s; training runs
+shape's every-layer adapter; not with ``--quick``) is :func:`bench_vllm_sync`'s; training runs
 on vLLM are not measured. The
 mixture-of-experts section (``moe``) is
 :mod:`.models_moe`'s: routing replay against a bfloat16 engine. A benchmark measures; it
@@ -40,9 +40,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.run_files import VLLM_LOGS
+
 NUM_SYNCS = 10
 DECODE_ROWS = 64  # rows of one decode step for the low-rank term's cost
 RANK = 8
+VLLM_MAX_MODEL_LEN = 128  # the LoRA sync on vLLM (bench_vllm_sync)
 SHAPES: dict[str, dict[str, int]] = {
     "demo": {"hidden_size": 128, "num_layers": 4, "intermediate_size": 384},
     "h512": {"hidden_size": 512, "num_layers": 4, "intermediate_size": 1536, "num_heads": 8,
@@ -157,7 +160,6 @@ def lora_runs(folder: Path, run_root: Path, *, quick: bool) -> dict[str, Any]:
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
     from rollstream.bench.models_moe import bench_moe
-    from rollstream.bench.models_vllm import bench_vllm_sync
     from rollstream.bench.weightsync import build_model
 
     load_start = os.getloadavg()[0]
@@ -171,7 +173,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
             if shape == "demo":
                 runs = lora_runs(folder, Path(tmp) / "runs", quick=quick)
                 on_vllm = None if quick else bench_vllm_sync(
-                    folder, *shape_tensors(folder, None), log_dir=Path(tmp) / "vllm-logs")
+                    folder, *shape_tensors(folder, None), log_dir=Path(tmp) / VLLM_LOGS)
         moe = bench_moe(build_model(Path(tmp) / "moe", arch="qwen2_moe", **SHAPES["demo"]),
                         quick=quick)
     demo = rows["demo/all"]
@@ -223,3 +225,39 @@ def _print_table(rows: dict[str, Any]) -> None:
                       f"{r['lora_sync_s_vs_full']:.2f}", f"{r['lowrank_step_s'] * 1e3:.3f} ms",
                       f"{r['merge_breakeven_steps']:.1f}")
     Console(width=160).print(table)
+
+
+def bench_vllm_sync(folder: Path, full: dict, adapter: dict, log_dir: Path) -> dict[str, Any]:
+    """Load seconds and bytes on a LoRA vLLM engine serving ``folder``, at rank 8 on every
+    linear layer (the adapter of :func:`bench_shape`): ``lora_sync_bytes_vs_full``, the
+    adapter's bytes / the full state dict's (what the engine wrote for its server,
+    ``SyncTiming.num_bytes``), and ``lora_sync_s_vs_full``, the median seconds of
+    ``VllmEngine.load_weights`` with the adapter (PEFT folder written to shared memory, then
+    loaded into the server's adapter slot in place) / with the full state dict (buckets
+    written, ``reload_weights``, and, this engine serving LoRA, its slot reset to the zero
+    adapter, which a full load on a LoRA engine does), over ``NUM_SYNCS`` loads after a
+    warm-up, each inside the server's ``/pause`` ... ``/resume`` (docs/lora.md, "LoRA on
+    vLLM"). Training runs on vLLM (``lora_vs_full_samples_per_s``) are not measured."""
+    from rollstream.config.model import LoraConfig
+    from rollstream.config.schema import EngineConfig, VllmEngineConfig
+    from rollstream.engine.vllm import build_vllm_engine
+
+    cfg = EngineConfig(kind="vllm", vllm=VllmEngineConfig(max_model_len=VLLM_MAX_MODEL_LEN))
+    engine = build_vllm_engine(cfg, folder, log_dir=log_dir,
+                               lora=LoraConfig(rank=RANK, alpha=2.0 * RANK))
+
+    async def timed() -> tuple[float, float, int, int]:
+        full_s = await _load_s(engine, full, 1)
+        full_moved = engine.sync_timings[-1].num_bytes
+        adapter_s = await _load_s(engine, adapter, 100)
+        return full_s, adapter_s, full_moved, engine.sync_timings[-1].num_bytes
+
+    try:
+        full_s, adapter_s, full_moved, adapter_moved = asyncio.run(timed())
+    finally:
+        engine.shutdown()
+    return {"full_bytes": full_moved, "adapter_bytes": adapter_moved,
+            "adapter_payload_bytes": _nbytes(adapter),
+            "lora_sync_bytes_vs_full": adapter_moved / full_moved,
+            "full_sync_s": full_s, "adapter_sync_s": adapter_s,
+            "lora_sync_s_vs_full": adapter_s / full_s}

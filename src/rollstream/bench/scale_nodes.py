@@ -64,8 +64,8 @@ def row_overrides(address: str, engines: str) -> list[str]:
 def on_nodes(common: Sequence[str], order: Sequence[str], operated_steps: int) -> dict[str, Any]:
     """The multi-node rows (``order``: the row of each run) and the operated run, on one
     cluster started and stopped here."""
+    from rollstream.bench.run_reading import row_numbers
     from rollstream.bench.sampling import collect
-    from rollstream.bench.scale import row_numbers
 
     t0 = time.perf_counter()
     with LocalCluster.start(NODES) as nodes:
