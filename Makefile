@@ -46,11 +46,17 @@ system-deps:
 		else echo "make test needs the packages:$$missing (install them, then rerun)"; exit 1; fi; \
 	fi
 
+# Two workers (pytest-xdist): the suite waits on servers, clusters and subprocesses for much
+# of its time, so a second worker fills the idle core. tests/conftest.py keeps the vLLM and
+# Ray tests on one worker and each other module whole. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup-vllm system-deps
-	$(BIN)/python -m pytest -q -ra --durations=25  # the slowest tests: the suite must stay well under 20 min
+	$(BIN)/python -m pytest $(XDIST) -q -ra --durations=25  # the slowest tests: the suite must stay well under 20 min
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not ray and not browser"
+	$(BIN)/python -m pytest $(XDIST) -q -ra -m "not slow and not vllm and not ray and not browser"
 
 # The docs site (mkdocs-material, mkdocs.yml) into site/; --strict: a broken link fails it.
 docs: setup

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,30 @@ collect_ignore = ([] if importlib.util.find_spec("vllm") else
                    if importlib.util.find_spec(module) is None])
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's ``--dist loadgroup`` (`make test` runs two workers): the tests that
+    start vLLM servers or Ray clusters run one after another on one worker (they share the
+    session's vLLM server, and two of them at once stall each other on a 2-core machine);
+    every other module runs whole on one worker, so its module fixtures are built once."""
+    if not getattr(config.option, "loadgroup", False):  # set on a worker of --dist loadgroup
+        return
+    for item in items:
+        heavy = item.get_closest_marker("vllm") or item.get_closest_marker("ray")
+        item.add_marker(pytest.mark.xdist_group("servers" if heavy else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def tiny_run_cache(tmp_path_factory) -> Path:
-    """The warm-start cache every test that warm-starts a kit model shares."""
-    return tmp_path_factory.mktemp("tiny-run-cache")
+    """The warm-start cache every test that warm-starts a kit model shares: one folder for all
+    of pytest-xdist's workers too (an entry is renamed into place whole, so two workers that
+    build the same shape at once both end with one good entry)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    path = root / "tiny-run-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
