@@ -87,6 +87,11 @@ def _stop(pgids: list[int], timeout_s: float = 5.0) -> None:
     for pgid in pgids:
         if _group(pgid):
             os.killpg(pgid, signal.SIGKILL)
+    # a killed process is gone once the kernel has torn it down (its memory, a loaded
+    # machine: up to seconds), not when the signal is sent
+    deadline = time.monotonic() + 15.0
+    while any(_group(g) for g in pgids) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _start(cmd: list[str], env: dict[str, str], log: Path) -> int:
