@@ -29,22 +29,18 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from rollstream.bench.cluster import LocalCluster, NodeSpec
 from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.config import load_config
-from rollstream.config.runtime import MIN_OBJECT_STORE_BYTES
 from rollstream.data.ledger import read_jsonl
 from rollstream.runtime.ray.units import ScaleUnits
 from rollstream.runtime.train import run_training
@@ -62,57 +58,17 @@ def _parity(task, text: str) -> float:
     return float(len(text) % 2)
 
 
-@dataclass(kw_only=True)
-class Nodes:
-    address: str  # the head's GCS, what runtime.ray.address names
-    ids: list[str]  # the node ids, in NODES' order
-    cluster: Any  # the ray.cluster_utils.Cluster
-    nodes: list[Any]  # its nodes, in NODES' order
-    common: dict[str, Any]  # what every node was started with
-
-    def lose(self, i: int) -> None:
-        """Node ``i`` leaves the cluster: its raylet and every process on it end."""
-        self.cluster.remove_node(self.nodes[i])
-
-    def restore(self, i: int) -> None:
-        """A new node with node ``i``'s resources takes its place (and its index)."""
-        cpus, resources = NODES[i]
-        self.nodes[i] = self.cluster.add_node(num_cpus=cpus, resources=resources,
-                                              **self.common)
-        self.cluster.wait_for_nodes()
-        self.ids[i] = self.nodes[i].node_id
-
-
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Nodes]:
-    """The module's 3-node cluster on 127.0.0.1 (its GCS and raylets listen there only), in
-    a short temporary folder (Ray's Unix sockets must fit ~100 characters); stopped, its
-    processes and folder gone, at the end."""
+def cluster() -> Iterator[LocalCluster]:
+    """The module's 3-node cluster on 127.0.0.1 (its GCS and raylets listen there only;
+    ``bench/cluster.py``); stopped, its processes and folder gone, at the end."""
     import ray
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized(), "another test's Ray is still up: the runs would use it"
     before = _descendants()
-    temp_dir = tempfile.mkdtemp(prefix="rs-mn-")
-    common = {"node_ip_address": "127.0.0.1", "temp_dir": temp_dir,
-              "object_store_memory": MIN_OBJECT_STORE_BYTES}
-    with pytest.MonkeyPatch.context() as patch:
-        # as RayCluster.start: without it Ray advertises the head's GCS on the machine's
-        # routable address, where nothing listens
-        patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        nodes = Cluster(shutdown_at_exit=True)
-        try:
-            started = [nodes.add_node(num_cpus=cpus, resources=resources, **common,
-                                      **({"include_dashboard": False} if i == 0 else {}))
-                       for i, (cpus, resources) in enumerate(NODES)]
-            nodes.wait_for_nodes()
-            yield Nodes(address=nodes.address, ids=[n.node_id for n in started],
-                        cluster=nodes, nodes=started, common=common)
-        finally:
-            ray.shutdown()  # the runs joined the cluster: this process is still connected
-            nodes.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with LocalCluster.start([NodeSpec(num_cpus=cpus, resources=resources)
+                             for cpus, resources in NODES]) as nodes:
+        yield nodes
     assert _descendants() - before == set(), "a node's process outlived the cluster"
 
 
@@ -290,7 +246,7 @@ def test_an_engine_node_lost_mid_stream_loses_and_duplicates_nothing(
             # running request to finish (the cut ones then had no tokens: 1 of 4 tries)
             pid = actors()[on_node2[0].actor._actor_id.hex()]["Pid"]
             os.kill(pid, signal.SIGSTOP)
-            cluster.lose(2)
+            cluster.remove(2)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # gone with its node, frozen or not
             lost.set()
@@ -501,10 +457,7 @@ def test_a_lost_trainer_node_restarts_the_ranks_on_another_from_the_checkpoint(
     first = len(cluster.nodes)
 
     def add_trainer_node() -> str:
-        cluster.nodes.append(cluster.cluster.add_node(num_cpus=1, resources={TRAINER: 1},
-                                                      **cluster.common))
-        cluster.cluster.wait_for_nodes()
-        return cluster.nodes[-1].node_id
+        return cluster.add(NodeSpec(num_cpus=1, resources={TRAINER: 1}))
 
     trainer_nodes = [add_trainer_node() for _ in range(2)]
     launched: list = []
@@ -524,7 +477,7 @@ def test_a_lost_trainer_node_restarts_the_ranks_on_another_from_the_checkpoint(
             time.sleep(0.05)
         [node] = launched[-1]
         lost.append(node)
-        cluster.cluster.remove_node(next(n for n in cluster.nodes if n.node_id == lost[-1]))
+        cluster.remove(cluster.ids.index(lost[-1]))
 
     async def after(self, step, values):
         await real_after(self, step, values)
@@ -545,10 +498,10 @@ def test_a_lost_trainer_node_restarts_the_ranks_on_another_from_the_checkpoint(
         spare = add_trainer_node()
         summary = run_training(cfg.model_copy(update={"resume": True}))
     finally:
-        for node in cluster.nodes[first:]:
-            if node.node_id not in lost:
-                cluster.cluster.remove_node(node)
-        del cluster.nodes[first:]
+        for i in range(first, len(cluster.ids)):
+            if cluster.ids[i] not in lost:
+                cluster.remove(i)
+        del cluster.specs[first:], cluster.nodes[first:], cluster.ids[first:]
     # both ranks ran on one node each time (one bundle): the first trainer node, the other
     # one after its loss (the automatic restart), then the node that joined (the resume)
     assert launched == [[lost[0]], [lost[1]], [spare]]

@@ -82,6 +82,13 @@ class LocalCluster:
             raise ValueError("the head node holds the driver: it cannot be removed")
         self.cluster.remove_node(self.nodes[i])
 
+    def restore(self, i: int) -> str:
+        """A new node with node ``i``'s spec takes its place (and its index); its id."""
+        self.nodes[i] = self._add(self.specs[i], head=False)
+        self.cluster.wait_for_nodes()
+        self.ids[i] = self.nodes[i].node_id
+        return self.ids[i]
+
     def add(self, spec: NodeSpec) -> str:
         """A new node joins; its id."""
         node = self._add(spec, head=False)
