@@ -36,6 +36,7 @@ PROTOCOL = 1  # the layout of a header and of the transports' deliveries
 PayloadKind = Literal["full", "delta", "adapter"]
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")  # an adapter payload's names
 PEFT_PREFIX = "base_model.model."  # what peft puts before the base model's module names
+ADAPTER_FILE = "adapter_model.safetensors"  # a peft adapter folder's weights
 # what the transports' receivers apply (engine actors, vLLM's full reload): an adapter reaches
 # the engines of this process alone (weights.py; vLLM's through vllm_lora.py), so a transport
 # refuses one, never half-applies it

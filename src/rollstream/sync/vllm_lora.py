@@ -36,13 +36,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollstream.config.model import VLLM_LORA_RANKS
-from rollstream.sync.protocol import ADAPTER_SUFFIXES, PEFT_PREFIX, check_adapter
+from rollstream.sync.protocol import ADAPTER_FILE, ADAPTER_SUFFIXES, PEFT_PREFIX, check_adapter
 
 if TYPE_CHECKING:
     import torch
 
 ADAPTER_NAME = "rollstream-lora"  # the served adapter every request of a LoRA engine names
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def max_lora_rank(rank: int) -> int:

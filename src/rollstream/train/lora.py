@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollstream.sync.protocol import ADAPTER_SUFFIXES, PEFT_PREFIX
+from rollstream.sync.protocol import ADAPTER_FILE, ADAPTER_SUFFIXES, PEFT_PREFIX
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -73,9 +73,9 @@ def load_adapter(model: PeftModel, folder: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    path = Path(folder) / "adapter_model.safetensors"
+    path = Path(folder) / ADAPTER_FILE
     if not path.is_file():
-        raise ValueError(f"{folder} holds no LoRA adapter (adapter_model.safetensors): not a "
+        raise ValueError(f"{folder} holds no LoRA adapter ({ADAPTER_FILE}): not a "
                          "checkpoint of a model.lora run")
     result = set_peft_model_state_dict(model, load_file(str(path)))
     missing = [k for k in result.missing_keys if "lora_" in k]
