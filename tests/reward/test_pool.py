@@ -193,6 +193,20 @@ async def test_async_deadlines_each_call_its_own_and_an_outside_cancel_stays_a_c
     assert await twice() == [(None, "timeout after 0.5s"), (1.0, None)]
 
 
+async def test_a_rewards_setup_runs_before_its_timeout_counts(make_pool) -> None:
+    """A 1.5 s first-call build (reasoning-gym's import and generator) under a 0.5 s timeout:
+    as ``@reward_setup`` it is not timed, done in the call it is; a setup that fails leaves
+    the call to run and report for itself."""
+    pool = make_pool({"setup": w.built_first, "inline": w.builds_in_call,
+                      "fails": w.setup_fails}, timeout_s=0.5, num_workers=1)
+    results = [await pool.grade(task(reference=seconds, source=s), STOPPED)  # one worker
+               for s, seconds in (("setup", "1.5"), ("setup", "1.5"), ("inline", "1.2"),
+                                  ("fails", "0"))]
+    assert [(r.reward, r.error) for r in results] == [
+        (1.0, None), (1.0, None), (None, "timeout after 0.5s"), (1.0, None)]
+    assert results[0].elapsed_s >= 1.5 > results[1].elapsed_s  # the setup ran, once
+
+
 def test_a_pool_used_again_on_a_new_loop_still_times_out_its_calls(make_pool) -> None:
     async def quick(t: Task, text: str) -> float:
         return 1.0

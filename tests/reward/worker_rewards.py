@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rollstream.reward.registry import group_reward
+from rollstream.reward.registry import group_reward, reward_setup
 from rollstream.trajectory import Task
 
 VALUES: dict[str, object] = {
@@ -124,3 +124,36 @@ def write_pid_and_hang(path: str) -> None:
     Path(path).write_text(str(os.getpid()))
     while True:
         time.sleep(60)
+
+
+_BUILT: set[str] = set()
+
+
+def _build_slowly(task: Task) -> None:
+    """A setup that takes ``task.reference`` seconds the first time (an import, a grader)."""
+    if task.reference not in _BUILT:
+        time.sleep(float(task.reference))
+        _BUILT.add(task.reference)
+
+
+@reward_setup(_build_slowly)
+def built_first(task: Task, text: str) -> float:
+    """1.0, once its setup has built what it needs (it builds it itself if not)."""
+    _build_slowly(task)
+    return 1.0
+
+
+def builds_in_call(task: Task, text: str) -> float:
+    """The same work without the setup: its first call pays for it, timed."""
+    _build_slowly(task)
+    return 1.0
+
+
+def _setup_fails(task: Task) -> None:
+    raise RuntimeError("setup failed")
+
+
+@reward_setup(_setup_fails)
+def setup_fails(task: Task, text: str) -> float:
+    """Its setup raises; the call itself is fine."""
+    return 1.0

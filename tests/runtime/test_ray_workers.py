@@ -88,6 +88,14 @@ async def test_results_and_reward_errors_with_their_reasons(pools) -> None:
     assert wall_s < 30  # the hung call was killed at its deadline, not waited for (60 s)
 
 
+async def test_a_rewards_setup_runs_in_the_actor_before_its_timeout_counts(pools) -> None:
+    pool, _ = _pool(pools, {"setup": w.built_first, "inline": w.builds_in_call},
+                    timeout_s=0.5, num_workers=1)
+    results = [await pool.grade(task(seconds, source), STOPPED)
+               for source, seconds in (("setup", "1.5"), ("inline", "1.2"))]
+    assert [(r.reward, r.error) for r in results] == [(1.0, None), (None, "timeout after 0.5s")]
+
+
 async def test_a_timed_out_actor_is_killed_and_replaced(pools, tmp_path: Path) -> None:
     pool, workers = _pool(pools, {"pid": w.pid, "hang": w.hang}, timeout_s=0.5,
                           num_workers=1)

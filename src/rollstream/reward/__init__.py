@@ -15,6 +15,7 @@ from rollstream.reward.registry import (
     group_reward,
     known_rewards,
     register_reward,
+    reward_setup,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "group_reward",
     "known_rewards",
     "register_reward",
+    "reward_setup",
 ]

@@ -33,9 +33,9 @@ handed in by the run's ``build_workers``; this pool does not know which.
 
 Not covered: an ``async def`` reward that blocks the event loop (calls ``time.sleep``) or
 swallows cancellation cannot be bounded from inside the loop; write async rewards that await.
-``elapsed_s`` is wall time from the moment the call has a slot (a fresh worker's start and its
-import of the reward's module count; the timeout does not include them): grading happens on
-real time even when the schedulers run on an injected clock.
+``elapsed_s`` is wall time from the moment the call has a slot (a fresh worker's start, its
+import of the reward's module and the reward's ``@reward_setup`` count; the timeout does not
+include them): grading happens on real time even when the schedulers run on an injected clock.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollstream.reward.registry import Call, Response, Reward
+from rollstream.reward.registry import SETUP_ATTR, Call, Response, Reward
 from rollstream.reward.workers import (
     CallTimeout,
     PoolClosed,
@@ -174,3 +174,13 @@ def call_in_worker(fn: Callable[..., object],
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"
     return call.checked(value)
+
+
+def _setup_in_worker(fn: Callable[..., object], call: Call) -> None:
+    """The reward's ``@reward_setup`` step, run by the worker before the call is timed."""
+    setup = getattr(fn, SETUP_ATTR, None)
+    if setup is not None:
+        setup(call.task)
+
+
+call_in_worker.setup = _setup_in_worker  # type: ignore[attr-defined]  (workers.setup_call)

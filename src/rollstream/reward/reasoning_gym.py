@@ -9,26 +9,34 @@ prompt that asks for tags should be graded by a reward that extracts them. A res
 did not stop properly (``finish_reason == "length"``) scores 0, as the built-in rewards do.
 The entry is made again in the grading process from the task's spec
 (:mod:`rollstream.data.generators`): the reward is a module-level function that a reward
-worker imports by reference.
+worker imports by reference. Importing reasoning-gym and building the generator (seconds on a
+loaded machine) is the reward's ``@reward_setup``, so a worker's first grade is not timed out
+by it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from rollstream.data.generators import SPEC_KEY, entry_of
-from rollstream.reward.registry import register_reward
+from rollstream.reward.registry import register_reward, reward_setup
 from rollstream.trajectory import Task
 
 
-@register_reward("reasoning_gym")
-def reasoning_gym_score(task: Task, text: str, *, finish_reason: str) -> float:
-    """The task's generator's ``score_answer`` of the stripped response (0 when capped)."""
+def _entry(task: Task) -> tuple[Any, dict[str, Any]]:
     spec = task.extra.get(SPEC_KEY)
     if not isinstance(spec, Mapping):
         raise TypeError(f"task {task.uid} is not of a reasoning_gym source (no "
                         f"task.extra[{SPEC_KEY!r}]): the reasoning_gym reward grades only those")
+    return entry_of(spec)  # its generator is made once per process
+
+
+@register_reward("reasoning_gym")
+@reward_setup(_entry)
+def reasoning_gym_score(task: Task, text: str, *, finish_reason: str) -> float:
+    """The task's generator's ``score_answer`` of the stripped response (0 when capped)."""
+    gen, entry = _entry(task)
     if finish_reason != "stop":
         return 0.0
-    gen, entry = entry_of(spec)
     return float(gen.score_answer(text.strip(), entry))

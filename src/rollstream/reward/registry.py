@@ -24,6 +24,12 @@ the response keywords, and returns one number per response, in order::
     @group_reward
     def shortest_correct(task: Task, texts: list[str], *, finish_reason: list[str]) -> list[float]: ...
 
+A sync reward whose first call builds something slow that is not grading (an import, a grader
+built from the task: reasoning-gym's generators) names that step with ``@reward_setup(fn)``:
+the worker runs ``fn(task)`` before the call's ``reward.timeout_s`` starts counting (it is
+bounded by the worker's start-up limit instead), so the first grade of each worker is not
+timed out by its imports. ``fn`` runs before every call: it caches what it builds.
+
 Register one with ``@register_reward("name")``; a config names it by that name or by an import
 path ``module:function`` (imported when the run is built). :func:`get_reward` turns any of
 these into a :class:`Reward`: its signature is inspected once, there, never per call, and a
@@ -57,6 +63,7 @@ F = TypeVar("F", bound=Callable[..., object])
 
 _OPTIONAL_KWARGS = ("finish_reason", "token_ids")
 _GROUP_MARK = "__rollstream_group_reward__"
+SETUP_ATTR = "__rollstream_reward_setup__"  # @reward_setup's step, read by pool.call_in_worker
 _FINISH_REASONS = ("stop", "length")
 
 
@@ -262,6 +269,21 @@ def register_reward(name: str) -> Callable[[F], F]:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"reward {name!r} is already registered ({_REGISTRY[name].fn!r})")
         _REGISTRY[name] = Reward.of(fn, name)
+        return fn
+
+    return decorate
+
+
+def reward_setup(setup: Callable[[Task], object]) -> Callable[[F], F]:
+    """Decorator: ``setup(task)`` runs in the reward's worker before each call's timeout starts
+    (module docstring). Its failure is not the sample's: the call meets it again, timed."""
+
+    def decorate(fn: F) -> F:
+        try:
+            setattr(fn, SETUP_ATTR, setup)
+        except AttributeError:
+            raise TypeError(f"@reward_setup cannot mark {fn!r} (it takes no attributes); wrap "
+                            "it in a function") from None
         return fn
 
     return decorate

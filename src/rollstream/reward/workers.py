@@ -14,15 +14,15 @@ parent side needs no thread: the event loop writes a call to an idle worker's pi
 watches the pipes with ``add_reader``, so every message arrives as a loop callback::
 
     worker:  "ready" (imports done) ... recv call (unpickling imports the reward's module)
-             -> "started" -> fn(*args) -> "done", result
+             -> fn.setup(*args), if fn has one -> "started" -> fn(*args) -> "done", result
 
 A worker dies with the process that started it (Linux's parent-death signal, SIGKILL): a run
 that was SIGKILLed cannot close the pipe of a worker stuck in a call, and such a worker (an
 agent that never returns, a reward in an endless loop) would otherwise outlive it.
 
 A worker takes calls only once it is ready, and a call's ``timeout_s`` counts from
-"started": a worker's start-up and the import of a reward's module are not the reward's time
-(they are bounded by ``STARTUP_S``). A call still running at its deadline is killed with its
+"started": a worker's start-up, the import of a reward's module and the call's setup
+(:func:`setup_call`) are not the reward's time (they are bounded by ``STARTUP_S``). A call still running at its deadline is killed with its
 process (SIGKILL: a reward stuck in C code cannot delay it) and the worker is replaced; a
 worker that dies mid-call fails that call with its exit code and is replaced too; one that
 died idle is noticed by the next call it is given, which goes to another worker.
@@ -366,6 +366,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def setup_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """``fn.setup(*args)`` when ``fn`` has one: what the call needs that is not its work (a
+    reward's ``@reward_setup``: an import, a grader built from the task), run by the worker
+    before it says "started", so the call's timeout does not count it. A failure here is left to
+    the call, which meets it again and reports it."""
+    setup = getattr(fn, "setup", None)
+    if setup is not None:
+        with contextlib.suppress(Exception):
+            setup(*args)
+
+
 def _serve(conn: Connection, parent: int) -> None:
     """A worker's main loop: one call at a time, until the pipe closes."""
     _die_with_parent(parent)
@@ -376,5 +387,6 @@ def _serve(conn: Connection, parent: int) -> None:
             fn, args = conn.recv()  # unpickling imports the reward's module
         except (EOFError, OSError):
             return
+        setup_call(fn, args)
         conn.send(("started", None))
         conn.send(("done", fn(*args)))

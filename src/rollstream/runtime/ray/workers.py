@@ -5,7 +5,8 @@ contract and its exceptions are those of :class:`~rollstream.reward.workers.Proc
     driver (event loop)                               worker actor (own process)
     ----------------------------------------------    ---------------------------------
     start: Actor.remote(); pid.remote() -> "ready"    __init__; pid()
-    call:  stage.remote(fn, args) -> "started"        unpickles fn, args (imports modules)
+    call:  stage.remote(fn, args) -> "started"        unpickles fn, args (imports modules),
+                                                      setup_call(fn, args)
            run.remote() -> "done", result             fn(*args), in the main thread
 
 A call's run is sent when its stage has answered (the pool's rule): one round trip more than
@@ -46,7 +47,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollstream.reward.workers import Link, WorkerDied, WorkerPool
+from rollstream.reward.workers import Link, WorkerDied, WorkerPool, setup_call
 
 
 class WorkerActor:
@@ -59,6 +60,7 @@ class WorkerActor:
         return os.getpid()
 
     def stage(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        setup_call(fn, args)
         self._call = (fn, args)
 
     def run(self) -> Any:
