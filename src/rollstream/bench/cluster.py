@@ -47,6 +47,7 @@ class LocalCluster:
     def start(cls, specs: Sequence[NodeSpec]) -> LocalCluster:
         """Start ``specs`` (the first is the head) and wait until every node is up."""
         from ray._private import ray_constants
+        from ray._private.utils import get_ray_address_file
         from ray.cluster_utils import Cluster
 
         if not specs:
@@ -54,6 +55,9 @@ class LocalCluster:
         # as RayCluster.start: without it Ray advertises the head's GCS on the machine's
         # routable address, where nothing listens; a run that joins reads it too
         flag, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+        # Cluster.add_node records the head's address in Ray's default folder, whatever the
+        # nodes' temp_dir: on a machine where no Ray ran yet that folder does not exist
+        Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
         temp_dir = Path(tempfile.mkdtemp(prefix="rs-bc-"))
         cluster = Cluster(shutdown_at_exit=True)
         out = cls(address="", specs=list(specs), ids=[], cluster=cluster, nodes=[],
