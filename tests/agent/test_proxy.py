@@ -190,7 +190,13 @@ async def test_run_harness_returns_the_samples_of_a_harness_that_times_out(proxy
             model="t", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         await asyncio.sleep(60)
 
-    samples, outcome = await proxy.run_harness(harness, episode_id="slow", timeout_s=2.0)
+    warm_handle = proxy.open_session("warm")  # its first request pays the client's start-up
+    client = openai.AsyncOpenAI(base_url=warm_handle.base_url, api_key=warm_handle.api_key)
+    await client.chat.completions.create(
+        model="t", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    proxy.close_session(warm_handle.api_key)
+    # the timed harness's request takes well under a second warm, even on a loaded machine
+    samples, outcome = await proxy.run_harness(harness, episode_id="slow", timeout_s=5.0)
     assert isinstance(outcome, TimeoutError)
     assert len(samples) == 1 and samples[0].num_calls == 1
 
