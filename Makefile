@@ -46,18 +46,20 @@ system-deps:
 		else echo "make test needs the packages:$$missing (install them, then rerun)"; exit 1; fi; \
 	fi
 
-# TEST_WORKERS=2 runs the suite on two pytest-xdist workers (tests/conftest.py keeps the vLLM
-# and Ray tests on one worker and each other module whole): 1136-1216 s instead of 1370-1546 s
-# on a 2-core machine, but four timing-sensitive Ray tests failed in two such runs (docs/tests.md),
-# so one process stays the default until they hold beside another worker.
-TEST_WORKERS ?= 0
+# The suite runs on TEST_WORKERS pytest-xdist workers (0: one process). tests/conftest.py keeps
+# the vLLM and Ray tests on one worker, one after another, and each other module whole on one.
+# Beside another worker every process a test starts defaults to one OpenMP thread: torch's two
+# spinning OpenMP threads beside one busy process ran a test module 4.6x slower (docs/tests.md);
+# code that sets its threads (engine.local.threads, train.threads) still gets them.
+TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+TEST_ENV = $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 
 test: setup-vllm system-deps
-	$(BIN)/python -m pytest $(XDIST) -q -ra --durations=25  # the slowest tests: the suite must stay well under 20 min
+	$(TEST_ENV) $(BIN)/python -m pytest $(XDIST) -q -ra --durations=25  # the slowest tests: the suite must stay well under 20 min
 
 test-fast: setup
-	$(BIN)/python -m pytest $(XDIST) -q -ra -m "not slow and not vllm and not ray and not browser"
+	$(TEST_ENV) $(BIN)/python -m pytest $(XDIST) -q -ra -m "not slow and not vllm and not ray and not browser"
 
 # The docs site (mkdocs-material, mkdocs.yml) into site/; --strict: a broken link fails it.
 docs: setup
