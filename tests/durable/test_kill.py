@@ -54,9 +54,14 @@ def config(tmp_path_factory, tiny_run_cache: Path) -> Path:
     return path
 
 
-def _start(config: Path, *extra: str) -> subprocess.Popen:
+def _start(config: Path, *extra: str, slow_engine: bool = False) -> subprocess.Popen:
+    """``rollstream train``; ``slow_engine``: its engine's steps sleep first (slow_engine/)."""
+    env = None
+    if slow_engine:
+        path = [str(Path(__file__).parent / "slow_engine"), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     return subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _wait_for_checkpoint(run_dir: Path, after: int, proc: subprocess.Popen,
@@ -185,9 +190,10 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
 def _agent_run(root: Path, cache: Path, steps: int, harness: str | None = None) -> Path:
     """A tally run (the built-in loop, or ``harness``) whose warm start every agent test here
     shares (a source's harness is not part of the warm start's key)."""
-    # one engine slot: generation, not training, sets the pace, so the staleness buffer never
-    # fills and a step's checkpoint finds episodes between turns (with 8 slots the engine ran
-    # ahead, and the checkpoints saw only groups admitted at the step boundary, not started)
+    # one engine slot, whose steps _kill_between_turns also slows (slow_engine/): generation,
+    # not training, sets the pace, so the staleness buffer never fills and a step's checkpoint
+    # finds episodes between turns (with 8 slots, or one at full speed, the engine ran ahead,
+    # and the checkpoints saw only groups admitted at the step boundary, not started)
     cfg = tiny_run_config("agent", root / "runs", steps=steps, checkpoint_every=1,
                           cache_dir=cache, max_slots=1)
     cfg["model"]["tiny"]["max_position"] = 256
@@ -212,7 +218,7 @@ def _agent_run(root: Path, cache: Path, steps: int, harness: str | None = None) 
 def _kill_between_turns(config: Path, run_dir: Path) -> durable.Checkpoint:
     """Start the run and SIGKILL it after the first checkpoint that holds an episode between
     turns (whether one does depends on timing); that checkpoint."""
-    proc, seen = _start(config), 0
+    proc, seen = _start(config, slow_engine=True), 0
     held: list[tuple[int, int]] = []  # per checkpoint looked at: (step, live samples)
     while True:
         step = _wait_for_checkpoint(run_dir, seen, proc)
