@@ -22,10 +22,11 @@ agent that never returns, a reward in an endless loop) would otherwise outlive i
 
 A worker takes calls only once it is ready, and a call's ``timeout_s`` counts from
 "started": a worker's start-up, the import of a reward's module and the call's setup
-(:func:`setup_call`) are not the reward's time (they are bounded by ``STARTUP_S``). A call still running at its deadline is killed with its
-process (SIGKILL: a reward stuck in C code cannot delay it) and the worker is replaced; a
-worker that dies mid-call fails that call with its exit code and is replaced too; one that
-died idle is noticed by the next call it is given, which goes to another worker.
+(:func:`setup_call`) are not the reward's time (they are bounded by ``STARTUP_S``). A call
+still running at its deadline is killed with its process (SIGKILL: a reward stuck in C code
+cannot delay it) and the worker is replaced; a worker that dies mid-call fails that call with
+its exit code and is replaced too; one that died idle is noticed by the next call it is given,
+which goes to another worker.
 
 Why not pebble or ``concurrent.futures``: ``ProcessPoolExecutor`` cannot kill one worker (a
 hung call breaks the whole pool), and pebble's pool, which can, runs three manager threads in
