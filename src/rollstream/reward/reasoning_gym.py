@@ -19,24 +19,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rollstream.data.generators import SPEC_KEY, entry_of
+from rollstream.data.generators import SPEC_KEY, entry_of, generator, spec_json
 from rollstream.reward.registry import register_reward, reward_setup
 from rollstream.trajectory import Task
 
 
-def _entry(task: Task) -> tuple[Any, dict[str, Any]]:
+def _spec(task: Task) -> Mapping[str, Any]:
     spec = task.extra.get(SPEC_KEY)
     if not isinstance(spec, Mapping):
         raise TypeError(f"task {task.uid} is not of a reasoning_gym source (no "
                         f"task.extra[{SPEC_KEY!r}]): the reasoning_gym reward grades only those")
-    return entry_of(spec)  # its generator is made once per process
+    return spec
+
+
+def _make_generator(task: Task) -> None:
+    """The set-up: the task's generator, made once per process (the import, the dataset)."""
+    spec = _spec(task)
+    generator(spec_json(spec["dataset"], size=spec["size"], seed=spec["seed"],
+                        options=spec["options"]))
 
 
 @register_reward("reasoning_gym")
-@reward_setup(_entry)
+@reward_setup(_make_generator)
 def reasoning_gym_score(task: Task, text: str, *, finish_reason: str) -> float:
     """The task's generator's ``score_answer`` of the stripped response (0 when capped)."""
-    gen, entry = _entry(task)
+    gen, entry = entry_of(_spec(task))
     if finish_reason != "stop":
         return 0.0
     return float(gen.score_answer(text.strip(), entry))
