@@ -54,12 +54,16 @@ def config(tmp_path_factory, tiny_run_cache: Path) -> Path:
     return path
 
 
+ENGINE_STEP_SLEEP_S = 0.003  # the agent kill runs' engine steps (slow_engine/sitecustomize.py)
+
+
 def _start(config: Path, *extra: str, slow_engine: bool = False) -> subprocess.Popen:
     """``rollstream train``; ``slow_engine``: its engine's steps sleep first (slow_engine/)."""
     env = None
     if slow_engine:
         path = [str(Path(__file__).parent / "slow_engine"), os.environ.get("PYTHONPATH", "")]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
+                   ROLLSTREAM_TEST_ENGINE_STEP_SLEEP_S=str(ENGINE_STEP_SLEEP_S))
     return subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(config), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
