@@ -184,17 +184,18 @@ async def test_n_choices_are_each_their_own_sample_and_a_next_call_goes_on_in_it
 
 
 async def test_run_harness_returns_the_samples_of_a_harness_that_times_out(proxy):
-    async def harness(handle):
+    async def ask(handle):
         client = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key)
         await client.chat.completions.create(
             model="t", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+    async def harness(handle):
+        await ask(handle)
         await asyncio.sleep(60)
 
-    warm_handle = proxy.open_session("warm")  # its first request pays the client's start-up
-    client = openai.AsyncOpenAI(base_url=warm_handle.base_url, api_key=warm_handle.api_key)
-    await client.chat.completions.create(
-        model="t", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    proxy.close_session(warm_handle.api_key)
+    warm = proxy.open_session("warm")  # its first request pays the client's start-up
+    await ask(warm)
+    proxy.close_session(warm.api_key)
     # the timed harness's request takes well under a second warm, even on a loaded machine
     samples, outcome = await proxy.run_harness(harness, episode_id="slow", timeout_s=5.0)
     assert isinstance(outcome, TimeoutError)

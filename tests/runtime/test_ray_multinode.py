@@ -503,10 +503,7 @@ def test_a_lost_trainer_node_restarts_the_ranks_on_another_from_the_checkpoint(
         spare = add_trainer_node()
         summary = run_training(cfg.model_copy(update={"resume": True}))
     finally:
-        for i in range(first, len(cluster.ids)):
-            if cluster.ids[i] not in lost:
-                cluster.remove(i)
-        del cluster.specs[first:], cluster.nodes[first:], cluster.ids[first:]
+        cluster.shrink(first)
     # both ranks ran on one node each time (one bundle): the first trainer node, the other
     # one after its loss (the automatic restart), then the node that joined (the resume)
     assert launched == [[lost[0]], [lost[1]], [spare]]

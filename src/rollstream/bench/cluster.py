@@ -39,7 +39,7 @@ class LocalCluster:
     specs: list[NodeSpec]
     ids: list[str]  # node ids, in ``specs``' order (a removed node's id stays)
     cluster: Any  # the ray.cluster_utils.Cluster
-    nodes: list[Any]  # its nodes, in ``specs``' order
+    nodes: list[Any]  # its nodes, in ``specs``' order (None: removed)
     temp_dir: Path
     _flag: bool  # ray_constants.ENABLE_RAY_CLUSTER before the start, restored by stop
 
@@ -84,7 +84,16 @@ class LocalCluster:
         """Node ``i`` (not the head) leaves the cluster: its raylet and processes end."""
         if i == 0:
             raise ValueError("the head node holds the driver: it cannot be removed")
-        self.cluster.remove_node(self.nodes[i])
+        if self.nodes[i] is not None:
+            self.cluster.remove_node(self.nodes[i])
+            self.nodes[i] = None  # gone: restore() may put a node of its spec back
+
+    def shrink(self, n: int) -> None:
+        """Back to the first ``n`` nodes: those past them that are still up leave, and all of
+        them are forgotten (what a test that added nodes leaves for the next one)."""
+        for i in range(max(n, 1), len(self.nodes)):
+            self.remove(i)
+        del self.specs[n:], self.nodes[n:], self.ids[n:]
 
     def restore(self, i: int) -> str:
         """A new node with node ``i``'s spec takes its place (and its index); its id."""
