@@ -218,13 +218,28 @@ async def test_rows_not_prefilled_or_unreadable_return_without_tokens(tiny_model
 
 async def test_a_died_engine_recovers_only_through_restart(tiny_model_dir):
     """With a restart left it is RECOVERING (requests return ABORT with the cause) until
-    ``restart`` gives it a fresh thread and cache at the given version; with none left, DEAD."""
+    ``restart`` gives it a fresh thread and cache at the given version, RECOVERING while that
+    runs; with none left, DEAD."""
     engine = _local(tiny_model_dir, max_restarts=1)
     _Decode(engine, fail_at=3)
     out = await engine.generate(_req("r", [1, 2, 3], max_new_tokens=20))
     assert out.finish_reason is FinishReason.ABORT and BOOM in out.error
     assert engine.stats().health is EngineHealth.RECOVERING and engine.needs_restart()
-    await engine.restart(5, None)
+    build, building, go = engine._build, threading.Event(), threading.Event()
+
+    def slow_build() -> None:
+        building.set()
+        assert go.wait(60)
+        build()
+
+    engine._build = slow_build
+    restart = asyncio.create_task(engine.restart(5, None))
+    assert await asyncio.to_thread(building.wait, 60)
+    # its last restart, still building: RECOVERING (read as DEAD, a dispatcher with no other
+    # engine gave up on the run while its only engine was being restarted)
+    assert engine.stats().health is EngineHealth.RECOVERING and not engine.needs_restart()
+    go.set()
+    await restart
     stats = engine.stats()
     assert stats.health is EngineHealth.UP and stats.version == 5 and engine.num_restarts == 1
     again = await engine.generate(_req("again", [1, 2, 3], max_new_tokens=20))

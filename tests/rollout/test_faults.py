@@ -258,7 +258,8 @@ def test_a_dead_local_engine_is_restarted_at_the_current_version(tmp_path):
     assert restarts == [("a", 1)] and stats.health is EngineHealth.UP and stats.version == 1
     assert disp.stats.num_engine_failures > 0, "the fault landed while requests ran"
     samples = [s for g in groups for s in g.samples]
-    assert all(s.status is SampleStatus.GRADED for s in samples)
+    assert all(s.status is SampleStatus.GRADED for s in samples), \
+        [(s.uid, s.status, s.failure) for s in samples if s.status is not SampleStatus.GRADED]
     assert all(set(s.versions) == {1} for s in samples)
     delivered: dict[str, int] = {}
     for sp in spans:

@@ -26,6 +26,7 @@ from rollstream.agent.loop import Budgets
 from rollstream.config.schema import LocalEngineConfig, TinyModelConfig
 from rollstream.data.ledger import Ledger
 from rollstream.engine.protocol import GenerateRequest, SamplingParams
+from rollstream.engine.states import EngineHealth
 from rollstream.trajectory import Group, SampleStatus
 from tests.agent.test_harness import ScriptedSource, _dispatcher, _task
 from tests.runtime.test_ray import _descendants
@@ -253,7 +254,10 @@ async def test_an_episode_whose_actor_was_replaced_samples_the_same_tokens(owner
         ray.kill(delta.actor, no_restart=True)
         while not delta.needs_restart():
             await asyncio.sleep(0.01)
-        await delta.restart(0, None)  # the folder's weights: version 0, as before
+        restart = asyncio.create_task(delta.restart(0, None))  # the folder's weights: v0
+        await asyncio.sleep(0)  # it waits on the new actor now: its last restart, RECOVERING
+        assert not restart.done() and delta.stats().health is EngineHealth.RECOVERING
+        await restart
         _state["actor"] = delta.actor  # later tests use the new actor
 
     assert await _run_turns(delta, "r", opening, answers, between=kill_before_turn_2) == reference

@@ -28,7 +28,7 @@ Faults. The engine thread is a fault boundary: when a step or a command raises, 
 stops serving and nothing escapes to callers. While it has restarts left
 (``engine.local.max_restarts``) it is RECOVERING (the cause in ``health_reason``, the
 traceback in the log) until :meth:`LocalEngine.restart` (the rollout's supervisor calls it
-with the current weights) gives it a fresh cache, scheduler and thread; then, or when it was
+with the current weights) has given it a fresh cache, scheduler and thread; then, or when it was
 closed, it is DEAD for good. Each running request returns ABORT with the tokens, logprobs
 and versions its row holds, read from the runner first (no tokens when the rows cannot be
 read or were being moved when it failed); waiting and later requests return ABORT without
@@ -123,6 +123,7 @@ class LocalEngine:
         # pass times by shape, for fitting the simulator's profile
         self.passes = PassTimes(training=training)
         self._death: str | None = None  # why it stopped serving (closed, or died)
+        self._restarting = False  # a restart is building its replacement thread
         self._applying: Command | None = None  # answered by _die if applying it raises
         self._rows_moving = False  # scheduler and runner rows disagree meanwhile
         self._thread = self._start_thread()
@@ -158,7 +159,11 @@ class LocalEngine:
             raise RuntimeError(f"local engine {self.engine_id} cannot restart: "
                                f"{self._death or 'it is running'}")
         self.num_restarts += 1
-        await asyncio.to_thread(self._restart, version, tensors)
+        self._restarting = True  # RECOVERING until it serves, even after its last restart
+        try:
+            await asyncio.to_thread(self._restart, version, tensors)
+        finally:
+            self._restarting = False
 
     def _restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
         self._thread.join()
@@ -256,7 +261,7 @@ class LocalEngine:
             busy_s=self._busy_s,
             work={**self._work, **self._runner.prefix.counts},
             health=(EngineHealth.UP if death is None else EngineHealth.RECOVERING
-                    if self.needs_restart() else EngineHealth.DEAD),
+                    if self._restarting or self.needs_restart() else EngineHealth.DEAD),
             health_reason=death,
         )
 

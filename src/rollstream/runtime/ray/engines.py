@@ -23,17 +23,16 @@ side) and asks for a fresh one.
 
 Faults. An actor that dies (its process was killed, or its node left) makes the proxy DEAD
 for that actor: in-flight calls return ABORT with ``error`` naming the engine and the cause
-and the tokens the driver last peeked for them (every PEEK_S while it polls, the actor copies
-its running requests' tokens, logprobs and versions to the driver; what was sampled since
-dies with the process and is sampled again on resubmission), later calls return ABORT at
-once, weight loads raise. A local engine whose step loop died inside a live actor is
-reported the same way (its requests came back with all their partial tokens through the
-actor). A call that raises inside a live actor returns ABORT with the cause and the peeked
-tokens too, but the engine stays UP: whether to keep routing to it is the router's breaker's
-call (``rollout/breaker.py``). While restarts are left (``engine.local.max_restarts``) the
-proxy is RECOVERING and asks Ray for a new actor at once; once it is placed (``replacement.py``:
-maybe on another node, maybe later) :meth:`RayEngine.restart` (the rollout's supervisor,
-through weight sync) gives it the current weights; then UP again.
+and the tokens the driver last peeked for them (every PEEK_S the actor copies its running
+requests' tokens, logprobs and versions to the driver; what was sampled since is sampled
+again on resubmission), later calls return ABORT at once, weight loads raise. A local engine
+whose step loop died inside a live actor is reported the same way. A call that raises inside
+a live actor returns ABORT with the cause and the peeked tokens too, but the engine stays UP:
+the router's breaker decides whether to keep routing to it (``rollout/breaker.py``). While
+restarts are left (``engine.local.max_restarts``), and while one runs, the proxy is RECOVERING
+and asks Ray for a new actor at once; once it is placed (``replacement.py``: maybe on another
+node, maybe later) :meth:`RayEngine.restart` (the supervisor, through weight sync) gives it
+the current weights; then UP again.
 
 A request with ``on_tokens`` streams through the same peeks, every ``STREAM_PEEK_S``
 (``peeks.py``)."""
@@ -88,7 +87,7 @@ class RayEngine:
 
         self.engine_id = engine_id
         self._spawn, self._weights, self._max_restarts = spawn, weights, max_restarts
-        self.num_restarts, self._version, self._closed = 0, version, False
+        self.num_restarts, self._version, self._closed, self._restarting = 0, version, False, False
         self._death: str | None = None  # why the current actor stopped serving
         self._inflight: dict[str, object] = {}  # request id -> a token of its generate call
         self._episodes = episodes if episodes is not None else \
@@ -99,8 +98,7 @@ class RayEngine:
         self._replacing = Replacement(engine_id=engine_id, spawn=spawn)
         self._delivered_tokens = 0  # tokens returned by the current actor's calls
         self._peeked = Peeked()  # in flight: its tokens at the last peek, its listener
-        self._peek: Any = None  # the peek in flight, and time.monotonic() it was sent
-        self._peek_at = 0.0
+        self._peek, self._peek_at = None, 0.0  # the peek in flight (Any), when it was sent
         self._stream_polls: asyncio.Task | None = None
         self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
         self.weight_transport = weights.name  # ``ReportsSync``: the transport it gets
@@ -202,7 +200,7 @@ class RayEngine:
         while a replacement is on its way (it gets the version it is restarted at)."""
         actor = self.actor
         if self._death is not None:
-            if self._may_restart():
+            if self._restarting or self._may_restart():
                 return
             raise RuntimeError(self._death)
         try:
@@ -218,7 +216,8 @@ class RayEngine:
         running = min(n, last.num_running)
         health, reason = EngineHealth.UP, self._death
         if self._death is not None:
-            health = EngineHealth.RECOVERING if self._may_restart() else EngineHealth.DEAD
+            health = EngineHealth.RECOVERING if self._restarting or self._may_restart() \
+                else EngineHealth.DEAD  # RECOVERING while even its last restart runs
             waiting = self._replacing.waiting()
             reason = f"{reason}; {waiting}" if waiting else reason
         before = self._before  # wire's counters: the proxy's, across its actors
@@ -281,7 +280,7 @@ class RayEngine:
         if not self.needs_restart():
             raise RuntimeError(f"ray engine {self.engine_id} cannot restart: "
                                f"{self._death or 'it is running'}")
-        self.num_restarts += 1
+        self.num_restarts, self._restarting = self.num_restarts + 1, True
         self._before.add(self._last, self._delivered_tokens)
         actor = self._replacing.take()
         try:
@@ -293,6 +292,8 @@ class RayEngine:
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
+        finally:
+            self._restarting = False
         self.actor, self._pending, self._peek, self._delivered_tokens = actor, None, None, 0
         self._placed()
         self._peek_entries = None
@@ -302,8 +303,7 @@ class RayEngine:
                     self.engine_id, version, self.num_restarts, self._max_restarts)
 
     def end_episode(self, episode_id: str) -> None:
-        """``KeepsEpisodes``: the actor that holds the episode's history drops it with its
-        next call."""
+        """``KeepsEpisodes``: the actor holding the episode's history drops it next call."""
         self._episodes.end(episode_id)
 
     async def close(self) -> None:
