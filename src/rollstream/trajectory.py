@@ -164,6 +164,9 @@ def turn_samples(prompt_ids: tuple[int, ...] | list[int], num_segments: int,
 
 
 SINGLE_TURN = "single_turn"  # Task.harness of a one-request task (prompt -> response)
+# what of a finished sample's response a reward receives by declaring a keyword of that name
+# (rollstream.reward.registry.Response; no dataset column may take these names)
+RESPONSE_KWARGS = ("finish_reason", "token_ids", "episode")
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -311,6 +314,9 @@ class Sample:
     # recomputes the whole sequence); None: not recorded (a dense model, an engine that does
     # not record, an episode served as turn-samples)
     routing: Routing | None = None
+    # an agent episode's record for its source's reward (the ``episode`` keyword): the JSON
+    # object its agent returned (a verifiers rollout's state), kept until it is graded
+    episode_record: dict[str, Any] | None = None
     # ``{group_id}/{sample_idx}``, built once: the dispatcher, ledger and predictor key by it
     # many times per request (group_id and sample_idx are fixed at construction)
     uid: str = field(init=False, repr=False, compare=False)

@@ -1,13 +1,15 @@
 """OpenAI-SDK agents for the harness tests, at an import path (``tests.agent.sdk_agents:...``)
 as the OpenAI harness needs: it runs them here or in its worker processes, which import this
 module. What an agent does is read from its task's text (the prompt itself is always
-``OPENING``): ``"<turns> [rewrite] [pid] [crash] [hang] [tools] [nonce]"``."""
+``OPENING``): ``"<turns> [rewrite] [pid] [crash] [hang] [tools] [nonce] [record]
+[bigrecord] [nanrecord]"``."""
 
 from __future__ import annotations
 
 import os
 import time
 import uuid
+from typing import Any
 
 import openai
 
@@ -30,12 +32,14 @@ def user_message(i: int, task: Task) -> str:
             + (f" nonce {NONCE}" if "nonce" in flags else ""))
 
 
-async def scripted(session: SessionHandle, task: Task, sampling: SamplingParams) -> None:
+async def scripted(session: SessionHandle, task: Task, sampling: SamplingParams) -> Any:
     """Answers every model turn with a tool message and a user message, for ``turns`` turns;
     ``rewrite``: rewrites its history after the first; ``crash``: its process exits after
     the first reply (exit code 3); ``hang``: it blocks there (not an ``await``: nothing in
     its process can stop it); ``tools``: each tool message is what the run's ``calc`` tool
-    answered (``session.call_tool``), and the agent notes a side effect of its own."""
+    answered (``session.call_tool``), and the agent notes a side effect of its own. It
+    returns an episode record with ``record`` (its turns and last reply), one over the
+    harness's size limit with ``bigrecord``, one that is not JSON with ``nanrecord``."""
     turns, *flags = task.prompt_text.split()
     messages = list(OPENING)
     async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
@@ -57,3 +61,10 @@ async def scripted(session: SessionHandle, task: Task, sampling: SamplingParams)
                          {"role": "user", "content": user_message(i, task)}]
             if "rewrite" in flags:
                 messages = [*OPENING, {"role": "user", "content": "start again"}]
+    if "record" in flags:
+        return {"turns": int(turns), "last": messages[-3].get("content")}
+    if "bigrecord" in flags:
+        return {"pad": "x" * (1 << 20)}
+    if "nanrecord" in flags:
+        return {"score": float("nan")}
+    return None

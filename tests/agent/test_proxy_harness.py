@@ -18,7 +18,7 @@ import psutil
 from rollstream.agent.chat import ChatRenderer, check_alignment
 from rollstream.agent.episodes import EpisodeSource, episode_sources
 from rollstream.agent.loop import Budgets
-from rollstream.agent.proxy_harness import OPENAI, ProxyHarness
+from rollstream.agent.proxy_harness import MAX_RECORD_BYTES, OPENAI, ProxyHarness
 from rollstream.agent.tally import TallySource
 from rollstream.agent.tools import CommandToolParser
 from rollstream.clock import WallClock
@@ -59,9 +59,10 @@ def _task(i: int = 0, source: str = "s", text: str = "3") -> Task:
                 prompt_text=text, reference="zzz", harness=OPENAI)
 
 
-def _dispatcher(engine, sources, ledger: Ledger, budgets: Budgets,
-                workers: int = 0) -> tuple[Dispatcher, Any]:
-    graders = GraderPool(RewardConfig(num_workers=1), lambda task: get_reward("exact_match"))
+def _dispatcher(engine, sources, ledger: Ledger, budgets: Budgets, workers: int = 0,
+                resolve=None) -> tuple[Dispatcher, Any]:
+    graders = GraderPool(RewardConfig(num_workers=1),
+                         resolve or (lambda task: get_reward("exact_match")))
     harness = ProxyHarness(tokenizer=TOKENIZER, sources={s.name: s for s in sources},
                            budgets=budgets,
                            workers=ProcessWorkers(workers, role="harness") if workers else None)
@@ -72,10 +73,11 @@ def _dispatcher(engine, sources, ledger: Ledger, budgets: Budgets,
     return disp, (graders, harness)
 
 
-async def _run(engine, source, groups, tmp_path: Path, budgets: Budgets | None = None):
+async def _run(engine, source, groups, tmp_path: Path, budgets: Budgets | None = None,
+               resolve=None):
     budgets = budgets or Budgets(max_turns=8, max_turn_tokens=12, max_total_tokens=400)
     disp, (graders, harness) = _dispatcher(engine, [source], Ledger(tmp_path / "l.jsonl"),
-                                           budgets)
+                                           budgets, resolve=resolve)
     try:
         await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
     finally:
@@ -140,6 +142,31 @@ async def test_budgets_end_episodes_and_what_cannot_train_fails_with_the_reason(
         "episode refused: replay diverged from the recorded episode: call 1 sent no new "
         "message where the episode recorded some")
     assert "has no OpenAI agent" in orphan.samples[0].failure
+
+
+async def _turns_recorded(task: Task, text: str, *, episode) -> float:
+    """A reward that reads the episode's record: the turns its agent said it ran."""
+    return float(episode["turns"]) if episode is not None else -1.0
+
+
+async def test_the_reward_reads_what_the_agent_returned_as_the_episode(engine, tmp_path):
+    """An agent's returned JSON object is the episode's record, which the source's reward
+    asks for as ``episode`` (None when the agent returned none); a record that is not JSON,
+    or over the size limit, fails its sample with the reason."""
+    groups = [Group.new(_task(0, text="2 record"), 2), Group.new(_task(1, text="2"), 1),
+              Group.new(_task(2, text="2 bigrecord"), 1),
+              Group.new(_task(3, text="2 nanrecord"), 1)]
+    reward = get_reward(_turns_recorded)
+    await _run(engine, ScriptedSource(), groups, tmp_path, resolve=lambda task: reward)
+    recorded, plain, big, nan = groups
+    assert [s.reward for s in recorded.samples] == [2.0, 2.0]
+    assert all(s.status is SampleStatus.GRADED and s.episode_record is None  # read, let go
+               for s in recorded.samples)
+    assert plain.samples[0].reward == -1.0
+    assert big.samples[0].status is SampleStatus.FAILED
+    assert f"over {MAX_RECORD_BYTES}" in big.samples[0].failure
+    assert nan.samples[0].status is SampleStatus.FAILED
+    assert "episode record that is not JSON" in nan.samples[0].failure
 
 
 async def test_the_tally_sdk_agent_runs_its_episodes_through_the_proxy(engine, tmp_path):

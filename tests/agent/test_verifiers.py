@@ -1,9 +1,10 @@
 """verifiers environments as episode sources, against the real ``verifiers`` package: a
 ``vf.Environment`` named in config (``tests/agent/user_pkg/vf_envs.py``, over local rows)
-rolls out its own multi-turn episodes through the run's proxy, one session per episode, so
-each sample is token for token what the kit model was served; its rubric's score is the
-reward, in the run's process or in a harness worker process; and whatever cannot run is
-refused when the run is built, naming the field."""
+rolls out its own multi-turn episodes through the run's proxy, one session per episode, in
+the run's process or in a harness worker process, so each sample is token for token what the
+kit model was served; its rubric grades each group's rollouts together (verifiers'
+``score_group``, in a reward worker), group reward functions included; and whatever cannot
+run is refused when the run is built, naming the field."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from rollstream.agent.proxy_wire import Refused, parse_request
 from rollstream.config import ConfigError, load_config
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.data.mix import TaskMix
+from rollstream.data.sources import source_rewards
+from rollstream.reward.registry import build_resolver
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import Group, Sample, SampleStatus, SegmentKind
 from tests.agent.runs import two_step_run
 from tests.agent.test_proxy_harness import RENDERER, TOKENIZER, _dispatcher
-from tests.agent.user_pkg.vf_envs import score
+from tests.agent.user_pkg.vf_envs import group_scores, score
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = "tests.agent.user_pkg.vf_envs"
@@ -53,6 +56,12 @@ def _cfg(tmp_path: Path, *more: str, **fields):
 def _check_episode(s: Sample, turns: int) -> None:
     """The environment's conversation, token for token, graded by its rubric: the reward is
     ``score`` of the text the trained tokens decode to."""
+    assert s.reward == score(_replies(s, turns))
+
+
+def _replies(s: Sample, turns: int) -> list[str]:
+    """The environment's conversation, token for token: the model's replies, as the trained
+    tokens decode."""
     assert s.status is SampleStatus.GRADED and s.finish_reason == "done", s.failure
     kinds = [seg.kind for seg in s.segments]
     assert kinds == [SegmentKind.POLICY, SegmentKind.ENV] * (turns - 1) + [SegmentKind.POLICY]
@@ -68,7 +77,13 @@ def _check_episode(s: Sample, turns: int) -> None:
         else:
             messages.append({"role": "user", "content": f"more {len(replies)}"})
     check_alignment(RENDERER, messages, list(s.task.prompt_ids) + s.response_ids)
-    assert s.reward == score(replies)
+    assert s.episode_record is None  # the rubric read it; the samples keep their tokens
+    return replies
+
+
+def _rubric(cfg):
+    """The run's rewards as it resolves them: the source's rubric (``VerifiersRubric``)."""
+    return build_resolver(cfg.reward, source_rewards(cfg.tasks))
 
 
 async def _run_groups(engine, tmp_path: Path, cfg, workers: int = 0) -> list[Group]:
@@ -78,7 +93,8 @@ async def _run_groups(engine, tmp_path: Path, cfg, workers: int = 0) -> list[Gro
     sources = list(episode_sources(cfg.tasks).values())
     disp, (graders, harness) = _dispatcher(
         engine, sources, Ledger(tmp_path / "l.jsonl"),
-        Budgets(max_turns=8, max_turn_tokens=12, max_total_tokens=400), workers=workers)
+        Budgets(max_turns=8, max_turn_tokens=12, max_total_tokens=400), workers=workers,
+        resolve=_rubric(cfg))
     try:
         await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 180)
     finally:
@@ -101,11 +117,28 @@ async def test_a_verifiers_environment_rolls_out_through_the_proxy_graded_by_its
 
 async def test_its_episodes_run_in_a_harness_worker_process(engine, tmp_path: Path):
     """The environment object by import path, in a worker process: it gets the source's
-    agent whole (pickled), loads the environment itself and returns the rubric's score."""
+    agent whole (pickled), loads the environment itself and returns the rollout's state."""
     cfg = _cfg(tmp_path, "agent.harness_workers=1", environment=f"{ENVS}:ENV")
     groups = await _run_groups(engine, tmp_path, cfg, workers=1)
     for s in (s for g in groups for s in g.samples):
         _check_episode(s, turns=2)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_a_rubric_that_compares_a_groups_rollouts_grades_each_group(
+        engine, tmp_path: Path, workers: int):
+    """A rubric with a group reward function (``longest_in_group``, which verifiers' own
+    ``score_rollout`` refuses): each group's states are scored together once its last episode
+    ends, so every reward is the per-rollout score plus half the group score of the group's
+    replies, as the trained tokens decode; in the run's process or a harness worker."""
+    cfg = _cfg(tmp_path, f"agent.harness_workers={workers}",
+               environment=f"{ENVS}:load_group_environment")
+    groups = await _run_groups(engine, tmp_path, cfg, workers=workers)
+    for g in groups:
+        replies = [_replies(s, turns=2) for s in g.samples]
+        want = [score(r) + 0.5 * top for r, top in zip(replies, group_scores(replies),
+                                                           strict=True)]
+        assert [s.reward for s in g.samples] == pytest.approx(want)
 
 
 async def test_a_budget_ends_its_rollout_and_the_rubric_still_grades(engine, tmp_path: Path):
@@ -117,7 +150,7 @@ async def test_a_budget_ends_its_rollout_and_the_rubric_still_grades(engine, tmp
     group = Group.new(mix.next_task(), 2)
     disp, (graders, harness) = _dispatcher(
         engine, list(episode_sources(cfg.tasks).values()), Ledger(tmp_path / "l.jsonl"),
-        Budgets(max_turns=2, max_turn_tokens=12, max_total_tokens=400))
+        Budgets(max_turns=2, max_turn_tokens=12, max_total_tokens=400), resolve=_rubric(cfg))
 
     try:
         await asyncio.wait_for(disp.run_group(group), 120)

@@ -169,6 +169,11 @@ def test_a_mapping_no_row_matches_fails_at_load_naming_the_field(tmp_path, tok) 
     with pytest.raises(ConfigError, match=r"tasks.sources.0: reward_kwargs .* keyword \['x'\]"):
         load_config(None, [("tasks.sources=[{kind: jsonl, path: d.jsonl, "
                            "reward_kwargs: [a.x, b.x]}]")])
+    for taken in ("token_ids", "meta.episode"):  # a keyword the reward gets from the response
+        with pytest.raises(ConfigError, match=r"tasks.sources.0: reward_kwargs: keyword "
+                                              r"\['(token_ids|episode)'\] is the response's"):
+            load_config(None, [f"tasks.sources=[{{kind: jsonl, path: d.jsonl, "
+                               f"reward_kwargs: [{taken}]}}]"])
     with pytest.raises(ConfigError, match=r"tasks.sources.0: `columns` is read only by a"):
         load_config(None, ["tasks.sources=[{kind: tick, columns: {prompt: q}}]"])
     with pytest.raises(ConfigError, match=r"tasks.sources.0: `reward_kwargs` is read only"):

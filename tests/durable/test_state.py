@@ -1,5 +1,6 @@
-"""A checkpoint's groups as JSON: an episode's environment snapshot survives the round trip
-through the file, and checkpoints written before snapshots existed still load."""
+"""A checkpoint's groups as JSON: an episode's environment snapshot, and the record of a
+finished episode its group's reward has still to read, survive the round trip through the
+file, and checkpoints written before snapshots existed still load."""
 
 from __future__ import annotations
 
@@ -52,3 +53,19 @@ def test_a_checkpoint_without_snapshots_still_loads():
     old = group_from_dict(json.loads(json.dumps(saved)))
     assert [s.env_snapshot for s in old.samples] == [None, None]
     assert len(old.samples[0].segments) == 2 and len(old.samples[0].turns) == 2
+
+
+def test_a_finished_episodes_record_round_trips_until_its_group_grades_it():
+    """A GENERATED episode waits in a checkpoint for its group's reward (a verifiers rubric
+    that scores the group), which reads its record: the record is kept as it was."""
+    group = _group()
+    done = group.samples[1]
+    done.append_policy_tokens([9], [-0.1], [3])
+    done.status = SampleStatus.GENERATED
+    done.episode_record = {"input": {"prompt": [{"role": "user", "content": "go"}]},
+                           "completion": [{"role": "assistant", "content": "ab"}],
+                           "trajectory": [{"reward": None, "extras": {"n": 1.5}}]}
+    restored = group_from_dict(json.loads(json.dumps(group_to_dict(group))))
+    assert restored.samples[1].episode_record == done.episode_record
+    assert restored.samples[1].status is SampleStatus.GENERATED
+    assert restored.samples[0].episode_record is None

@@ -30,7 +30,9 @@ TypeError naming ``tasks.sources.N.<field>``:
 A ``harness: verifiers`` source's ``environment`` is a ``vf.Environment`` (or what makes one,
 given ``environment_kwargs``, or an installed environment module's name), loaded here to be
 checked (``agent/verifiers_env.py``); its episodes run on the proxy harness, driven by a
-:class:`~rollstream.agent.verifiers_env.VerifiersAgent` that returns the rubric's score.
+:class:`~rollstream.agent.verifiers_env.VerifiersAgent` that returns the rollout's state,
+which the source's reward (:class:`~rollstream.agent.verifiers_env.VerifiersRubric`) grades
+with its group's.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class EpisodeSource:
     make_environment: Callable[..., Any] | None = None  # harness agent
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     agent: str | VerifiersAgent | None = None  # harness openai: its import path, or verifiers'
-    gives_reward: bool = False  # its environment (or verifiers agent) grades episodes
+    gives_reward: bool = False  # its environment grades episodes (harness agent)
 
     def tool_list(self) -> list[Tool]:
         return list(self.tools)
@@ -132,7 +134,6 @@ def _episode_source(src: SourceConfig, where: str, sandbox: RunSandbox) -> Episo
                                    kwargs_json=json.dumps(src.environment_kwargs, sort_keys=True),
                                    prompt_column=src.columns.prompt)
         _field(where, "environment", out.agent.load)
-        out.gives_reward = True
         return out
     if harness == "openai":
         path = src.episode_setting("agent")

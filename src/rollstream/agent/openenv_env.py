@@ -39,7 +39,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 
 from rollstream.agent.environment import Message, ModelTurn, Observation
-from rollstream.data.dataset import lookup
+from rollstream.config.tasks import lookup
 from rollstream.engine.vllm.server import (HOST, free_port, kill_group, set_pdeathsig,
                                            until_healthy)
 

@@ -11,9 +11,11 @@ the calls into the sample itself by dialogue prefix matching; every model turn i
 by ``Dispatcher.episode_turn`` for that sample (gate, routing, interrupts with per-token
 versions, retries, spans), so an external agent's episodes are trained exactly like the
 built-in loop's. The episode's reward is the source's reward on the last model turn
-(``Sample.answer``), through the grader pool; or, for a source whose agent grades its own
-episodes (``gives_reward``: a verifiers environment's, ``agent/verifiers_env.py``), the number
-the agent returned (or raised with, when a budget ended the episode).
+(``Sample.answer``), through the grader pool. An agent may return a JSON object, the episode's
+record (at most ``MAX_RECORD_BYTES`` as JSON), which the reward reads as its ``episode``
+keyword (``Sample.episode_record``): a verifiers environment's agent returns its rollout's
+state, which its rubric grades with the group's (``agent/verifiers_env.py``). An agent that
+raises with a ``record`` attribute when a budget ended its episode is graded from it.
 
 Where the agents run (``agent.harness_workers``): 0, as coroutines in the run's process;
 N > 0, in a pool of N long-lived worker processes (``ProcessWorkers``, the reward pool's,
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -69,17 +72,20 @@ if TYPE_CHECKING:
 OPENAI = "openai"  # Task.harness of episodes driven by an OpenAI-SDK agent
 
 
+MAX_RECORD_BYTES = 1 << 20  # an episode's record (what its agent returned), as JSON
+
+
 class OpenAIAgent(Protocol):
     async def __call__(self, session: SessionHandle, task: Task,
-                       sampling: SamplingParams) -> None:
+                       sampling: SamplingParams) -> Any:
         """Run one episode of ``task`` with the ``openai`` SDK against ``session`` (its
-        ``base_url`` and ``api_key``), sampling with ``sampling``; return when it is done."""
+        ``base_url`` and ``api_key``), sampling with ``sampling``; return when it is done,
+        with the episode's record (a JSON object) or anything else (not kept)."""
 
 
 class OpenAIAgentSource(Protocol):
     """A source whose episodes an OpenAI-SDK agent drives; a ``tool_list()`` method, when it
-    has one, gives the tools its agents may run through their sessions, and ``gives_reward =
-    True``, when set, says its agent returns each episode's reward."""
+    has one, gives the tools its agents may run through their sessions."""
 
     name: str
     parser: Any  # the tool-call format its model writes (a ToolCallParser)
@@ -87,19 +93,18 @@ class OpenAIAgentSource(Protocol):
 
 
 class AgentFailed(Exception):
-    """The agent raised in its worker process (the message: ``Type: message``); ``reward``:
-    the exception's, if it had one (:func:`graded_with`)."""
+    """The agent raised in its worker process (the message: ``Type: message``); ``record``:
+    the exception's, if it had one (:func:`record_of`)."""
 
-    def __init__(self, message: str, reward: float | None = None) -> None:
+    def __init__(self, message: str, record: Any = None) -> None:
         super().__init__(message)
-        self.reward = reward
+        self.record = record
 
 
-def graded_with(e: BaseException) -> float | None:
-    """The reward an agent that grades its episodes gave with the error that ended one
-    (``reward`` on the exception: the episode is graded if a budget ended it)."""
-    reward = getattr(e, "reward", None)
-    return float(reward) if isinstance(reward, (int, float)) else None
+def record_of(e: BaseException) -> Any:
+    """The episode's record an agent raised with (``record`` on the exception: the episode
+    is graded from it if a budget ended it)."""
+    return getattr(e, "record", None)
 
 
 @functools.cache
@@ -119,11 +124,11 @@ def run_agent(agent: str | OpenAIAgent, session: SessionHandle, task: Task,
               sampling: SamplingParams) -> tuple[str | None, Any]:
     """One episode in a harness worker process: the agent (at an import path), on an event
     loop of its own. (None, what it returned) when it returned, else (why it raised, the
-    reward it gave with it: :func:`graded_with`) (the worker lives on)."""
+    record it raised with: :func:`record_of`) (the worker lives on)."""
     try:
         return None, asyncio.run(_agent(agent)(session, task, sampling))
     except Exception as e:  # noqa: BLE001 - fault boundary: the episode, reported to the run
-        return f"{type(e).__name__}: {e}"[:2000], graded_with(e)
+        return f"{type(e).__name__}: {e}"[:2000], record_of(e)
 
 
 class ProxyHarness:
@@ -208,9 +213,9 @@ class ProxyHarness:
         except PoolClosed:
             error = "the harness workers were closed during the episode"
         except AgentFailed as e:
-            error, returned = f"the agent raised {e}", e.reward
+            error, returned = f"the agent raised {e}", e.record
         except Exception as e:  # noqa: BLE001 - fault boundary: this sample only
-            error, returned = f"the agent raised {type(e).__name__}: {e}", graded_with(e)
+            error, returned = f"the agent raised {type(e).__name__}: {e}", record_of(e)
         finally:  # a call still generating finishes its turn first (the agent was cut off)
             await proxy.end_session(handle.api_key)
         if sample.status.is_terminal() or dispatcher.cancelled(sample.group_id) or (
@@ -229,17 +234,22 @@ class ProxyHarness:
 
     def _finish(self, sample: Sample, dispatcher: EpisodeHost, reason: str,
                 returned: Any) -> None:
-        """GENERATED, then GRADED with what the agent returned when its source's agent grades
-        its episodes (``gives_reward``: it returns a number), else by the grader pool."""
-        graded = getattr(self.sources[sample.task.source], "gives_reward", False)
-        if graded and (isinstance(returned, bool) or not isinstance(returned, (int, float))):
-            dispatcher.lifecycle.move(sample, SampleStatus.FAILED, "the agent grades its "
-                                      f"episodes but returned {returned!r}, not a reward")
-            return
+        """GENERATED, keeping what the agent returned as the episode's record when it is a
+        JSON object; one that is not JSON, or too large, fails the sample."""
+        if isinstance(returned, dict):
+            try:
+                size = len(json.dumps(returned, allow_nan=False))
+            except (TypeError, ValueError) as e:
+                dispatcher.lifecycle.move(sample, SampleStatus.FAILED, "the agent returned an "
+                                          f"episode record that is not JSON: {e}")
+                return
+            if size > MAX_RECORD_BYTES:
+                dispatcher.lifecycle.move(sample, SampleStatus.FAILED, "the agent returned an "
+                                          f"episode record of {size} bytes as JSON, over "
+                                          f"{MAX_RECORD_BYTES}")
+                return
+            sample.episode_record = returned
         dispatcher.finish(sample, reason)
-        if graded and not dispatcher.cancelled(sample.group_id):
-            sample.reward = float(returned)
-            dispatcher.lifecycle.move(sample, SampleStatus.GRADED)
 
 
 def _bound_turns(dispatcher: EpisodeHost, sample: Sample) -> BoundTurns:

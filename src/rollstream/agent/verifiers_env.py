@@ -7,29 +7,41 @@ path ``module:name`` of a ``vf.Environment`` or of a function returning one (cal
 ``environment_kwargs``, as a hub module's ``load_environment``), or the name of an installed
 environment module (``vf.load_environment(name, **environment_kwargs)``). It is loaded and
 checked when the run is built (:func:`load_environment`), and once more in each process that
-runs episodes. Its episodes run on the proxy harness (``agent/proxy_harness.py``) as an SDK
-agent would: :class:`VerifiersAgent` calls the environment's ``run_rollout`` with a client on
-the episode's proxy session, so every model call is a turn of the training sample, token for
-token as the proxy serves it, and the rollout's rubric score is the episode's reward.
+runs episodes or grades them. Its episodes run on the proxy harness
+(``agent/proxy_harness.py``) as an SDK agent would: :class:`VerifiersAgent` calls the
+environment's ``rollout`` with a client on the episode's proxy session, so every model call is
+a turn of the training sample, token for token as the proxy serves it, and returns the
+rollout's state as the episode's record (:func:`state_record`).
 
-What it simplifies: each episode is scored alone (``rubric.score_rollout``; a rubric that
-compares a group's rollouts is not asked to); the rows come from the source's dataset (its
-``prompt`` and ``answer``, and its ``info`` and ``task`` objects when it has them), not from
-the environment's own ``dataset``, which a hub environment downloads (docs/agents.md says how
-to supply it as a local file); the run's sampling settings are used, not the environment's
-``sampling_args``.
+Grading is verifiers' own group scoring, as its ``run_group`` does: the source's reward is
+:class:`VerifiersRubric`, a group reward, which calls the rubric's ``score_group`` on the
+states of a group's finished episodes once the group's last sample has finished, in a reward
+worker (``reward.workers``, under ``reward.timeout_s``; the environment is loaded there before
+the first call's timeout starts). So a rubric's group reward functions (which compare a
+group's rollouts) work, and per-rollout functions score each state as ``score_rollout``
+would. A group's samples that failed are not in its states.
+
+What it simplifies: the rows come from the source's dataset (its ``prompt`` and ``answer``,
+and its ``info`` and ``task`` objects when they are), not from the environment's own
+``dataset``, which a hub environment downloads (docs/agents.md says how to supply it as a
+local file); the run's sampling settings are used, not the environment's ``sampling_args``;
+the state a rubric reads is what of it is JSON (:func:`state_record`: a client, a lock or a
+step's raw response object are not kept).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollstream.config.tasks import EPISODE_ROW
+from rollstream.config.tasks import EPISODE_ROW, lookup
 from rollstream.named import import_named
+from rollstream.reward.registry import SETUP_ATTR, group_reward
 
 if TYPE_CHECKING:
     from rollstream.agent.proxy import SessionHandle
@@ -98,13 +110,13 @@ def _called(spec: str, fn: Any, kwargs: dict[str, Any]) -> Any:
 
 
 class RolloutFailed(RuntimeError):
-    """The rollout ended on an error (its rubric graded it all the same: ``reward``). The
-    proxy harness fails the sample unless a budget ended the episode (the proxy refused the
-    call past it), which it then grades with ``reward``."""
+    """The rollout ended on an error; ``record``: its state (:func:`state_record`). The proxy
+    harness fails the sample unless a budget ended the episode (the proxy refused the call
+    past it), which the rubric then grades from ``record``."""
 
-    def __init__(self, message: str, *, reward: float) -> None:
+    def __init__(self, message: str, *, record: dict[str, Any]) -> None:
         super().__init__(message)
-        self.reward = reward
+        self.record = record
 
 
 @functools.cache
@@ -114,25 +126,32 @@ def _loaded(spec: str, kwargs_json: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VerifiersAgent:
-    """One source's episodes as an SDK agent of the proxy harness (module docstring); plain
-    data, so a harness worker process receives it whole and loads the environment itself."""
+class _Named:
+    """A source's environment, by what names it in the config (plain data: it is sent to
+    worker processes whole, and each loads the environment itself)."""
 
     environment: str  # SourceConfig.environment
     kwargs_json: str  # SourceConfig.environment_kwargs, as JSON
-    prompt_column: str  # SourceConfig.columns.prompt: the rollout's opening messages
 
     def load(self) -> Any:
         """This process's environment (loaded at the first call: a check when the run is
-        built, or the first episode of a worker process)."""
+        built, or the first episode or grade of a worker process)."""
         _vf()  # the package is there (a cached environment does not say so)
         return _loaded(self.environment, self.kwargs_json)
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifiersAgent(_Named):
+    """One source's episodes as an SDK agent of the proxy harness (module docstring)."""
+
+    prompt_column: str  # SourceConfig.columns.prompt: the rollout's opening messages
+
     async def __call__(self, session: SessionHandle, task: Task,
-                       sampling: SamplingParams) -> float:
-        """Run the environment's rollout of ``task`` through ``session``; its rubric's
-        score. :class:`RolloutFailed` when the rollout ended on an error (as when the proxy
-        refused a call past a budget)."""
+                       sampling: SamplingParams) -> dict[str, Any]:
+        """Run the environment's rollout of ``task`` through ``session``, unscored; its state
+        (:func:`state_record`), which the source's reward grades with its group's.
+        :class:`RolloutFailed` when the rollout ended on an error (as when the proxy refused
+        a call past a budget)."""
         import openai
 
         vf = _vf()
@@ -143,25 +162,76 @@ class VerifiersAgent:
                                       max_retries=0) as client:
             # verifiers 0.1.14 takes its own client around the SDK's; earlier ones the SDK's
             wrap = getattr(vf, "OpenAIChatCompletionsClient", None)
-            out = await env.run_rollout(rollout_input(task, self.prompt_column),
-                                        client if wrap is None else wrap(client), "rollstream",
-                                        sampling_args)
-        reward = out.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise TypeError(f"the rubric of environment {self.environment!r} gave reward "
-                            f"{reward!r}, not a number")
-        if out.get("error") is not None:
-            raise RolloutFailed(f"the verifiers rollout ended on an error: {out['error']}",
-                                reward=float(reward))
-        return float(reward)
+            state = await env.rollout(rollout_input(task, self.prompt_column),
+                                      client if wrap is None else wrap(client), "rollstream",
+                                      sampling_args)
+        record = state_record(state)
+        if state.get("error") is not None:
+            raise RolloutFailed(f"the verifiers rollout ended on an error: {state['error']}",
+                                record=record)
+        return record
+
+
+@group_reward
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifiersRubric(_Named):
+    """A verifiers source's reward (module docstring): the rubric's ``score_group`` on the
+    states of a group's finished episodes (``episode``: their records), one reward each."""
+
+    def __call__(self, task: Task, texts: list[str], *,
+                 episode: list[Mapping[str, Any] | None]) -> list[float]:
+        vf = _vf()
+        env = self.load()
+        missing = [i for i, record in enumerate(episode)
+                   if not isinstance(record, Mapping) or not isinstance(record.get("input"),
+                                                                        dict)]
+        if missing:
+            raise ValueError(f"responses {missing} of the group have no verifiers rollout "
+                             "state to grade (their agent returned none)")
+        states = [vf.State(json.loads(json.dumps(record))) for record in episode]  # own copies
+        asyncio.run(env.rubric.score_group(states))
+        return [s.get("reward") for s in states]
+
+    def setup(self, task: Task) -> None:
+        """Before a worker's call is timed: load the environment (``@reward_setup``)."""
+        self.load()
+
+
+setattr(VerifiersRubric, SETUP_ATTR, VerifiersRubric.setup)
+
+_STEP_DROPPED = ("response", "tokens")  # a step's raw reply object, and the sample's own ids
+
+
+def state_record(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rubric can read of a rollout's ``state``, as a JSON object: each of its entries
+    that is data (pydantic objects as their dicts, an error as its text), the trajectory's
+    steps without their raw reply objects and token ids; the rest (the client, a lock, any
+    other object) is left out."""
+    record: dict[str, Any] = {}
+    for key, value in dict.items(state):  # as stored: the input fields stay under "input"
+        if key == "trajectory" and isinstance(value, list):
+            value = [{k: v for k, v in step.items() if k not in _STEP_DROPPED}
+                     if isinstance(step, Mapping) else step for step in value]
+        try:
+            record[key] = json.loads(json.dumps(value, default=_plain))
+        except (TypeError, ValueError):  # not data
+            continue
+    return record
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, BaseException):
+        return f"{type(obj).__name__}: {obj}"
+    dump = getattr(obj, "model_dump", None)  # pydantic messages and tool calls
+    if callable(dump):
+        return dump(mode="json")
+    raise TypeError(f"{type(obj).__name__} is not data")
 
 
 def rollout_input(task: Task, prompt_column: str) -> dict[str, Any]:
     """The ``RolloutInput`` of a dataset task: the prompt as chat messages (a string is one
     user message, as the run rendered it), the reference answer, the row's ``example_id``,
     and its ``info`` and ``task`` when they are objects."""
-    from rollstream.data.dataset import lookup
-
     row = task.extra[EPISODE_ROW]  # a dataset source's task: its whole row
     prompt = lookup(row, prompt_column)
     if isinstance(prompt, str):

@@ -5,20 +5,21 @@ tasks, with their columns and rewards) and how agent episodes run. Part of the c
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from rollstream.config.openenv import OpenEnvConfig
 from rollstream.config.section import Section
+from rollstream.trajectory import RESPONSE_KWARGS
 
 _DATASET_KINDS = ("jsonl", "parquet", "hf_dataset")  # the kinds that read a dataset at `path`
 _COLUMN_PATH = r"^[^.\s]+(\.[^.\s]+)*$"  # dotted path into nested fields: reward_model.ground_truth
-# keyword names a reward already receives from the response (rollstream.reward.registry)
-_RESPONSE_KWARGS = ("finish_reason", "token_ids")
 _IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # module:attribute
 _IMPORT_OR_MODULE = r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$"  # module:attribute or module
 EPISODE_ROW = "row"  # task.extra key of an agentic dataset task's whole row
+MISSING = object()  # lookup: no value at the path
 # what the tally kind's episodes run with unless its source names others: written as a user
 # writes theirs (agent/tally.py)
 _TALLY = "rollstream.agent.tally"
@@ -219,7 +220,7 @@ class SourceConfig(Section):
         if self.reads_dataset and self.episodic and EPISODE_ROW in names:
             raise ValueError(f"reward_kwargs: keyword {EPISODE_ROW!r} is the whole row of an "
                              "agentic source's task (task.extra['row']); pass another column")
-        taken = sorted(set(names) & set(_RESPONSE_KWARGS))
+        taken = sorted(set(names) & set(RESPONSE_KWARGS))
         if taken:
             raise ValueError(f"reward_kwargs: keyword {taken} is the response's, which a "
                              "reward receives by declaring it; drop it from reward_kwargs")
@@ -436,3 +437,15 @@ class TasksConfig(Section):
             raise ValueError("tasks.pass_rate settings are read only with "
                              "tasks.pass_rate.enabled = true (set it or drop them)")
         return self
+
+
+def lookup(row: Mapping[str, Any], path: str) -> Any:
+    """The value at a column's dotted ``path`` (``columns``) of a row's nested mappings;
+    ``MISSING`` when a key on the way is absent or a value on the way is not a mapping (a
+    null one included)."""
+    node: Any = row
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return MISSING
+        node = node[part]
+    return node

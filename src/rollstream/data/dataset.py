@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollstream.config.tasks import EPISODE_ROW
+from rollstream.config.tasks import EPISODE_ROW, lookup
+from rollstream.config.tasks import MISSING as _MISSING
 from rollstream.data.sources import (
     FiniteSource,
     dataset_path,
@@ -59,7 +60,6 @@ from rollstream.data.sources import (
 from rollstream.trajectory import SINGLE_TURN, Task
 
 ANSWER_COLUMNS = ("answer", "solution", "reward_model.ground_truth")  # columns.answer: null
-_MISSING = object()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -231,17 +231,6 @@ def _json(value: object, problem: str) -> None:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise _Rejected(f"{problem} ({e})") from None
-
-
-def lookup(row: Mapping[str, Any], path: str) -> Any:
-    """The value at a dotted ``path`` of nested mappings; ``_MISSING`` when a key on the way
-    is absent or a value on the way is not a mapping (a null one included)."""
-    node: Any = row
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
 
 
 def _missing(where: str, col: str, field_name: str, row: dict[str, Any]) -> str:

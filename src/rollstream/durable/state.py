@@ -101,6 +101,8 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
     if (r := s.routing) is not None:  # frozen: no copy; bytes as base64
         out["routing"] = {"num_layers": r.num_layers, "top_k": r.top_k, "wide": r.wide,
                           "experts": base64.b64encode(r.experts).decode("ascii")}
+    if s.episode_record is not None:  # a JSON object (the harness checked it), kept as it is
+        out["episode_record"] = s.episode_record
     if s.contexts:
         out["contexts"] = [{"num_segments": c.num_segments, "token_ids": list(c.token_ids)}
                            for c in s.contexts]
@@ -126,7 +128,8 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                               for c in d.get("contexts", ())],
                     routing=None if (r := d.get("routing")) is None else Routing(
                         num_layers=r["num_layers"], top_k=r["top_k"], wide=r["wide"],
-                        experts=base64.b64decode(r["experts"])))
+                        experts=base64.b64decode(r["experts"])),
+                    episode_record=d.get("episode_record"))
     if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
         sample.num_restored_tokens = sample.num_response_tokens
     return sample

@@ -9,7 +9,9 @@ A reward is a plain typed callable, sync or ``async``::
 ``text`` is the response decoded with special tokens skipped (as TRL does: no
 ``<|endoftext|>``). A reward that needs more *asks* for it by declaring keyword parameters
 named ``finish_reason`` (``"stop"``: a stop token ended the response; ``"length"``: it was
-capped) and/or ``token_ids`` (the response tokens exactly as sampled, stop token included).
+capped), ``token_ids`` (the response tokens exactly as sampled, stop token included) and/or
+``episode`` (an agent episode's record: the JSON object its OpenAI-SDK agent returned, such
+as a verifiers rollout's state; None when it returned none, and for single-turn samples).
 A dataset source's ``reward_kwargs`` columns arrive as keyword arguments too (``task.extra``),
 as TRL passes dataset columns::
 
@@ -48,9 +50,9 @@ import numbers
 import pickle
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union
 
-from rollstream.trajectory import Task
+from rollstream.trajectory import RESPONSE_KWARGS, Task
 
 if TYPE_CHECKING:  # pydantic stays out of reward worker processes
     from rollstream.config.schema import RewardConfig
@@ -61,7 +63,6 @@ RewardFn = Union[SyncRewardFn, AsyncRewardFn]
 
 F = TypeVar("F", bound=Callable[..., object])
 
-_OPTIONAL_KWARGS = ("finish_reason", "token_ids")
 _GROUP_MARK = "__rollstream_group_reward__"
 SETUP_ATTR = "__rollstream_reward_setup__"  # @reward_setup's step, read by pool.call_in_worker
 _FINISH_REASONS = ("stop", "length")
@@ -74,6 +75,7 @@ class Response:
     text: str  # decoded with special tokens skipped (as TRL does)
     token_ids: tuple[int, ...]  # the response tokens exactly as sampled
     finish_reason: str  # "stop" (a stop token ended it) or "length" (capped)
+    episode: Mapping[str, Any] | None = None  # an agent episode's record (Sample.episode_record)
 
     def __post_init__(self) -> None:
         if self.finish_reason not in _FINISH_REASONS:
@@ -107,7 +109,7 @@ class Reward:
     name: str
     fn: RewardFn = field(repr=False)
     is_async: bool
-    wants: tuple[str, ...]  # the keyword parameters it asked for, of _OPTIONAL_KWARGS
+    wants: tuple[str, ...]  # the keyword parameters it asked for, of RESPONSE_KWARGS
     needs: tuple[str, ...] = ()  # keyword parameters without a default: columns must give them
     columns: tuple[str, ...] = ()  # keywords it receives from task.extra (dataset columns)
     group: bool = False  # a group reward (``@group_reward``): lists in, one number per response
@@ -123,7 +125,7 @@ class Reward:
             raise TypeError(f"reward {name!r}: cannot read the signature of {fn!r}: {e}") from None
         keyword_ok = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         wants = tuple(
-            n for n in _OPTIONAL_KWARGS
+            n for n in RESPONSE_KWARGS
             if n in sig.parameters and sig.parameters[n].kind in keyword_ok
         )
         positional = [p for p in sig.parameters.values() if p.kind in (
@@ -140,7 +142,7 @@ class Reward:
             shape = "fn(task, texts)" if group else "fn(task, text)"
             raise TypeError(
                 f"reward {name!r}{sig} cannot be called as {shape} (plus keyword "
-                f"parameters finish_reason and/or token_ids when it declares them, and "
+                f"parameters finish_reason, token_ids and/or episode when it declares them, and "
                 f"dataset columns): {e}"
             ) from None
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -347,13 +349,13 @@ def known_rewards() -> list[str]:
 
 
 def build_resolver(
-    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str, Sequence[str]]],
+    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str | RewardFn, Sequence[str]]],
     given: Mapping[str, RewardFn] | None = None,
 ) -> Callable[[Task], Reward]:
-    """The grader pool's ``resolve``. ``source_rewards``: source name -> (reward name, the
-    keyword arguments its tasks pass from dataset columns). ``reward.name: auto`` grades each
-    task with its source's reward, any other name grades every task with that reward (still
-    given each source's columns). ``given``: source name -> a reward callable passed as an
+    """The grader pool's ``resolve``. ``source_rewards``: source name -> (reward name, or
+    the reward itself, and the keyword arguments its tasks pass from dataset columns).
+    ``reward.name: auto`` grades each task with its source's reward, any other name grades
+    every task with that reward (still given each source's columns). ``given``: source name -> a reward callable passed as an
     object (the Python API), in place of its source's named one. Every reward is resolved and
     checked here, once, signature against columns included; an unknown name fails here, naming
     the config field and the known rewards."""

@@ -48,9 +48,11 @@ class Grading:
     def _response(self, sample: Sample) -> Response:
         ids, finish_reason = sample.answer()
         return Response(text=self.decode(ids), token_ids=tuple(ids),
-                        finish_reason=finish_reason or FinishReason.LENGTH.value)
+                        finish_reason=finish_reason or FinishReason.LENGTH.value,
+                        episode=sample.episode_record)
 
     def _graded(self, sample: Sample, result: GradeResult) -> None:
+        sample.episode_record = None  # read: what is left of the episode is its samples'
         if result.error is not None:
             self.lifecycle.move(sample, SampleStatus.FAILED, f"reward: {result.error}")
             return
