@@ -39,11 +39,11 @@ def test_bench_agentic_quick_runs_every_mode_on_the_same_episodes(tmp_path):
                       strict=True))
     ratio = written["prefix_cache_vs_none_episodes_per_s"]
     assert ratio == pytest.approx(math.prod(a / b for a, b in rounds) ** 0.5)
-    # the first round's share of the bound: no-cache wall / cached busy seconds
-    first = modes["no_prefix_cache"]["wall_s"] / modes["async"]["engine_busy_s"]
-    assert modes["async"]["engine_busy_s"] <= modes["async"]["wall_s"]
-    assert written["prefix_cache_vs_none_bound"] > 0 and first >= (
-        modes["async"]["episodes_per_s"] / modes["no_prefix_cache"]["episodes_per_s"])
+    p, h = written["prefill_share_without_cache"], written["hit_share"]
+    assert 0 < p < 1 and 0 < h < 1 and 0 < written["prefill_share_with_cache"] < p
+    assert written["prefix_cache_vs_none_bound"] == pytest.approx(1 / (1 - p * h))
+    assert modes["no_prefix_cache"]["work"]["prefix_hit_tokens"] == 0 < \
+        modes["async"]["work"]["prefix_hit_tokens"]
     assert written["async_vs_batched_episodes_per_s"] == pytest.approx(
         modes["async"]["episodes_per_s"] / modes["batched"]["episodes_per_s"])
     assert 0 < written["engine_utilization_agentic"] <= 1.0

@@ -204,7 +204,7 @@ _STEP_DROPPED = ("response", "tokens")  # a step's raw reply object, and the sam
 
 def state_record(state: Mapping[str, Any]) -> dict[str, Any]:
     """What a rubric can read of a rollout's ``state``, as a JSON object: each of its entries
-    that is data (pydantic objects as their dicts, an error as its text), the trajectory's
+    that is JSON data (pydantic objects as their dicts, an error as its text), the trajectory's
     steps without their raw reply objects and token ids; the rest (the client, a lock, any
     other object) is left out."""
     record: dict[str, Any] = {}
@@ -213,8 +213,8 @@ def state_record(state: Mapping[str, Any]) -> dict[str, Any]:
             value = [{k: v for k, v in step.items() if k not in _STEP_DROPPED}
                      if isinstance(step, Mapping) else step for step in value]
         try:
-            record[key] = json.loads(json.dumps(value, default=_plain))
-        except (TypeError, ValueError):  # not data
+            record[key] = json.loads(json.dumps(value, default=_plain, allow_nan=False))
+        except (TypeError, ValueError):  # not data (or a NaN, which JSON has not)
             continue
     return record
 

@@ -31,17 +31,23 @@ round to round). Keys: ``async_vs_batched_episodes_per_s`` (target >= 2),
 >= 0.8), ``user_env_vs_builtin_episodes_per_s``, ``verifiers_vs_builtin_episodes_per_s`` and
 ``prefix_cache_vs_none_episodes_per_s`` (``async`` / ``no_prefix_cache``; target >= 1.5)
 (the geometric mean of the rounds' ratios, with ``*_ci95``: Student's t on their logs), with
-``prefix_cache_vs_none_bound`` (the geometric mean over rounds of the no-cache wall over the
-cached engine's busy seconds: the ratio if the cached round took no longer than its engine's
-work), per mode the episodes/s, wall time, engine busy seconds, tokens and utilization of its
-first round, ``repeats`` (each round's episodes/s); ``proxy_overhead_ms_p50``: the median time of a one-turn call through the
-proxy with the ``openai`` SDK minus that of the same request sent to the engine directly.
+``prefix_cache_vs_none_bound`` = ``1 / (1 - p * h)``: ``p`` (``prefill_share_without_cache``)
+the prefill share of engine pass time without the cache and ``prefill_share_with_cache`` with
+it, each read once after the rounds on an engine whose prefills are passes of their own
+(``fuse_prefill: false``; fused, a prefill's time is inside a decode pass), ``h``
+(``hit_share``) the share of prompt tokens the cache held over the ``async`` rounds (those
+two runs are in ``prefill_apart``, reported as the modes are); per
+mode the episodes/s, wall time, engine busy seconds and pass work, tokens and utilization of
+its first round, ``repeats`` (each round's episodes/s); ``proxy_overhead_ms_p50``: the median
+time of a one-turn call through the proxy with the ``openai`` SDK minus that of the same
+request sent to the engine directly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -62,7 +68,7 @@ from rollstream.bench.agentic_envs import (
 )
 from rollstream.bench.pair import ratio_interval
 from rollstream.config.schema import LocalEngineConfig, TinyModelConfig
-from rollstream.engine import GenerateRequest, SamplingParams
+from rollstream.engine import EngineStats, GenerateRequest, SamplingParams
 from rollstream.engine.local.engine import LocalEngine
 from rollstream.models.tiny import build_tiny_model
 from rollstream.models.tokenizer import build_char_tokenizer
@@ -145,7 +151,7 @@ async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, envs: list[Any]
                                      max_total_tokens=8192))
     turns = EngineTurns(engine)
     n = len(envs)
-    busy0, tokens0 = engine.stats().busy_s, engine.stats().generated_tokens
+    before = engine.stats()
     t0 = time.perf_counter()
     if batched:
         episodes = []
@@ -166,19 +172,29 @@ async def _run_mode(engine: LocalEngine, renderer: ChatRenderer, envs: list[Any]
         episodes = await asyncio.gather(*(one(env) for env in envs))
     wall = time.perf_counter() - t0
     assert all(ep.end is EpisodeEnd.DONE for ep in episodes), [ep.end for ep in episodes]
-    return _mode_result(engine, n, wall, busy0, tokens0,
+    return _mode_result(engine, before, n, wall,
                         sum(ep.num_model_turns for ep in episodes),
                         sum(sum(env.latencies) for env in envs))
 
 
-def _mode_result(engine: LocalEngine, n: int, wall: float, busy0: float, tokens0: int,
+_WORK = ("prefill_s", "sort_s", "decode_s", "prefix_hit_tokens", "prefix_query_tokens")
+
+
+def _mode_result(engine: LocalEngine, before: EngineStats, n: int, wall: float,
                  model_turns: int, tool_time_s: float) -> dict[str, Any]:
     stats = engine.stats()
+    busy = stats.busy_s - before.busy_s
     return {"episodes": n, "wall_s": wall, "episodes_per_s": n / wall,
-            "engine_busy_s": stats.busy_s - busy0,
-            "engine_utilization": (stats.busy_s - busy0) / wall,
-            "generated_tokens": stats.generated_tokens - tokens0,
-            "model_turns": model_turns, "tool_time_s": tool_time_s}
+            "engine_busy_s": busy, "engine_utilization": busy / wall,
+            "generated_tokens": stats.generated_tokens - before.generated_tokens,
+            "model_turns": model_turns, "tool_time_s": tool_time_s,
+            "work": {k: stats.work.get(k, 0.0) - before.work.get(k, 0.0) for k in _WORK}}
+
+
+def _prefill_share(work: dict[str, float]) -> float:
+    """Prefill passes' share of an engine's pass time (read where prefill is not fused)."""
+    busy = work["prefill_s"] + work["sort_s"] + work["decode_s"]
+    return work["prefill_s"] / busy if busy else 0.0
 
 
 async def _verifiers_mode(engine: LocalEngine, renderer: ChatRenderer, n: int,
@@ -206,11 +222,11 @@ async def _verifiers_mode(engine: LocalEngine, renderer: ChatRenderer, n: int,
                 await agent(handle, task, sampling)
                 calls.append(sum(s.num_calls for s in proxy.close_session(handle.api_key)))
 
-        busy0, tokens0 = engine.stats().busy_s, engine.stats().generated_tokens
+        before = engine.stats()
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - t0
-    return _mode_result(engine, n, wall, busy0, tokens0, sum(calls),
+    return _mode_result(engine, before, n, wall, sum(calls),
                         sum(sum(draw(i, seed)[1]) for i in range(n)))
 
 
@@ -227,9 +243,12 @@ async def _bench(folder: Path, n: int, concurrency: int, seed: int,
                  repeats: int) -> dict[str, Any]:
     """Batched once; then ``repeats`` rounds of the async modes on the same episodes, their
     order rotating from round to round so that a drift in the machine's load hits each."""
-    engine, plain = (LocalEngine(folder, LocalEngineConfig(
+    engine, plain, apart, apart_plain = (LocalEngine(folder, LocalEngineConfig(
         max_slots=concurrency, max_seq_len=2048, threads=2, device="cpu", **kw),
-        engine_id=name) for name, kw in (("cache", {}), ("none", {"prefix_cache_tokens": 0})))
+        engine_id=name) for name, kw in (
+            ("cache", {}), ("none", {"prefix_cache_tokens": 0}),
+            ("cache-apart", {"fuse_prefill": False}),  # prefill passes of their own: their
+            ("none-apart", {"prefix_cache_tokens": 0, "fuse_prefill": False})))  # time apart
     renderer = ChatRenderer(build_char_tokenizer())
     sides = ["builtin", "user_env", "no_prefix_cache"] + (
         ["verifiers"] if _has_verifiers() is None else [])
@@ -252,11 +271,18 @@ async def _bench(folder: Path, n: int, concurrency: int, seed: int,
                     out = await _run_mode(plain if side == "no_prefix_cache" else engine,
                                           renderer, envs, concurrency, tag, batched=False)
                 runs[side].append(out)
+        unfused = {}  # on engines with prefill passes of their own, with the cache and without
+        for name, e in (("with_cache", apart), ("without_cache", apart_plain)):
+            await _run_mode(e, renderer, [_ToolEpisode(i, seed + 1, None) for i in range(4)], 4,
+                            "w", batched=False)
+            unfused[name] = await _run_mode(
+                e, renderer, [_ToolEpisode(i, seed, None) for i in range(n)], concurrency,
+                f"p-{name}-", batched=False)
         overhead = await _proxy_overhead(engine, renderer, calls=20 if n < 64 else 100)
     finally:
-        await engine.close()
-        await plain.close()
-    return {"batched": batched, "runs": runs, "proxy": overhead}
+        for e in (engine, plain, apart, apart_plain):
+            await e.close()
+    return {"batched": batched, "runs": runs, "proxy": overhead, "prefill_apart": unfused}
 
 
 async def _proxy_overhead(engine: LocalEngine, renderer: ChatRenderer, calls: int) -> dict:
@@ -329,10 +355,17 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict[str, Any]:
     mean, low, high = _ratio(runs["builtin"], runs["no_prefix_cache"])
     result["prefix_cache_vs_none_episodes_per_s"] = mean
     result["prefix_cache_vs_none_ci95"] = [low, high]
-    # the most the cache can give a round: its wall no shorter than its engine's busy time
-    result["prefix_cache_vs_none_bound"] = ratio_interval(
-        [none["wall_s"] / cache["engine_busy_s"]
-         for cache, none in zip(runs["builtin"], runs["no_prefix_cache"], strict=True)])[0]
+    # the bound 1 / (1 - p * h): p the prefill share of engine time without the cache, h the
+    # hit share of the prompt tokens with it (over the rounds)
+    works = [r["work"] for r in runs["builtin"]]
+    h = sum(w["prefix_hit_tokens"] for w in works) / max(
+        sum(w["prefix_query_tokens"] for w in works), 1.0)
+    p = _prefill_share(out["prefill_apart"]["without_cache"]["work"])
+    result["prefill_share_without_cache"] = p
+    result["prefill_share_with_cache"] = _prefill_share(out["prefill_apart"]["with_cache"]["work"])
+    result["prefill_apart"] = out["prefill_apart"]  # those two runs, as the modes are reported
+    result["hit_share"] = h
+    result["prefix_cache_vs_none_bound"] = 1.0 / (1.0 - p * h) if p * h < 1 else math.inf
     _print(result)
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
@@ -366,7 +399,9 @@ def _print(result: dict[str, Any]) -> None:
     low, high = result["prefix_cache_vs_none_ci95"]
     print(f"prefix_cache_vs_none_episodes_per_s = "
           f"{result['prefix_cache_vs_none_episodes_per_s']:.3f} (95% {low:.3f}-{high:.3f}; "
-          f"bound {result['prefix_cache_vs_none_bound']:.3f})")
+          f"bound 1/(1 - p*h) = {result['prefix_cache_vs_none_bound']:.3f}: prefill share "
+          f"without the cache p = {result['prefill_share_without_cache']:.2f}, with it "
+          f"{result['prefill_share_with_cache']:.2f}, hit share h = {result['hit_share']:.2f})")
     for side in ("user_env", "verifiers"):
         if f"{side}_vs_builtin_episodes_per_s" in result:
             low, high = result[f"{side}_vs_builtin_ci95"]
