@@ -21,10 +21,10 @@ weights, so every group is kept: ``rollout.filter_zero_variance=false``), ``RUN_
 steps, groups per step and new tokens, placed as ``bench modes`` places a run: ``lora`` (the
 YAML's adapter, rank 8 on every linear layer) then ``full`` (``model.lora=null``), back to
 back (:mod:`.short_runs`); ``lora_vs_full_samples_per_s`` = trained samples/s of ``lora`` ÷
-``full``, each run's reading under ``lora_runs``. vLLM's sync (``lora_vllm``, on the demo
-shape's every-layer adapter; not with ``--quick``) is :func:`bench_vllm_sync`'s; training runs
-on vLLM are not measured. The
-mixture-of-experts section (``moe``) is
+``full``, each run's reading under ``lora_runs``. On vLLM (not with ``--quick``): the sync
+(``lora_vllm``, on the demo shape's every-layer adapter) is :func:`bench_vllm_sync`'s, and the
+same two runs with ``engine.kind=vllm`` give ``lora_vs_full_samples_per_s_vllm`` (each run's
+reading under ``lora_runs_vllm``). The mixture-of-experts section (``moe``) is
 :mod:`.models_moe`'s: routing replay against a bfloat16 engine. A benchmark measures; it
 does not assert.
 """
@@ -141,8 +141,10 @@ def bench_shape(folder: Path, targets: tuple[str, ...] | None) -> dict[str, Any]
             "lora_sync_s_vs_full": adapter_s / full_s}
 
 
-def lora_runs(folder: Path, run_root: Path, *, quick: bool) -> dict[str, Any]:
-    """A short LoRA run against a full fine-tune of the same shape (module docstring)."""
+def lora_runs(folder: Path, run_root: Path, *, quick: bool,
+              vllm: bool = False) -> dict[str, Any]:
+    """A short LoRA run against a full fine-tune of the same shape (module docstring), on the
+    embedded engine or (``vllm``) on a vLLM server the run launches."""
     from rollstream.bench.modes import bench_overrides
     from rollstream.bench.short_runs import run_back_to_back, samples_per_s_ratio
 
@@ -151,6 +153,8 @@ def lora_runs(folder: Path, run_root: Path, *, quick: bool) -> dict[str, Any]:
               f"train.groups_per_step={groups}", f"sampling.max_new_tokens={new_tokens}",
               "rollout.filter_zero_variance=false", "tasks.num_eval=2",
               "eval.samples_per_task=1", "model.lora.export_merged=false"]
+    if vllm:
+        common += ["engine.kind=vllm", f"engine.vllm.max_model_len={VLLM_MAX_MODEL_LEN}"]
     runs = run_back_to_back(LORA_YAML, common, {"lora": [], "full": ["model.lora=null"]},
                             bench="models")
     return {"runs": runs, "steps": steps, "groups_per_step": groups,
@@ -174,6 +178,8 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
                 runs = lora_runs(folder, Path(tmp) / "runs", quick=quick)
                 on_vllm = None if quick else bench_vllm_sync(
                     folder, *shape_tensors(folder, None), log_dir=Path(tmp) / VLLM_LOGS)
+                runs_vllm = None if quick else lora_runs(folder, Path(tmp) / "runs-vllm",
+                                                         quick=False, vllm=True)
         moe = bench_moe(build_model(Path(tmp) / "moe", arch="qwen2_moe", **SHAPES["demo"]),
                         quick=quick)
     demo = rows["demo/all"]
@@ -183,6 +189,9 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
               "lora_runs": runs,
               "lora_vs_full_samples_per_s": runs["lora_vs_full_samples_per_s"],
               "lora_vllm": on_vllm,
+              "lora_runs_vllm": runs_vllm,
+              "lora_vs_full_samples_per_s_vllm": None if runs_vllm is None else
+              runs_vllm["lora_vs_full_samples_per_s"],
               "moe": moe,
               "mismatch_replay_vs_none": moe["mismatch_replay_vs_none"],
               "routing_agreement": moe["routing_agreement"],
@@ -200,6 +209,12 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
               f"{on_vllm['adapter_sync_s'] * 1e3:.0f} ms vs "
               f"{on_vllm['full_sync_s'] * 1e3:.0f} ms (ratio "
               f"{on_vllm['lora_sync_s_vs_full']:.2f})")
+    if runs_vllm is not None:
+        lora_v, full_v = runs_vllm["runs"]["lora"], runs_vllm["runs"]["full"]
+        print(f"training runs on vLLM (the same): trained samples/s "
+              f"{lora_v['trained_samples_per_s']:.1f} with LoRA, "
+              f"{full_v['trained_samples_per_s']:.1f} full (ratio "
+              f"{runs_vllm['lora_vs_full_samples_per_s']:.2f})")
     print(f"MoE, bfloat16 engine vs float32 trainer: mismatch {moe['mismatch_none']:.4f} "
           f"without replay, {moe['mismatch_replay']:.4f} with (ratio "
           f"{moe['mismatch_replay_vs_none']:.3f}); routing agreement "
@@ -237,7 +252,7 @@ def bench_vllm_sync(folder: Path, full: dict, adapter: dict, log_dir: Path) -> d
     written, ``reload_weights``, and, this engine serving LoRA, its slot reset to the zero
     adapter, which a full load on a LoRA engine does), over ``NUM_SYNCS`` loads after a
     warm-up, each inside the server's ``/pause`` ... ``/resume`` (docs/lora.md, "LoRA on
-    vLLM"). Training runs on vLLM (``lora_vs_full_samples_per_s``) are not measured."""
+    vLLM"). Training runs on vLLM: :func:`lora_runs` with ``vllm=True``."""
     from rollstream.config.model import LoraConfig
     from rollstream.config.schema import EngineConfig, VllmEngineConfig
     from rollstream.engine.vllm import build_vllm_engine
