@@ -23,6 +23,7 @@ from rollstream.agent.episodes import episode_sources
 from rollstream.agent.loop import Budgets
 from rollstream.agent.proxy_harness import OPENAI
 from rollstream.agent.proxy_wire import Refused, parse_request
+from rollstream.agent.verifiers_env import with_rubrics
 from rollstream.config import ConfigError, load_config
 from rollstream.data.ledger import Ledger, read_ledger
 from rollstream.data.mix import TaskMix
@@ -83,7 +84,7 @@ def _replies(s: Sample, turns: int) -> list[str]:
 
 def _rubric(cfg):
     """The run's rewards as it resolves them: the source's rubric (``VerifiersRubric``)."""
-    return build_resolver(cfg.reward, source_rewards(cfg.tasks))
+    return build_resolver(cfg.reward, source_rewards(cfg.tasks), with_rubrics(cfg.tasks, None))
 
 
 async def _run_groups(engine, tmp_path: Path, cfg, workers: int = 0) -> list[Group]:

@@ -44,6 +44,7 @@ from rollstream.named import import_named
 from rollstream.reward.registry import SETUP_ATTR, group_reward
 
 if TYPE_CHECKING:
+    from rollstream.config.schema import TasksConfig
     from rollstream.agent.proxy import SessionHandle
     from rollstream.engine import SamplingParams
     from rollstream.trajectory import Task
@@ -198,6 +199,17 @@ class VerifiersRubric(_Named):
 
 
 setattr(VerifiersRubric, SETUP_ATTR, VerifiersRubric.setup)
+
+
+def with_rubrics(tasks: TasksConfig, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The reward objects of a run by source (``build_resolver``'s ``given``): ``given`` (the
+    caller's; none names a verifiers source, the config refuses it) and each verifiers
+    source's rubric."""
+    return {**(given or {}), **{
+        s.source_name: VerifiersRubric(environment=str(s.environment),
+                                       kwargs_json=json.dumps(s.environment_kwargs,
+                                                              sort_keys=True))
+        for s in tasks.sources if s.harness == "verifiers"}}
 
 _STEP_DROPPED = ("response", "tokens")  # a step's raw reply object, and the sample's own ids
 

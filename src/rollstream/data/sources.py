@@ -39,20 +39,16 @@ Simplifications: no natural-language tasks; math has no parentheses or division.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from rollstream.config.schema import SourceConfig, TasksConfig
 from rollstream.trajectory import Task
-
-if TYPE_CHECKING:
-    from rollstream.reward.registry import RewardFn
 
 Split = Literal["train", "eval"]
 _SPLITS = ("train", "eval")
@@ -319,18 +315,14 @@ def reward_name(cfg: SourceConfig) -> str:
     return cfg.reward or _KIND_REWARDS.get(cfg.kind, "exact_match")
 
 
-def source_rewards(cfg: TasksConfig) -> dict[str, tuple[str | RewardFn, tuple[str, ...]]]:
+def source_rewards(cfg: TasksConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Source name -> (reward name, the keyword arguments its tasks pass it from dataset
     columns), from the config alone (no tokenizer, no dataset read), for
     ``rollstream.reward.build_resolver``: a run resolves its rewards before any other work.
-    A verifiers environment's source is graded by its rubric (``VerifiersRubric``)."""
-    from rollstream.agent.verifiers_env import VerifiersRubric
-
-    return {s.source_name: (
-        VerifiersRubric(environment=str(s.environment),
-                        kwargs_json=json.dumps(s.environment_kwargs, sort_keys=True))
-        if s.harness == "verifiers" else reward_name(s), tuple(s.reward_kwarg_columns))
-        for s in cfg.sources}
+    (A verifiers environment's source is graded by its rubric, which the run passes as the
+    source's reward object: ``agent.verifiers_env.with_rubrics``.)"""
+    return {s.source_name: (reward_name(s), tuple(s.reward_kwarg_columns))
+            for s in cfg.sources}
 
 
 def path_problem(path: str) -> str | None:

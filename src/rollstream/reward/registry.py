@@ -349,11 +349,11 @@ def known_rewards() -> list[str]:
 
 
 def build_resolver(
-    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str | RewardFn, Sequence[str]]],
+    cfg: RewardConfig, source_rewards: Mapping[str, tuple[str, Sequence[str]]],
     given: Mapping[str, RewardFn] | None = None,
 ) -> Callable[[Task], Reward]:
-    """The grader pool's ``resolve``. ``source_rewards``: source name -> (reward name, or
-    the reward itself, and the keyword arguments its tasks pass from dataset columns).
+    """The grader pool's ``resolve``. ``source_rewards``: source name -> (reward name, the
+    keyword arguments its tasks pass from dataset columns).
     ``reward.name: auto`` grades each task with its source's reward, any other name grades
     every task with that reward (still given each source's columns). ``given``: source name -> a reward callable passed as an
     object (the Python API), in place of its source's named one. Every reward is resolved and

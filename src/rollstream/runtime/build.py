@@ -62,6 +62,7 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
     or a callable in ``rewards``), an episode's environment, agent, tool or tool-call parser
     or the sandbox's artifact folder is unusable, or the runtime's library is missing (runs
     call this before touching their run directory)."""
+    from rollstream.agent.verifiers_env import with_rubrics
     from rollstream.data.sources import check_source_paths, source_rewards
     from rollstream.models.folder import validate_model_folder
     from rollstream.reward.registry import build_resolver
@@ -69,7 +70,7 @@ def check_inputs(cfg: RunConfig, rewards: Mapping[str, RewardFn] | None = None) 
     if cfg.model.path is not None:
         validate_model_folder(Path(cfg.model.path))
     check_source_paths(cfg.tasks)
-    build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)
+    build_resolver(cfg.reward, source_rewards(cfg.tasks), with_rubrics(cfg.tasks, rewards))
     _check_sandbox(cfg.agent.sandbox)
     if any(s.episodic for s in cfg.tasks.sources):
         from rollstream.agent.episodes import episode_sources

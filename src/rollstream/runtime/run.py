@@ -127,6 +127,7 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     from transformers.utils import logging as hf_logging
 
     from rollstream.agent.sandbox_shared import install_sandbox
+    from rollstream.agent.verifiers_env import with_rubrics
     from rollstream.data.mix import TaskMix
     from rollstream.data.sources import source_rewards
     from rollstream.models.warmstart import prepare_model
@@ -138,7 +139,8 @@ async def build_run(cfg: RunConfig, run_dir: Path, *, resume: durable.Checkpoint
     hf_logging.disable_progress_bar()
     saved = resume.state.get("reconfig", {}) if resume is not None else {}
     cfg_now = with_applied(cfg, saved.get("applied", []))  # what reconfigurations left in force
-    resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks), rewards)  # fail first
+    resolve = build_resolver(cfg.reward, source_rewards(cfg.tasks),  # fail first
+                             with_rubrics(cfg.tasks, rewards))
     model_path = Path(prepare_model(cfg.model, cfg.tasks, resolve))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     mix = TaskMix(cfg_now.tasks, tokenizer)  # a bad dataset fails here, before the run dir

@@ -123,7 +123,7 @@ class LocalEngine:
         # pass times by shape, for fitting the simulator's profile
         self.passes = PassTimes(training=training)
         self._death: str | None = None  # why it stopped serving (closed, or died)
-        self._restarting = False  # a restart is building its replacement thread
+        self._restarting = False  # a restart runs: RECOVERING, even on the last one
         self._applying: Command | None = None  # answered by _die if applying it raises
         self._rows_moving = False  # scheduler and runner rows disagree meanwhile
         self._thread = self._start_thread()
@@ -147,8 +147,7 @@ class LocalEngine:
 
     def needs_restart(self) -> bool:
         """Its step loop died and it may be restarted (RECOVERING)."""
-        return self._death is not None and not self._closed and \
-            self.num_restarts < self._cfg.max_restarts
+        return bool(self._death) and not self._closed and self.num_restarts < self._cfg.max_restarts
 
     async def restart(self, version: int, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Serve again after the step loop died: weights from the model folder, then
@@ -158,8 +157,7 @@ class LocalEngine:
         if not self.needs_restart():
             raise RuntimeError(f"local engine {self.engine_id} cannot restart: "
                                f"{self._death or 'it is running'}")
-        self.num_restarts += 1
-        self._restarting = True  # RECOVERING until it serves, even after its last restart
+        self.num_restarts, self._restarting = self.num_restarts + 1, True
         try:
             await asyncio.to_thread(self._restart, version, tensors)
         finally:
