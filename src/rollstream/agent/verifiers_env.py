@@ -16,7 +16,7 @@ rollout's state as the episode's record (:func:`state_record`).
 Grading is verifiers' own group scoring, as its ``run_group`` does: the source's reward is
 :class:`VerifiersRubric`, a group reward, which calls the rubric's ``score_group`` on the
 states of a group's finished episodes once the group's last sample has finished, in a reward
-worker (``reward.workers``, under ``reward.timeout_s``; the environment is loaded there before
+worker (``reward.num_workers``, under ``reward.timeout_s``; the environment is loaded there before
 the first call's timeout starts). So a rubric's group reward functions (which compare a
 group's rollouts) work, and per-rollout functions score each state as ``score_rollout``
 would. A group's samples that failed are not in its states.
@@ -44,8 +44,8 @@ from rollstream.named import import_named
 from rollstream.reward.registry import SETUP_ATTR, group_reward
 
 if TYPE_CHECKING:
-    from rollstream.config.schema import TasksConfig
     from rollstream.agent.proxy import SessionHandle
+    from rollstream.config.schema import TasksConfig
     from rollstream.engine import SamplingParams
     from rollstream.trajectory import Task
 
