@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from rollstream.config.schema import ISCorrectionConfig, TrainConfig
 from rollstream.staleness import StalenessPolicy
 from rollstream.train.losses import LOSS_AGGS
+from rollstream.train.shared_prefix import attention_width, plan_units
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import Context, Group, Segment, SegmentKind, Task
 from tests.train.conftest import SYNC, make_group
@@ -130,6 +132,45 @@ def test_auto_leaves_short_prompts_flat(tiny_model_path):
     trainer = Trainer(TrainConfig(), tiny_model_path, staleness=SYNC)
     samples = make_group("s", list(range(2, 17)), [[20, 21], [22]]).samples  # 15 tokens
     assert all(mb.attention_mask is None for _, mb in trainer._micro_batches(samples))
+
+
+def test_auto_leaves_long_answers_to_a_short_prompt_flat_where_sharing_costs_more():
+    """A unit's shared row is as wide as all its answers: 8 answers of 180 tokens under a
+    20-token prompt would save 140 tokens of 1,600 and make each answer attend over 1,460
+    keys (on the agent example's shape that trained 2.2x slower than flat). ``auto`` keeps them
+    flat and still shares a 400-token prompt under answers of 30; ``on`` shares both."""
+    config = SimpleNamespace(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=384)
+    kappa = attention_width(config)  # (2*128*128 + 2*128*64 + 3*128*384) / (4 * 128)
+    assert kappa == pytest.approx(384)
+    long_answers = make_group("t", PROMPT_A, [[3 + (i + j) % 50 for j in range(180)]
+                                              for i in range(8)]).samples
+    few_shot = make_group("f", list(range(2, 402)), [[3 + (i + j) % 50 for j in range(30)]
+                                                     for i in range(8)]).samples
+    for samples, auto_shares in ((long_answers, False), (few_shot, True)):
+        on, _ = plan_units(samples, min_tokens=1, budget=8192)
+        auto, _ = plan_units(samples, min_tokens=16, budget=8192, kappa=kappa)
+        assert [u for u in on if u[1]]  # on: the prefix shared
+        assert bool([u for u in auto if u[1]]) is auto_shares
+    # a larger model's attention weighs less against its linear layers: there it shares
+    big = SimpleNamespace(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                          intermediate_size=4864)
+    auto, _ = plan_units(long_answers, min_tokens=16, budget=8192, kappa=attention_width(big))
+    assert [u for u in auto if u[1]]
+
+
+def test_auto_picks_narrower_chunks_where_the_whole_group_costs_more():
+    """16 answers of 100 under a 300-token prompt: one shared row of 1,900 tokens is too
+    wide, chunks of a few answers each beat both it and the flat layout."""
+    samples = make_group("c", list(range(2, 302)), [[3 + (i + j) % 50 for j in range(100)]
+                                                    for i in range(16)]).samples
+    kappa = 384.0
+    whole, _ = plan_units(samples, min_tokens=16, budget=8192)
+    auto, lengths = plan_units(samples, min_tokens=16, budget=8192, kappa=kappa)
+    shared = [u for u in auto if u[1]]
+    assert len(whole) == 1 and len(shared) > 1  # chunks, each sharing the prompt
+    assert sorted(b for u in auto for b in u[0]) == list(range(16))
+    assert max(lengths) < 1900
 
 
 @pytest.mark.parametrize("setting", [

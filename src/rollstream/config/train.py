@@ -123,10 +123,12 @@ class TrainConfig(Section):
     of one prompt are packed into one micro-batch (cut into chunks only where they pass
     ``micro_batch_tokens``), the prefix laid out once, each sample's rest after it under a
     block attention mask: the flat layout's loss and gradients up to float rounding, with
-    fewer tokens computed. ``auto`` = shared where the prefix is at least 16 tokens long
-    and at least two sequences share it, flat with ``compile``, ``router_aux_loss_coef > 0``
-    or ``routing_replay: replay``; ``on`` = every shared prefix (an error with any of those);
-    ``off`` = flat."""
+    fewer tokens computed, but each in a row as wide as the whole unit. ``auto`` = shared
+    where the prefix is at least 16 tokens long, at least two sequences share it and the
+    estimated cost (tokens, and attention over the row's width) is below the flat layout's,
+    in narrower chunks where those cost less (long answers to a short prompt stay flat);
+    flat with ``compile``, ``router_aux_loss_coef > 0`` or ``routing_replay: replay``;
+    ``on`` = every shared prefix (an error with any of those); ``off`` = flat."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     dtype: Literal["float32", "bfloat16"] = "float32"

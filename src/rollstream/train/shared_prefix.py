@@ -21,19 +21,32 @@ proximal forwards all take the same micro-batch, so all three compute the prefix
 
 ``train.shared_prefix``: ``off`` lays every sample out flat; ``on`` shares every prefix of at
 least one token among at least two sequences; ``auto`` shares one of at least
-:data:`AUTO_MIN_PREFIX` tokens among at least two sequences (shorter ones save less than the
-mask costs), and stays flat under ``train.compile`` (the mask's input has not been compiled
+:data:`AUTO_MIN_PREFIX` tokens among at least two sequences where that costs less than the
+flat layout (:func:`cheaper_shared`), and stays flat under ``train.compile`` (the mask's input has not been compiled
 and measured), ``train.router_aux_loss_coef > 0`` (the load-balancing loss averages over
 the micro-batch's tokens, so a prefix computed once would weigh once, not once per sample)
 and ``train.routing_replay: replay`` (a prefix laid out once replays one routing, while its
 samples may have been routed by different versions); ``on`` with any of them is refused at
 load (``config/train.py``, ``flat_only``, the one place these are decided).
+
+What sharing costs. A shared unit is one run of tokens in its row, so its row is as wide as
+the prefix plus every piece's rest, and a token's attention runs over its whole row (the
+mask hides keys, it does not skip them): a token costs about ``1 + W / kappa`` of its linear
+layers' work in a row of width ``W`` (:func:`attention_width` gives ``kappa``). A group of
+long answers to a short prompt saves a few prompt tokens and makes each answer attend over
+all eight answers: on the agent example's shape (hidden 128, episodes of up to 256 tokens,
+a prompt of ~20) sharing every prefix made ``tests/test_e2e.py``'s AGENT run train 2.2x
+slower than flat (273.7 s against 122.1 s for 20 steps; 2026-12-07, the 2-vCPU development
+machine, ``docs/prefix-cache.md``). So ``auto`` lays a unit out shared only where its estimated cost is below the flat
+layout's, chunking the unit narrower where that pays; a long prompt under short answers
+(the prefix bench: 3.5x faster shared) still shares.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +71,14 @@ def min_prefix(cfg: TrainConfig) -> int | None:
     return 1
 
 
+def share_rule(cfg: TrainConfig, config: Any) -> tuple[int | None, float | None]:
+    """What :func:`plan_units` takes for ``cfg`` and a model of ``config``'s shape: the
+    shortest prefix worth sharing (:func:`min_prefix`) and, under ``auto``, ``kappa``
+    (:func:`attention_width`: share only where it costs less); ``on`` shares every prefix."""
+    low = min_prefix(cfg)
+    return low, attention_width(config) if low is not None and cfg.shared_prefix == "auto" else None
+
+
 def common_prefix(parts: Parts, members: Sequence[int]) -> int:
     """Tokens every piece of ``members`` begins with, short of each context's last one."""
     seqs = [c + r for b in members for c, r in parts[b]]
@@ -77,10 +98,64 @@ def _chunks(parts: Parts, members: list[int], budget: int) -> list[list[int]]:
     return chunks
 
 
-def plan_units(samples: Sequence[Sample], *, min_tokens: int | None, budget: int
-               ) -> tuple[list[Unit], list[int]]:
+def attention_width(config: Any) -> float:
+    """``kappa``: the row width at which a token's attention costs what its linear layers
+    cost, for a decoder of ``config``'s shape (a mixture of experts: the experts a token is
+    routed to and the shared expert). Linear layers cost 2 FLOPs per weight per token;
+    attention 4 per key per query channel (scores and values), counted twice: on the
+    development machine's CPU a token's cost grew with its row's width about twice as fast as
+    these FLOPs say (sdpa with a mask, hidden 128 and 256, widths 256 to 3,200)."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, getattr(config, "num_key_value_heads", heads) * head_dim
+    mlp = config.intermediate_size
+    if getattr(config, "num_experts", 0):
+        mlp = (config.moe_intermediate_size * config.num_experts_per_tok
+               + (getattr(config, "shared_expert_intermediate_size", 0) or 0))
+    linear = 2 * h * q + 2 * h * kv + 3 * h * mlp
+    return linear / (4 * q)
+
+
+def _cost(tokens: int, width: int, kappa: float) -> float:
+    return tokens * (1 + width / kappa)
+
+
+def cheaper_shared(parts: Parts, chunk: Sequence[int], prefix: int, flat_width: int,
+                   kappa: float) -> bool:
+    """Whether ``chunk`` laid out sharing ``prefix`` costs less than its samples flat, in
+    rows ``flat_width`` wide (module docstring, "What sharing costs")."""
+    shared = unit_length(parts, (chunk, prefix))
+    flat = sum(unit_length(parts, ((b,), 0)) for b in chunk)
+    return _cost(shared, max(shared, flat_width), kappa) < _cost(flat, flat_width, kappa)
+
+
+def _units(parts: Parts, members: list[int], budget: int, min_tokens: int,
+           flat_width: int, kappa: float | None) -> list[Unit]:
+    units: list[Unit] = []
+    for chunk in _chunks(parts, members, budget):
+        prefix = common_prefix(parts, chunk)
+        sequences = sum(len(parts[b]) for b in chunk)
+        if sequences >= 2 and prefix >= min_tokens and (
+                kappa is None or cheaper_shared(parts, chunk, prefix, flat_width, kappa)):
+            units.append((tuple(chunk), prefix))
+        else:
+            units += [((b,), 0) for b in chunk]
+    return units
+
+
+def _estimate(parts: Parts, units: list[Unit], flat_width: int, kappa: float) -> float:
+    lengths = [unit_length(parts, u) for u in units]
+    return sum(_cost(n, max(n, flat_width), kappa) for n in lengths)
+
+
+def plan_units(samples: Sequence[Sample], *, min_tokens: int | None, budget: int,
+               kappa: float | None = None) -> tuple[list[Unit], list[int]]:
     """Units (sample indices, shared prefix) covering every sample once, and their lengths
-    in a row; ``min_tokens``: :func:`min_prefix` (None: one flat unit per sample)."""
+    in a row; ``min_tokens``: :func:`min_prefix` (None: one flat unit per sample); ``kappa``
+    (:func:`attention_width`; ``auto``): share only where the estimated cost is lower, in
+    chunks of at most ``budget`` tokens or narrower ones where those cost less (None: every
+    prefix that qualifies, in chunks of ``budget``)."""
     parts = [pieces(s) for s in samples]
     if min_tokens is None:
         units: list[Unit] = [((b,), 0) for b in range(len(samples))]
@@ -88,15 +163,17 @@ def plan_units(samples: Sequence[Sample], *, min_tokens: int | None, budget: int
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for b, s in enumerate(samples):
         by_prompt.setdefault(tuple(s.task.prompt_ids), []).append(b)
+    flat_width = max((unit_length(parts, ((b,), 0)) for b in range(len(samples))), default=0)
     units = []
     for members in by_prompt.values():
-        for chunk in _chunks(parts, members, budget):
-            prefix = common_prefix(parts, chunk)
-            sequences = sum(len(parts[b]) for b in chunk)
-            if sequences >= 2 and prefix >= min_tokens:
-                units.append((tuple(chunk), prefix))
-            else:
-                units += [((b,), 0) for b in chunk]
+        plans = [_units(parts, members, budget, min_tokens, flat_width, kappa)]
+        if kappa is not None:  # narrower chunks: rows of 1, 2, 4, ... flat widths
+            width = max(flat_width, 1)
+            while width < budget:
+                plans.append(_units(parts, members, width, min_tokens, flat_width, kappa))
+                width *= 2
+            plans.sort(key=lambda plan: _estimate(parts, plan, flat_width, kappa))
+        units += plans[0]
     return units, [unit_length(parts, u) for u in units]
 
 

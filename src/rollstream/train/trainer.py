@@ -112,7 +112,7 @@ from rollstream.train.losses import (
 )
 from rollstream.train.precision import bf16_width_multiple, keep_float32
 from rollstream.train.routing import bound, router_hooks
-from rollstream.train.shared_prefix import micro_batch_layout, min_prefix, model_mask, plan_units
+from rollstream.train.shared_prefix import micro_batch_layout, model_mask, plan_units, share_rule
 from rollstream.train.step_stats import Prepared, StepSums, kept_tokens, step_metrics
 from rollstream.trajectory import Group, KeptTokens, Sample, StepResult
 
@@ -179,7 +179,7 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay)
         self._anchor = anchor_fn(self.loss)
-        self._min_prefix = min_prefix(cfg)
+        self._min_prefix, self._kappa = share_rule(cfg, self.model.config)
         self._experts = getattr(self.model.config, "num_experts", 0) or 0
         if cfg.router_aux_loss_coef > 0 and not self._experts:
             raise ValueError(f"train.router_aux_loss_coef = {cfg.router_aux_loss_coef} needs a "
@@ -320,7 +320,7 @@ class Trainer:
         padding micro-batch (:func:`padding_micro_batch`) has no index. Shared prefixes are
         laid out once (:mod:`.shared_prefix`)."""
         units, lengths = plan_units(samples, min_tokens=self._min_prefix,
-                                    budget=self.cfg.micro_batch_tokens)
+                                    budget=self.cfg.micro_batch_tokens, kappa=self._kappa)
         out = []
         multiple = bf16_width_multiple(self.device) if self._bf16 else 1
         for rows in self._share(pack_micro_batches(lengths, self.cfg.micro_batch_tokens,
