@@ -4,6 +4,7 @@ without it, fewer tokens prefilled, never reused across weight versions unless `
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from rollstream.config.schema import LocalEngineConfig
 from rollstream.engine import GenerateRequest, SamplingParams
 from rollstream.engine.local import LocalEngine
-from rollstream.engine.local.prefix import PrefixCache
+from rollstream.engine.local.prefix import PrefixCache, PrefixIndex
 from rollstream.engine.local.weights import ModelSpec
 from tests.engine.helpers import MAX_SEQ_LEN, VOCAB
 from tests.engine.test_local import _load_mid_stream, _state_dict
@@ -429,3 +430,30 @@ def test_an_ended_episode_is_untagged_and_evicted_before_older_blocks():
 def test_a_budget_under_one_block_is_a_clear_error():
     with pytest.raises(ValueError, match="prefix_cache_tokens = 5 holds no block"):
         LocalEngineConfig(prefix_cache_tokens=5)
+
+
+def test_a_mirror_kept_from_the_change_log_answers_as_the_cache_does():
+    """``PrefixIndex`` (an engine actor's proxy keeps one, runtime/ray): applying the log of
+    inserts, evictions (a pool of 6 blocks under prompts of up to 5), ended episodes and a
+    load's clear, read at random points, the mirror holds of any prompt what the cache
+    does."""
+    rng = random.Random(0)
+    c = PrefixCache(_spec(), 6 * BLOCK, torch.device("cpu"), torch.float32)
+    c.changes = collections.deque()
+    mirror = PrefixIndex()
+    stems = [[rng.randrange(1, 5) for _ in range(5 * BLOCK)] for _ in range(4)]
+    prompts = [stem[:n] + [9] * rng.randrange(BLOCK) for stem in stems
+               for n in range(BLOCK, 5 * BLOCK + 1, BLOCK)]
+    evicted = 0
+    for step in range(300):
+        prompt = rng.choice(prompts)
+        c.insert(prompt, len(prompt), rng.choice([None, f"ep{step % 5}"]))
+        if step % 37 == 0:
+            c.end_episode(f"ep{step % 5}")
+        if step == 150:
+            c.clear()
+        if rng.random() < 0.3:  # a poll
+            evicted += sum(1 for ch in c.changes if ch is not None and ch[1] is None)
+            mirror.apply([c.changes.popleft() for _ in range(len(c.changes))])
+            assert all(mirror.held(p) == c.held(p) for p in prompts)
+    assert evicted > 50  # the pool was under pressure

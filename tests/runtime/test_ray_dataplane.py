@@ -66,7 +66,7 @@ def owner(tmp_path_factory: pytest.TempPathFactory):
                                      prefix_cache_tokens=0),
             num_engines=1, version=0, num_cpus=1,
             episode_cache_tokens=ACTOR_CACHE_TOKENS, out_of_band_bytes=0)
-        _state["actor"] = engine.actor
+        _state["actor"], _state["model"] = engine.actor, model
         yield engine
     finally:
         cluster.stop()
@@ -266,3 +266,68 @@ async def test_an_episode_whose_actor_was_replaced_samples_the_same_tokens(owner
     # and the proxy knew: no miss), turn 3 reused turn 2's
     assert delta.num_restarts == 1 and work["episode_misses"] == 0
     assert work["episode_reused_tokens"] > 0 and work["data_objects"] >= 8  # 4 prompts, 4 replies
+
+
+def _blocks(sample) -> int:
+    """The whole blocks of prefix cache an episode's last turn left on its engine."""
+    return (len(sample.served_ids()) - 1) // 16 * 16
+
+
+async def _fresh_held(disp, sample, engine_id: str, want, timeout_s: float = 20.0) -> dict:
+    """The router's count of what each engine holds of ``sample``, once ``engine_id``'s
+    reads ``want`` (a Ray proxy's mirror is as of its actor's last poll; asking polls)."""
+    deadline = time.monotonic() + timeout_s
+    while (held := disp.router.held(sample)).get(engine_id) != want:
+        assert time.monotonic() < deadline, held
+        await asyncio.sleep(0.05)
+    return held
+
+
+async def test_the_router_weighs_what_each_engine_actor_holds(owner):
+    """Two engine actors with prefix caches: their proxies mirror each cache from the
+    actor's polls (``PrefixIndex``), so the router weighs real cache on Ray as it does for
+    embedded engines (tests/rollout/test_episode_affinity.py): turn 1 on ray-0, turn 2 on
+    ray-1 (ray-0 drained), then ray-1's cache is dropped by a weight load: turn 3 goes back
+    to ray-0, which holds turn 1, and reuses exactly what the router counted."""
+    import ray
+    from safetensors.torch import load_file
+
+    from rollstream.runtime.ray.engines import build_ray_engines
+    from tests.rollout.test_episode_affinity import GREEDY, _dispatcher, _episode, _tools
+
+    engines = build_ray_engines(_state["model"], LocalEngineConfig(
+        max_slots=4, max_seq_len=128, threads=1, prefix_cache_tokens=1024),
+        num_engines=2, version=0, num_cpus=0.5)
+    e0, e1 = engines
+    disp, graders = _dispatcher(engines)
+    try:
+        sample = _episode(disp)
+        await disp.drain("ray-1")
+        await disp.episode_turn(sample, GREEDY)
+        disp.undrain("ray-1")
+        assert sample.engine_id == "ray-0"
+        one = _blocks(sample)  # what its row computed, all but the last token, whole blocks
+        _tools(sample, 1)
+        assert one > 0 and (await _fresh_held(disp, sample, "ray-0", one)) == {"ray-0": one}
+        await disp.drain("ray-0")
+        await disp.episode_turn(sample, GREEDY)
+        disp.undrain("ray-0")
+        assert sample.engine_id == "ray-1" and disp.router.num_spills == 1
+        two = _blocks(sample)
+        _tools(sample, 2)
+        assert two > one
+        assert (await _fresh_held(disp, sample, "ray-1", two)) == {"ray-1": two, "ray-0": one}
+        await e1.load_weights(1, load_file(_state["model"] / "model.safetensors"))
+        seen = await _fresh_held(disp, sample, "ray-1", 0)  # its cache was dropped
+        assert seen == {"ray-1": 0, "ray-0": one}
+        hits = e0.stats().work["prefix_hit_tokens"]
+        await disp.episode_turn(sample, GREEDY)
+        assert sample.engine_id == "ray-0"  # the engine that holds it, not the last one
+        deadline = time.monotonic() + 20  # the proxy's stats are as of the actor's last poll
+        while e0.stats().work["prefix_hit_tokens"] == hits and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert e0.stats().work["prefix_hit_tokens"] - hits == seen["ray-0"]
+    finally:
+        graders.close()
+        for e in engines:
+            ray.kill(e.actor, no_restart=True)

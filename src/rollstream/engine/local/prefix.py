@@ -36,13 +36,18 @@ Validity. An entry holds keys and values of the weights that computed it: the en
 the cache on a weight load unless ``engine.local.kv_on_load: keep`` keeps running rows' cache
 too (one rule for both, in ``engine.py``).
 
+Mirrors. A reader in another process (an engine actor's proxy, ``runtime/ray``) keeps a
+:class:`PrefixIndex` of what this cache holds: with ``changes`` set, every block inserted,
+evicted or dropped is logged in order, and the actor sends the log with its replies; the
+mirror answers :meth:`held` as the cache did when the log was read.
+
 Deliberately simplified: copies, not a paged cache (a row owns its positions); an ended
 episode's blocks are demoted, not freed (one move each; a later prompt may still hit them).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +64,48 @@ COUNT_KEYS = ("prefix_query_tokens", "prefix_hit_tokens", "prefix_inserted_token
               "prefix_evicted_tokens", "prefix_dropped_tokens", "prefix_copy_s")
 
 Key = tuple[int, tuple[int, ...]]  # (parent slot or -1, the block's tokens)
+Change = tuple[int, Key | None] | None  # (slot, key): inserted; (slot, None): evicted; None: all
+
+
+def walk(index: dict[Key, int], tokens: Sequence[int]) -> list[int]:
+    """Slots of the longest chain of whole blocks in ``index`` that starts ``tokens`` and
+    leaves at least one token to compute (its logits sample the first new token)."""
+    slots: list[int] = []
+    parent = -1
+    for i in range((len(tokens) - 1) // BLOCK_TOKENS):
+        slot = index.get((parent, tuple(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])))
+        if slot is None:
+            break
+        slots.append(parent := slot)
+    return slots
+
+
+class PrefixIndex:
+    """A mirror of a :class:`PrefixCache`'s keys kept from its ``changes`` (module
+    docstring, "Mirrors"): what a request would find there, as of the last change applied."""
+
+    def __init__(self) -> None:
+        self.index: dict[Key, int] = {}
+        self.keys: dict[int, Key] = {}
+
+    def apply(self, changes: Sequence[Change]) -> None:
+        for change in changes:
+            if change is None:
+                self.clear()
+                continue
+            slot, key = change
+            old = self.keys.pop(slot, None)  # evicted, or the slot holds another block now
+            if old is not None and self.index.get(old) == slot:
+                del self.index[old]
+            if key is not None:
+                self.index[key], self.keys[slot] = slot, key
+
+    def clear(self) -> None:
+        self.index.clear()
+        self.keys.clear()
+
+    def held(self, tokens: Sequence[int]) -> int:
+        return len(walk(self.index, tokens)) * BLOCK_TOKENS
 
 
 @dataclass(slots=True, kw_only=True)
@@ -88,6 +135,7 @@ class PrefixCache:
         self.free = list(range(self.num_blocks - 1, -1, -1))
         self.episodes: dict[str, set[int]] = {}  # episode id -> slots of its tagged blocks
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
+        self.changes: deque[Change] | None = None  # set by a mirror's owner: the log
 
     @property
     def on(self) -> bool:
@@ -96,16 +144,7 @@ class PrefixCache:
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Slots of the longest cached chain of whole blocks that starts ``tokens`` and
         leaves at least one token to compute (its logits sample the first new token)."""
-        slots: list[int] = []
-        if not self.on:
-            return slots
-        parent = -1
-        for i in range((len(tokens) - 1) // BLOCK_TOKENS):
-            slot = self.index.get((parent, tuple(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])))
-            if slot is None:
-                break
-            slots.append(parent := slot)
-        return slots
+        return walk(self.index, tokens) if self.on else []
 
     def held(self, tokens: Sequence[int]) -> int:
         """The tokens at the start of ``tokens`` cached now: what a request with this prompt
@@ -154,6 +193,7 @@ class PrefixCache:
                     if slot is None:
                         break
                     self.index[key] = slot
+                    self._log((slot, key))
                     self.blocks[slot] = Block(key=key, episode=episode)
                     if episode is not None:
                         self.episodes.setdefault(episode, set()).add(slot)
@@ -182,6 +222,11 @@ class PrefixCache:
         self.lru.clear()
         self.episodes.clear()
         self.free = list(range(self.num_blocks - 1, -1, -1))
+        self._log(None)
+
+    def _log(self, change: Change) -> None:
+        if self.changes is not None:
+            self.changes.append(change)
 
     def _touch(self, chain: list[int]) -> None:
         for slot in reversed(chain):  # deepest first: a parent stays more recent
@@ -197,6 +242,7 @@ class PrefixCache:
             block = self.blocks[slot]
             if block.refs == 0 and block.num_children == 0:
                 del self.lru[slot], self.index[block.key], self.blocks[slot]
+                self._log((slot, None))
                 if block.episode is not None:
                     self._untag(block.episode, slot)
                 if block.key[0] >= 0:

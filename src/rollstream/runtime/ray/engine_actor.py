@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
 from rollstream.config.schema import LocalEngineConfig
+from rollstream.engine.local.prefix import Change
 from rollstream.engine.protocol import EngineStats, FinishReason, GenerateRequest
 from rollstream.runtime.nodes import Node, this_node
 from rollstream.runtime.ray.dataplane import (
@@ -62,6 +64,26 @@ class EngineActor:
         tokens = pack(out.token_ids, out.logprobs, out.versions, out.routing)
         return GenerateReply(out.finish_reason, out.error,
                              offload(tokens, self._out_of_band_bytes))
+
+    async def poll(self) -> tuple[EngineStats, tuple[Change, ...]]:
+        """The engine's stats, and what its prefix cache inserted, evicted or dropped since
+        the last poll (``PrefixIndex``: the proxy's mirror, so that the router weighs what
+        this engine holds without a call; polls are one at a time, so none is lost)."""
+        return self.engine.stats(), self._cache_changes()
+
+    def _cache_changes(self) -> tuple[Change, ...]:
+        """The prefix cache's changes since the last poll; a cache the engine built anew (a
+        restart) starts with a clear and what it holds."""
+        prefix = self.engine._runner.prefix  # the engine's own: its module is at its budget
+        if not prefix.on:
+            return ()
+        out: list[Change] = []
+        if prefix.changes is None:  # the first poll, or the first since a restart: a snapshot
+            prefix.changes = deque()  # before it: a block it misses is logged
+            out += [None, *((slot, b.key) for slot, b in list(prefix.blocks.items()))]
+        while prefix.changes:
+            out.append(prefix.changes.popleft())
+        return tuple(out)
 
     async def interrupt(self, request_ids: Sequence[str] | None) -> None:
         await self.engine.interrupt(request_ids)

@@ -10,7 +10,9 @@ over it.
     RayEngine.interrupt ------ actor.interrupt.remote --> LocalEngine.interrupt
     RayEngine.load_weights --- the run's weight transport (sync/; by node with auto) --->
                                actor.install
-    RayEngine.stats() -------- cached; one actor.stats.remote in flight, read when ready
+    RayEngine.stats() -------- cached; one actor.poll.remote in flight, read when ready
+                               (its engine's stats, and its prefix cache's changes since:
+                               the proxy's mirror answers cached_tokens without a call)
                                (and every PEEK_S one actor.peek.remote: the partial tokens
                                sampled since the last peek; what streamed requests hear)
     (wire.py counts these calls and their pickled bytes, and the out-of-band payloads apart,
@@ -49,11 +51,13 @@ from typing import TYPE_CHECKING, Any
 
 from rollstream.config.runtime import DEFAULT_EPISODE_CACHE_TOKENS, DEFAULT_OUT_OF_BAND_BYTES
 from rollstream.config.schema import LocalEngineConfig
-from rollstream.engine.protocol import EngineStats, FinishReason, GenerateOutput, GenerateRequest
+from rollstream.engine.local.prefix import PrefixIndex
+from rollstream.engine.protocol import EngineStats, GenerateOutput, GenerateRequest
 from rollstream.engine.states import EngineHealth
 from rollstream.runtime.nodes import Node
-from rollstream.runtime.ray.dataplane import Episodes, Tokens, is_ref, offload, output, pack_ids
+from rollstream.runtime.ray.dataplane import Episodes, is_ref, output, pack_ids
 from rollstream.runtime.ray.engine_actor import spawn_actor
+from rollstream.runtime.ray.errors import aborted as _aborted
 from rollstream.runtime.ray.errors import actor_errors as _actor_errors
 from rollstream.runtime.ray.errors import lost_errors as _lost_errors
 from rollstream.runtime.ray.errors import task_errors as _task_errors
@@ -103,7 +107,8 @@ class RayEngine:
         self.wire = WireMeter()  # the control plane's calls and bytes (all actors')
         self.weight_transport = weights.name  # ``ReportsSync``: the transport it gets
         self.actor = actor if actor is not None else spawn(version)
-        self._pending: Any = self.actor.stats.remote()
+        self._cache = PrefixIndex()  # the actor's prefix cache as of the last poll
+        self._pending: Any = self.actor.poll.remote()
         node = self.actor.node.remote()  # where Ray placed it (``Placed``)
         self.wire.call()
         self.wire.call()
@@ -135,17 +140,17 @@ class RayEngine:
     async def _call(self, request: GenerateRequest) -> GenerateOutput:
         actor = self.actor
         if self._death is not None:
-            return _abort(request.request_id, self._death)
+            return _aborted(request.request_id, self._death)
         mine = self._inflight[request.request_id] = object()
         try:
             out = await self._generate(actor, request)
         except (*_actor_errors(), *_lost_errors()) as e:  # its tokens at the last peek survive
             self._fault(actor, e)
-            return _abort(request.request_id, self._death or f"{self.engine_id}: {e}",
+            return _aborted(request.request_id, self._death or f"{self.engine_id}: {e}",
                           self._peeked.partial.get(request.request_id))
         except _task_errors() as e:  # the actor lives but the call raised: it stays UP, the
             cause = getattr(e, "cause", None) or e  # router's breaker judges it
-            return _abort(request.request_id, f"ray engine {self.engine_id} raised "
+            return _aborted(request.request_id, f"ray engine {self.engine_id} raised "
                           f"{type(cause).__name__}: {str(cause)[:300]}",
                           self._peeked.partial.get(request.request_id))
         finally:
@@ -163,7 +168,7 @@ class RayEngine:
             call, ids = self._episodes.plan(request, whole=whole)
             out = None
             try:
-                prompt = self._send(pack_ids(ids))
+                prompt = self.wire.send(pack_ids(ids), self._out_of_band_bytes)
                 ref = actor.generate.remote(call, prompt)
                 self.wire.call(call, prompt)
                 try:
@@ -175,7 +180,7 @@ class RayEngine:
                     raise
                 self.wire.reply(reply)
                 if reply is not None:
-                    out = output(request.request_id, reply, await self._receive(reply.tokens))
+                    out = output(request.request_id, reply, await self.wire.receive(reply.tokens))
                     if call.base:
                         self.wire.reused_tokens += len(request.prompt_ids) - len(ids)
                     return out
@@ -288,7 +293,7 @@ class RayEngine:
             if tensors is not None:
                 await self._weights.revive(Payload.full(version, tensors),
                                            self._destination(actor))
-            self._last = await actor.stats.remote()
+            self._last, cached = await actor.poll.remote()  # a new cache: starts with a clear
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
@@ -298,9 +303,16 @@ class RayEngine:
         self._placed()
         self._peek_entries = None
         self._episodes.reset()  # the new actor holds no history
+        self._cache.apply(cached)
         self._version, self._death = version, None
         log.warning("ray engine %s restarted at version %d (restart %d of %d)",
                     self.engine_id, version, self.num_restarts, self._max_restarts)
+
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """``HoldsPrefixes``: of ``prompt_ids``, the tokens its actor's prefix cache held at
+        the last poll (one is asked for now)."""
+        self._poll()
+        return self._cache.held(prompt_ids)
 
     def end_episode(self, episode_id: str) -> None:
         """``KeepsEpisodes``: the actor holding the episode's history drops it next call."""
@@ -365,7 +377,7 @@ class RayEngine:
                 return
             self._last = self._read(self._pending)
         if self._death is None:
-            self._pending = self.actor.stats.remote()
+            self._pending = self.actor.poll.remote()
             self.wire.call()
 
     def _take_peek(self) -> None:
@@ -389,34 +401,22 @@ class RayEngine:
             entries, tokens, self._peek_entries = self._peek_entries, value, None
         self._peeked.merge(entries, tokens, self._inflight)
 
-    def _send(self, blob: bytes) -> Any:
-        """A payload for the actor: itself, or its reference when above the threshold."""
-        sent = offload(blob, self._out_of_band_bytes)
-        if sent is not blob:
-            self.wire.data_sent(len(blob))
-        return sent
-
-    async def _receive(self, tokens: Any) -> Tokens:
-        """A reply's tokens: themselves, or fetched by their reference."""
-        if not is_ref(tokens):
-            return tokens
-        value = await tokens
-        self.wire.data_received(value.nbytes)
-        return value
-
     def _read(self, ref: Any, *, wait: bool = False) -> EngineStats:
-        """A stats reply; a dead actor or engine is a fault (the last stats stay)."""
+        """A poll's stats (a dead actor or engine is a fault; the last stats stay); its
+        prefix-cache changes go into the mirror."""
         import ray
 
         actor = self.actor
         try:
-            st = ray.get(ref, timeout=None if wait else 0)
+            reply = ray.get(ref, timeout=None if wait else 0)
         except _actor_errors() as e:
             if wait:
                 raise
             self._fault(actor, e)
             return self._last
-        self.wire.reply(st)
+        self.wire.reply(reply)
+        st, cached = reply
+        self._cache.apply(cached)
         if st.health is not EngineHealth.UP:
             self._fault(actor, RuntimeError(st.health_reason))
         return st
@@ -427,14 +427,6 @@ class RayEngine:
             self._death = f"ray engine {self.engine_id} died: {cause}"
             self._pending = self._peek = self._peek_entries = None
             log.error("%s", self._death)
-
-
-def _abort(request_id: str, error: str, partial: GenerateOutput | None = None) -> GenerateOutput:
-    """ABORT with ``partial``'s tokens (none when None)."""
-    return GenerateOutput(request_id=request_id, error=error, finish_reason=FinishReason.ABORT,
-                          token_ids=list(partial.token_ids) if partial else [],
-                          logprobs=list(partial.logprobs) if partial else [],
-                          versions=list(partial.versions) if partial else [])
 
 
 def build_ray_engines(model_path: Path, cfg: LocalEngineConfig, *, num_engines: int,

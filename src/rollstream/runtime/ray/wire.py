@@ -1,6 +1,6 @@
 """What crosses the boundary between the driver and one engine actor, on each plane: the
 calls a :class:`~rollstream.runtime.ray.engines.RayEngine` makes (``generate``, ``interrupt``,
-``stats``, ``peek``) and the pickled size of their arguments and replies (the **control
+``poll``, ``peek``) and the pickled size of their arguments and replies (the **control
 plane**, ``wire_*``), and the token payloads that went out of band through Ray's object store
 (the **data plane**, ``data_*``: their packed bytes; ``dataplane.py``).
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 import pickle
 from dataclasses import replace
 from typing import Any
+
+from rollstream.runtime.ray.dataplane import Tokens, is_ref, offload
 
 WIRE_KEYS = ("wire_calls", "wire_sent_bytes", "wire_received_bytes")
 DATA_KEYS = ("data_objects", "data_sent_bytes", "data_received_bytes")
@@ -57,6 +59,21 @@ class WireMeter:
         """A payload the actor put in the object store, fetched."""
         self.data_objects += 1
         self.data_received_bytes += num_bytes
+
+    def send(self, blob: bytes, threshold: int) -> Any:
+        """A payload for the actor: itself, or its reference when above ``threshold``."""
+        sent = offload(blob, threshold)
+        if sent is not blob:
+            self.data_sent(len(blob))
+        return sent
+
+    async def receive(self, tokens: Any) -> Tokens:
+        """A reply's tokens: themselves, or fetched by their reference."""
+        if not is_ref(tokens):
+            return tokens
+        value = await tokens
+        self.data_received(value.nbytes)
+        return value
 
     def totals(self) -> dict[str, float]:
         values = (self.calls, self.sent_bytes, self.received_bytes, self.data_objects,
