@@ -25,6 +25,10 @@ def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
     moe = result["moe"]
     assert 0 < moe["routing_agreement"] <= 1 and moe["mismatch_none"] > 0
     assert result["mismatch_replay_vs_none"] == moe["mismatch_replay_vs_none"] > 0
+    # the bound splits every sampled token by whether the trainer's router agreed there
+    assert moe["agreeing_tokens"] + moe["disagreeing_tokens"] == moe["num_tokens"]
+    assert moe["agreeing_tokens"] > 0 and moe["mismatch_agreeing"] > 0
+    assert result["mismatch_replay_vs_none_bound"] == moe["mismatch_replay_vs_none_bound"] > 0
     assert 0 < moe["stale_routing_agreement"] <= 1 and moe["num_tokens"] > 0
     # a LoRA run against a full one of the same shape: the adapter alone synced, equal samples
     lora, full = result["lora_runs"]["runs"]["lora"], result["lora_runs"]["runs"]["full"]

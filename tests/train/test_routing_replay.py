@@ -170,3 +170,30 @@ def test_replay_is_refused_where_it_cannot_work(tiny_model_path: Path, tmp_path:
     assert load_config(None, moe).train.routing_replay == "replay"
     ray = load_config(None, [*moe, "runtime.kind=ray"])  # engine actors send routing back
     assert ray.train.routing_replay == "replay" and ray.runtime.kind == "ray"
+
+
+def test_the_bench_bound_splits_tokens_by_where_the_routers_agree(top1_dirs):
+    """``bench models``' bound (bench/models_moe.py) classes each sampled token by whether
+    the trainer's own router picked the engine's experts at every layer up to where it is
+    predicted. The trainer's copy of the engine's weights agrees everywhere: nothing for
+    replay to remove (bound 1). The perturbed copy disagrees within the first tokens of
+    every sample: replay brings them to float32's floor, so the bound is about 0."""
+    from rollstream.bench.models_moe import _agreement, _bound
+
+    engine_dir, trainer_dir = top1_dirs
+    samples = [s for g in _sampled_groups(engine_dir) for s in g.samples]
+    tokens = sum(len(s.response_ids) for s in samples)
+    for folder, agreeing in ((engine_dir, tokens), (trainer_dir, 0)):
+        off = Trainer(TrainConfig(routing_replay="off"), folder, staleness=SYNC)
+        replay = Trainer(TrainConfig(routing_replay="replay"), folder, staleness=SYNC)
+        out = _bound(samples, off.logprobs(samples), replay.logprobs(samples),
+                     _agreement(off, samples))
+        assert (out["agreeing_tokens"], out["disagreeing_tokens"]) == (agreeing,
+                                                                       tokens - agreeing)
+        if agreeing:
+            assert out["mismatch_agreeing"] < 1e-4
+            assert out["mismatch_replay_vs_none_bound"] == pytest.approx(1.0)
+        else:
+            assert out["mismatch_disagreeing"] > 0.1
+            assert out["disagreeing_replay_vs_none"] < 1e-3
+            assert out["mismatch_replay_vs_none_bound"] < 1e-3

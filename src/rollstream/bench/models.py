@@ -194,6 +194,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
               runs_vllm["lora_vs_full_samples_per_s"],
               "moe": moe,
               "mismatch_replay_vs_none": moe["mismatch_replay_vs_none"],
+              "mismatch_replay_vs_none_bound": moe["mismatch_replay_vs_none_bound"],
               "routing_agreement": moe["routing_agreement"],
               "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]}}
     _print_table(rows)
@@ -217,8 +218,12 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
               f"{runs_vllm['lora_vs_full_samples_per_s']:.2f})")
     print(f"MoE, bfloat16 engine vs float32 trainer: mismatch {moe['mismatch_none']:.4f} "
           f"without replay, {moe['mismatch_replay']:.4f} with (ratio "
-          f"{moe['mismatch_replay_vs_none']:.3f}); routing agreement "
-          f"{moe['routing_agreement']:.3f} over {moe['num_samples']} samples")
+          f"{moe['mismatch_replay_vs_none']:.3f}; bound {moe['mismatch_replay_vs_none_bound']:.3f}"
+          f"); routing agreement {moe['routing_agreement']:.3f} over {moe['num_samples']} "
+          f"samples; on the {moe['disagreeing_tokens']} tokens whose routing disagreed: "
+          f"{moe['mismatch_disagreeing']:.4f} without replay, "
+          f"{moe['mismatch_disagreeing_replay']:.4f} with (the "
+          f"{moe['agreeing_tokens']} agreeing: {moe['mismatch_agreeing']:.4f})")
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result

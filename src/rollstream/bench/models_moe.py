@@ -15,6 +15,19 @@ rows measure the same after the trainer took ``STALE_STEPS`` updates on these sa
 (at ``train.lr``'s default), as in async k = 2 where samples are two versions old: there the
 mismatch holds the policy change too, which replay does not remove. No held-out reward is
 measured. A benchmark measures; it does not assert.
+
+**Bound.** Replay can remove only the part of the mismatch that routing disagreement makes;
+what bfloat16 does to the same experts' arithmetic stays. Each sampled token of the same-
+weights rows is put on one side: *agreeing* where the trainer's own router (a forward of the
+sample alone, no replay) picks the recorded experts at every MoE layer at the position that
+predicts it and at every position before it (its attention reads them all), else
+*disagreeing*. ``mismatch_agreeing`` / ``mismatch_disagreeing`` are the mean
+|engine − trainer| logprob on each side without replay, ``mismatch_disagreeing_replay`` the
+disagreeing side's with replay. ``mismatch_replay_vs_none_bound`` = (the agreeing side's sum
++ the disagreeing tokens at the agreeing side's mean) / the sum over all: the ratio if replay
+brought every disagreeing token down to the numeric floor of the agreeing ones, the lowest it
+can reach here. ``disagreeing_replay_vs_none`` = ``mismatch_disagreeing_replay`` /
+``mismatch_disagreeing``: what replay does where it acts.
 """
 
 from __future__ import annotations
@@ -58,11 +71,17 @@ def bench_moe(folder: Path, *, quick: bool = False) -> dict[str, Any]:
     for i, (s, o) in enumerate(zip(samples, outs, strict=True)):
         s.append_policy_tokens(o.token_ids, o.logprobs, o.versions, o.routing)
         s.reward, s.status = float(i % 2), SampleStatus.GRADED
-    metrics = {}
+    metrics, split = {}, {}
     for lag in (0, STALE_STEPS):
+        trainers = {}
         for mode in ("off", "replay"):
-            trainer = Trainer(TrainConfig(routing_replay=mode, updates_per_step=1), folder,
-                              staleness=StalenessPolicy(max_staleness=STALE_STEPS))
+            trainer = trainers[mode] = Trainer(
+                TrainConfig(routing_replay=mode, updates_per_step=1), folder,
+                staleness=StalenessPolicy(max_staleness=STALE_STEPS))
+            if not lag:  # before its step: the weights the engine sampled with
+                split[mode] = trainer.logprobs(samples)
+                if mode == "off":
+                    split["agree"] = _agreement(trainer, samples)
             for step in range(lag):
                 trainer.step(groups, step)
             metrics[f"{mode}{'/stale' if lag else ''}"] = trainer.step(groups, lag).metrics
@@ -70,7 +89,60 @@ def bench_moe(folder: Path, *, quick: bool = False) -> dict[str, Any]:
     return {"engine_dtype": "bfloat16", "trainer_dtype": "float32",
             "num_samples": len(samples), "num_tokens": sum(len(o.token_ids) for o in outs),
             "generate_s": generate_s, **_rows(metrics["off"], metrics["replay"]),
+            **_bound(samples, split["off"], split["replay"], split["agree"]),
             **{f"stale_{k}": v for k, v in stale.items()}}
+
+
+def _agreement(trainer: Any, samples: list[Any]) -> list[list[bool]]:
+    """Per sample, per response token: whether ``trainer``'s own router (no replay) picks
+    the recorded experts at every MoE layer at the position predicting it and at every
+    position before (which its attention reads), with the weights the engine sampled with
+    (call before the trainer's step)."""
+    import torch
+
+    from rollstream.train.routing import routers, routing_ids
+
+    own: list[Any] = []
+    hooks = [r.register_forward_hook(lambda m, a, out: own.append(out[2].detach()))
+             for r in routers(trainer.model)]
+    out = []
+    try:
+        with torch.no_grad():
+            for s in samples:
+                ids, start = [*s.task.prompt_ids, *s.response_ids], len(s.task.prompt_ids)
+                own.clear()
+                trainer.model(input_ids=torch.tensor([ids]), use_cache=False)
+                mine = torch.stack([o.view(len(ids), -1) for o in own], 1).sort(-1).values
+                rec = routing_ids(s.routing)
+                same = ((mine[:len(rec)] == rec.sort(-1).values).all(-1).all(-1)
+                        & (rec >= 0).all(-1).all(-1))
+                upto = same.cumprod(0)  # every position so far agreed (attention reads them)
+                out.append([bool(upto[start + t - 1]) for t in range(len(s.response_ids))])
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def _bound(samples: list[Any], off: list[list[float]], replay: list[list[float]],
+           agree: list[list[bool]]) -> dict[str, float]:
+    """The module docstring's **Bound** from per-token logprobs and agreement."""
+    sides: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for s, lo, lr, ag in zip(samples, off, replay, agree, strict=True):
+        for engine, a, b, same in zip(s.logprobs, lo, lr, ag, strict=True):
+            sides[same].append((abs(engine - a), abs(engine - b)))
+    agreeing = [d for d, _ in sides[True]]
+    floor = sum(agreeing) / max(len(agreeing), 1)
+    total = sum(agreeing) + sum(d for d, _ in sides[False])
+    dis = sides[False]
+    none, replayed = (sum(d for d, _ in dis) / len(dis), sum(r for _, r in dis) / len(dis)) \
+        if dis else (float("nan"), float("nan"))
+    return {"agreeing_tokens": len(agreeing), "disagreeing_tokens": len(dis),
+            "mismatch_agreeing": floor, "mismatch_disagreeing": none,
+            "mismatch_disagreeing_replay": replayed,
+            "disagreeing_replay_vs_none": replayed / none if dis else float("nan"),
+            "mismatch_replay_vs_none_bound": (sum(agreeing) + len(dis) * floor) / total
+            if total else float("nan")}
 
 
 def _rows(off: dict[str, float], replay: dict[str, float]) -> dict[str, float]:
