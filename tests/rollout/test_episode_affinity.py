@@ -161,3 +161,39 @@ async def test_an_episode_whose_engine_is_full_spills_to_another_and_loses_nothi
         await _close(ref_engines, ref_graders)
     assert sample.response_ids == ref.response_ids and sample.versions == ref.versions
     assert sample.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def _first_sample(disp: Dispatcher, uid: str, prompt: tuple[int, ...]) -> Sample:
+    sample = Group.new(Task(uid=uid, source="t", prompt_ids=prompt, prompt_text="",
+                            reference=""), 2).samples[0]
+    disp.lifecycle.open(sample)
+    return sample
+
+
+async def test_a_groups_first_sample_goes_where_its_prompt_is_cached(model: Path) -> None:
+    """A group whose prompt begins with an instruction an earlier group left in e1's prefix
+    cache goes to e1, although e0 is the least loaded (ties go to e0), prefills only the rest,
+    and its group's later samples follow it there; a prompt no engine holds goes to e0."""
+    engines = _engines(model, 2, slots=4)
+    e0, e1 = engines
+    disp, graders = _dispatcher(engines)
+    instruction = tuple(range(3, 35))  # 32 tokens: two whole blocks
+    try:
+        await disp.drain("e0")
+        first = _first_sample(disp, "a/0", (*instruction, 40, 41, 42))
+        await disp.episode_turn(first, GREEDY)
+        disp.undrain("e0")
+        assert first.engine_id == "e1"
+        assert disp.router.load.least(disp.router.admits) is e0
+        second = _first_sample(disp, "b/0", (*instruction, 43, 44))
+        assert disp.router.holders(second.task.prompt_ids) == [e1]
+        before = _hits(e1)
+        await disp.episode_turn(second, GREEDY)
+        assert second.engine_id == "e1" and _hits(e1) - before == 32
+        assert disp.router.home[second.group_id] == "e1"  # the group's next samples: e1
+        other = _first_sample(disp, "c/0", tuple(range(50, 90)))
+        assert disp.router.holders(other.task.prompt_ids) == []
+        await disp.episode_turn(other, GREEDY)
+        assert other.engine_id == "e0"
+    finally:
+        await _close(engines, graders)

@@ -107,9 +107,10 @@ class RolloutConfig(Section):
     lengths predicted from the source's recent lengths and the finished samples of the same
     group; ``len_pred_err`` in the metrics). docs/dispatch.md."""
     prefix_affinity: bool = False
-    """Send a request to the engine that holds its prefix (the engine its episode's or
-    partial sample's last request ran on, else the one its group's first sample went to)
-    while that engine has room: with ``dispatch: engine`` a free sequence and at most 4
+    """Send a request to the engine that holds its prefix (the engine that holds most of an
+    episode's or partial sample's next prompt, else the one its group's first sample went
+    to; a group's first sample: the engine that holds most of its prompt, if any) while that
+    engine has room: with ``dispatch: engine`` a free sequence and at most 4
     requests more than the least loaded, with a dispatch queue a free slot; otherwise to the
     engine dispatch picks, re-pinning the group there. Pays on engines with a prefix cache
     (the embedded engine's ``engine.local.prefix_cache_tokens``, vLLM's automatic prefix

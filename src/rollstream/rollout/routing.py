@@ -13,10 +13,13 @@ sample's requests ran on. A request retried after an engine fault names the engi
 Prefix affinity weighs real cache: a sample continuing (an episode's next turn, a resumed
 partial sample) goes to the engine that holds most of its next prompt now, as the engines
 that can say report it (``HoldsPrefixes.cached_tokens``: the tokens that request would not
-prefill there), among the ones its requests ran on and its group's home. When that engine has
-no room (its sequences, the KV rows, taken: by the router's requests or any other client's)
-the request *spills* to the next holder with room, else to the least loaded engine, rather
-than waiting behind it, and is counted in :attr:`Router.num_spills`.
+prefill there), among the ones its requests ran on and its group's home. When that engine
+has no room (its sequences, the KV rows, taken: by the router's requests or any other
+client's) the request *spills* to the next holder with room, else to the least loaded engine,
+rather than waiting behind it, and is counted in :attr:`Router.num_spills`. A group's first
+sample goes to the engine that holds most of its prompt (an instruction earlier groups
+shared), if any holds a whole block of it and has room, else to the least loaded; the
+group's later samples follow it.
 
 The router's engine list is the run's roster, shared with weight sync, the supervisor and the
 meters: :meth:`join` and :meth:`leave` (called by ``runtime/fleet.py``, the one owner of a live
@@ -198,6 +201,8 @@ class Router:
         full everywhere: no engine has one, so none is looked for)."""
         homes = self.homes(sample)
         chosen = next((home for home in homes if room(home)), None)
+        if chosen is not None and not sample.segments:  # a first sample went to a holder
+            self.home.setdefault(sample.group_id, chosen.engine_id)
         if chosen is None:
             chosen = least
             if sample.segments and self.load[least] < least.stats().capacity and \
@@ -219,16 +224,27 @@ class Router:
         episode's next turn, a resumed sample): the engines that can say (:meth:`held`) and
         hold some of its next prompt, most first (ties: the latest it ran on), after its last
         engine when that one cannot say (it is assumed to hold it). A fresh sample: its
-        group's home (its first sample's prefill may not have run yet: nothing to count)."""
+        group's home (its first sample's prefill may not have run yet: nothing to count); a
+        group's first sample: the engines that hold some of its prompt (:meth:`holders`)."""
         group_home = self.by_id.get(self.home.get(sample.group_id, ""))
         if not sample.segments:
-            return [] if group_home is None else [group_home]
+            return self.holders(sample.task.prompt_ids) if group_home is None else [group_home]
         held = self.held(sample)
         homes = [self.by_id[i] for i, n in sorted(held.items(), key=lambda kv: -kv[1]) if n > 0]
         last = self.by_id.get(sample.engine_id or "")
         if last is not None and last.engine_id not in held:
             homes.insert(0, last)
         return homes
+
+    def holders(self, prompt: Sequence[int]) -> list[Engine]:
+        """The engines that can say and hold some of ``prompt``, most first (ties: the less
+        loaded first)."""
+        counts = []
+        for i, e in enumerate(self.engines):
+            count = getattr(e, "cached_tokens", None)
+            if count is not None and (n := count(prompt)) > 0:
+                counts.append((-n, self.load[e], i))
+        return [self.engines[i] for *_, i in sorted(counts)]
 
     def held(self, sample: Sample) -> dict[str, int]:
         """What each engine that may hold ``sample``'s next prompt (one its requests ran on,
