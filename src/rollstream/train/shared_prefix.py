@@ -22,8 +22,8 @@ proximal forwards all take the same micro-batch, so all three compute the prefix
 ``train.shared_prefix``: ``off`` lays every sample out flat; ``on`` shares every prefix of at
 least one token among at least two sequences; ``auto`` shares one of at least
 :data:`AUTO_MIN_PREFIX` tokens among at least two sequences where that costs less than the
-flat layout (:func:`cheaper_shared`), and stays flat under ``train.compile`` (the mask's input has not been compiled
-and measured), ``train.router_aux_loss_coef > 0`` (the load-balancing loss averages over
+flat layout (:func:`cheaper_shared`), and stays flat under ``train.compile`` (the mask's
+input has not been compiled and measured), ``train.router_aux_loss_coef > 0`` (the load-balancing loss averages over
 the micro-batch's tokens, so a prefix computed once would weigh once, not once per sample)
 and ``train.routing_replay: replay`` (a prefix laid out once replays one routing, while its
 samples may have been routed by different versions); ``on`` with any of them is refused at
@@ -36,10 +36,10 @@ layers' work in a row of width ``W`` (:func:`attention_width` gives ``kappa``). 
 long answers to a short prompt saves a few prompt tokens and makes each answer attend over
 all eight answers: on the agent example's shape (hidden 128, episodes of up to 256 tokens,
 a prompt of ~20) sharing every prefix made ``tests/test_e2e.py``'s AGENT run train 2.2x
-slower than flat (273.7 s against 122.1 s for 20 steps; 2026-12-07, the 2-vCPU development
-machine, ``docs/prefix-cache.md``). So ``auto`` lays a unit out shared only where its estimated cost is below the flat
-layout's, chunking the unit narrower where that pays; a long prompt under short answers
-(the prefix bench: 3.5x faster shared) still shares.
+slower than flat (273.7 s against 122.1 s for 20 steps; 2026-12-07, a 2-vCPU AMD EPYC VM,
+``docs/prefix-cache.md``). So ``auto`` lays a unit out shared only where its estimated cost
+is below the flat layout's, chunking the unit narrower where that pays; a long prompt under
+short answers (the prefix bench: 3x faster shared) still shares.
 """
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ def attention_width(config: Any) -> float:
     """``kappa``: the row width at which a token's attention costs what its linear layers
     cost, for a decoder of ``config``'s shape (a mixture of experts: the experts a token is
     routed to and the shared expert). Linear layers cost 2 FLOPs per weight per token;
-    attention 4 per key per query channel (scores and values), counted twice: on the
-    development machine's CPU a token's cost grew with its row's width about twice as fast as
-    these FLOPs say (sdpa with a mask, hidden 128 and 256, widths 256 to 3,200)."""
+    attention 4 per key per query channel (scores and values), counted twice: on a 2-vCPU
+    AMD EPYC VM (2026-12-07) a token's forward and backward grew with its row's width 2.1
+    (hidden 128) and 1.2 (hidden 256) times as fast as these FLOPs say (sdpa with a boolean
+    mask, widths 256 to 3,200, one thread)."""
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads

@@ -147,12 +147,12 @@ class RayEngine:
         except (*_actor_errors(), *_lost_errors()) as e:  # its tokens at the last peek survive
             self._fault(actor, e)
             return _aborted(request.request_id, self._death or f"{self.engine_id}: {e}",
-                          self._peeked.partial.get(request.request_id))
+                            self._peeked.partial.get(request.request_id))
         except _task_errors() as e:  # the actor lives but the call raised: it stays UP, the
             cause = getattr(e, "cause", None) or e  # router's breaker judges it
             return _aborted(request.request_id, f"ray engine {self.engine_id} raised "
-                          f"{type(cause).__name__}: {str(cause)[:300]}",
-                          self._peeked.partial.get(request.request_id))
+                            f"{type(cause).__name__}: {str(cause)[:300]}",
+                            self._peeked.partial.get(request.request_id))
         finally:
             if self._inflight.get(request.request_id) is mine:
                 del self._inflight[request.request_id]
