@@ -73,11 +73,9 @@ def bench_moe(folder: Path, *, quick: bool = False) -> dict[str, Any]:
         s.reward, s.status = float(i % 2), SampleStatus.GRADED
     metrics, split = {}, {}
     for lag in (0, STALE_STEPS):
-        trainers = {}
         for mode in ("off", "replay"):
-            trainer = trainers[mode] = Trainer(
-                TrainConfig(routing_replay=mode, updates_per_step=1), folder,
-                staleness=StalenessPolicy(max_staleness=STALE_STEPS))
+            trainer = Trainer(TrainConfig(routing_replay=mode, updates_per_step=1), folder,
+                              staleness=StalenessPolicy(max_staleness=STALE_STEPS))
             if not lag:  # before its step: the weights the engine sampled with
                 split[mode] = trainer.logprobs(samples)
                 if mode == "off":

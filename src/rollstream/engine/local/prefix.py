@@ -38,7 +38,7 @@ too (one rule for both, in ``engine.py``).
 
 Mirrors. A reader in another process (an engine actor's proxy, ``runtime/ray``) keeps a
 :class:`PrefixIndex` of what this cache holds: with ``changes`` set, every block inserted,
-evicted or dropped is logged in order, and the actor sends the log with its replies; the
+evicted or dropped is logged in order, and the actor sends the log with its polls; the
 mirror answers :meth:`held` as the cache did when the log was read.
 
 Deliberately simplified: copies, not a paged cache (a row owns its positions); an ended
