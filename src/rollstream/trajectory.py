@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
 
@@ -128,10 +128,13 @@ class Context:
     that drops past ``<think>`` blocks): from segment ``num_segments`` on, the model was served
     ``token_ids``, the whole conversation as the template rendered it then (generation prompt
     included), in place of the prompt and the segments before. The episode is trained as one
-    turn-sample per context (:func:`turn_samples`)."""
+    turn-sample per context (:func:`turn_samples`), replaying ``routing`` under
+    ``train.routing_replay``: a mixture-of-experts model's routing, of the last request served
+    from this context (its prompt was the context and what followed it in the turn-sample)."""
 
     num_segments: int  # the first segment served after it: a model turn's
     token_ids: tuple[int, ...]
+    routing: Routing | None = None
 
     def __post_init__(self) -> None:
         if self.num_segments < 1 or not self.token_ids:
@@ -393,10 +396,15 @@ class Sample:
         routing: Routing | None = None,
     ) -> None:
         """Append engine output, merging into the last policy segment (token-exact TITO);
-        ``routing`` (of the request's prompt + output, which were prompt + response) replaces
-        the sample's."""
+        ``routing`` (of the request's prompt + output) replaces that of the turn-sample the
+        request served: the sample's (prompt + response) while no context rewrote earlier
+        turns, else its last context's."""
         append_policy_tokens(self.segments, token_ids, logprobs, versions)
-        if routing is not None and not self.contexts:
+        if routing is None:
+            return
+        if self.contexts:
+            self.contexts[-1] = replace(self.contexts[-1], routing=routing)
+        else:
             self.routing = routing
 
 

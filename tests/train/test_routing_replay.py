@@ -99,6 +99,50 @@ def test_replay_computes_the_engines_network_where_routing_disagrees(top1_dirs) 
     assert off["routing_agreement"] < 0.9 and replay["routing_agreement"] < 0.9
 
 
+def test_an_episode_whose_template_rewrote_a_turn_replays_each_turn_samples_routing(
+        top1_dirs) -> None:
+    """An episode trained as turn-samples (its second turn was served a rewritten context):
+    each turn-sample replays the routing of the request that served it (the first the
+    sample's, the second its context's), through a checkpoint's JSON, so the perturbed
+    trainer computes the engine's network on both; without replay it does not."""
+    from rollstream.trajectory import Context, Segment
+
+    engine_dir, trainer_dir = top1_dirs
+    engine = LocalEngine(engine_dir, LocalEngineConfig(max_slots=2, max_seq_len=128, threads=1,
+                                                       device="cpu"))
+    group = Group.new(Task(uid="e", source="s", prompt_ids=tuple(range(2, 14)),
+                           prompt_text="", reference=""), 1)
+    (sample,) = group.samples
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5)
+    try:
+        first = engine.generate_many([GenerateRequest(
+            request_id="t1", prompt_ids=list(sample.task.prompt_ids), params=params)])[0]
+        sample.append_policy_tokens(first.token_ids, first.logprobs, first.versions,
+                                    first.routing)
+        sample.segments.append(Segment.env([40, 41, 42]))
+        # the template rewrote turn 1 (dropped its last tokens) before serving turn 2
+        context = (*sample.task.prompt_ids, *first.token_ids[:4], 40, 41, 42)
+        sample.contexts.append(Context(num_segments=2, token_ids=context))
+        second = engine.generate_many([GenerateRequest(
+            request_id="t2", prompt_ids=list(context), params=params)])[0]
+        sample.append_policy_tokens(second.token_ids, second.logprobs, second.versions,
+                                    second.routing)
+    finally:
+        engine.shutdown()
+    assert sample.routing is first.routing and sample.contexts[0].routing is second.routing
+    sample.reward, sample.status = 1.0, SampleStatus.GRADED
+    (restored,) = group_from_dict(json.loads(json.dumps(group_to_dict(group)))).samples
+    assert restored.contexts == sample.contexts and restored.routing == sample.routing
+    model = [i for i, kept in enumerate(restored.loss_mask) if kept]  # the model's turns
+    assert len(model) == len(first.token_ids) + len(second.token_ids)
+    diffs = {mode: [_diffs(Trainer(TrainConfig(routing_replay=mode), trainer_dir,
+                                   staleness=SYNC), [restored])[i] for i in model]
+             for mode in ("off", "replay")}
+    turn2 = slice(len(first.token_ids), None)
+    assert max(diffs["off"][turn2]) > 1e-2 and max(diffs["off"]) > 1e-2
+    assert max(diffs["replay"]) < 1e-4
+
+
 def test_replay_across_an_interrupt_a_resume_on_new_weights_and_a_checkpoint(
         tmp_path: Path) -> None:
     """A weight sync interrupts running samples and resumes them on the new weights: their

@@ -98,15 +98,27 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
         "env_snapshot": None if (e := s.env_snapshot) is None else {  # frozen: no copy
             "num_segments": e.num_segments, "state": e.state, "messages": e.messages},
     }
-    if (r := s.routing) is not None:  # frozen: no copy; bytes as base64
-        out["routing"] = {"num_layers": r.num_layers, "top_k": r.top_k, "wide": r.wide,
-                          "experts": base64.b64encode(r.experts).decode("ascii")}
+    if s.routing is not None:  # frozen: no copy
+        out["routing"] = _routing_to_dict(s.routing)
     if s.episode_record is not None:  # a JSON object (the harness checked it), kept as it is
         out["episode_record"] = s.episode_record
     if s.contexts:
-        out["contexts"] = [{"num_segments": c.num_segments, "token_ids": list(c.token_ids)}
+        out["contexts"] = [{"num_segments": c.num_segments, "token_ids": list(c.token_ids),
+                            **({} if c.routing is None
+                               else {"routing": _routing_to_dict(c.routing)})}
                            for c in s.contexts]
     return out
+
+
+def _routing_to_dict(r: Routing) -> dict[str, Any]:
+    """Its bytes as base64."""
+    return {"num_layers": r.num_layers, "top_k": r.top_k, "wide": r.wide,
+            "experts": base64.b64encode(r.experts).decode("ascii")}
+
+
+def _routing_from_dict(r: dict[str, Any] | None) -> Routing | None:
+    return None if r is None else Routing(num_layers=r["num_layers"], top_k=r["top_k"],
+                                          wide=r["wide"], experts=base64.b64decode(r["experts"]))
 
 
 def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
@@ -124,11 +136,10 @@ def _sample_from_dict(d: dict[str, Any], task: Task, group_id: str) -> Sample:
                         num_segments=e["num_segments"], state=e["state"],
                         messages=e["messages"]),
                     contexts=[Context(num_segments=c["num_segments"],
-                                      token_ids=tuple(c["token_ids"]))
+                                      token_ids=tuple(c["token_ids"]),
+                                      routing=_routing_from_dict(c.get("routing")))
                               for c in d.get("contexts", ())],
-                    routing=None if (r := d.get("routing")) is None else Routing(
-                        num_layers=r["num_layers"], top_k=r["top_k"], wide=r["wide"],
-                        experts=base64.b64decode(r["experts"])),
+                    routing=_routing_from_dict(d.get("routing")),
                     episode_record=d.get("episode_record"))
     if sample.status is SampleStatus.INTERRUPTED:  # a partial sample: it continues from these
         sample.num_restored_tokens = sample.num_response_tokens

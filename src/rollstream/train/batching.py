@@ -309,14 +309,19 @@ def collate(samples: Sequence[Sample], rows: Sequence[Sequence[int]] | None = No
     )
 
 
+def _piece_routing(sample: Sample) -> list[Tensor | None]:
+    """Per piece (:func:`pieces`): the routing recorded for it (its turn-sample's: the
+    sample's for the first, each context's for the one it starts), None where none was."""
+    records = [sample.routing, *(c.routing for c in sample.contexts)]
+    return [None if r is None else routing_ids(r) for r in records]
+
+
 def _routing_rows(samples: Sequence[Sample], parts: list[list[tuple[list[int], list[int]]]],
                   units: Sequence[Sequence[Unit]], width: int) -> Tensor:
-    """``MicroBatch.experts``: each sample's recorded routing at its tokens' places, as the
-    units lay them out (a shared prefix once, from its first sample's record; samples laid
-    out as turn-samples have none: their recorded sequence is not what a row holds)."""
-    recorded = [None if s.contexts or s.routing is None else routing_ids(s.routing)
-                for s in samples]
-    shapes = {tuple(ids.shape[1:]) for ids in recorded if ids is not None}
+    """``MicroBatch.experts``: each piece's recorded routing at its tokens' places, as the
+    units lay them out (a shared prefix once, from the unit's first piece's record)."""
+    recorded = [_piece_routing(s) for s in samples]
+    shapes = {tuple(ids.shape[1:]) for pieces_ in recorded for ids in pieces_ if ids is not None}
     if len(shapes) > 1:
         raise ValueError(f"collate: samples carry routing of different shapes "
                          f"(moe layers, top_k): {sorted(shapes)}")
@@ -325,13 +330,14 @@ def _routing_rows(samples: Sequence[Sample], parts: list[list[tuple[list[int], l
     for r, row in enumerate(units):
         offset = 0
         for members, prefix in row:
-            for i, b in enumerate(members):
-                start = 0 if i == 0 else prefix  # the prefix is laid out once
-                n = sum(len(c) + len(rs) for c, rs in parts[b]) - start
-                if (ids := recorded[b]) is not None:
-                    piece = ids[start : start + n]
-                    out[r, offset : offset + len(piece)] = piece
-                offset += n
+            start = 0  # the prefix is laid out once, before the unit's first piece's rest
+            for b in members:
+                for (context, rest), ids in zip(parts[b], recorded[b], strict=True):
+                    n = len(context) + len(rest) - start
+                    if ids is not None:
+                        piece = ids[start : start + n]
+                        out[r, offset : offset + len(piece)] = piece
+                    offset, start = offset + n, prefix
     return out
 
 
