@@ -400,11 +400,9 @@ class Sample:
         request served: the sample's (prompt + response) while no context rewrote earlier
         turns, else its last context's."""
         append_policy_tokens(self.segments, token_ids, logprobs, versions)
-        if routing is None:
-            return
-        if self.contexts:
+        if routing is not None and self.contexts:
             self.contexts[-1] = replace(self.contexts[-1], routing=routing)
-        else:
+        elif routing is not None:
             self.routing = routing
 
 

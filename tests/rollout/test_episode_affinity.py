@@ -64,6 +64,13 @@ def _tools(sample: Sample, turn: int) -> None:
     sample.segments.append(Segment.env([50 + turn] * 10))
 
 
+async def turn_away_from(disp: Dispatcher, sample: Sample, engine_id: str) -> None:
+    """One greedy turn of ``sample`` while ``engine_id`` takes no request (drained)."""
+    await disp.drain(engine_id)
+    await disp.episode_turn(sample, GREEDY)
+    disp.undrain(engine_id)
+
+
 async def _close(engines: list[LocalEngine], graders: GraderPool) -> None:
     for e in engines:
         await e.close()
@@ -83,16 +90,12 @@ async def test_an_episodes_next_turn_goes_where_most_of_it_is_cached(model: Path
     disp, graders = _dispatcher(engines)
     try:
         sample = _episode(disp)
-        await disp.drain("e1")
-        await disp.episode_turn(sample, GREEDY)
-        disp.undrain("e1")
+        await turn_away_from(disp, sample, "e1")
         assert sample.engine_id == "e0"
         _tools(sample, 1)
         assert disp.router.held(sample) == {"e0": 32}  # 40 + 8 - 1 computed: 2 blocks
         assert disp.router.held(sample)["e0"] == e0.cached_tokens(sample.served_ids())
-        await disp.drain("e0")
-        await disp.episode_turn(sample, GREEDY)
-        disp.undrain("e0")
+        await turn_away_from(disp, sample, "e0")
         assert sample.engine_id == "e1" and disp.router.num_spills == 1
         _tools(sample, 2)
         # e1 computed turn 2's 40 + 8 + 10 + 8 - 1 = 65 tokens: 4 blocks; e0 still turn 1's
@@ -179,10 +182,8 @@ async def test_a_groups_first_sample_goes_where_its_prompt_is_cached(model: Path
     disp, graders = _dispatcher(engines)
     instruction = tuple(range(3, 35))  # 32 tokens: two whole blocks
     try:
-        await disp.drain("e0")
         first = _first_sample(disp, "a/0", (*instruction, 40, 41, 42))
-        await disp.episode_turn(first, GREEDY)
-        disp.undrain("e0")
+        await turn_away_from(disp, first, "e0")
         assert first.engine_id == "e1"
         assert disp.router.load.least(disp.router.admits) is e0
         second = _first_sample(disp, "b/0", (*instruction, 43, 44))

@@ -293,7 +293,13 @@ async def test_the_router_weighs_what_each_engine_actor_holds(owner):
     from safetensors.torch import load_file
 
     from rollstream.runtime.ray.engines import build_ray_engines
-    from tests.rollout.test_episode_affinity import GREEDY, _dispatcher, _episode, _tools
+    from tests.rollout.test_episode_affinity import (
+        GREEDY,
+        _dispatcher,
+        _episode,
+        _tools,
+        turn_away_from,
+    )
 
     engines = build_ray_engines(_state["model"], LocalEngineConfig(
         max_slots=4, max_seq_len=128, threads=1, prefix_cache_tokens=1024),
@@ -302,16 +308,12 @@ async def test_the_router_weighs_what_each_engine_actor_holds(owner):
     disp, graders = _dispatcher(engines)
     try:
         sample = _episode(disp)
-        await disp.drain("ray-1")
-        await disp.episode_turn(sample, GREEDY)
-        disp.undrain("ray-1")
+        await turn_away_from(disp, sample, "ray-1")
         assert sample.engine_id == "ray-0"
         one = _blocks(sample)  # what its row computed, all but the last token, whole blocks
         _tools(sample, 1)
         assert one > 0 and (await _fresh_held(disp, sample, "ray-0", one)) == {"ray-0": one}
-        await disp.drain("ray-0")
-        await disp.episode_turn(sample, GREEDY)
-        disp.undrain("ray-0")
+        await turn_away_from(disp, sample, "ray-0")
         assert sample.engine_id == "ray-1" and disp.router.num_spills == 1
         two = _blocks(sample)
         _tools(sample, 2)
