@@ -198,6 +198,57 @@ def test_replay_across_an_interrupt_a_resume_on_new_weights_and_a_checkpoint(
     assert trainer.step(later, 1).metrics["routing_agreement"] == 1.0
 
 
+def test_a_dead_engines_partial_is_replayed_as_the_engine_that_finished_it_routed_it(
+        top1_dirs) -> None:
+    """An engine dies mid-stream (its step loop raises): its samples come back with their
+    partial tokens and no routing, and are finished on the other engine, whose prefill of
+    prompt + partial routes every earlier token again. Each such sample's routing then covers
+    its whole sequence (the last token's none), and the perturbed trainer replaying it computes
+    the engines' network on every token, those the dead engine sampled included."""
+    from rollstream.reward.pool import GraderPool
+    from tests.engine.test_local_faults import _Decode
+
+    engine_dir, trainer_dir = top1_dirs
+    cfg = LocalEngineConfig(max_slots=8, max_seq_len=96, threads=1, device="cpu",
+                            max_restarts=0)
+    spans: list[dict] = []
+
+    async def one(task: Task, text: str) -> float:
+        return 1.0
+
+    async def main() -> list[Group]:
+        a, b = LocalEngine(engine_dir, cfg, engine_id="a"), LocalEngine(engine_dir, cfg,
+                                                                         engine_id="b")
+        _Decode(a, fail_at=8)  # a's step loop raises on its 8th decode
+        graders = GraderPool(RewardConfig(), lambda task: get_reward(one))
+        disp = Dispatcher(engines=[a, b], params=SamplingParams(max_new_tokens=24, seed=None),
+                          graders=graders, decode=lambda ids: "", clock=WallClock(),
+                          lifecycle=Lifecycle(Ledger(), WallClock()),
+                          span=lambda **kw: spans.append(kw))
+        groups = [Group.new(Task(uid=f"d/{i}", source="s", prompt_ids=(3 + i, 5, 7, 9, 11),
+                                 prompt_text="", reference=""), 2) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(disp.run_group(g) for g in groups)), 120)
+        await a.close()
+        await b.close()
+        graders.close()
+        return groups
+
+    groups = asyncio.run(main())
+    on = {e: {sp["sample_uid"] for sp in spans if sp["engine_id"] == e and sp["num_tokens"]}
+          for e in ("a", "b")}
+    moved = [s for g in groups for s in g.samples if s.uid in on["a"] & on["b"]]
+    assert moved, "samples with tokens from the dead engine were finished on the other"
+    for s in moved:
+        got = routing_ids(s.routing)
+        assert got.shape[0] == len(s.task.prompt_ids) + s.num_response_tokens
+        assert (got[:-1] >= 0).all() and (got[-1] == -1).all()
+        s.status = SampleStatus.GRADED
+    diffs = {mode: _diffs(Trainer(TrainConfig(routing_replay=mode), trainer_dir,
+                                  staleness=SYNC), moved) for mode in ("off", "replay")}
+    assert max(diffs["off"]) > 1e-2 and max(diffs["replay"]) < 1e-4
+
+
+
 def test_replay_is_refused_where_it_cannot_work(tiny_model_path: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="train.routing_replay = replay needs a "
                                          "mixture-of-experts model"):
