@@ -40,6 +40,11 @@ KILL_WITHIN_S = 0.6  # a kill lands at a random moment this long after a checkpo
 # episodes are trained or dropped within the staleness bound (2 versions), so more steps
 # would only repeat what these show.
 AGENT_STEPS, AFTER_KILL = 12, 4
+# Their steps: 4 groups of 4 episodes. With the tiny run's 4 x 8, a step's 32 episodes on the
+# one slowed slot took ~20 s (the SDK test 110 s alone, 180 s in a full suite run; 56 s now,
+# 2026-12-07, a 2-vCPU AMD EPYC VM). With 2 x 4 the saved episodes were dropped stale in one run
+# of three (trainer steps outran them), leaving none to check
+AGENT_GROUP, AGENT_GROUPS = 4, 4
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +217,7 @@ def _agent_run(root: Path, cache: Path, steps: int, harness: str | None = None) 
     cfg["sampling"]["max_new_tokens"] = 224
     cfg["agent"] = {"max_turns": 6, "max_turn_tokens": 16}
     cfg["rollout"]["filter_zero_variance"] = False
+    cfg["rollout"]["group_size"], cfg["train"]["groups_per_step"] = AGENT_GROUP, AGENT_GROUPS
     config = root / "config.yaml"
     config.write_text(json.dumps(cfg))
     loaded = load_config(config, [])
@@ -257,8 +263,8 @@ def _resume_exactly_once(config: Path, run_dir: Path,
     rows = read_ledger(run_dir / "ledger.jsonl")
     uids = [r.sample_uid for r in rows]
     assert len(uids) == len(set(uids)), "exactly one terminal line per sample"
-    audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES,
-                      groups_per_step=GROUPS, steps=steps)
+    audit = audit_run(run_dir, group_size=AGENT_GROUP, eval_group_size=EVAL_SAMPLES,
+                      groups_per_step=AGENT_GROUPS, steps=steps)
     assert audit["lost_samples"] == audit["duplicated_samples"] == 0, audit
     assert audit["steps_repeated"] == audit["steps_missing"] == 0, audit
     return rows
