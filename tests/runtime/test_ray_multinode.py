@@ -324,7 +324,7 @@ def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_st
     version crosses by the object store and that actor writes it to its own node's shared
     memory; the server reloads it (greedy tokens change with a perturbed version and come
     back, logprobs too, with the original weights), and the driver writes nothing to shared
-    memory for it."""
+    memory for it. The dashboard shows the engine on node 1."""
     import asyncio
 
     import ray
@@ -334,6 +334,7 @@ def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_st
 
     from rollstream.config.schema import EngineConfig, VllmEngineConfig
     from rollstream.engine import GenerateRequest, SamplingParams
+    from rollstream.runtime.nodes import engine_node
     from rollstream.runtime.ray.vllm import build_ray_vllm_engines
     from tests.vllm import shared
 
@@ -352,6 +353,9 @@ def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_st
     server, store = engine.server, engine._store
     try:
         assert server.node_id == node1 != ray.get_runtime_context().get_node_id()
+        # the dashboard's cluster view (Fleet.table) places the engine on its server's node
+        placed = engine_node(engine)
+        assert (placed.node_id, placed.address) == (node1, ray.util.get_node_ip_address())
 
         def greedy(rid: str):
             return asyncio.run(engine.generate(GenerateRequest(

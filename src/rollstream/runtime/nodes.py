@@ -2,10 +2,11 @@
 cluster view (``Fleet.table`` and ``Fleet.nodes``; docs/monitoring.md, "Cluster").
 
 An engine's node is the one Ray reports for its actor (:class:`Placed`: the engine actors of
-``runtime.kind: ray``); every other engine is reported on the driver's node: the embedded
-runtime's, and a vLLM server (on Ray its actor may run on another node of this host with
-``weight_sync: auto``, not shown here; attached by ``engine.vllm.urls``, it reloads weights
-from this host's ``/dev/shm``, so runs on this host).
+``runtime.kind: ray``) or for its server's (a vLLM engine on Ray, whose server an actor
+launched: with ``weight_sync: auto`` on another node of this host); every other engine is
+reported on the driver's node: the embedded runtime's, and a vLLM server this process
+launched or attached by ``engine.vllm.urls`` (it reloads weights from this host's
+``/dev/shm``, so runs on this host).
 Without Ray there is one node, named :data:`LOCAL`, with no Ray address. The weights' side of a row (transport, bytes, dtype)
 is weight sync's record (``WeightSync.moved``), so the bytes here are the ones the run's
 ``sync_bytes`` metric and the delta sync's log count.
@@ -48,8 +49,12 @@ def this_node() -> Node:
 
 
 def engine_node(engine: object) -> Node:
-    """``engine``'s node: its actor's, or the driver's (this process's)."""
-    return engine.node() if isinstance(engine, Placed) else this_node()
+    """``engine``'s node: its actor's, its server's actor's, or the driver's (this
+    process's)."""
+    if isinstance(engine, Placed):
+        return engine.node()
+    server = getattr(engine, "server", None)  # a vLLM engine's
+    return server.node() if isinstance(server, Placed) else this_node()
 
 
 def node_columns(node: Node | None) -> dict[str, Any]:

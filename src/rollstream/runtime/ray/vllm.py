@@ -44,6 +44,7 @@ from rollstream.engine.vllm.server import (
     stop_group,
 )
 from rollstream.run_files import RunFiles
+from rollstream.runtime.nodes import Node, this_node
 from rollstream.runtime.ray.vllm_weights import NodeStore, NodeWeights
 
 if TYPE_CHECKING:
@@ -66,11 +67,8 @@ class ServerActor:
         self._done = threading.Event()
         self._weights: NodeStore | None = None  # this node's copies (a server elsewhere)
 
-    def start(self) -> tuple[str, str, str, int]:
-        """The server's URL, this actor's node id and address, the server's process
-        group."""
-        import ray
-
+    def start(self) -> tuple[str, Node, int]:
+        """The server's URL, this actor's node, the server's process group."""
         started, failed = threading.Event(), []
 
         def launch() -> None:
@@ -88,8 +86,7 @@ class ServerActor:
         if failed:
             raise failed[0]
         assert self.server.proc is not None
-        return (self.server.url, ray.get_runtime_context().get_node_id(),
-                ray.util.get_node_ip_address(), self.server.proc.pid)
+        return self.server.url, this_node(), self.server.proc.pid
 
     def write_weights(self, payload: Payload) -> WrittenWeights:
         """Write a version to this node's shared memory, for the server's reload."""
@@ -135,6 +132,7 @@ class ActorServer:
         self.per_node = per_node
         self.url = ""
         self.node_id = ""  # where the current actor runs
+        self._node: Node | None = None  # the same, as the dashboard shows it
         self.actor: Any = None
         self._pgid = 0
         self._shm_before: frozenset[str] = frozenset()
@@ -148,14 +146,20 @@ class ActorServer:
         self._exit, self._probe = None, None
         self.actor = self._remote.remote(self.spec)
         try:
-            self.url, self.node_id, address, self._pgid = ray.get(self.actor.start.remote())
+            self.url, self._node, self._pgid = ray.get(self.actor.start.remote())
         except BaseException:
             self.stop()
             raise
+        self.node_id, address = self._node.node_id, self._node.address or ""
         if (why := self._elsewhere(address)) is not None:
             self.stop()
             raise VllmServerError(f"Ray placed the vLLM server of {self.spec.log_path} on "
                                   f"another node ({self.node_id}, {address}): {why}")
+
+    def node(self) -> Node:
+        """The node its server runs on (``runtime/nodes.py``'s ``Placed``): the last actor's,
+        the driver's before the first start."""
+        return self._node or this_node()
 
     def _elsewhere(self, address: str) -> str | None:
         """Why the server cannot serve from the node its actor runs on (None: it can)."""
