@@ -37,3 +37,10 @@ def test_quick_models_bench_measures_lora_sync_against_full(tmp_path):
     ratio = result["lora_vs_full_samples_per_s"]
     assert math.isfinite(ratio) and ratio > 0
     assert ratio == lora["trained_samples_per_s"] / full["trained_samples_per_s"]
+    # the MoE example's short runs with routing replay and without: the same samples trained,
+    # routing agreement read from each run's steps
+    runs = result["moe_runs"]
+    assert runs["replay"]["trained_samples"] == runs["no_replay"]["trained_samples"] > 0
+    for label in ("replay", "no_replay"):
+        assert 0 < runs[label]["routing_agreement_mean"] <= 1
+        assert 0 <= runs[label]["reward_initial"] <= 1 and 0 <= runs[label]["reward_final"] <= 1

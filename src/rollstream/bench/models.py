@@ -24,8 +24,9 @@ back (:mod:`.short_runs`); ``lora_vs_full_samples_per_s`` = trained samples/s of
 ``full``, each run's reading under ``lora_runs``. On vLLM (not with ``--quick``): the sync
 (``lora_vllm``, on the demo shape's every-layer adapter) is :func:`bench_vllm_sync`'s, and the
 same two runs with ``engine.kind=vllm`` give ``lora_vs_full_samples_per_s_vllm`` (each run's
-reading under ``lora_runs_vllm``). The mixture-of-experts section (``moe``) is
-:mod:`.models_moe`'s: routing replay against a bfloat16 engine. A benchmark measures; it
+reading under ``lora_runs_vllm``). The mixture-of-experts sections (``moe``, ``moe_runs``) are
+:mod:`.models_moe`'s: routing replay against a bfloat16 engine, and the held-out reward of a
+short run of the MoE example with replay and without. A benchmark measures; it
 does not assert.
 """
 
@@ -163,7 +164,7 @@ def lora_runs(folder: Path, run_root: Path, *, quick: bool,
 
 
 def main(json_out: Path | None = None, quick: bool = False) -> dict:
-    from rollstream.bench.models_moe import bench_moe
+    from rollstream.bench.models_moe import bench_moe, moe_runs
     from rollstream.bench.weightsync import build_model
 
     load_start = os.getloadavg()[0]
@@ -182,6 +183,9 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
                                                          quick=False, vllm=True)
         moe = bench_moe(build_model(Path(tmp) / "moe", arch="qwen2_moe", **SHAPES["demo"]),
                         quick=quick)
+        # quick: its unwarmed model in this run's folder, not the cache of real runs
+        moe_heldout = moe_runs(Path(tmp) / "runs-moe", Path(tmp) / "cache" if quick else None,
+                               quick=quick)
     demo = rows["demo/all"]
     result = {"quick": quick, "rank": RANK, "num_syncs": NUM_SYNCS, "engine": "local",
               "lora": rows, "lora_sync_bytes_vs_full": demo["lora_sync_bytes_vs_full"],
@@ -196,6 +200,7 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
               "mismatch_replay_vs_none": moe["mismatch_replay_vs_none"],
               "mismatch_replay_vs_none_bound": moe["mismatch_replay_vs_none_bound"],
               "routing_agreement": moe["routing_agreement"],
+              "moe_runs": moe_heldout,
               "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]}}
     _print_table(rows)
     lora, full = runs["runs"]["lora"], runs["runs"]["full"]
@@ -224,9 +229,20 @@ def main(json_out: Path | None = None, quick: bool = False) -> dict:
           f"{moe['mismatch_disagreeing']:.4f} without replay, "
           f"{moe['mismatch_disagreeing_replay']:.4f} with (the "
           f"{moe['agreeing_tokens']} agreeing: {moe['mismatch_agreeing']:.4f})")
+    for label in ("replay", "no_replay"):
+        r = moe_heldout[label]
+        print(f"MoE example, {moe_heldout['steps']} steps, {label.replace('_', ' ')}: held-out "
+              f"reward {r['reward_initial']:.3f} -> {r['reward_final']:.3f} "
+              f"(se {r['reward_final_se']:.3f}), routing agreement "
+              f"{_fmt(r['routing_agreement_mean'])}, mismatch {_fmt(r['mismatch_mean'])}, "
+              f"{r['train_wall_s']:.0f} s")
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _print_table(rows: dict[str, Any]) -> None:

@@ -13,8 +13,16 @@ that the trainer's own router picks too. Both sides hold the same weights (versi
 disagreement measured is the one precision makes (bfloat16 against float32). The ``stale``
 rows measure the same after the trainer took ``STALE_STEPS`` updates on these samples first
 (at ``train.lr``'s default), as in async k = 2 where samples are two versions old: there the
-mismatch holds the policy change too, which replay does not remove. No held-out reward is
-measured. A benchmark measures; it does not assert.
+mismatch holds the policy change too, which replay does not remove.
+
+**Held-out reward each way** (``moe_runs``): two short runs of examples/tick_moe.yaml (its
+warm-started model, cached under ``model.cache_dir`` after the first build), ``RUN_STEPS``
+steps of async GRPO (k = 2) with a bfloat16 engine, placed as ``bench modes`` places a run:
+``replay`` (the YAML's ``train.routing_replay: replay``) then ``no_replay`` (``off``), back to back with the
+same seed (the same tasks in the same order; their samples part once the policies do). Each
+run's ``reward_initial`` / ``reward_final`` (held-out reward at the start and the end, with its
+standard error), mean ``routing_agreement`` and ``mismatch`` over its steps. A benchmark
+measures; it does not assert.
 
 **Bound.** Replay can remove only the part of the mismatch that routing disagreement makes;
 what bfloat16 does to the same experts' arithmetic stays. Each sampled token of the same-
@@ -40,6 +48,8 @@ NUM_GROUPS = 4
 GROUP_SIZE = 4
 MAX_NEW_TOKENS = 48
 STALE_STEPS = 2
+RUN_STEPS = 20  # each held-out-reward run's training steps
+MOE_YAML = Path(__file__).resolve().parents[3] / "examples" / "tick_moe.yaml"
 
 
 def bench_moe(folder: Path, *, quick: bool = False) -> dict[str, Any]:
@@ -89,6 +99,38 @@ def bench_moe(folder: Path, *, quick: bool = False) -> dict[str, Any]:
             "generate_s": generate_s, **_rows(metrics["off"], metrics["replay"]),
             **_bound(samples, split["off"], split["replay"], split["agree"]),
             **{f"stale_{k}": v for k, v in stale.items()}}
+
+
+def moe_runs(run_root: Path, cache_dir: Path | None = None, *,
+             quick: bool = False) -> dict[str, Any]:
+    """The held-out reward of a short run with routing replay and one without (module
+    docstring); ``quick``: no warm start, one step each, two held-out prompts (the plumbing,
+    not a reading)."""
+    import statistics
+
+    from rollstream.bench.modes import bench_overrides
+    from rollstream.bench.run_reading import read_metrics
+    from rollstream.bench.short_runs import run_back_to_back
+
+    common = [o for o in bench_overrides(Path(), run_root) if not o.startswith("model.path=")]
+    common += ["engine.local.dtype=bfloat16", f"train.steps={1 if quick else RUN_STEPS}"]
+    if cache_dir is not None:
+        common.append(f"model.cache_dir={cache_dir}")
+    if quick:
+        common += ["model.warm_start.steps=0", "rollout.filter_zero_variance=false",
+                   "tasks.num_eval=2", "eval.samples_per_task=1",
+                   "train.groups_per_step=2", "sampling.max_new_tokens=16"]
+    runs = run_back_to_back(MOE_YAML, common, {"replay": [], "no_replay": ["train.routing_replay='off'"]},
+                            bench="models")
+    out: dict[str, Any] = {"steps": 1 if quick else RUN_STEPS, "engine_dtype": "bfloat16"}
+    for label, run in runs.items():
+        steps = [r for r in read_metrics(run_root / label) if r.get("kind") == "train"]
+        out[label] = {k: run[k] for k in ("reward_initial", "reward_final", "reward_final_se",
+                                          "trained_samples", "train_wall_s")}
+        for key in ("routing_agreement", "mismatch"):
+            values = [r[key] for r in steps if r.get(key) is not None]
+            out[label][f"{key}_mean"] = statistics.fmean(values) if values else None
+    return out
 
 
 def _agreement(trainer: Any, samples: list[Any]) -> list[list[bool]]:
