@@ -18,8 +18,9 @@ mismatch holds the policy change too, which replay does not remove.
 **Held-out reward each way** (``moe_runs``): two short runs of examples/tick_moe.yaml (its
 warm-started model, cached under ``model.cache_dir`` after the first build), ``RUN_STEPS``
 steps of async GRPO (k = 2) with a bfloat16 engine, placed as ``bench modes`` places a run:
-``replay`` (the YAML's ``train.routing_replay: replay``) then ``no_replay`` (``off``), back to back with the
-same seed (the same tasks in the same order; their samples part once the policies do). Each
+``replay`` (the YAML's ``train.routing_replay: replay``) then ``no_replay`` (``off``), back to
+back with the same seed (the same tasks in the same order; their samples part once the
+policies do). Each
 run's ``reward_initial`` / ``reward_final`` (held-out reward at the start and the end, with its
 standard error), mean ``routing_agreement`` and ``mismatch`` over its steps. A benchmark
 measures; it does not assert.
@@ -120,8 +121,8 @@ def moe_runs(run_root: Path, cache_dir: Path | None = None, *,
         common += ["model.warm_start.steps=0", "rollout.filter_zero_variance=false",
                    "tasks.num_eval=2", "eval.samples_per_task=1",
                    "train.groups_per_step=2", "sampling.max_new_tokens=16"]
-    runs = run_back_to_back(MOE_YAML, common, {"replay": [], "no_replay": ["train.routing_replay='off'"]},
-                            bench="models")
+    rows = {"replay": [], "no_replay": ["train.routing_replay='off'"]}  # quoted: YAML's off
+    runs = run_back_to_back(MOE_YAML, common, rows, bench="models")
     out: dict[str, Any] = {"steps": 1 if quick else RUN_STEPS, "engine_dtype": "bfloat16"}
     for label, run in runs.items():
         steps = [r for r in read_metrics(run_root / label) if r.get("kind") == "train"]

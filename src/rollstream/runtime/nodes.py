@@ -6,10 +6,10 @@ An engine's node is the one Ray reports for its actor (:class:`Placed`: the engi
 launched: with ``weight_sync: auto`` on another node of this host); every other engine is
 reported on the driver's node: the embedded runtime's, and a vLLM server this process
 launched or attached by ``engine.vllm.urls`` (it reloads weights from this host's
-``/dev/shm``, so runs on this host).
-Without Ray there is one node, named :data:`LOCAL`, with no Ray address. The weights' side of a row (transport, bytes, dtype)
-is weight sync's record (``WeightSync.moved``), so the bytes here are the ones the run's
-``sync_bytes`` metric and the delta sync's log count.
+``/dev/shm``, so runs on this host). Without Ray there is one node, named :data:`LOCAL`, with
+no Ray address. The weights' side of a row (transport, bytes, dtype) is weight sync's record
+(``WeightSync.moved``), so the bytes here are the ones the run's ``sync_bytes`` metric and the
+delta sync's log count.
 """
 
 from __future__ import annotations
