@@ -113,8 +113,9 @@ def moe_runs(run_root: Path, cache_dir: Path | None = None, *,
     from rollstream.bench.run_reading import read_metrics
     from rollstream.bench.short_runs import run_back_to_back
 
-    common = [o for o in bench_overrides(Path(), run_root) if not o.startswith("model.path=")]
-    common += ["engine.local.dtype=bfloat16", f"train.steps={1 if quick else RUN_STEPS}"]
+    steps = 1 if quick else RUN_STEPS
+    common = [*bench_overrides(None, run_root), "engine.local.dtype=bfloat16",
+              f"train.steps={steps}"]
     if cache_dir is not None:
         common.append(f"model.cache_dir={cache_dir}")
     if quick:
@@ -123,13 +124,13 @@ def moe_runs(run_root: Path, cache_dir: Path | None = None, *,
                    "train.groups_per_step=2", "sampling.max_new_tokens=16"]
     rows = {"replay": [], "no_replay": ["train.routing_replay='off'"]}  # quoted: YAML's off
     runs = run_back_to_back(MOE_YAML, common, rows, bench="models")
-    out: dict[str, Any] = {"steps": 1 if quick else RUN_STEPS, "engine_dtype": "bfloat16"}
+    out: dict[str, Any] = {"steps": steps, "engine_dtype": "bfloat16"}
     for label, run in runs.items():
-        steps = [r for r in read_metrics(run_root / label) if r.get("kind") == "train"]
+        trained = [r for r in read_metrics(run_root / label) if r.get("kind") == "train"]
         out[label] = {k: run[k] for k in ("reward_initial", "reward_final", "reward_final_se",
                                           "trained_samples", "train_wall_s")}
         for key in ("routing_agreement", "mismatch"):
-            values = [r[key] for r in steps if r.get(key) is not None]
+            values = [r[key] for r in trained if r.get(key) is not None]
             out[label][f"{key}_mean"] = statistics.fmean(values) if values else None
     return out
 

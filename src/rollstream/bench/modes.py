@@ -276,14 +276,16 @@ def cores() -> tuple[int, int]:
     return (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
 
 
-def bench_overrides(folder: Path, run_root: Path) -> list[str]:
-    """What every benchmarked rollstream run shares: the model folder, one pinned torch thread
-    for the engine and one for the trainer, no UI, and the held-out reward measured at the
-    start and the end only (``reward_se`` reads the second evaluation round as the final one,
-    and an evaluation inside the training time would be timed as training)."""
+def bench_overrides(folder: Path | None, run_root: Path) -> list[str]:
+    """What every benchmarked rollstream run shares: the model folder (None: the config's own
+    model, the kit's warm-started one), one pinned torch thread for the engine and one for the
+    trainer, no UI, and the held-out reward measured at the start and the end only
+    (``reward_se`` reads the second evaluation round as the final one, and an evaluation
+    inside the training time would be timed as training)."""
     engine_core, train_core = cores()
     return [
-        f"model.path={folder}", f"run_root={run_root}", "max_wall_s=null", "eval.every=0",
+        *([] if folder is None else [f"model.path={folder}"]),
+        f"run_root={run_root}", "max_wall_s=null", "eval.every=0",
         "engine.local.threads=1", f"engine.local.cpu_affinity=[{engine_core}]",
         "train.threads=1", f"train.cpu_affinity=[{train_core}]",
         "monitor.progress=false", "monitor.report=false", "monitor.dashboard=false",

@@ -131,8 +131,7 @@ class ActorServer:
             num_cpus=num_cpus, max_concurrency=4, scheduling_strategy=strategy)
         self.per_node = per_node
         self.url = ""
-        self.node_id = ""  # where the current actor runs
-        self._node: Node | None = None  # the same, as the dashboard shows it
+        self._node: Node | None = None  # where the current actor runs
         self.actor: Any = None
         self._pgid = 0
         self._shm_before: frozenset[str] = frozenset()
@@ -150,11 +149,16 @@ class ActorServer:
         except BaseException:
             self.stop()
             raise
-        self.node_id, address = self._node.node_id, self._node.address or ""
+        address = self._node.address or ""
         if (why := self._elsewhere(address)) is not None:
             self.stop()
             raise VllmServerError(f"Ray placed the vLLM server of {self.spec.log_path} on "
                                   f"another node ({self.node_id}, {address}): {why}")
+
+    @property
+    def node_id(self) -> str:
+        """Ray's id of the node the current actor runs on ("" before the first start)."""
+        return "" if self._node is None else self._node.node_id
 
     def node(self) -> Node:
         """The node its server runs on (``runtime/nodes.py``'s ``Placed``): the last actor's,
