@@ -17,7 +17,8 @@ on from their peeked tokens on the other engine; with no node left with room for
 its replacement waits and says so while the run finishes on the other engine, its ledger
 clean; a node with the removed one's resources then takes its place. A vLLM server whose actor
 runs on node 1 (``weight_sync: auto``) gets each version through the object store, written
-by that actor to its node's shared memory, and serves it. The
+by that actor to its node's shared memory, and serves it; the engine's HTTP to it crosses by
+that actor (``relay.py``, also checked on its own against a plain HTTP server). The
 fixture stops the nodes it started (never ``ray stop``: that would end every Ray on the
 machine). Nodes on one host share ``/dev/shm`` and the file system, so what this cannot
 show is a transport that only works on one host (docs/distributed.md, "Nodes per role")."""
@@ -324,16 +325,19 @@ def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_st
     version crosses by the object store and that actor writes it to its own node's shared
     memory; the server reloads it (greedy tokens change with a perturbed version and come
     back, logprobs too, with the original weights), and the driver writes nothing to shared
-    memory for it. The dashboard shows the engine on node 1."""
+    memory for it. The engine's HTTP crosses by the actor (``relay.py``), as it must from
+    another host: the driver holds no connection to the server's port while it streams, and
+    an interrupt mid-stream returns the partial. The dashboard shows the engine on node 1."""
     import asyncio
 
+    import psutil
     import ray
     import torch
     from ray._private.state import actors
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rollstream.config.schema import EngineConfig, VllmEngineConfig
-    from rollstream.engine import GenerateRequest, SamplingParams
+    from rollstream.engine import FinishReason, GenerateRequest, SamplingParams
     from rollstream.runtime.nodes import engine_node
     from rollstream.runtime.ray.vllm import build_ray_vllm_engines
     from tests.vllm import shared
@@ -363,6 +367,28 @@ def test_a_vllm_server_on_another_node_is_fed_by_its_actor_through_the_object_st
                 params=SamplingParams(temperature=0.0, max_new_tokens=24))))
 
         before = greedy("before")
+        # the HTTP goes through node 1's actor: no connection of the driver's to the server
+        assert server.streams == "actor" and engine._client._transport.relayed > 0
+        port = int(server.url.rsplit(":", 1)[1])
+
+        async def interrupted():
+            start = engine.stats().generated_tokens
+            task = asyncio.create_task(engine.generate(GenerateRequest(
+                request_id="long", prompt_ids=[11, 22, 33, 44],
+                params=SamplingParams(temperature=0.0, max_new_tokens=500))))
+            while engine.stats().generated_tokens < start + 2 and not task.done():
+                await asyncio.sleep(0.01)
+            conns = psutil.Process().net_connections()
+            await engine.interrupt()
+            return await task, conns
+
+        partial, conns = asyncio.run(interrupted())
+        assert not [c for c in conns if c.raddr and c.raddr.port == port]
+        # cut mid-stream (or, late, whole: as the contract tests allow a vLLM server)
+        n = len(partial.token_ids)
+        assert (partial.finish_reason, n < 500) in {(FinishReason.ABORT, True),
+                                                    (FinishReason.LENGTH, False)}, n
+        assert partial.token_ids[:24] == before.token_ids[:n]
         asyncio.run(engine.load_weights(1, perturbed))
         changed = greedy("changed")
         assert changed.token_ids != before.token_ids and changed.versions == [1] * 24
@@ -412,7 +438,9 @@ def test_node_weights_follow_the_server_s_actor_across_nodes_bit_for_bit(cluster
             NodeAffinitySchedulingStrategy(node_id=node, soft=False))).remote(None)
 
     tensors = {"w": torch.randn(64, 8).to(torch.bfloat16), "b": torch.arange(7.0)}
-    server = type("Server", (), {})()
+    # an ActorServer's fields that NodeWeights reads, without launching a server
+    server = type("Server", (), {"near": property(
+        lambda s: s.node_id == ray.get_runtime_context().get_node_id())})()
     server.node_id, server.actor = node1, actor_on(node1)
     weights = NodeWeights(server, WeightStore(root=tmp_path / "driver"))
     try:
@@ -441,6 +469,157 @@ def test_node_weights_follow_the_server_s_actor_across_nodes_bit_for_bit(cluster
     finally:
         ray.kill(server.actor)
         weights.clear()
+
+
+class _Relay:
+    """An actor that relays to one URL as a vLLM server's actor relays to its server."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.client = url, None
+
+    async def relay(self, *args):
+        from rollstream.runtime.ray.relay import relay, relay_client
+
+        self.client = self.client or relay_client()
+        async for item in relay(self.client, self.url, *args):
+            yield item
+
+
+class _Streams(threading.Thread):
+    """An HTTP server on 127.0.0.1 for the relay: ``/stream?n=N&gap=S`` writes N lines, one
+    each S seconds, and sets ``cut`` when its client went away before the end; ``/echo``
+    answers a POST's body upper-cased; ``/teapot`` answers 418; ``/stall`` never answers."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlparse
+
+        cut, release = threading.Event(), threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("x-relayed", "yes")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                if url.path == "/teapot":
+                    return self._answer(418, b"short and stout")
+                if url.path == "/stall":
+                    release.wait(60)
+                    return self._answer(200, b"late")
+                q = parse_qs(url.query)
+                n, gap = int(q["n"][0]), float(q["gap"][0])
+                self.send_response(200)
+                self.send_header("x-relayed", "yes")
+                self.end_headers()
+                try:
+                    for i in range(n):
+                        self.wfile.write(b"%d\n" % i)
+                        self.wfile.flush()
+                        time.sleep(gap)
+                except (BrokenPipeError, ConnectionResetError):
+                    cut.set()
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                self._answer(200, body.upper())
+
+        super().__init__(daemon=True)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.cut, self.release = cut, release
+
+    def run(self) -> None:
+        self.server.serve_forever()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_http_to_another_node_crosses_by_its_actor_as_it_would_directly(cluster):
+    """``NodeTransport`` (a vLLM server on another node is reached through its actor): a
+    streamed body arrives whole, in order, as it is written; status, headers and a POST's
+    body cross both ways; closing a response early ends the actor's connection to the server;
+    the server's own failures (a port nobody serves, a read timeout) are httpx's errors of the
+    same class, and the actor gone mid-stream is a ``ReadError``, before a response a
+    ``ConnectError``."""
+    import httpx
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rollstream.runtime.ray.relay import NodeTransport
+    from rollstream.runtime.ray.vllm import RELAY_CONCURRENCY
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, log_to_driver=False)
+    _, node1, _ = cluster.ids
+    streams = _Streams()
+    streams.start()
+
+    def relay_on_node1(url: str):
+        return ray.remote(_Relay).options(
+            num_cpus=0, max_concurrency=RELAY_CONCURRENCY,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node1, soft=False)
+        ).remote(url)
+
+    async def check() -> None:
+        actor = relay_on_node1(streams.url)
+        transport = NodeTransport(lambda: actor, httpx.AsyncHTTPTransport())
+        async with httpx.AsyncClient(transport=transport, base_url=streams.url,
+                                     timeout=httpx.Timeout(None, connect=10.0)) as client:
+            t0 = time.monotonic()
+            async with client.stream("GET", "/stream", params={"n": 30, "gap": 0.1}) as resp:
+                assert resp.status_code == 200 and resp.headers["x-relayed"] == "yes"
+                first_s, lines = None, []
+                async for line in resp.aiter_lines():
+                    first_s = first_s or time.monotonic() - t0
+                    lines.append(line)
+            assert lines == [str(i) for i in range(30)]
+            assert first_s < 2.0  # streamed: the first line long before the last (~3 s)
+            teapot = await client.get("/teapot")
+            assert (teapot.status_code, teapot.text) == (418, "short and stout")
+            echo = await client.post("/echo", content=b"tokens \x00 in, tokens out")
+            assert echo.content == b"TOKENS \x00 IN, TOKENS OUT"
+            assert transport.relayed == 3
+            async with client.stream("GET", "/stream", params={"n": 600, "gap": 0.05}) as resp:
+                async for _ in resp.aiter_lines():
+                    break  # closed after the first line: the actor's connection goes too
+            assert await asyncio.to_thread(streams.cut.wait, 20)
+            with pytest.raises(httpx.ReadTimeout):
+                await client.get("/stall", timeout=httpx.Timeout(1.0))
+            with pytest.raises(httpx.ReadError, match="actor is gone"):
+                async with client.stream("GET", "/stream", params={"n": 600, "gap": 0.05}) as r:
+                    async for _ in r.aiter_lines():
+                        ray.kill(actor)
+            with pytest.raises(httpx.ConnectError, match="actor is gone"):
+                await client.get("/teapot")
+        nobody = relay_on_node1(f"http://127.0.0.1:{_closed_port()}")
+        transport = NodeTransport(lambda: nobody, httpx.AsyncHTTPTransport())
+        async with httpx.AsyncClient(transport=transport, base_url=streams.url) as client:
+            with pytest.raises(httpx.ConnectError, match="from the server's actor"):
+                await client.get("/teapot")
+        ray.kill(nobody)
+
+    try:
+        asyncio.run(check())
+    finally:
+        streams.close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 TRAINER = "rs_trainer"

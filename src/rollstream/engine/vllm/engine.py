@@ -232,7 +232,7 @@ class VllmEngine:
 
     # ---- I/O loop: lifecycle ----------------------------------------------------------------
     async def _start(self) -> None:
-        self._client = _new_client()
+        self._client = _new_client(self.server)
         await self._boot(restore=None)
         self._health.start()
 
@@ -272,7 +272,7 @@ class VllmEngine:
 
     async def _restart(self) -> None:
         """After a fault: restart the server, restore the latest synced weights."""
-        old, self._client = self._client, _new_client()  # nobody sees a closed one
+        old, self._client = self._client, _new_client(self.server)  # nobody sees a closed one
         await old.aclose()
         await asyncio.to_thread(self.server.stop)
         await self._boot(restore=self._store.latest)
@@ -438,16 +438,18 @@ def _server_fault(status: int) -> bool:
     return status >= 500 or status in (408, 429)
 
 
-def _new_client() -> httpx.AsyncClient:
+def _new_client(server: ServerProcess) -> httpx.AsyncClient:
     """Streams may stay open for minutes (long generations, pauses): no read timeout. No
     connection is kept alive for reuse: on vLLM 0.32's API server, requests sent on reused
     connections started one at a time (its log: ``Running: 1 reqs, Waiting: 0`` with 64 in
     flight) and ran at 0.5-2k tok/s where fresh connections gave 8-9k on the same server;
     reused connections also broke now and then with ``ReadError`` (docs/vllm.md). A connect
-    on 127.0.0.1 costs well under a millisecond."""
+    on 127.0.0.1 costs well under a millisecond. The server picks the transport: this one
+    to its URL, or (a server on another Ray node) one through its actor."""
+    direct = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=4096,
+                                                          max_keepalive_connections=0))
     return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                             limits=httpx.Limits(max_connections=4096,
-                                                 max_keepalive_connections=0))
+                             transport=server.transport(direct))
 
 
 def _output(rid: str, s: StreamState, reason: FinishReason, error: str | None) -> GenerateOutput:

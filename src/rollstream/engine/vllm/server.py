@@ -83,6 +83,7 @@ class ServerProcess(Protocol):
     def exit_reason(self) -> str: ...
     def stop(self, grace_s: float = 10.0) -> None: ...
     def log_tail(self, num_lines: int = 25) -> str: ...
+    def transport(self, direct: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport: ...
 
 
 class VllmServerError(RuntimeError):
@@ -272,6 +273,10 @@ class VllmServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def transport(self, direct: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        """How the engine reaches this server: ``direct`` (its URL is on this host)."""
+        return direct
 
     def log_tail(self, num_lines: int = 25) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -5,6 +5,8 @@
     VllmEngine: streams, interrupts,  -- HTTP -->  vLLM API server, EngineCore, worker
       weight reloads, health watch                 (a process group the actor launched)
     ActorServer: start / alive / stop -- Ray  -->  ServerActor: VllmServer.start, poll, stop
+      (a server on another node: the HTTP      --> ServerActor.relay --> the server's
+       too, through its actor)                     127.0.0.1
 
 The engine is the embedded runtime's :class:`~rollstream.engine.vllm.VllmEngine`, unchanged:
 only who launches its server differs (:class:`ActorServer` stands in for the process handle,
@@ -14,24 +16,25 @@ cut, restart and weight restore. A dead actor (``ray.kill``, its process or node
 dead server: the engine's health watch sees it within a poll, cuts the streams, and its
 restart launches a new actor, which serves the latest synced weights.
 
-Data plane: tokens travel over the server's HTTP streams, not through Ray; Ray carries only
-the actor's lifecycle calls and, for a server on another node, its weights. Weights reach a
-server on the driver's node as they do embedded: safetensors buckets in this host's
-``/dev/shm`` that the server's worker reloads in place. With ``runtime.ray.weight_sync:
-auto`` a server may run on another node: its actor takes each version from Ray's object
-store and writes the buckets to its own node's shared memory for the reload
-(``vllm_weights.py``). The server binds 127.0.0.1 (servers here never listen on the
-network) and the driver streams from it over HTTP, so its node must be on the driver's host
-(a node of the same address: a test cluster's); carrying the streams across hosts (through
-the actor) is not built, and a server placed on another host is refused with that reason,
-as is one on another node without ``weight_sync: auto``.
+Data plane: a server binds 127.0.0.1 only (servers here never listen on the network). The
+driver streams from a server on its own node over that loopback; a server on another node
+it reaches through the server's actor, which makes each HTTP request to its server and
+streams the answer back as a Ray streaming generator (``relay.py``): tokens, aborts, pauses,
+reloads and health probes alike. Weights reach a server on the driver's node as they do
+embedded: safetensors buckets in this host's ``/dev/shm`` that the server's worker reloads in
+place. With ``runtime.ray.weight_sync: auto`` a server may run on another node: its actor
+takes each version from Ray's object store and writes the buckets to its own node's shared
+memory for the reload (``vllm_weights.py``). A server placed on another node without
+``weight_sync: auto`` is refused with that reason (it would read the driver's shared memory).
 """
 
 from __future__ import annotations
 
 import asyncio
 import glob
+import logging
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,29 +48,39 @@ from rollstream.engine.vllm.server import (
 )
 from rollstream.run_files import RunFiles
 from rollstream.runtime.nodes import Node, this_node
+from rollstream.runtime.ray.relay import NodeTransport, relay, relay_client
 from rollstream.runtime.ray.vllm_weights import NodeStore, NodeWeights
 
 if TYPE_CHECKING:
+    import httpx
+
     from rollstream.config.schema import EngineConfig, RunConfig
     from rollstream.engine.vllm import VllmEngine
     from rollstream.runtime.ray.units import ScaleUnits
     from rollstream.sync.protocol import Payload
     from rollstream.sync.shm import WeightStore, WrittenWeights
 
+log = logging.getLogger(__name__)
+
 STOP_TIMEOUT_S = 30.0  # an actor's stop: the server's grace period and then some
+RELAY_CONCURRENCY = 4096  # an actor's calls at once: the engine client's connections
+LOG_TAIL_TIMEOUT_S = 10.0
 
 
 class ServerActor:
-    """Launches one vLLM server on its node and stops it. The launch runs on a thread that
-    lives as long as the server: the server's PDEATHSIG is tied to the launching thread, so
-    a killed actor takes its server down (``server.py``)."""
+    """Launches one vLLM server on its node, carries the driver's HTTP to it when the driver
+    is on another node (``relay.py``), and stops it. An asyncio actor: relayed streams wait
+    on the server without holding a thread each, and blocking work runs on threads. The
+    launch runs on a thread that lives as long as the server: the server's PDEATHSIG is tied
+    to the launching thread, so a killed actor takes its server down (``server.py``)."""
 
     def __init__(self, spec: VllmServer) -> None:
         self.server = spec
         self._done = threading.Event()
         self._weights: NodeStore | None = None  # this node's copies (a server elsewhere)
+        self._http: httpx.AsyncClient | None = None  # relay's, made on the actor's loop
 
-    def start(self) -> tuple[str, Node, int]:
+    async def start(self) -> tuple[str, Node, int]:
         """The server's URL, this actor's node, the server's process group."""
         started, failed = threading.Event(), []
 
@@ -82,32 +95,46 @@ class ServerActor:
             self._done.wait()
 
         threading.Thread(target=launch, daemon=True, name="vllm-launch").start()
-        started.wait()
+        await asyncio.to_thread(started.wait)
         if failed:
             raise failed[0]
         assert self.server.proc is not None
         return self.server.url, this_node(), self.server.proc.pid
 
-    def write_weights(self, payload: Payload) -> WrittenWeights:
+    async def relay(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+                    timeout: dict[str, float | None]) -> AsyncIterator[Any]:
+        """One HTTP request of the driver's to this node's server (``relay.py``)."""
+        if self._http is None:
+            self._http = relay_client()
+        async for item in relay(self._http, self.server.url, method, path, headers, body,
+                                timeout):
+            yield item
+
+    async def write_weights(self, payload: Payload) -> WrittenWeights:
         """Write a version to this node's shared memory, for the server's reload."""
         if self._weights is None:
             self._weights = NodeStore()
-        return self._weights.write(payload)
+        return await asyncio.to_thread(self._weights.write, payload)
 
-    def prune_weights(self) -> None:
+    async def prune_weights(self) -> None:
         if self._weights is not None:
-            self._weights.prune()
+            await asyncio.to_thread(self._weights.prune)
 
-    def wait_ready(self, timeout_s: float) -> None:
-        asyncio.run(self.server.wait_ready(timeout_s))
+    async def wait_ready(self, timeout_s: float) -> None:
+        await self.server.wait_ready(timeout_s)
 
-    def exit_code(self) -> int | None:
+    async def exit_code(self) -> int | None:
         """None while the server runs; its exit code once it exited."""
         proc = self.server.proc
         return None if proc is None else proc.poll()
 
-    def stop(self, grace_s: float) -> None:
-        self.server.stop(grace_s)
+    async def log_tail(self, num_lines: int) -> str:
+        return self.server.log_tail(num_lines)
+
+    async def stop(self, grace_s: float) -> None:
+        await asyncio.to_thread(self.server.stop, grace_s)
+        if self._http is not None:
+            await self._http.aclose()
         if self._weights is not None:
             self._weights.clear()
         self._done.set()
@@ -117,8 +144,8 @@ class ActorServer:
     """The driver's handle of a server an actor launched (``ServerProcess``). Each
     :meth:`start` (the first, and the engine's restarts) spawns a fresh actor reserving
     ``num_cpus``, placed by ``strategy`` (its scale unit's bundle; None: where Ray likes).
-    ``per_node`` (``weight_sync: auto``): the actor may run on another node of this host,
-    which then writes the weights (:meth:`weights`)."""
+    ``per_node`` (``weight_sync: auto``): the actor may run on another node, which then
+    writes the weights (:meth:`weights`) and carries the engine's HTTP (:meth:`transport`)."""
 
     launched = True
 
@@ -128,7 +155,7 @@ class ActorServer:
 
         self.spec = spec
         self._remote = ray.remote(ServerActor).options(
-            num_cpus=num_cpus, max_concurrency=4, scheduling_strategy=strategy)
+            num_cpus=num_cpus, max_concurrency=RELAY_CONCURRENCY, scheduling_strategy=strategy)
         self.per_node = per_node
         self.url = ""
         self._node: Node | None = None  # where the current actor runs
@@ -149,11 +176,12 @@ class ActorServer:
         except BaseException:
             self.stop()
             raise
-        address = self._node.address or ""
-        if (why := self._elsewhere(address)) is not None:
+        if (why := self._elsewhere()) is not None:
             self.stop()
             raise VllmServerError(f"Ray placed the vLLM server of {self.spec.log_path} on "
-                                  f"another node ({self.node_id}, {address}): {why}")
+                                  f"another node ({self.node_id}, {self._node.address}): {why}")
+        log.info("vllm server of %s on node %s (%s): streams by %s", self.spec.log_path,
+                 self.node_id, self._node.address, self.streams)
 
     @property
     def node_id(self) -> str:
@@ -165,19 +193,32 @@ class ActorServer:
         the driver's before the first start."""
         return self._node or this_node()
 
-    def _elsewhere(self, address: str) -> str | None:
-        """Why the server cannot serve from the node its actor runs on (None: it can)."""
+    @property
+    def near(self) -> bool:
+        """Whether the current actor (the last one) runs on the driver's node: what decides
+        both the weights' path (``vllm_weights.py``) and the HTTP's (``relay.py``)."""
         import ray
 
-        if self.node_id == ray.get_runtime_context().get_node_id():
+        return self.node_id == ray.get_runtime_context().get_node_id()
+
+    def _elsewhere(self) -> str | None:
+        """Why the server cannot serve from the node its actor runs on (None: it can)."""
+        if self.near or self.per_node:
             return None
-        if not self.per_node:
-            return ("it would read weights from this node's shared memory; set "
-                    "runtime.ray.weight_sync: auto to have its actor write them on its node")
-        if address != ray.util.get_node_ip_address():
-            return ("the driver streams tokens from the server's 127.0.0.1 over HTTP, so it "
-                    "must be on the driver's host (streams across hosts are not built)")
-        return None
+        return ("it would read weights from this node's shared memory; set "
+                "runtime.ray.weight_sync: auto to have its actor write them on its node")
+
+    @property
+    def streams(self) -> str:
+        """How the engine's HTTP reaches the server: ``loopback`` (the driver's node) or
+        ``actor`` (another node: through the server's actor, ``relay.py``)."""
+        return "loopback" if self.near else "actor"
+
+    def transport(self, direct: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        """The engine's HTTP transport: ``direct`` to a server on this node, through the
+        server's current actor to one on another node (chosen at each request)."""
+        return NodeTransport(lambda: None if self.actor is None or self.near else self.actor,
+                             direct)
 
     def weights(self, local: WeightStore) -> NodeWeights:
         """The engine's weight store: ``local`` (the driver's) while the server runs on this
@@ -212,8 +253,8 @@ class ActorServer:
         return self._exit or "server process exited"
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the server through its actor, or, when the actor is gone, stop its process
-        group here (same host), then free the actor and the segments a killed server left."""
+        """Stop the server through its actor, or, when the actor is gone and its node is on
+        this host, stop its process group and free the segments it left from here."""
         import ray
 
         actor, self.actor, self._probe = self.actor, None, None
@@ -225,14 +266,25 @@ class ActorServer:
         except ray.exceptions.RayError:
             stopped = False
         ray.kill(actor, no_restart=True)
-        if not stopped and self._pgid:  # the actor is gone: do it from here
+        # the actor is gone: do it from here, if its node is on this host (a process group
+        # id of another host names nothing here, or someone else's group)
+        if not stopped and self._pgid and self.node().address == ray.util.get_node_ip_address():
             stop_group(self._pgid, grace_s=grace_s)
             remove_orphaned_segments(set(glob.glob(SHM_PATTERN)) - self._shm_before,
                                      dead_group=self._pgid)
         self._pgid = 0
 
     def log_tail(self, num_lines: int = 25) -> str:
-        return self.spec.log_tail(num_lines)  # the log file is on this host
+        """The server's log lines: from its actor while one runs on another node (the file is
+        on that node's host), else from the file here."""
+        import ray
+
+        if self.actor is not None and not self.near:
+            try:
+                return ray.get(self.actor.log_tail.remote(num_lines), timeout=LOG_TAIL_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # the actor is gone: what this host has, if anything
+        return self.spec.log_tail(num_lines)
 
 
 def build_ray_vllm_engines(cfg: EngineConfig, model_path: Path, *, version: int,

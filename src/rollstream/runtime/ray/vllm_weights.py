@@ -59,16 +59,11 @@ class NodeWeights:
         self._payload: Any = None  # the latest payload's object store reference
         self._written: tuple[Any, WrittenWeights] | None = None  # (by which actor, what)
 
-    def _near(self) -> bool:
-        import ray
-
-        return self.server.node_id == ray.get_runtime_context().get_node_id()
-
     def write(self, payload: Payload) -> WrittenWeights:
         """Blocking (the reload runs it off the loop)."""
         import ray
 
-        if self._near():
+        if self.server.near:
             self.transport, self._payload, self._written = "shared_memory", None, None
             return self.local.write(payload)
         self.local.clear()  # an older version this node held is of no use now
@@ -98,7 +93,7 @@ class NodeWeights:
         import ray
 
         _forget(written)  # its actor is gone (a restart); blocking, as the restart is
-        if self._near():
+        if self.server.near:
             self._written = None
             return self.local.write(ray.get(self._payload))
         written = ray.get(self.server.actor.write_weights.remote(self._payload))
