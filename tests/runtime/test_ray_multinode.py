@@ -14,8 +14,9 @@ store, whose copies cross from the driver's node's store to each engine node's. 
 role names a resource no node has fails before any actor starts, naming the setting. An
 engine node removed mid-stream (``Cluster.remove_node``) cuts its engine's requests, which go
 on from their peeked tokens on the other engine; with no node left with room for its unit,
-its replacement waits and says so while the run finishes on the other engine, its ledger
-clean; a node with the removed one's resources then takes its place. A vLLM server whose actor
+its replacement waits and says so while the run goes on with the other engine; a node with
+the removed one's resources then joins mid-run, the replacement restarts there and serves, and
+the ledger audits clean. A vLLM server whose actor
 runs on node 1 (``weight_sync: auto``) gets each version through the object store, written
 by that actor to its node's shared memory, and serves it; the engine's HTTP to it crosses by
 that actor (``relay.py``, also checked on its own against a plain HTTP server). The
@@ -30,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -198,11 +200,12 @@ def test_an_engine_node_lost_mid_stream_loses_and_duplicates_nothing(
     import ray
     from ray._private.state import actors
 
+    from rollstream.engine.protocol import EngineHealth
     from rollstream.rollout.rollout import Rollout
     from rollstream.runtime.ray import engines, peeks, replacement
 
     _, node1, node2 = cluster.ids
-    proxies, cut, on_node2 = [], [], []
+    proxies, cut, on_node2, joined = [], [], [], []
     lost, reported = threading.Event(), threading.Event()
     build, generate, merge, waiting = engines.build_ray_engines, engines.RayEngine.generate, \
         peeks.Peeked.merge, replacement.Replacement.waiting
@@ -219,11 +222,20 @@ def test_an_engine_node_lost_mid_stream_loses_and_duplicates_nothing(
 
     async def spy_take(self, n, step):
         # from the loss until the replacement's wait is reported, the trainer waits (60 s at
-        # most; the engines go on generating), so the run outlives the report
+        # most; the engines go on generating), so the run outlives the report; then a node
+        # with node 2's resources joins, and the trainer waits (60 s at most) until the
+        # replacement Ray placed there has restarted and serves
         for _ in range(1200):
             if not lost.is_set() or reported.is_set():
                 break
             await asyncio.sleep(0.05)
+        if reported.is_set() and not joined:
+            joined.append(cluster.restore(2))  # Ray starts a node from the main thread only
+            for _ in range(1200):
+                if on_node2[0].num_restarts and \
+                        on_node2[0].stats().health is EngineHealth.UP:
+                    break
+                await asyncio.sleep(0.05)
         return await take(self, n, step)
 
     async def spy_generate(self, request):
@@ -271,7 +283,7 @@ def test_an_engine_node_lost_mid_stream_loses_and_duplicates_nothing(
     try:
         summary = run_training(cfg, rewards={"tick": _parity})
     finally:
-        if lost.is_set():
+        if lost.is_set() and not joined:
             cluster.restore(2)  # the module's other tests find the cluster they expect
     assert lost.is_set()
     assert summary["steps"] == STEPS and not summary["unfinished_samples"]
@@ -281,16 +293,19 @@ def test_an_engine_node_lost_mid_stream_loses_and_duplicates_nothing(
     assert not any(r.status == "failed" for r in rows)
     # no node had room for the lost engine's unit (node 1's CPU holds the other unit, the
     # head has no rs_engines): its replacement waited, said so, and the run went on with the
-    # other engine; two engine actors at the start, on nodes 1 and 2, and the replacement
-    # asked for, never placed (Ray records a pending actor under its owner's node)
+    # other engine; then a node with room joined mid-run, Ray placed the unit's bundle there
+    # and the replacement restarted once, at the version of its restart, and served
     lost_id = on_node2[0].engine_id
     assert f"ray engine {lost_id}: its replacement has waited" in caplog.text
-    assert on_node2[0].num_restarts == 0
-    assert not any("engine_restart_s" in m for m in read_jsonl(tmp_path / "lost" /
-                                                               "metrics.jsonl"))
+    assert joined and on_node2[0].num_restarts == 1
+    assert re.search(rf"ray engine {lost_id} restarted at version \d+ \(restart 1 of",
+                     caplog.text)
+    assert any("engine_restart_s" in m for m in read_jsonl(tmp_path / "lost" /
+                                                           "metrics.jsonl"))
+    # engine actors: one each on nodes 1 and 2 at the start, the replacement on the new node
     placed = Counter(node for aid, (cls, node) in _actor_nodes().items()
                      if cls == "EngineActor" and aid not in before)
-    assert sum(placed.values()) == 3 and placed[node1] == placed[node2] == 1, placed
+    assert placed == {node1: 1, node2: 1, joined[0]: 1}, placed
 
 
 @pytest.mark.parametrize(("overrides", "bundles", "engine_bundles", "rank_bundles"), [
