@@ -52,7 +52,8 @@ async def relay(client: httpx.AsyncClient, url: str, method: str, path: str,
     :data:`Head`, then its raw body in chunks, or a :data:`Failure` where httpx raised."""
     try:
         async with client.stream(method, url + path, headers=headers, content=body,
-                                 timeout=httpx.Timeout(**timeout)) as resp:
+                                 timeout=httpx.Timeout(**timeout) if timeout
+                                 else httpx.Timeout(None)) as resp:
             yield ("head", resp.status_code, [(k, v) for k, v in resp.headers.multi_items()
                                               if k.lower() not in _HOP_BY_HOP])
             async for chunk in _joined(resp.aiter_raw()):
