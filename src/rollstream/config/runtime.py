@@ -110,7 +110,8 @@ class RayConfig(Section):
     ``auto`` is read (the default means: the driver writes this host's shared memory, so
     servers on its node only): a server whose actor runs on another node gets each version
     through the object store, written by its actor to that node's shared memory
-    (runtime/ray/vllm_weights.py)."""
+    (runtime/ray/vllm_weights.py), and the engine's HTTP to it crosses by that actor
+    (runtime/ray/relay.py)."""
     delta: bool = True
     """True: an engine actor that holds the previous version gets only what changed, in
     its dtype (``engine.local.dtype``): the changed elements' indices and values, or whole
