@@ -129,8 +129,7 @@ class Rollout:
             await self.dispatcher.cancel([g.group_id for g in self._restored
                                           if g.group_id in self._cancelled])
             for group in self._restored:
-                self.live[group.group_id] = group
-                tg.create_task(self._group_life(group), name=f"group {group.group_id}")
+                self._start_group(tg, group, None)
             self._restored = []
             while not self._stopping:
                 if (n := self.capacity.room()) == 0:
@@ -160,20 +159,28 @@ class Rollout:
                     self.feedback.ended(group, None)
                     self.feedback.resolved(group, 0)
                 continue
-            self.live[group.group_id] = group
             # the sampling parameters in force at admission (a reconfiguration may follow)
-            tg.create_task(self._group_life(group, self.dispatcher.params),
-                           name=f"group {group.group_id}")
+            self._start_group(tg, group, self.dispatcher.params)
         return True
 
-    async def _group_life(self, group: Group, params: SamplingParams | None = None) -> None:
-        try:
-            await self.dispatcher.run_group(
-                group, params, on_graded=self._graded if self.early_stop.cfg.after else None)
-        except asyncio.CancelledError:  # the loop's teardown (an error raised into it):
-            # no longer live, so that stop() does not wait for it; stop() records it ABORTED
+    def _start_group(self, tg: asyncio.TaskGroup, group: Group,
+                     params: SamplingParams | None) -> None:
+        """``group`` live, its life a task of ``tg``."""
+        self.live[group.group_id] = group
+        task = tg.create_task(self._group_life(group, params), name=f"group {group.group_id}")
+        task.add_done_callback(lambda t: self._group_task_done(group, t))
+
+    def _group_task_done(self, group: Group, task: asyncio.Task) -> None:
+        """A group's task cancelled by the loop's teardown (an error raised into it) is no
+        longer live, so that :meth:`stop` does not wait for it; stop records it ABORTED. A
+        done callback, so that this holds for a task cancelled before it first ran too (its
+        coroutine then never enters a handler of its own)."""
+        if task.cancelled() and self.live.get(group.group_id) is group:
             self._stranded[group.group_id] = self.live.pop(group.group_id)
-            raise
+
+    async def _group_life(self, group: Group, params: SamplingParams | None = None) -> None:
+        await self.dispatcher.run_group(
+            group, params, on_graded=self._graded if self.early_stop.cfg.after else None)
         del self.live[group.group_id]
         self.dispatcher.forget(group.group_id)
         self.early_stop.ended(group)
