@@ -11,8 +11,6 @@ import ast
 import inspect
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import pytest
 import rollstream
 from rollstream.config import ConfigError, load_config
 from rollstream.data.ledger import read_ledger
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_api.py"
@@ -58,8 +57,7 @@ def test_the_example_trains_on_its_rows_with_its_reward(tmp_path: Path) -> None:
              "model.warm_start.tokens_per_step=2048", "train.steps=2",
              "train.groups_per_step=4", "tasks.num_eval=8", "monitor.progress=false",
              "monitor.report=false"]
-    done = subprocess.run([sys.executable, str(EXAMPLE), *small], cwd=ROOT, text=True,
-                          capture_output=True, timeout=600)
+    done = warm.run([str(EXAMPLE), *small], cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"held-out reward \d\.\d{3} -> \d\.\d{3} in 2 steps", done.stdout)
     run = tmp_path / "api-demo"

@@ -13,14 +13,11 @@ fails."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import multiprocessing
-import multiprocessing.context
 import os
 import re
-import runpy
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import warm
 from tests.test_docs import GETTING_STARTED, _commands
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,59 +110,23 @@ def _fences(text: str) -> list[tuple[str, str]]:
 
 
 def _run(argv: list[str], cwd: Path, env_vars: dict[str, str], log: list[str]) -> str:
-    """``python *argv`` in ``cwd`` (``PYTHONPATH`` relative to it), as a process of its own
-    forked from one that imported torch, transformers and the CLI already (``_forked``):
-    each command would spend most of its seconds importing them."""
+    """``python *argv`` in ``cwd`` (``PYTHONPATH`` relative to it), started warm
+    (tests/warm.py): each command would spend most of its seconds importing torch,
+    transformers and the CLI."""
     paths = [str(cwd / p) for p in [env_vars.get("PYTHONPATH")] if p]
-    out = cwd / ".command-output"
+    env = dict(os.environ, COLUMNS="100",
+               PYTHONPATH=os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
     start = time.monotonic()
-    child = _forks().Process(target=_forked, args=(argv, str(cwd), paths, str(out)))
-    child.start()
-    child.join(timeout=420)
-    if child.is_alive():
+    child = warm.start(argv, cwd=cwd, env=env)
+    try:
+        child.wait(timeout=420)
+    except subprocess.TimeoutExpired:
         child.kill()
-        child.join()
-    text = out.read_text(errors="replace")
-    assert child.exitcode == 0, f"{argv} (exit {child.exitcode}): {text[-4000:]}"
+        child.wait()
+    text = child.output()
+    assert child.returncode == 0, f"{argv} (exit {child.returncode}): {text[-4000:]}"
     log.append(f"{time.monotonic() - start:5.1f} s  {' '.join(argv)}")
     return text
-
-
-@functools.cache
-def _forks() -> multiprocessing.context.ForkServerContext:
-    """Processes forked from a server that imported what every command imports."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "rollstream.cli",
-                                "rollstream.runtime.train", "rollstream.api"])
-    return ctx
-
-
-def _forked(argv: list[str], cwd: str, paths: list[str], out: str) -> None:
-    """In the forked process: run ``argv`` as ``python *argv`` would (``-m rollstream.cli``,
-    ``-c CODE`` or a script), its output to ``out``."""
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.chdir(cwd)
-    sys.path[:0] = paths  # as PYTHONPATH does, for this process and the ones it starts
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
-    os.environ["COLUMNS"] = "100"
-    if argv[:2] == ["-m", "rollstream.cli"]:
-        from rollstream.cli import main
-
-        code = main(argv[2:])
-    elif argv[0] == "-c":
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
-        code = 0
-    else:
-        # absolute: a process it spawns finds its __main__ by this path, relative to where
-        # the test session started
-        sys.argv = [os.path.abspath(argv[0]), *argv[1:]]
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        code = 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
 
 
 def _file_of(body: str, ext: str) -> str | None:

@@ -16,6 +16,7 @@ from rollstream.config import load_config
 from rollstream.data.ledger import read_ledger
 from rollstream.reward import register_reward
 from rollstream.runtime.train import run_training
+from tests import warm
 
 TINY = [
     "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=192",
@@ -224,9 +225,8 @@ def test_cli_trains_a_tiny_mixture_of_experts(tmp_path):
            "eval.samples_per_task=1", "eval.every=0", "monitor.progress=false",
            "monitor.report=false", f"model.cache_dir={tmp_path / 'cache'}",
            f"run_root={tmp_path}", "name=moe"]
-    out = subprocess.run([sys.executable, "-m", "rollstream", "train", "examples/tick.yaml",
-                          *moe, *run], capture_output=True, text=True, check=False,
-                         cwd=Path(__file__).parents[1])
+    out = warm.run(["-m", "rollstream", "train", "examples/tick.yaml", *moe, *run],
+                   cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "moe" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["trained_samples"] > 0

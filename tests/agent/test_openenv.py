@@ -11,8 +11,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import openenv  # noqa: F401 - the `openenv` extra (make test installs it)
@@ -29,6 +27,7 @@ from rollstream.data.ledger import read_ledger
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import SampleStatus, Task
+from tests import warm
 from tests.agent.runs import two_step_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,9 +260,7 @@ def test_rollstream_train_runs_episodes_in_an_openenv_environment(tmp_path: Path
                           "reset_columns": ["target"]}}
     cfg = two_step_run(tmp_path, model_dir, "oe", [source], groups_per_step=4)
     (tmp_path / "oe.yaml").write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "rollstream.cli", "train",
-                           str(tmp_path / "oe.yaml")], cwd=ROOT, text=True,
-                          capture_output=True, timeout=600, check=False)
+    done = warm.run(["-m", "rollstream.cli", "train", str(tmp_path / "oe.yaml")], cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = read_ledger(RunFiles(tmp_path / "runs" / "oe").ledger)
     assert rows and all(r.status is not SampleStatus.FAILED for r in rows), rows[:2]

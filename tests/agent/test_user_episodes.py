@@ -9,8 +9,6 @@ refused at load, naming the field."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from rollstream.data.ledger_row import LedgerRow
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import SampleStatus
+from tests import warm
 from tests.agent.runs import two_step_run
 from tests.agent.user_pkg import agents, envs, tools
 
@@ -80,9 +79,8 @@ def test_yaml_names_a_user_environment_agent_and_tool_and_rollstream_train_train
         tmp_path: Path, model_dir: Path):
     cfg = _config(tmp_path, model_dir, named=True)
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "rollstream.cli", "train",
-                           str(tmp_path / "mine.yaml")], cwd=ROOT, text=True,
-                          capture_output=True, timeout=600)
+    done = warm.run(["-m", "rollstream.cli", "train", str(tmp_path / "mine.yaml")], cwd=ROOT,
+                    timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "runs" / "mine"
     assert json.loads(RunFiles(run).summary.read_text())["steps"] == 2

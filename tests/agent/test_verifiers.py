@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from rollstream.reward.registry import build_resolver
 from rollstream.run_files import RunFiles
 from rollstream.runtime.build import check_inputs
 from rollstream.trajectory import Group, Sample, SampleStatus, SegmentKind
+from tests import warm
 from tests.agent.runs import two_step_run
 from tests.agent.test_proxy_harness import RENDERER, TOKENIZER, _dispatcher
 from tests.agent.user_pkg.vf_envs import group_scores, score
@@ -267,9 +267,7 @@ def test_rollstream_train_trains_a_verifiers_environment_from_yaml(tmp_path: Pat
         "harness": "verifiers", "environment": ENVS}], max_slots=8)  # by module, as a hub one
     _source(tmp_path)  # writes vf.jsonl
     (tmp_path / "vf.yaml").write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "rollstream.cli", "train",
-                           str(tmp_path / "vf.yaml")], cwd=ROOT, text=True,
-                          capture_output=True, timeout=600, check=False)
+    done = warm.run(["-m", "rollstream.cli", "train", str(tmp_path / "vf.yaml")], cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = read_ledger(RunFiles(tmp_path / "runs" / "vf").ledger)
     assert all(r.status is not SampleStatus.FAILED for r in rows), rows[:2]

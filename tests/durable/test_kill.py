@@ -8,8 +8,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,6 +26,7 @@ from rollstream.durable.audit import audit_run
 from rollstream.models.tokenizer import build_char_tokenizer
 from rollstream.models.warmstart import prepare_model
 from rollstream.trajectory import SampleStatus
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -62,18 +61,18 @@ def config(tmp_path_factory, tiny_run_cache: Path) -> Path:
 ENGINE_STEP_SLEEP_S = 0.003  # the agent kill runs' engine steps (slow_engine/sitecustomize.py)
 
 
-def _start(config: Path, *extra: str, slow_engine: bool = False) -> subprocess.Popen:
-    """``rollstream train``; ``slow_engine``: its engine's steps sleep first (slow_engine/)."""
+def _start(config: Path, *extra: str, slow_engine: bool = False) -> warm.WarmProcess:
+    """``rollstream train`` (started warm: tests/warm.py); ``slow_engine``: its engine's steps
+    sleep first (slow_engine/)."""
     env = None
     if slow_engine:
         path = [str(Path(__file__).parent / "slow_engine"), os.environ.get("PYTHONPATH", "")]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
                    ROLLSTREAM_TEST_ENGINE_STEP_SLEEP_S=str(ENGINE_STEP_SLEEP_S))
-    return subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return warm.start(["-m", "rollstream", "train", str(config), *extra], env=env)
 
 
-def _wait_for_checkpoint(run_dir: Path, after: int, proc: subprocess.Popen,
+def _wait_for_checkpoint(run_dir: Path, after: int, proc: warm.WarmProcess,
                          timeout_s: float = 300) -> int | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -153,8 +152,7 @@ def test_sigkill_at_random_moments_loses_nothing(config: Path) -> None:
         if kills == 3:
             break
     assert kills >= 3, f"only {kills} kills landed before the run finished"
-    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), "--resume"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = warm.run(["-m", "rollstream", "train", str(config), "--resume"], timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     out = check_run(run_dir)
     assert out["summary"]["resumed_from_step"] is not None
@@ -190,8 +188,7 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes(config: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "SIGTERM" in summary["stop_reason"] and summary["steps"] < STEPS, summary
     assert durable.latest(run_dir).step == summary["steps"], "it checkpointed where it stopped"
-    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(path), "--resume"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = warm.run(["-m", "rollstream", "train", str(path), "--resume"], timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     check_run(run_dir)
 
@@ -254,9 +251,8 @@ def _resume_exactly_once(config: Path, run_dir: Path,
     """Resume the killed run from ``saved`` to AFTER_KILL steps past it: every sample recorded
     once, nothing lost; its rows."""
     steps = saved.step + AFTER_KILL
-    done = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config),
-                           f"train.steps={steps}", "--resume"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = warm.run(["-m", "rollstream", "train", str(config), f"train.steps={steps}",
+                     "--resume"], timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and not summary["unfinished_samples"], summary

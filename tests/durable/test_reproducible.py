@@ -10,8 +10,6 @@ the adapter)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from safetensors.torch import load_file
 
 from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.data.ledger import read_ledger
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +39,7 @@ def _config(root: Path, name: str, steps: int, cache: Path, seed: int = 0,
 
 
 def _train(config: Path, *extra: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "rollstream", "train", str(config), *extra],
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = warm.run(["-m", "rollstream", "train", str(config), *extra], timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 

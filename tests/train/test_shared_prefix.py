@@ -5,8 +5,6 @@ loss aggregation, with the proximal and reference forwards on the same layout.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +17,7 @@ from rollstream.train.losses import LOSS_AGGS
 from rollstream.train.shared_prefix import attention_width, plan_units
 from rollstream.train.trainer import Trainer
 from rollstream.trajectory import Context, Group, Segment, SegmentKind, Task
+from tests import warm
 from tests.train.conftest import SYNC, make_group
 
 STALE = StalenessPolicy(max_staleness=1)  # loss auto = decoupled_ppo: a proximal forward
@@ -219,9 +218,8 @@ def test_cli_trains_with_shared_prefixes(tmp_path):
            "train.shared_prefix=on", "eval.samples_per_task=1", "eval.every=0",
            "monitor.progress=false", "monitor.report=false",
            f"model.cache_dir={tmp_path / 'cache'}", f"run_root={tmp_path}", "name=shared"]
-    out = subprocess.run([sys.executable, "-m", "rollstream", "train", "examples/tick.yaml",
-                          *run], capture_output=True, text=True, check=False,
-                         cwd=Path(__file__).parents[2])
+    out = warm.run(["-m", "rollstream", "train", "examples/tick.yaml", *run],
+                   cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "shared" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["trained_samples"] > 0
