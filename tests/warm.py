@@ -25,13 +25,16 @@ import multiprocessing
 import multiprocessing.context
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 # what every rollstream command imports (docs/tests.md: most of a command's start-up)
 PRELOAD = ["torch", "transformers", "rollstream.cli", "rollstream.runtime.train",
@@ -54,8 +57,11 @@ class WarmProcess:
                  env: Mapping[str, str] | None = None, output: Path | None = None,
                  errors: Path | None = None) -> None:
         self.args = list(argv)
-        folder = Path(tempfile.mkdtemp(prefix="warm-"))
-        self._out = output or folder / "stdout"
+        if output is None:  # a folder of its own, removed with this object
+            folder = tempfile.mkdtemp(prefix="warm-")
+            weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
+            output = Path(folder) / "stdout"
+        self._out = output
         self._err = errors  # None: into the same stream as stdout
         self._proc = forks().Process(target=_main, args=(
             self.args, str(Path(cwd or os.getcwd()).resolve()),
@@ -97,6 +103,14 @@ def start(argv: Sequence[str], *, cwd: str | Path | None = None,
     """``subprocess.Popen([sys.executable, *argv], stdout=PIPE, stderr=STDOUT, text=True)``
     started warm: its output is read whole by ``communicate`` once it ended."""
     return WarmProcess(argv, cwd=cwd, env=env)
+
+
+def start_train(config: Path, output: IO[str] | int, *, resume: bool = False) -> WarmProcess:
+    """``rollstream.bench.sampling.start_train`` (a benchmark's run) started warm: its output
+    to ``output``'s file (an open file, or ``subprocess.DEVNULL``)."""
+    path = Path(os.devnull if isinstance(output, int) else output.name)
+    return WarmProcess(["-m", "rollstream", "train", str(config),
+                        *(["--resume"] if resume else [])], output=path)
 
 
 def run(argv: Sequence[str], *, cwd: str | Path | None = None,

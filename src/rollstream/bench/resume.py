@@ -28,12 +28,12 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.bench import sampling
 from rollstream.bench.tiny_run import EVAL_SAMPLES, GROUP, GROUPS, tiny_run_config
 from rollstream.config import load_config
 from rollstream.durable import checkpoint as durable
@@ -80,10 +80,7 @@ def main(json_out: Path | None = None, quick: bool = False, *,
         kills, resume_s, seen, t_bench = [], [], -1, time.perf_counter()
         while len(kills) < num_kills:
             first_span = _FirstSpan(RunFiles(run_dir).timeline)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "rollstream", "train", str(cfg_path),
-                 *(["--resume"] if seen >= 0 else [])],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = sampling.start_train(cfg_path, subprocess.DEVNULL, resume=seen >= 0)
             while proc.poll() is None:
                 first_span.poll()
                 ckpt = durable.latest(run_dir)
@@ -102,15 +99,14 @@ def main(json_out: Path | None = None, quick: bool = False, *,
             kills.append({"after_checkpoint": seen, "delay_s": round(delay, 3)})
             print(f"bench resume: killed {delay:.2f} s after checkpoint {seen}", flush=True)
         first_span = _FirstSpan(RunFiles(run_dir).timeline)
-        proc = subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(cfg_path),
-                                 "--resume"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        while proc.poll() is None:
-            first_span.poll()
-            time.sleep(0.02)
+        with (root / "final.log").open("w") as log:
+            proc = sampling.start_train(cfg_path, log, resume=True)
+            while proc.poll() is None:
+                first_span.poll()
+                time.sleep(0.02)
         if first_span.seconds is not None:
             resume_s.append(first_span.seconds)
-        tail = proc.stdout.read()[-2000:] if proc.stdout else ""
+        tail = (root / "final.log").read_text(errors="replace")[-2000:]
         audit = audit_run(run_dir, group_size=GROUP, eval_group_size=EVAL_SAMPLES, groups_per_step=GROUPS,
                           steps=steps)
         phases = [json.loads(line) for line in RunFiles(run_dir).metrics.read_text().splitlines()

@@ -49,7 +49,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rollstream.data.ledger_row import LedgerRow
 
@@ -151,9 +151,7 @@ def run_pair(common: Sequence[str], rows: dict[str, list[str]], *,
         path.write_text(json.dumps(cfg.model_dump(mode="json")))
         log = (Path(cfg.run_root) / f"{label}.log").open("w")
         print(f"bench {bench}: training run {label} ({run_dir}) ...", flush=True)
-        procs[label] = (cfg, log, subprocess.Popen(
-            [sys.executable, "-m", "rollstream", "train", str(path)], stdout=log,
-            stderr=subprocess.STDOUT, env=_child_env()))
+        procs[label] = (cfg, log, start_train(path, log))
     out = {}
     for label, (cfg, log, proc) in procs.items():
         rc = proc.wait()
@@ -163,6 +161,16 @@ def run_pair(common: Sequence[str], rows: dict[str, list[str]], *,
             raise RuntimeError(f"bench {bench}: training run {label} exited {rc}:\n{tail}")
         out[label] = collect(cfg)
     return out
+
+
+def start_train(config: Path, output: IO[str] | int, *, resume: bool = False) -> Any:
+    """``rollstream train CONFIG [--resume]`` as a process of its own (a benchmark's run), its
+    stdout and stderr into ``output`` (an open file, or ``subprocess.DEVNULL``), this package
+    first on its ``PYTHONPATH``: a ``subprocess.Popen``. The one place the benchmarks start a
+    run (a smoke test of a benchmark starts them warm: tests/warm.py)."""
+    return subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(config),
+                             *(["--resume"] if resume else [])], stdout=output,
+                            stderr=subprocess.STDOUT, env=_child_env())
 
 
 def _child_env() -> dict[str, str]:

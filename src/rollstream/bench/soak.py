@@ -20,12 +20,12 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from rollstream.bench import sampling
 from rollstream.bench.tiny_run import tiny_run_config
 from rollstream.config import load_config
 from rollstream.models.warmstart import prepare_model
@@ -76,8 +76,7 @@ def main(json_out: Path | None = None, quick: bool = False, *, minutes: float | 
         path.write_text(json.dumps(cfg))
         loaded = load_config(path, [])
         prepare_model(loaded.model, loaded.tasks)
-        proc = subprocess.Popen([sys.executable, "-m", "rollstream", "train", str(path)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        proc = sampling.start_train(path, subprocess.DEVNULL)
         t0, samples, workers_max = time.perf_counter(), [], 0.0
         while proc.poll() is None:
             rss = _rss_mb(proc.pid)
