@@ -2,10 +2,10 @@
 ``-c CODE``) as a process of its own, forked from a server that imported torch, transformers
 and rollstream already.
 
-A ``rollstream train`` process spends ~6.5 CPU-seconds importing them before its first line
-of work (2026-12-08, the 2-vCPU AMD EPYC VM: ``python -c "import torch, transformers,
-rollstream.cli, rollstream.runtime.train, rollstream.api; from transformers import
-Qwen2ForCausalLM"``), and the suite starts a few dozen. What runs is still a process of its
+A ``rollstream train`` process spends 6-7 CPU-seconds importing them before its first line
+of work (2026-12-08, the 2-vCPU AMD EPYC VM, quiet: ``python -c "import torch, transformers,
+rollstream.cli, rollstream.runtime.train, rollstream.api, rollstream.train.trainer,
+rollstream.engine.local"``: 6.1-7.1 CPU-s in three runs), and the suite starts a few dozen. What runs is still a process of its
 own running the real command: its own pid, signals, exit code, environment, working folder
 and output files; the reward and harness workers it spawns start as they always do. What a
 warm start skips is the interpreter's own start-up: the server's imports are done with the
@@ -36,9 +36,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-# what every rollstream command imports (docs/tests.md: most of a command's start-up)
+# what every rollstream command imports (docs/tests.md: most of a command's start-up); the
+# trainer pulls transformers' modeling code (torch._dynamo, sympy: ~2.5 CPU-s more)
 PRELOAD = ["torch", "transformers", "rollstream.cli", "rollstream.runtime.train",
-           "rollstream.api"]
+           "rollstream.api", "rollstream.train.trainer", "rollstream.engine.local"]
 
 
 @functools.cache
