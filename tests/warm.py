@@ -2,16 +2,16 @@
 ``-c CODE``) as a process of its own, forked from a server that imported torch, transformers
 and rollstream already.
 
-A ``rollstream train`` process spends 6-7 CPU-seconds importing them before its first line
-of work (2026-12-08, the 2-vCPU AMD EPYC VM, quiet: ``python -c "import torch, transformers,
-rollstream.cli, rollstream.runtime.train, rollstream.api, rollstream.train.trainer,
-rollstream.engine.local"``: 6.1-7.1 CPU-s in three runs), and the suite starts a few dozen. What runs is still a process of its
-own running the real command: its own pid, signals, exit code, environment, working folder
-and output files; the reward and harness workers it spawns start as they always do. What a
-warm start skips is the interpreter's own start-up: the server's imports are done with the
-environment the server started with (the test session's), so a setting read at import time
-(``OMP_NUM_THREADS``) is the session's; ``PYTHONPATH`` entries go on ``sys.path`` and a
-``sitecustomize`` among them runs, as at a start-up (tests/durable/slow_engine/).
+A ``rollstream train`` process spends 6-7 CPU-seconds importing :data:`PRELOAD` before its
+first line of work (2026-12-08, the 2-vCPU AMD EPYC VM, quiet: ``python -c "import ..."`` of
+that list took 6.1-7.1 CPU-s in three runs), and the suite starts a few dozen. What runs is
+still a process of its own running the real command: its own pid, signals, exit code,
+environment, working folder and output files; the reward and harness workers it spawns start as
+they always do. What a warm start skips is the interpreter's own start-up: the server's imports
+are done with the environment the server started with (the test session's), so a setting read
+at import time (``OMP_NUM_THREADS``) is the session's; ``PYTHONPATH`` entries go on
+``sys.path`` and a ``sitecustomize`` among them runs, as at a start-up
+(tests/durable/slow_engine/).
 
 :func:`run` is ``subprocess.run(..., capture_output=True, text=True)``; :func:`start` a
 ``subprocess.Popen`` with stdout and stderr in one stream (``stderr=STDOUT``)."""
